@@ -1,0 +1,98 @@
+//! The local mesh: one Unix connection between every pair of ranks of a group on a host.
+//! It carries the host region's descriptor once, then serves as the liveness signal: the
+//! kernel closes a process's sockets when it exits, however it exits, so a peer's
+//! end-of-file means that rank is gone.
+
+use std::time::Instant;
+
+use super::unix::{Conn, Listener};
+use crate::error::{Error, Result};
+use crate::memory::HostRegion;
+
+/// The abstract socket name of group rank `rank` (unique per group through the nonce).
+pub fn socket_name(nonce: &[u8; 16], rank: usize) -> String {
+    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    format!("rsccl-{hex}-{rank}")
+}
+
+const HELLO_MAGIC: &[u8; 4] = b"RSH1";
+const REGION_MAGIC: &[u8; 4] = b"RSR1";
+
+/// Connections to the other local ranks, indexed by local index (None for self).
+pub struct LocalMesh {
+    conns: Vec<Option<Conn>>,
+    me: usize,
+}
+
+impl LocalMesh {
+    /// Connect to every lower local index, accept every higher one. `ranks` are the group
+    /// ranks on this host (local index -> group rank); `listener` was bound at
+    /// `socket_name(nonce, ranks[me])` before this rank published its record, so peers that
+    /// read the record can connect.
+    pub fn connect(listener: Listener, nonce: &[u8; 16], ranks: &[usize], me: usize, deadline: Instant) -> Result<LocalMesh> {
+        let n = ranks.len();
+        let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
+        for (j, slot) in conns.iter_mut().enumerate().take(me) {
+            let c = Conn::connect(&socket_name(nonce, ranks[j]), deadline)?;
+            c.send(&hello(nonce, me), None)?;
+            *slot = Some(c);
+        }
+        for _ in me + 1..n {
+            let c = listener.accept(deadline)?;
+            let mut buf = [0u8; 24];
+            c.recv(&mut buf, deadline)?;
+            if &buf[..4] != HELLO_MAGIC || buf[4..20] != nonce[..] {
+                return Err(Error::PeerFailure("a local connection did not come from this group".into()));
+            }
+            let j = u32::from_le_bytes(buf[20..24].try_into().unwrap()) as usize;
+            if j <= me || j >= n || conns[j].is_some() {
+                return Err(Error::Internal(format!("unexpected hello from local index {j}")));
+            }
+            conns[j] = Some(c);
+        }
+        // Dropping the listener removes the abstract name: nothing named outlives set-up.
+        drop(listener);
+        Ok(LocalMesh { conns, me })
+    }
+
+    /// Local index 0 creates the region and sends it to the others; they map it.
+    pub fn share_region(&self, len: usize, deadline: Instant) -> Result<HostRegion> {
+        use std::os::fd::AsRawFd;
+        if self.me == 0 {
+            let region = HostRegion::create(len)?;
+            let mut msg = [0u8; 12];
+            msg[..4].copy_from_slice(REGION_MAGIC);
+            msg[4..].copy_from_slice(&(len as u64).to_le_bytes());
+            for c in self.conns.iter().flatten() {
+                c.send(&msg, Some(region.fd().as_raw_fd()))?;
+            }
+            Ok(region)
+        } else {
+            let c = self.conns[0].as_ref().ok_or_else(|| Error::Internal("no connection to local leader".into()))?;
+            let mut msg = [0u8; 12];
+            let fd = c.recv(&mut msg, deadline)?;
+            let got = u64::from_le_bytes(msg[4..].try_into().unwrap()) as usize;
+            if &msg[..4] != REGION_MAGIC || got != len {
+                return Err(Error::PeerFailure(format!(
+                    "local ranks disagree on the host region size ({got} vs {len} bytes): \
+                     are RSCCL_* settings the same on every rank?"
+                )));
+            }
+            let fd = fd.ok_or_else(|| Error::PeerFailure("the local leader sent no region descriptor".into()))?;
+            HostRegion::open(fd, len)
+        }
+    }
+
+    /// Local indices whose process has gone (connection closed).
+    pub fn gone(&self) -> Vec<usize> {
+        self.conns.iter().enumerate().filter_map(|(j, c)| c.as_ref().filter(|c| c.peer_gone()).map(|_| j)).collect()
+    }
+}
+
+fn hello(nonce: &[u8; 16], me: usize) -> [u8; 24] {
+    let mut b = [0u8; 24];
+    b[..4].copy_from_slice(HELLO_MAGIC);
+    b[4..20].copy_from_slice(nonce);
+    b[20..24].copy_from_slice(&(me as u32).to_le_bytes());
+    b
+}

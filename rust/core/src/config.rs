@@ -1,0 +1,214 @@
+//! Every tunable of rsccl, in one place. A value comes from `rsccl.Options` (passed as
+//! `pg_options`), else from its `RSCCL_*` environment variable, else the default.
+//! Bad values are rejected with a message naming the option and the variable.
+
+use crate::error::{Error, Result};
+
+/// One tunable: its Options field, its environment variable, its bounds and meaning.
+pub struct Setting {
+    pub field: &'static str,
+    pub env: &'static str,
+    pub default: u64,
+    pub min: u64,
+    pub max: u64,
+    pub is_size: bool,
+    pub help: &'static str,
+}
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// The table users see in README.md (`python -c "import rsccl; rsccl.print_settings()"`).
+pub const SETTINGS: &[Setting] = &[
+    Setting {
+        field: "host_buffer_bytes",
+        env: "RSCCL_HOST_BUFFER_BYTES",
+        default: 4 * MIB,
+        min: 64 * KIB,
+        max: 1 * GIB,
+        is_size: true,
+        help: "shared-memory staging per rank for collectives on CPU tensors (two halves, \
+               double-buffered); larger messages are pipelined through it",
+    },
+    Setting {
+        field: "p2p_buffer_bytes",
+        env: "RSCCL_P2P_BUFFER_BYTES",
+        default: 512 * KIB,
+        min: 16 * KIB,
+        max: 256 * MIB,
+        is_size: true,
+        help: "shared-memory channel per ordered pair of local ranks for send/recv",
+    },
+    Setting {
+        field: "max_region_bytes",
+        env: "RSCCL_MAX_REGION_BYTES",
+        default: 1 * GIB,
+        min: 1 * MIB,
+        max: 64 * GIB,
+        is_size: true,
+        help: "cap on one group's shared region on a host; group creation fails if the \
+               buffers above need more",
+    },
+    Setting {
+        field: "allreduce_one_shot_max_bytes",
+        env: "RSCCL_ALLREDUCE_ONE_SHOT_MAX_BYTES",
+        // Crossover measured with `python -m rsccl.bench --device cpu` on the 2-core CI
+        // machine (docs/performance.md): below it one barrier beats two.
+        default: 64 * KIB,
+        min: 0,
+        max: 1 * GIB,
+        is_size: true,
+        help: "all_reduce messages up to this size use the one-shot algorithm (every rank \
+               reduces everything, one barrier); larger ones reduce-scatter then all-gather",
+    },
+    Setting {
+        field: "spin_count",
+        env: "RSCCL_SPIN_COUNT",
+        default: 2000,
+        min: 0,
+        max: 100_000_000,
+        is_size: false,
+        help: "polls of a shared-memory flag before a waiting rank yields, then sleeps on a futex",
+    },
+];
+
+/// Resolved configuration of one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub host_buffer_bytes: usize,
+    pub p2p_buffer_bytes: usize,
+    pub max_region_bytes: usize,
+    pub allreduce_one_shot_max_bytes: usize,
+    pub spin_count: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::resolve(&[], &|_| None).expect("defaults are valid")
+    }
+}
+
+/// Parse "4194304", "4MiB", "4M", "512KiB", "1GiB" (binary units; case-insensitive).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    if digits_end == 0 {
+        return None;
+    }
+    let n: u64 = t[..digits_end].parse().ok()?;
+    let unit = t[digits_end..].trim().to_ascii_lowercase();
+    let mult = match unit.as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => KIB,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => GIB,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+fn parse_value(s: &Setting, raw: &str, source: &str) -> Result<u64> {
+    let parsed = if s.is_size { parse_size(raw) } else { raw.trim().parse::<u64>().ok() };
+    let v = parsed.ok_or_else(|| {
+        Error::Config(format!(
+            "{source} = {raw:?} is not {}",
+            if s.is_size { "a size (e.g. 4194304, 4MiB, 512KiB)" } else { "a non-negative integer" }
+        ))
+    })?;
+    if v < s.min || v > s.max {
+        return Err(Error::Config(format!(
+            "{source} = {raw:?} is out of range [{}, {}]",
+            s.min, s.max
+        )));
+    }
+    Ok(v)
+}
+
+impl Config {
+    /// `overrides` are (Options field, value) pairs; `env` looks up a variable.
+    pub fn resolve(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        for (k, _) in overrides {
+            if !SETTINGS.iter().any(|s| s.field == k) {
+                return Err(Error::Config(format!(
+                    "rsccl.Options has no field {k:?}; fields: {}",
+                    SETTINGS.iter().map(|s| s.field).collect::<Vec<_>>().join(", ")
+                )));
+            }
+        }
+        let mut values = Vec::with_capacity(SETTINGS.len());
+        for s in SETTINGS {
+            let v = if let Some((_, raw)) = overrides.iter().find(|(k, _)| k == s.field) {
+                parse_value(s, raw, &format!("rsccl.Options.{}", s.field))?
+            } else if let Some(raw) = env(s.env) {
+                parse_value(s, &raw, s.env)?
+            } else {
+                s.default
+            };
+            values.push(v);
+        }
+        let cfg = Config {
+            host_buffer_bytes: values[0] as usize,
+            p2p_buffer_bytes: values[1] as usize,
+            max_region_bytes: values[2] as usize,
+            allreduce_one_shot_max_bytes: values[3] as usize,
+            spin_count: values[4] as u32,
+        };
+        Ok(cfg)
+    }
+
+    /// Read the process environment.
+    pub fn from_env(overrides: &[(String, String)]) -> Result<Config> {
+        Config::resolve(overrides, &|k| std::env::var(k).ok())
+    }
+
+    /// Bytes of one half of a rank's collective staging (the other half is double-buffered).
+    pub fn coll_half_bytes(&self) -> usize {
+        // Halves stay a multiple of 4 KiB so every slot starts on its own page.
+        (self.host_buffer_bytes / 2) & !4095
+    }
+
+    pub fn p2p_half_bytes(&self) -> usize {
+        (self.p2p_buffer_bytes / 2) & !4095
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("4MiB"), Some(4 << 20));
+        assert_eq!(parse_size("4 m"), Some(4 << 20));
+        assert_eq!(parse_size("1GiB"), Some(1 << 30));
+        assert_eq!(parse_size("12KB"), Some(12 << 10));
+        assert_eq!(parse_size("MiB"), None);
+        assert_eq!(parse_size("-1"), None);
+        assert_eq!(parse_size("4 lightyears"), None);
+    }
+
+    #[test]
+    fn precedence_options_env_default() {
+        let env = |k: &str| (k == "RSCCL_HOST_BUFFER_BYTES").then(|| "8MiB".to_string());
+        let c = Config::resolve(&[], &env).unwrap();
+        assert_eq!(c.host_buffer_bytes, 8 << 20);
+        let c = Config::resolve(&[("host_buffer_bytes".into(), "2MiB".into())], &env).unwrap();
+        assert_eq!(c.host_buffer_bytes, 2 << 20);
+        assert_eq!(Config::default().p2p_buffer_bytes, 512 << 10);
+    }
+
+    #[test]
+    fn bad_values_name_their_source() {
+        let env = |k: &str| (k == "RSCCL_SPIN_COUNT").then(|| "lots".to_string());
+        let e = Config::resolve(&[], &env).unwrap_err().to_string();
+        assert!(e.contains("RSCCL_SPIN_COUNT") && e.contains("lots"), "{e}");
+        let e = Config::resolve(&[("host_buffer_bytes".into(), "1".into())], &|_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rsccl.Options.host_buffer_bytes") && e.contains("out of range"), "{e}");
+        let e = Config::resolve(&[("nope".into(), "1".into())], &|_| None).unwrap_err().to_string();
+        assert!(e.contains("nope") && e.contains("host_buffer_bytes"), "{e}");
+    }
+}

@@ -1,0 +1,954 @@
+//! The host engine: collectives and send/recv among the ranks of one host, through the
+//! group's shared region, on two threads per group (collectives in submission order;
+//! point-to-point messages progressed concurrently, so a rank can send and receive at
+//! once as batch_isend_irecv needs).
+//!
+//! Collectives run in rounds. In a round a rank writes only the staging of the round's
+//! parity (`epoch % 2`), passes the barrier that closes the round, then may read any
+//! rank's staging of that parity until it arrives at the next barrier. Why that is safe:
+//! the next write to a parity-q buffer happens two rounds later, after the barrier that
+//! every rank reaches only once it has finished reading; and the barrier's release/acquire
+//! chain (see `ControlBlock`) makes each round's writes visible to every reader.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::{Engine, MemoryStats, P2p};
+use crate::bootstrap::LocalMesh;
+use crate::collective::{agree, choose_allreduce, reduce::reduce, AllReduceAlgo, Buf, Collective};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::memory::layout::{ChannelCtrl, CollHeader, ControlBlock, MsgHeader, ERROR_TEXT_BYTES};
+use crate::memory::{HostRegion, Layout};
+use crate::sync::{futex_wait, futex_wake_all, wait_until, WaitGuard, SLICE};
+
+/// State shared by the group's threads.
+struct Shared {
+    region: HostRegion,
+    layout: Layout,
+    cfg: Config,
+    me: usize,
+    n: usize,
+    mesh: LocalMesh,
+    pids: Vec<u32>,
+    shutdown: AtomicBool,
+    /// Set once a collective failed in a way that leaves the shared state out of step.
+    broken: Mutex<Option<Error>>,
+    collectives: AtomicU64,
+    p2p_messages: AtomicU64,
+    staged_bytes: AtomicU64,
+}
+
+impl Shared {
+    fn ctrl(&self) -> &ControlBlock {
+        // SAFETY: the region starts with a ControlBlock (Layout reserves CONTROL_BYTES at
+        // offset 0, page-aligned); its shared fields are atomics, and a zeroed block is
+        // the valid initial state (memfd pages start zeroed).
+        unsafe { &*(self.region.base() as *const ControlBlock) }
+    }
+
+    fn channel(&self, src: usize, dst: usize) -> &ChannelCtrl {
+        // SAFETY: Layout places a ChannelCtrl (zero-initialised, atomics for shared words)
+        // at the page-aligned start of every channel; src != dst is checked by callers.
+        unsafe { &*(self.region.at(self.layout.channel(src, dst)) as *const ChannelCtrl) }
+    }
+
+    fn ring(&self, rank: usize) {
+        let bell = &self.ctrl().doorbells[rank].0;
+        bell.fetch_add(1, Ordering::Release);
+        futex_wake_all(bell);
+    }
+
+    fn pid(&self, r: usize) -> u32 {
+        self.pids.get(r).copied().unwrap_or(0)
+    }
+
+    /// Tell every local rank the group is aborted, and why (first writer wins).
+    /// abort_flag: 0 = none, 1 = text being written, 2 = text ready.
+    fn abort(&self, why: &Error) {
+        let c = self.ctrl();
+        if c.abort_flag.0.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let text = why.to_string();
+            let b = &text.as_bytes()[..text.len().min(c.abort_text.len())];
+            // SAFETY: only the rank that won the compare_exchange writes the text, and
+            // readers read it only after observing abort_flag == 2 (Release below).
+            unsafe {
+                let dst = c.abort_text.as_ptr() as *mut u8;
+                std::ptr::copy_nonoverlapping(b.as_ptr(), dst, b.len());
+                let hdr = c as *const ControlBlock as *mut ControlBlock;
+                (*hdr).abort_rank = self.me as u32;
+                (*hdr).abort_len = b.len() as u32;
+            }
+            c.abort_flag.0.store(2, Ordering::Release);
+        }
+        futex_wake_all(&c.barrier.0);
+        for r in 0..self.n {
+            self.ring(r);
+        }
+    }
+
+    fn abort_error(&self) -> Option<Error> {
+        let c = self.ctrl();
+        let f = c.abort_flag.0.load(Ordering::Acquire);
+        if f == 0 {
+            return None;
+        }
+        // Text is being written by the aborting rank; it is bounded work, so wait for it.
+        let start = Instant::now();
+        while c.abort_flag.0.load(Ordering::Acquire) != 2 && start.elapsed() < Duration::from_millis(100) {
+            std::thread::yield_now();
+        }
+        let len = (c.abort_len as usize).min(c.abort_text.len());
+        let text = String::from_utf8_lossy(&c.abort_text[..len]).into_owned();
+        Some(Error::PeerFailure(format!("rank {} aborted the group: {text}", c.abort_rank)))
+    }
+
+    fn dead_peers(&self) -> Option<Error> {
+        let gone = self.mesh.gone();
+        if gone.is_empty() {
+            return None;
+        }
+        let who: Vec<String> = gone.iter().map(|&r| format!("rank {} (pid {})", r, self.pid(r))).collect();
+        Some(Error::PeerFailure(format!(
+            "{} exited, was killed, or left the group; rank {} cannot continue",
+            who.join(", "),
+            self.me
+        )))
+    }
+}
+
+impl WaitGuard for Shared {
+    fn check(&self) -> Result<()> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed while an operation was waiting".into()));
+        }
+        if let Some(e) = self.abort_error() {
+            return Err(e);
+        }
+        if let Some(e) = self.dead_peers() {
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+struct Queue<T> {
+    items: Mutex<VecDeque<T>>,
+    cv: Condvar,
+}
+
+struct CollJob {
+    c: Collective,
+    timeout: Duration,
+    work: Arc<WorkState>,
+}
+
+use crate::work::WorkState;
+
+struct P2pJob {
+    op: P2p,
+    timeout: Duration,
+    work: Arc<WorkState>,
+}
+
+pub struct HostEngine {
+    sh: Arc<Shared>,
+    coll: Arc<Queue<CollJob>>,
+    p2p: Arc<Mutex<VecDeque<P2pJob>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl HostEngine {
+    /// Start the engine of local rank `me` of `n` over a region already shared.
+    pub fn start(region: HostRegion, layout: Layout, cfg: Config, me: usize, mesh: LocalMesh, pids: Vec<u32>) -> Result<HostEngine> {
+        let n = layout.nranks;
+        let sh = Arc::new(Shared {
+            region,
+            layout,
+            cfg,
+            me,
+            n,
+            mesh,
+            pids,
+            shutdown: AtomicBool::new(false),
+            broken: Mutex::new(None),
+            collectives: AtomicU64::new(0),
+            p2p_messages: AtomicU64::new(0),
+            staged_bytes: AtomicU64::new(0),
+        });
+        let coll = Arc::new(Queue { items: Mutex::new(VecDeque::new()), cv: Condvar::new() });
+        let p2p = Arc::new(Mutex::new(VecDeque::new()));
+        let t1 = {
+            let (sh, coll) = (sh.clone(), coll.clone());
+            std::thread::Builder::new()
+                .name(format!("rsccl-coll-{me}"))
+                .spawn(move || collective_thread(sh, coll))
+                .map_err(|e| Error::os("starting the collective thread", e))?
+        };
+        let t2 = {
+            let (sh, p2p) = (sh.clone(), p2p.clone());
+            std::thread::Builder::new()
+                .name(format!("rsccl-p2p-{me}"))
+                .spawn(move || P2pExec::new(sh, p2p).run())
+                .map_err(|e| Error::os("starting the send/recv thread", e))?
+        };
+        Ok(HostEngine { sh, coll, p2p, threads: Mutex::new(vec![t1, t2]) })
+    }
+}
+
+impl Engine for HostEngine {
+    fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState> {
+        let work = Arc::new(WorkState::new());
+        if self.sh.shutdown.load(Ordering::Acquire) {
+            work.complete(Err(Error::Aborted("the group was destroyed".into())));
+            return work;
+        }
+        self.coll.items.lock().push_back(CollJob { c, timeout, work: work.clone() });
+        self.coll.cv.notify_one();
+        work
+    }
+
+    fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
+        let work = Arc::new(WorkState::new());
+        let peer = match &op {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        };
+        if peer >= self.sh.n || peer == self.sh.me {
+            work.complete(Err(Error::InvalidArgument(format!(
+                "send/recv peer {peer} is invalid for rank {} of a group of size {}",
+                self.sh.me, self.sh.n
+            ))));
+            return work;
+        }
+        if self.sh.shutdown.load(Ordering::Acquire) {
+            work.complete(Err(Error::Aborted("the group was destroyed".into())));
+            return work;
+        }
+        self.p2p.lock().push_back(P2pJob { op, timeout, work: work.clone() });
+        self.sh.ring(self.sh.me);
+        work
+    }
+
+    fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            host_region_bytes: self.sh.region.len() as u64,
+            host_mapped_bytes: self.sh.region.len() as u64,
+            collectives: self.sh.collectives.load(Ordering::Relaxed),
+            p2p_messages: self.sh.p2p_messages.load(Ordering::Relaxed),
+            staged_bytes: self.sh.staged_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    fn shutdown(&self) {
+        self.sh.shutdown.store(true, Ordering::Release);
+        self.coll.cv.notify_all();
+        self.sh.ring(self.sh.me);
+        futex_wake_all(&self.sh.ctrl().barrier.0);
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for HostEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>) {
+    let mut exec = CollExec { sh: sh.clone(), epoch: 0, seq: 0, check_parity: None, deadline: Instant::now(), timeout: Duration::ZERO, kind_name: "" };
+    loop {
+        let job = {
+            let mut items = q.items.lock();
+            loop {
+                if let Some(j) = items.pop_front() {
+                    break Some(j);
+                }
+                if sh.shutdown.load(Ordering::Acquire) {
+                    break None;
+                }
+                q.cv.wait(&mut items);
+            }
+        };
+        let Some(job) = job else { return };
+        let broken = sh.broken.lock().clone();
+        let r = match broken {
+            Some(e) => Err(Error::Aborted(format!("the group was aborted by an earlier error: {e}"))),
+            None if sh.shutdown.load(Ordering::Acquire) => Err(Error::Aborted("the group was destroyed".into())),
+            None => {
+                let r = exec.run(&job.c, job.timeout);
+                if let Err(e) = &r {
+                    if !e.keeps_group_usable() {
+                        tracing::warn!(rank = sh.me, error = %e, "collective failed; aborting the group");
+                        *sh.broken.lock() = Some(e.clone());
+                        sh.abort(e);
+                    }
+                }
+                r
+            }
+        };
+        job.work.complete(r);
+    }
+}
+
+/// Runs collectives; owns the barrier epoch and the collective sequence number.
+struct CollExec {
+    sh: Arc<Shared>,
+    epoch: u32,
+    seq: u64,
+    /// Parity whose headers the next barrier must check (the collective's first round).
+    check_parity: Option<usize>,
+    deadline: Instant,
+    timeout: Duration,
+    kind_name: &'static str,
+}
+
+/// Chunks of `count` elements, `per` at a time; at least one (possibly empty) chunk so
+/// every collective has a round that carries its header.
+fn chunks(count: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = per.max(1);
+    let n = count.div_ceil(per).max(1);
+    (0..n).map(move |i| (i * per, per.min(count - (i * per).min(count))))
+}
+
+/// # Safety
+/// `src` valid for `len` reads, `dst` for `len` writes, not overlapping.
+#[inline]
+unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
+    if len > 0 {
+        std::ptr::copy_nonoverlapping(src, dst, len);
+    }
+}
+
+impl CollExec {
+    fn parity(&self) -> usize {
+        (self.epoch & 1) as usize
+    }
+
+    fn slot(&self, rank: usize, parity: usize) -> *mut u8 {
+        self.sh.region.at(self.sh.layout.coll_slot(rank, parity))
+    }
+
+    fn half(&self) -> usize {
+        self.sh.layout.coll_half
+    }
+
+    /// Close the current round: the barrier of `ControlBlock`, then (first round of a
+    /// collective) the agreement check on every rank's header.
+    fn sync(&mut self) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        let parity = self.parity();
+        self.epoch = self.epoch.wrapping_add(1);
+        let epoch = self.epoch;
+        let ctrl = self.sh.ctrl();
+        ctrl.arrivals[me].0.store(epoch, Ordering::Relaxed);
+        let target = epoch.wrapping_mul(n as u32);
+        let prev = ctrl.barrier.0.fetch_add(1, Ordering::AcqRel);
+        if prev.wrapping_add(1) == target {
+            futex_wake_all(&ctrl.barrier.0);
+        } else {
+            let sh = self.sh.clone();
+            let (seq, kind, timeout) = (self.seq, self.kind_name, self.timeout);
+            wait_until(
+                &ctrl.barrier.0,
+                |v| v.wrapping_sub(target) as i32 >= 0,
+                self.sh.cfg.spin_count,
+                self.deadline,
+                &*self.sh,
+                || {
+                    let c = sh.ctrl();
+                    let missing: Vec<String> = (0..n)
+                        .filter(|&r| (c.arrivals[r].0.load(Ordering::Relaxed).wrapping_sub(epoch) as i32) < 0)
+                        .map(|r| format!("rank {r} (pid {})", sh.pid(r)))
+                        .collect();
+                    format!(
+                        "rank {me} timed out after {:.1} s in {kind} (collective #{seq} of this group) \
+                         waiting for {}: they have not called it",
+                        timeout.as_secs_f64(),
+                        missing.join(", ")
+                    )
+                },
+            )?;
+        }
+        if let Some(p) = self.check_parity.take() {
+            debug_assert_eq!(p, parity);
+            let headers: Vec<CollHeader> = (0..n)
+                // SAFETY: headers of this parity were written before the barrier just
+                // passed and are not rewritten until the barrier after next.
+                .map(|r| unsafe { std::ptr::read(self.sh.region.at(self.sh.layout.header(p, r)) as *const CollHeader) })
+                .collect();
+            agree(&headers)?;
+        }
+        Ok(())
+    }
+
+    fn header(&self, parity: usize, rank: usize) -> CollHeader {
+        // SAFETY: see `sync`: read within the window in which headers are stable.
+        unsafe { std::ptr::read(self.sh.region.at(self.sh.layout.header(parity, rank)) as *const CollHeader) }
+    }
+
+    fn run(&mut self, c: &Collective, timeout: Duration) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        self.seq += 1;
+        self.timeout = timeout;
+        self.deadline = Instant::now() + timeout;
+        self.kind_name = c.kind().name();
+        self.sh.collectives.fetch_add(1, Ordering::Relaxed);
+        let local = c.check_local(me, n);
+        let q = self.parity();
+        let h = c.header(self.seq, &local);
+        // SAFETY: this rank's header slot of parity q is ours to write in this round.
+        unsafe { std::ptr::write(self.sh.region.at(self.sh.layout.header(q, me)) as *mut CollHeader, h) };
+        self.check_parity = Some(q);
+        if local.is_err() {
+            // Take part in the agreement step so every rank raises this error.
+            return self.sync();
+        }
+        // SAFETY (for every `copy` and `reduce` below): user buffers are valid for their
+        // `len` (the Python Work keeps the tensors alive); offsets stay within `len` by the
+        // chunk arithmetic and `check_local`/`agree`; staging offsets stay within one half
+        // because every per-round amount is bounded by `half()`.
+        unsafe {
+            match c {
+                Collective::AllReduce { buf, dtype, op } => self.all_reduce(*buf, *dtype, *op),
+                Collective::Broadcast { buf, root, .. } => self.broadcast(*buf, *root),
+                Collective::Reduce { buf, dtype, op, root } => self.reduce_to_root(*buf, *dtype, *op, *root),
+                Collective::AllGather { input, output, .. } => self.all_gather(*input, *output),
+                Collective::ReduceScatter { input, output, dtype, op } => {
+                    self.reduce_scatter(*input, *output, *dtype, *op)
+                }
+                Collective::AllToAll { input, output, recv_bytes, send_bytes, .. } => {
+                    self.all_to_all(*input, *output, send_bytes, recv_bytes)
+                }
+                Collective::Gather { input, output, root, .. } => self.gather(*input, *output, *root),
+                Collective::Scatter { input, output, root, .. } => self.scatter(*input, *output, *root),
+                Collective::Barrier => self.sync(),
+                Collective::Invalid { error, .. } => Err(error.clone()),
+            }
+        }
+    }
+
+    fn staged(&self, bytes: usize) {
+        self.sh.staged_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    unsafe fn all_reduce(&mut self, buf: Buf, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        let es = dtype.size();
+        let count = buf.len / es;
+        let (algo, why) = choose_allreduce(buf.len, n, self.sh.cfg.allreduce_one_shot_max_bytes, self.half());
+        tracing::trace!(bytes = buf.len, ?algo, why, "all_reduce");
+        let mut ins = [std::ptr::null::<u8>(); crate::memory::layout::MAX_LOCAL_RANKS];
+        if algo == AllReduceAlgo::OneShot {
+            let q = self.parity();
+            copy(self.slot(me, q), buf.ptr, buf.len);
+            self.staged(buf.len);
+            self.sync()?;
+            for (r, p) in ins.iter_mut().enumerate().take(n) {
+                *p = self.slot(r, q);
+            }
+            reduce(buf.ptr, &ins[..n], count, dtype, op, n);
+            return Ok(());
+        }
+        // Segments start on 64-byte boundaries so ranks never share a cache line.
+        let align = (64 / es).max(1);
+        for (off, m) in chunks(count, self.half() / es) {
+            let q = self.parity();
+            copy(self.slot(me, q), buf.ptr.add(off * es), m * es);
+            self.staged(m * es);
+            self.sync()?;
+            let seg = m.div_ceil(n).div_ceil(align) * align;
+            let q2 = self.parity();
+            let (lo, hi) = ((me * seg).min(m), ((me + 1) * seg).min(m));
+            for (r, p) in ins.iter_mut().enumerate().take(n) {
+                *p = self.slot(r, q).add(lo * es);
+            }
+            reduce(self.slot(me, q2).add(lo * es), &ins[..n], hi - lo, dtype, op, n);
+            self.sync()?;
+            for k in 0..n {
+                let (lo, hi) = ((k * seg).min(m), ((k + 1) * seg).min(m));
+                copy(buf.ptr.add((off + lo) * es), self.slot(k, q2).add(lo * es), (hi - lo) * es);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn broadcast(&mut self, buf: Buf, root: usize) -> Result<()> {
+        let me = self.sh.me;
+        for (off, m) in chunks(buf.len, self.half()) {
+            let q = self.parity();
+            if me == root {
+                copy(self.slot(root, q), buf.ptr.add(off), m);
+                self.staged(m);
+            }
+            self.sync()?;
+            if me != root {
+                copy(buf.ptr.add(off), self.slot(root, q), m);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn reduce_to_root(&mut self, buf: Buf, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp, root: usize) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        let es = dtype.size();
+        let mut ins = [std::ptr::null::<u8>(); crate::memory::layout::MAX_LOCAL_RANKS];
+        for (off, m) in chunks(buf.len / es, self.half() / es) {
+            let q = self.parity();
+            copy(self.slot(me, q), buf.ptr.add(off * es), m * es);
+            self.staged(m * es);
+            self.sync()?;
+            if me == root {
+                for (r, p) in ins.iter_mut().enumerate().take(n) {
+                    *p = self.slot(r, q);
+                }
+                reduce(buf.ptr.add(off * es), &ins[..n], m, dtype, op, n);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn all_gather(&mut self, input: Buf, output: Buf) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        for (off, m) in chunks(input.len, self.half()) {
+            let q = self.parity();
+            copy(self.slot(me, q), input.ptr.add(off), m);
+            self.staged(m);
+            self.sync()?;
+            for k in 0..n {
+                copy(output.ptr.add(k * input.len + off), self.slot(k, q), m);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn reduce_scatter(&mut self, input: Buf, output: Buf, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        let es = dtype.size();
+        let count = output.len / es;
+        let mut ins = [std::ptr::null::<u8>(); crate::memory::layout::MAX_LOCAL_RANKS];
+        for (off, m) in chunks(count, self.half() / (n * es)) {
+            let q = self.parity();
+            for r in 0..n {
+                copy(self.slot(me, q).add(r * m * es), input.ptr.add((r * count + off) * es), m * es);
+            }
+            self.staged(n * m * es);
+            self.sync()?;
+            for (k, p) in ins.iter_mut().enumerate().take(n) {
+                *p = self.slot(k, q).add(me * m * es);
+            }
+            reduce(output.ptr.add(off * es), &ins[..n], m, dtype, op, n);
+        }
+        Ok(())
+    }
+
+    unsafe fn gather(&mut self, input: Buf, output: Option<Buf>, root: usize) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        for (off, m) in chunks(input.len, self.half()) {
+            let q = self.parity();
+            copy(self.slot(me, q), input.ptr.add(off), m);
+            self.staged(m);
+            self.sync()?;
+            if let (true, Some(out)) = (me == root, output) {
+                for k in 0..n {
+                    copy(out.ptr.add(k * input.len + off), self.slot(k, q), m);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn scatter(&mut self, input: Option<Buf>, output: Buf, root: usize) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        for (off, m) in chunks(output.len, self.half() / n) {
+            let q = self.parity();
+            if let (true, Some(inp)) = (me == root, input) {
+                for k in 0..n {
+                    copy(self.slot(root, q).add(k * m), inp.ptr.add(k * output.len + off), m);
+                }
+                self.staged(n * m);
+            }
+            self.sync()?;
+            copy(output.ptr.add(off), self.slot(root, q).add(me * m), m);
+        }
+        Ok(())
+    }
+
+    unsafe fn all_to_all(&mut self, input: Buf, output: Buf, send: &[u64], recv: &[u64]) -> Result<()> {
+        let (me, n) = (self.sh.me, self.sh.n);
+        // Each round moves up to `w` bytes on every (src, dst) pair; w is a multiple of
+        // 64 so every window starts element-aligned.
+        let w = (self.half() / n) & !63;
+        let offsets = |v: &[u64]| {
+            let mut o = Vec::with_capacity(v.len());
+            let mut acc = 0usize;
+            for x in v {
+                o.push(acc);
+                acc += *x as usize;
+            }
+            o
+        };
+        let (soff, roff) = (offsets(send), offsets(recv));
+        let mut rounds = 1usize;
+        let mut t = 0usize;
+        while t < rounds {
+            let q = self.parity();
+            for j in 0..n {
+                let total = send[j] as usize;
+                let lo = (t * w).min(total);
+                let len = w.min(total - lo);
+                copy(self.slot(me, q).add(j * w), input.ptr.add(soff[j] + lo), len);
+                self.staged(len);
+            }
+            self.sync()?;
+            if t == 0 {
+                let most = (0..n).flat_map(|r| self.header(q, r).send_bytes.into_iter().take(n)).max().unwrap_or(0);
+                rounds = (most as usize).div_ceil(w).max(1);
+            }
+            for i in 0..n {
+                let total = recv[i] as usize;
+                let lo = (t * w).min(total);
+                let len = w.min(total - lo);
+                copy(output.ptr.add(roff[i] + lo), self.slot(i, q).add(me * w), len);
+            }
+            t += 1;
+        }
+        Ok(())
+    }
+}
+
+/// One send or recv in progress.
+struct Pending {
+    op: P2p,
+    deadline: Instant,
+    timeout: Duration,
+    work: Arc<WorkState>,
+    done: usize,
+    started: bool,
+}
+
+impl Pending {
+    fn buf(&self) -> Buf {
+        match &self.op {
+            P2p::Send { buf, .. } | P2p::Recv { buf, .. } => *buf,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match &self.op {
+            P2p::Send { buf, dtype, peer, tag } => format!(
+                "send of {} {} elements to rank {peer} (tag {tag})",
+                buf.len / dtype.size(),
+                dtype.name()
+            ),
+            P2p::Recv { buf, dtype, peer, tag } => format!(
+                "recv of {} {} elements from rank {peer} (tag {tag})",
+                buf.len / dtype.size(),
+                dtype.name()
+            ),
+        }
+    }
+}
+
+/// Progresses every pending send and recv of this rank. Messages between two ranks are
+/// delivered in order, per direction; a recv checks tag, size and dtype of what arrives.
+struct P2pExec {
+    sh: Arc<Shared>,
+    incoming: Arc<Mutex<VecDeque<P2pJob>>>,
+    sends: Vec<VecDeque<Pending>>,
+    recvs: Vec<VecDeque<Pending>>,
+    send_next: Vec<u32>,
+    recv_next: Vec<u32>,
+    send_seq: Vec<u64>,
+    recv_seq: Vec<u64>,
+    /// A channel direction that failed mid-message cannot be trusted again.
+    send_broken: Vec<Option<Error>>,
+    recv_broken: Vec<Option<Error>>,
+}
+
+impl P2pExec {
+    fn new(sh: Arc<Shared>, incoming: Arc<Mutex<VecDeque<P2pJob>>>) -> P2pExec {
+        let n = sh.n;
+        P2pExec {
+            sh,
+            incoming,
+            sends: (0..n).map(|_| VecDeque::new()).collect(),
+            recvs: (0..n).map(|_| VecDeque::new()).collect(),
+            send_next: vec![0; n],
+            recv_next: vec![0; n],
+            send_seq: vec![0; n],
+            recv_seq: vec![0; n],
+            send_broken: vec![None; n],
+            recv_broken: vec![None; n],
+        }
+    }
+
+    fn pending(&self) -> bool {
+        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty())
+    }
+
+    fn run(mut self) {
+        let me = self.sh.me;
+        let sh = self.sh.clone();
+        loop {
+            let bell_word: &AtomicU32 = &sh.ctrl().doorbells[me].0;
+            let bell = bell_word.load(Ordering::Acquire);
+            if self.sh.shutdown.load(Ordering::Acquire) {
+                self.fail_all(&Error::Aborted("the group was destroyed before this send/recv completed".into()));
+                for job in self.incoming.lock().drain(..) {
+                    job.work.complete(Err(Error::Aborted("the group was destroyed".into())));
+                }
+                return;
+            }
+            for job in self.incoming.lock().drain(..) {
+                let peer = match &job.op {
+                    P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+                };
+                let p = Pending {
+                    deadline: Instant::now() + job.timeout,
+                    timeout: job.timeout,
+                    op: job.op,
+                    work: job.work,
+                    done: 0,
+                    started: false,
+                };
+                match p.op {
+                    P2p::Send { .. } => self.sends[peer].push_back(p),
+                    P2p::Recv { .. } => self.recvs[peer].push_back(p),
+                }
+            }
+            let mut progressed = false;
+            for j in 0..self.sh.n {
+                if j != me {
+                    progressed |= self.progress_send(j);
+                    progressed |= self.progress_recv(j);
+                }
+            }
+            if progressed {
+                continue;
+            }
+            let pending = self.pending();
+            if pending {
+                self.expire();
+                if let Some(e) = self.sh.dead_peers() {
+                    for r in self.sh.mesh.gone() {
+                        self.fail_peer(r, &e);
+                    }
+                }
+                // Brief spin: the peer usually answers within microseconds.
+                for _ in 0..self.sh.cfg.spin_count.min(4096) {
+                    if bell_word.load(Ordering::Acquire) != bell {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+            if bell_word.load(Ordering::Acquire) == bell {
+                futex_wait(bell_word, bell, if pending { SLICE } else { Duration::from_secs(1) });
+            }
+        }
+    }
+
+    fn fail_all(&mut self, e: &Error) {
+        for q in self.sends.iter_mut().chain(self.recvs.iter_mut()) {
+            for p in q.drain(..) {
+                p.work.complete(Err(e.clone()));
+            }
+        }
+    }
+
+    fn fail_peer(&mut self, r: usize, e: &Error) {
+        for p in self.sends[r].drain(..).chain(self.recvs[r].drain(..)) {
+            p.work.complete(Err(e.clone()));
+        }
+        self.send_broken[r] = Some(e.clone());
+        self.recv_broken[r] = Some(e.clone());
+    }
+
+    fn expire(&mut self) {
+        let now = Instant::now();
+        for r in 0..self.sh.n {
+            for (is_send, q) in [(true, &mut self.sends[r]), (false, &mut self.recvs[r])] {
+                if q.front().is_some_and(|p| now >= p.deadline) {
+                    let p = q.pop_front().expect("checked");
+                    let e = Error::Timeout(format!(
+                        "rank {}: {} timed out after {:.1} s: rank {r} {}",
+                        self.sh.me,
+                        p.describe(),
+                        p.timeout.as_secs_f64(),
+                        if is_send { "posted no matching recv" } else { "sent nothing matching" }
+                    ));
+                    if p.started {
+                        // A partly moved message leaves the channel out of step.
+                        if is_send {
+                            self.send_broken[r] = Some(e.clone());
+                        } else {
+                            self.recv_broken[r] = Some(e.clone());
+                        }
+                    }
+                    p.work.complete(Err(e));
+                }
+            }
+        }
+    }
+
+    fn chunks_of(len: usize, half: usize) -> usize {
+        len.div_ceil(half).max(1)
+    }
+
+    fn progress_send(&mut self, j: usize) -> bool {
+        let me = self.sh.me;
+        let half = self.sh.layout.p2p_half;
+        let mut progressed = false;
+        while let Some(p) = self.sends[j].front_mut() {
+            if let Some(e) = &self.send_broken[j] {
+                let p = self.sends[j].pop_front().expect("front exists");
+                p.work.complete(Err(Error::PeerFailure(format!("send to rank {j} is unusable after an earlier error: {e}"))));
+                progressed = true;
+                continue;
+            }
+            let ch = self.sh.channel(me, j);
+            let poison = ch.poisoned.0.load(Ordering::Acquire);
+            if poison != 0 {
+                let len = (ch.error_len as usize).min(ERROR_TEXT_BYTES);
+                let e = Error::from_class_code(poison as u8, String::from_utf8_lossy(&ch.error_text[..len]).into_owned());
+                self.send_broken[j] = Some(e.clone());
+                let p = self.sends[j].pop_front().expect("front exists");
+                p.work.complete(Err(e));
+                return true;
+            }
+            let buf = p.buf();
+            let (tag, dtype) = match &p.op {
+                P2p::Send { tag, dtype, .. } => (*tag, *dtype),
+                P2p::Recv { .. } => unreachable!("only sends are queued here"),
+            };
+            let total_chunks = Self::chunks_of(buf.len, half);
+            let mut sent_any = false;
+            while p.done < total_chunks {
+                let g = self.send_next[j];
+                if g.wrapping_sub(ch.acked.0.load(Ordering::Acquire)) >= 2 {
+                    break;
+                }
+                if !p.started {
+                    self.send_seq[j] += 1;
+                    p.started = true;
+                }
+                let h = (g & 1) as usize;
+                let lo = p.done * half;
+                let len = half.min(buf.len - lo.min(buf.len));
+                // SAFETY: half h of channel me->j is ours until the receiver acks chunk g
+                // (protocol in ChannelCtrl); the header slot h belongs to the same half.
+                unsafe {
+                    let hdr = &ch.headers[h] as *const MsgHeader as *mut MsgHeader;
+                    hdr.write(MsgHeader { tag, total_bytes: buf.len as u64, dtype: dtype as u8, _pad: [0; 7], msg_seq: self.send_seq[j] });
+                    copy(self.sh.region.at(self.sh.layout.channel_half(me, j, h)), buf.ptr.add(lo), len);
+                }
+                ch.sent.0.store(g.wrapping_add(1), Ordering::Release);
+                self.sh.ring(j);
+                self.send_next[j] = g.wrapping_add(1);
+                p.done += 1;
+                sent_any = true;
+            }
+            progressed |= sent_any;
+            if p.done == total_chunks {
+                let p = self.sends[j].pop_front().expect("front exists");
+                self.sh.p2p_messages.fetch_add(1, Ordering::Relaxed);
+                self.sh.staged_bytes.fetch_add(buf.len as u64, Ordering::Relaxed);
+                p.work.complete(Ok(()));
+                progressed = true;
+            } else {
+                break;
+            }
+        }
+        progressed
+    }
+
+    fn progress_recv(&mut self, i: usize) -> bool {
+        let me = self.sh.me;
+        let half = self.sh.layout.p2p_half;
+        let mut progressed = false;
+        while let Some(p) = self.recvs[i].front_mut() {
+            if let Some(e) = &self.recv_broken[i] {
+                let p = self.recvs[i].pop_front().expect("front exists");
+                p.work.complete(Err(Error::PeerFailure(format!("recv from rank {i} is unusable after an earlier error: {e}"))));
+                progressed = true;
+                continue;
+            }
+            let ch = self.sh.channel(i, me);
+            let buf = p.buf();
+            let (tag, dtype) = match &p.op {
+                P2p::Recv { tag, dtype, .. } => (*tag, *dtype),
+                P2p::Send { .. } => unreachable!("only recvs are queued here"),
+            };
+            let total_chunks = Self::chunks_of(buf.len, half);
+            let mut got_any = false;
+            while p.done < total_chunks {
+                let g = self.recv_next[i];
+                if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
+                    break;
+                }
+                let h = (g & 1) as usize;
+                // SAFETY: chunk g is published (Acquire load of `sent` above); the sender
+                // does not touch half h until we ack it.
+                let hdr = unsafe { std::ptr::read(&ch.headers[h] as *const MsgHeader) };
+                if p.done == 0 {
+                    if hdr.tag != tag || hdr.total_bytes != buf.len as u64 || hdr.dtype != dtype as u8 {
+                        let sent_dt = crate::dtype::DType::from_code(hdr.dtype);
+                        let e = Error::Mismatch(format!(
+                            "rank {me} posted a {}, but rank {i} sent {} {} elements (tag {})",
+                            p.describe(),
+                            hdr.total_bytes / sent_dt.map_or(1, |d| d.size()) as u64,
+                            sent_dt.map_or("?", |d| d.name()),
+                            hdr.tag
+                        ));
+                        poison(ch, &e);
+                        self.sh.ring(i);
+                        self.recv_broken[i] = Some(e.clone());
+                        let p = self.recvs[i].pop_front().expect("front exists");
+                        p.work.complete(Err(e));
+                        return true;
+                    }
+                    p.started = true;
+                    self.recv_seq[i] = hdr.msg_seq;
+                }
+                let lo = p.done * half;
+                let len = half.min(buf.len - lo.min(buf.len));
+                // SAFETY: as above; `buf` is valid for its len (kept alive by the Work).
+                unsafe { copy(buf.ptr.add(lo), self.sh.region.at(self.sh.layout.channel_half(i, me, h)), len) };
+                ch.acked.0.store(g.wrapping_add(1), Ordering::Release);
+                self.sh.ring(i);
+                self.recv_next[i] = g.wrapping_add(1);
+                p.done += 1;
+                got_any = true;
+            }
+            progressed |= got_any;
+            if p.done == total_chunks {
+                let p = self.recvs[i].pop_front().expect("front exists");
+                p.work.complete(Ok(()));
+                progressed = true;
+            } else {
+                break;
+            }
+        }
+        progressed
+    }
+}
+
+fn poison(ch: &ChannelCtrl, e: &Error) {
+    let text = e.to_string();
+    let b = &text.as_bytes()[..text.len().min(ERROR_TEXT_BYTES)];
+    // SAFETY: the receiver is the only writer of the error text, written once before the
+    // Release store of `poisoned`; the sender reads it after an Acquire load of `poisoned`.
+    unsafe {
+        let c = ch as *const ChannelCtrl as *mut ChannelCtrl;
+        std::ptr::copy_nonoverlapping(b.as_ptr(), (*c).error_text.as_mut_ptr(), b.len());
+        (*c).error_len = b.len() as u32;
+    }
+    ch.poisoned.0.store(e.class_code() as u32, Ordering::Release);
+}

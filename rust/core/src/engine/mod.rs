@@ -1,0 +1,36 @@
+//! Engines run submitted operations. All engines sit behind `Engine`; the group picks one
+//! from the topology (`group::choose_engine`).
+
+pub mod host;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::collective::{Buf, Collective};
+use crate::dtype::DType;
+use crate::work::WorkState;
+
+/// A point-to-point operation with one peer (a rank of the group).
+#[derive(Debug)]
+pub enum P2p {
+    Send { buf: Buf, dtype: DType, peer: usize, tag: i64 },
+    Recv { buf: Buf, dtype: DType, peer: usize, tag: i64 },
+}
+
+/// What an engine has reserved, mapped and uses, in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub host_region_bytes: u64,
+    pub host_mapped_bytes: u64,
+    pub collectives: u64,
+    pub p2p_messages: u64,
+    pub staged_bytes: u64,
+}
+
+pub trait Engine: Send + Sync {
+    fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState>;
+    fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState>;
+    fn stats(&self) -> MemoryStats;
+    /// Stop the engine's threads; pending operations fail with `Error::Aborted`.
+    fn shutdown(&self);
+}

@@ -1,0 +1,91 @@
+//! rsccl's one error type. User errors (bad arguments, ranks that disagree) and
+//! failures of the job (timeouts, dead peers) are distinct variants so the
+//! bindings can map each to the right Python exception; `Internal` is a bug in rsccl.
+
+use std::io;
+
+/// Every failure rsccl reports. Messages are complete sentences a user can act on.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// A value the caller passed is wrong (maps to ValueError).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A dtype or reduce op that rsccl does not support (maps to TypeError).
+    #[error("{0}")]
+    InvalidType(String),
+    /// Ranks of one group called mismatching collectives (maps to ValueError).
+    #[error("{0}")]
+    Mismatch(String),
+    /// A configuration value (Options or RSCCL_* variable) is invalid (maps to ValueError).
+    #[error("{0}")]
+    Config(String),
+    /// A wait ran past the group's timeout (maps to TimeoutError).
+    #[error("{0}")]
+    Timeout(String),
+    /// A peer died, left, or aborted the group (maps to RuntimeError).
+    #[error("{0}")]
+    PeerFailure(String),
+    /// The group was aborted earlier and can run nothing more (maps to RuntimeError).
+    #[error("{0}")]
+    Aborted(String),
+    /// An operating-system call failed; `context` says what rsccl was doing.
+    #[error("{context}: {source}")]
+    Os { context: String, source: std::sync::Arc<io::Error> },
+    /// A broken invariant inside rsccl: a bug to report.
+    #[error("internal error in rsccl (please report): {0}")]
+    Internal(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Wrap the last OS error (errno) with what was being done.
+    pub fn last_os(context: impl Into<String>) -> Self {
+        Error::Os { context: context.into(), source: std::sync::Arc::new(io::Error::last_os_error()) }
+    }
+
+    pub fn os(context: impl Into<String>, source: io::Error) -> Self {
+        Error::Os { context: context.into(), source: std::sync::Arc::new(source) }
+    }
+
+    /// Whether the group can keep running collectives after this error: argument and
+    /// agreement errors are detected by every rank at the same step, so the shared state
+    /// stays consistent; anything else leaves the group aborted.
+    pub fn keeps_group_usable(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidArgument(_) | Error::InvalidType(_) | Error::Mismatch(_) | Error::Config(_)
+        )
+    }
+
+    /// One byte that travels in collective headers, so every rank raises the same class.
+    pub fn class_code(&self) -> u8 {
+        match self {
+            Error::InvalidArgument(_) => 1,
+            Error::InvalidType(_) => 2,
+            Error::Mismatch(_) => 3,
+            _ => 4,
+        }
+    }
+
+    /// Rebuild an error of the class `code` (see `class_code`) around `message`.
+    pub fn from_class_code(code: u8, message: String) -> Self {
+        match code {
+            1 => Error::InvalidArgument(message),
+            2 => Error::InvalidType(message),
+            3 => Error::Mismatch(message),
+            _ => Error::PeerFailure(message),
+        }
+    }
+}
+
+/// Attach context to OS-level results.
+pub trait OsContext<T> {
+    fn os_context(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> OsContext<T> for io::Result<T> {
+    fn os_context(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::os(context(), e))
+    }
+}

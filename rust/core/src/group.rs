@@ -1,0 +1,134 @@
+//! A communicator: its ranks, where they are (topology), and the engine that runs its
+//! operations. Everything is created here, at group creation, so the first collective
+//! allocates nothing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::mesh::socket_name;
+use crate::bootstrap::rendezvous::exchange;
+use crate::bootstrap::unix::Listener;
+use crate::bootstrap::{host_identity, LocalMesh, RankInfo, Store, Topology};
+use crate::collective::Collective;
+use crate::config::Config;
+use crate::engine::host::HostEngine;
+use crate::engine::{Engine, MemoryStats, P2p};
+use crate::error::{Error, Result};
+use crate::memory::Layout;
+use crate::work::WorkState;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// rsccl's shared-memory engine: all ranks on one host.
+    Host,
+    /// Ranks span hosts: CPU tensors go through gloo, created by the Python layer from
+    /// the same store.
+    Gloo,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Host => "host",
+            EngineKind::Gloo => "gloo",
+        }
+    }
+}
+
+/// Which engine serves CPU tensors of a group with this topology, and why.
+pub fn choose_engine(topo: &Topology) -> (EngineKind, &'static str) {
+    if topo.single_host() {
+        (EngineKind::Host, "all ranks share one host")
+    } else {
+        (EngineKind::Gloo, "ranks span hosts")
+    }
+}
+
+pub struct Group {
+    pub topo: Topology,
+    pub cfg: Config,
+    pub timeout: Duration,
+    pub kind: EngineKind,
+    engine: Option<Arc<dyn Engine>>,
+}
+
+impl Group {
+    /// Rendezvous with the other ranks and build the engine. Blocks until every rank has
+    /// joined, or fails after `timeout` naming the ranks that did not.
+    pub fn create(store: &dyn Store, rank: usize, size: usize, timeout: Duration, cfg: Config) -> Result<Group> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidArgument(format!("rank {rank} is invalid for a group of size {size}")));
+        }
+        let deadline = Instant::now() + timeout;
+        let info = RankInfo::current(host_identity());
+        let mut listener = None;
+        let (nonce, topo) = exchange(store, rank, size, &info, timeout, |nonce| {
+            listener = Some(Listener::bind(&socket_name(nonce, rank), size as i32)?);
+            Ok(())
+        })?;
+        let listener = listener.ok_or_else(|| Error::Internal("listener not bound".into()))?;
+        let (kind, why) = choose_engine(&topo);
+        let engine: Option<Arc<dyn Engine>> = match kind {
+            EngineKind::Gloo => None,
+            EngineKind::Host => {
+                let ranks = topo.local_ranks().to_vec();
+                let me = topo.local_index();
+                let layout = Layout::new(ranks.len(), &cfg)?;
+                let mesh = LocalMesh::connect(listener, &nonce, &ranks, me, deadline)?;
+                let region = mesh.share_region(layout.total, deadline)?;
+                let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
+                Some(Arc::new(HostEngine::start(region, layout, cfg.clone(), me, mesh, pids)?))
+            }
+        };
+        let g = Group { topo, cfg, timeout, kind, engine };
+        tracing::info!(
+            rank,
+            size,
+            engine = kind.name(),
+            why,
+            hosts = g.topo.hosts.len(),
+            host_region_bytes = g.stats().host_region_bytes,
+            "rsccl group created"
+        );
+        Ok(g)
+    }
+
+    fn engine(&self) -> Result<&Arc<dyn Engine>> {
+        self.engine.as_ref().ok_or_else(|| {
+            Error::Internal("this group spans hosts; its CPU collectives run on gloo, not the host engine".into())
+        })
+    }
+
+    pub fn submit(&self, c: Collective, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
+        Ok(self.engine()?.submit(c, timeout.unwrap_or(self.timeout)))
+    }
+
+    pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
+        Ok(self.engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        self.engine.as_ref().map(|e| e.stats()).unwrap_or_default()
+    }
+
+    pub fn shutdown(&self) {
+        if let Some(e) = &self.engine {
+            e.shutdown();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::RankInfo;
+
+    #[test]
+    fn engine_choice_follows_topology() {
+        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into() };
+        let one = Topology::from_infos(0, &[i("a"), i("a")]);
+        assert_eq!(choose_engine(&one).0, EngineKind::Host);
+        let two = Topology::from_infos(0, &[i("a"), i("b")]);
+        assert_eq!(choose_engine(&two).0, EngineKind::Gloo);
+    }
+}
