@@ -1,3 +1,281 @@
+//! rsccl._rsccl: pyo3 bindings only. Methods convert Python values, release the GIL,
+//! call the core, and map errors (errors.rs); no logic lives here.
+
+mod errors;
+mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use rsccl_core::collective::{Buf, Collective, Kind};
+use rsccl_core::config::{Config, SETTINGS};
+use rsccl_core::dtype::{DType, ReduceOp};
+use rsccl_core::engine::P2p;
+use rsccl_core::group::Group;
+use rsccl_core::work::WorkState;
+use rsccl_core::Error;
+
+use errors::{to_py, IntoPyResult};
+
+/// (data_ptr, nbytes) of a contiguous tensor the caller keeps alive until the Work completes.
+type PyBuf = (usize, usize);
+
+fn buf(b: PyBuf) -> Buf {
+    if b.1 == 0 {
+        Buf::empty()
+    } else {
+        Buf { ptr: b.0 as *mut u8, len: b.1 }
+    }
+}
+
+fn timeout_of(t: Option<f64>) -> Option<Duration> {
+    t.filter(|s| *s > 0.0).map(Duration::from_secs_f64)
+}
+
+/// The result of one submitted operation.
+#[pyclass(module = "rsccl._rsccl", frozen)]
+struct Work(Arc<WorkState>);
+
+#[pymethods]
+impl Work {
+    /// Block (GIL released) until done; raise the operation's error if it failed.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        let w = self.0.clone();
+        py.detach(move || w.wait(timeout_of(timeout_s))).py()
+    }
+
+    fn is_completed(&self) -> bool {
+        self.0.is_completed()
+    }
+
+    /// None while running or on success; the exception it failed with otherwise.
+    fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match self.0.result() {
+            Some(Err(e)) => Some(to_py(e).into_value(py).into_any()),
+            _ => None,
+        }
+    }
+
+    /// Call `fn(exc_or_None)` once done, on the thread that completes the operation.
+    fn add_done_callback(&self, cb: Py<PyAny>) {
+        self.0.on_complete(Box::new(move |r| {
+            Python::attach(|py| {
+                let arg: Option<Py<PyAny>> = r.as_ref().err().map(|e| to_py(e.clone()).into_value(py).into_any());
+                if let Err(err) = cb.call1(py, (arg,)) {
+                    err.write_unraisable(py, None);
+                }
+            })
+        }));
+    }
+}
+
+/// One rsccl communicator (the Rust half of rsccl's ProcessGroup).
+#[pyclass(module = "rsccl._rsccl", frozen)]
+struct Communicator(Group);
+
+#[pymethods]
+impl Communicator {
+    /// Rendezvous through `store` and build everything the group needs (blocks, GIL released).
+    #[new]
+    #[pyo3(signature = (store, rank, size, timeout_s, options=None))]
+    fn new(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        size: usize,
+        timeout_s: f64,
+        options: Option<Vec<(String, String)>>,
+    ) -> PyResult<Self> {
+        let cfg = Config::from_env(&options.unwrap_or_default()).py()?;
+        let timeout = Duration::from_secs_f64(timeout_s.max(0.001));
+        let store = store::PyStore(store);
+        let g = py.detach(move || Group::create(&store, rank, size, timeout, cfg)).py()?;
+        Ok(Communicator(g))
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.0.topo.rank
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.0.topo.size
+    }
+
+    /// "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts).
+    #[getter]
+    fn engine(&self) -> &'static str {
+        self.0.kind.name()
+    }
+
+    #[getter]
+    fn hosts(&self) -> Vec<Vec<usize>> {
+        self.0.topo.hosts.clone()
+    }
+
+    #[getter]
+    fn timeout_s(&self) -> f64 {
+        self.0.timeout.as_secs_f64()
+    }
+
+    fn all_reduce(&self, b: PyBuf, dtype: &str, op: &str) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }), Kind::AllReduce)
+    }
+
+    fn broadcast(&self, b: PyBuf, dtype: &str, root: usize) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root }), Kind::Broadcast)
+    }
+
+    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: usize) -> PyResult<Work> {
+        self.collective(
+            || Ok(Collective::Reduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)?, root }),
+            Kind::Reduce,
+        )
+    }
+
+    fn all_gather(&self, input: PyBuf, output: PyBuf, dtype: &str) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }), Kind::AllGather)
+    }
+
+    fn reduce_scatter(&self, input: PyBuf, output: PyBuf, dtype: &str, op: &str) -> PyResult<Work> {
+        self.collective(
+            || {
+                Ok(Collective::ReduceScatter {
+                    input: buf(input),
+                    output: buf(output),
+                    dtype: DType::from_name(dtype)?,
+                    op: ReduceOp::from_name(op)?,
+                })
+            },
+            Kind::ReduceScatter,
+        )
+    }
+
+    fn all_to_all(&self, input: PyBuf, output: PyBuf, dtype: &str, send_bytes: Vec<u64>, recv_bytes: Vec<u64>) -> PyResult<Work> {
+        self.collective(
+            || Ok(Collective::AllToAll { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)?, send_bytes, recv_bytes }),
+            Kind::AllToAll,
+        )
+    }
+
+    #[pyo3(signature = (input, output, dtype, root))]
+    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: usize) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root }), Kind::Gather)
+    }
+
+    #[pyo3(signature = (input, output, dtype, root))]
+    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: usize) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root }), Kind::Scatter)
+    }
+
+    fn barrier(&self) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Barrier), Kind::Barrier)
+    }
+
+    /// Take part in collective `kind` with arguments this rank found invalid, so every
+    /// rank raises `message` (class "value" -> ValueError, "type" -> TypeError).
+    #[pyo3(signature = (kind, class_, message))]
+    fn invalid(&self, kind: &str, class_: &str, message: String) -> PyResult<Work> {
+        let k = [
+            Kind::AllReduce,
+            Kind::Broadcast,
+            Kind::Reduce,
+            Kind::AllGather,
+            Kind::ReduceScatter,
+            Kind::AllToAll,
+            Kind::Gather,
+            Kind::Scatter,
+            Kind::Barrier,
+        ]
+        .into_iter()
+        .find(|k| k.name() == kind)
+        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown collective {kind:?}")))?;
+        let error = if class_ == "type" { Error::InvalidType(message) } else { Error::InvalidArgument(message) };
+        self.collective(|| Ok(Collective::Invalid { kind: k, error }), k)
+    }
+
+    fn send(&self, b: PyBuf, dtype: &str, peer: usize, tag: i64) -> PyResult<Work> {
+        let op = P2p::Send { buf: buf(b), dtype: DType::from_name(dtype).py()?, peer, tag };
+        Ok(Work(self.0.submit_p2p(op, None).py()?))
+    }
+
+    fn recv(&self, b: PyBuf, dtype: &str, peer: usize, tag: i64) -> PyResult<Work> {
+        let op = P2p::Recv { buf: buf(b), dtype: DType::from_name(dtype).py()?, peer, tag };
+        Ok(Work(self.0.submit_p2p(op, None).py()?))
+    }
+
+    /// Bytes reserved and mapped for this group, and traffic counters.
+    fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.0.stats();
+        let d = PyDict::new(py);
+        d.set_item("engine", self.0.kind.name())?;
+        d.set_item("host_region_bytes", s.host_region_bytes)?;
+        d.set_item("host_mapped_bytes", s.host_mapped_bytes)?;
+        d.set_item("collectives", s.collectives)?;
+        d.set_item("p2p_messages", s.p2p_messages)?;
+        d.set_item("staged_bytes", s.staged_bytes)?;
+        Ok(d)
+    }
+
+    /// Stop the engine threads (GIL released); pending operations fail.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| self.0.shutdown());
+    }
+}
+
+impl Communicator {
+    /// Build the collective; if this rank's arguments are invalid, submit them as
+    /// `Invalid` so the other ranks learn of it instead of waiting.
+    fn collective(&self, build: impl FnOnce() -> rsccl_core::Result<Collective>, kind: Kind) -> PyResult<Work> {
+        let c = build().unwrap_or_else(|error| Collective::Invalid { kind, error });
+        Ok(Work(self.0.submit(c, None).py()?))
+    }
+}
+
+/// The tunables: (Options field, environment variable, default, is_size, help).
+#[pyfunction]
+fn settings() -> Vec<(&'static str, &'static str, u64, bool, String)> {
+    SETTINGS.iter().map(|s| (s.field, s.env, s.default, s.is_size, s.help.split_whitespace().collect::<Vec<_>>().join(" "))).collect()
+}
+
+/// Validate options (and the environment) now; returns the resolved values.
+#[pyfunction]
+#[pyo3(signature = (options=None))]
+fn resolve_options(options: Option<Vec<(String, String)>>) -> PyResult<Vec<(String, u64)>> {
+    let c = Config::from_env(&options.unwrap_or_default()).py()?;
+    Ok(vec![
+        ("host_buffer_bytes".into(), c.host_buffer_bytes as u64),
+        ("p2p_buffer_bytes".into(), c.p2p_buffer_bytes as u64),
+        ("max_region_bytes".into(), c.max_region_bytes as u64),
+        ("allreduce_one_shot_max_bytes".into(), c.allreduce_one_shot_max_bytes as u64),
+        ("spin_count".into(), c.spin_count as u64),
+    ])
+}
+
+/// Diagnostics go to stderr through tracing; RSCCL_LOG sets the level (error, warn, info,
+/// debug, trace, or a tracing filter such as "rsccl_core=debug").
+fn init_logging() -> PyResult<()> {
+    let spec = std::env::var("RSCCL_LOG").unwrap_or_else(|_| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!("RSCCL_LOG = {spec:?} is not a valid level or filter: {e}"))
+    })?;
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    Ok(())
+}
+
 #[pymodule]
-fn _rsccl(_m: &Bound<'_, PyModule>) -> PyResult<()> { Ok(()) }
+fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging()?;
+    m.add_class::<Communicator>()?;
+    m.add_class::<Work>()?;
+    m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
+    m.add("PeerFailureError", m.py().get_type::<errors::PeerFailureError>())?;
+    m.add("GroupAbortedError", m.py().get_type::<errors::GroupAbortedError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -74,7 +74,8 @@ impl DType {
     }
 }
 
-/// Reduce operations, numbered as torch's `ReduceOp.RedOpType` (SUM=0 ... BXOR=6, AVG=7).
+/// Reduce operations. Codes are rsccl's own (they travel in headers); torch's are matched
+/// by name, since its numbering is not part of its API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ReduceOp {
@@ -89,23 +90,30 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    pub fn from_torch_code(code: u32) -> Result<ReduceOp> {
-        Ok(match code {
-            0 => ReduceOp::Sum,
-            1 => ReduceOp::Product,
-            2 => ReduceOp::Min,
-            3 => ReduceOp::Max,
-            4 => ReduceOp::BAnd,
-            5 => ReduceOp::BOr,
-            6 => ReduceOp::BXor,
-            7 => ReduceOp::Avg,
-            8 => return Err(Error::InvalidType("rsccl does not support ReduceOp.PREMUL_SUM".into())),
-            other => return Err(Error::InvalidType(format!("unknown ReduceOp code {other}"))),
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+        ReduceOp::Avg,
+    ];
+
+    /// From torch's `ReduceOp.RedOpType` member name ("SUM", "AVG", ...).
+    pub fn from_name(name: &str) -> Result<ReduceOp> {
+        let short = name.rsplit('.').next().unwrap_or(name);
+        ReduceOp::ALL.iter().copied().find(|o| o.name() == short).ok_or_else(|| {
+            Error::InvalidType(format!(
+                "rsccl does not support ReduceOp.{short}; supported: {}",
+                ReduceOp::ALL.iter().map(|o| o.name()).collect::<Vec<_>>().join(", ")
+            ))
         })
     }
 
     pub fn from_code(code: u8) -> Option<ReduceOp> {
-        Self::from_torch_code(code as u32).ok()
+        ReduceOp::ALL.iter().copied().find(|o| *o as u8 == code)
     }
 
     pub fn name(self) -> &'static str {
@@ -164,6 +172,10 @@ mod tests {
         assert!(ReduceOp::Avg.check(DType::BF16).is_ok());
         let msg = ReduceOp::Avg.check(DType::I64).unwrap_err().to_string();
         assert!(msg.contains("AVG") && msg.contains("int64"), "{msg}");
-        assert!(ReduceOp::from_torch_code(8).is_err());
+        assert!(ReduceOp::from_name("PREMUL_SUM").is_err());
+        assert_eq!(ReduceOp::from_name("RedOpType.AVG").unwrap(), ReduceOp::Avg);
+        for o in ReduceOp::ALL {
+            assert_eq!(ReduceOp::from_code(o as u8), Some(o));
+        }
     }
 }

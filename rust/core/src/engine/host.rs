@@ -282,7 +282,9 @@ fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>) {
             Some(e) => Err(Error::Aborted(format!("the group was aborted by an earlier error: {e}"))),
             None if sh.shutdown.load(Ordering::Acquire) => Err(Error::Aborted("the group was destroyed".into())),
             None => {
-                let r = exec.run(&job.c, job.timeout);
+                // A panic here is a bug; it must become an error, not a Work that never completes.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| exec.run(&job.c, job.timeout)))
+                    .unwrap_or_else(|_| Err(Error::Internal("a collective panicked; see stderr".into())));
                 if let Err(e) = &r {
                     if !e.keeps_group_usable() {
                         tracing::warn!(rank = sh.me, error = %e, "collective failed; aborting the group");

@@ -1,0 +1,111 @@
+"""Work objects returned by rsccl's ProcessGroup: one job each."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class RsWork(dist._Work):
+    """Completion of one or more engine operations, then of the Python-side finishing
+    step (`post`: copies back into non-contiguous or list outputs).
+
+    The tensors the engine reads and writes are referenced by `_keep` until the finishing
+    step ran, so they outlive the operation even if the caller drops this Work; that is
+    rsccl's replacement for record_stream. The engine calls `_on_done` on its own thread
+    (with the GIL) once each operation completes.
+    """
+
+    def __init__(self, parts: Sequence[Any], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+        super().__init__()
+        self._parts = list(parts)
+        self._result = result
+        self._keep = keep
+        self._post = post
+        self._exc: BaseException | None = None
+        self._fut: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._remaining = len(self._parts)
+        self._done = threading.Event()
+        if not self._parts:
+            self._finish()
+        for p in self._parts:
+            p.add_done_callback(self._on_done)
+
+    def _on_done(self, exc: BaseException | None) -> None:
+        with self._lock:
+            if exc is not None and self._exc is None:
+                self._exc = exc
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._exc is None and self._post is not None:
+            try:
+                self._post()
+            except BaseException as e:  # noqa: BLE001 - reported through wait()/the future
+                self._exc = e
+        self._post = None
+        self._keep = None
+        self._parts = []
+        self._done.set()
+        fut = self._fut
+        if fut is not None:
+            self._settle(fut)
+
+    def _settle(self, fut: torch.futures.Future) -> None:
+        if fut.done():
+            return
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._result)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        for p in list(self._parts):
+            p.wait(seconds if seconds > 0 else None)
+        if not self._done.wait(seconds if seconds > 0 else None):
+            raise TimeoutError(f"rsccl: Work.wait timed out after {seconds} s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+            fut = self._fut
+        if self._done.is_set():
+            self._settle(fut)
+        return fut
+
+
+class FailedWork(RsWork):
+    """A Work that failed before any engine operation ran."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__([], None)
+        self._exc = exc
