@@ -1,0 +1,413 @@
+"""Benchmark rsccl against gloo on one host: latency and bus bandwidth per collective.
+
+    python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out bench-results/]
+
+What it measures: for each world size, collective and message size (powers of 4 from
+--min-bytes to --max-bytes), the latency of one synchronous call on rsccl and on gloo,
+and the bandwidths derived from it the way nccl-tests define them. The size is the
+per-rank message: the tensor for all_reduce and broadcast, the output of
+all_gather_into_tensor, the input of reduce_scatter_tensor.
+
+Method: the parent spawns the ranks of one world size; each rank joins a default rsccl
+group and a gloo group over the same TCP store. For every collective and size, each rank
+first checks that rsccl gives gloo's result on the same seeded random input (the run
+aborts on any difference), then times both backends in turn, alternating which goes first:
+warm-up calls, a gloo barrier, then N back-to-back calls timed with time.perf_counter.
+A call's latency is the slowest rank's time divided by N. Without --iters, N is chosen
+from the warm-up so that one measurement takes about 0.2 s (3 to 200 calls). Rank 0 hands
+its rows to the parent through a JSON file; the parent prints one table per world size
+and writes DIR/bench_<device>.csv and, when matplotlib is installed, DIR/bench_<device>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+BACKENDS = ("rsccl", "gloo")
+# (rtol, atol) for the rsccl-vs-gloo check; the two may sum in a different order.
+TOLERANCES = {
+    "float32": (1e-4, 1e-5),
+    "float64": (1e-9, 1e-12),
+    "float16": (1e-2, 3e-2),
+    "bfloat16": (2e-2, 1e-1),
+    "int32": (0.0, 0.0),
+    "int64": (0.0, 0.0),
+}
+TARGET_SECONDS = 0.2
+MIN_ITERS, MAX_ITERS = 3, 200
+ROOT = 0
+UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+CSV_COLUMNS = ("device", "world_size", "collective", "bytes", "backend", "latency_us", "algbw_GBps", "busbw_GBps", "iters")
+
+
+class MismatchError(RuntimeError):
+    """rsccl's result differs from gloo's."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank runs; picklable, so it travels to spawned ranks."""
+
+    collectives: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    iters: int | None
+    warmup: int
+    seed: int
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in UNITS or int(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a positive integer, optionally with B, KiB, MiB or GiB")
+    return int(m.group(1)) * UNITS[unit]
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated world sizes of 2 or more, e.g. 2,4")
+    return sizes
+
+
+def parse_collectives(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in COLLECTIVES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown collective(s) {unknown}; choose from {','.join(COLLECTIVES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rsccl.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--world-sizes", type=parse_world_sizes, default=parse_world_sizes("2,4"))
+    p.add_argument("--collectives", type=parse_collectives, default=COLLECTIVES, help=f"default {','.join(COLLECTIVES)}")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4)
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
+    p.add_argument("--iters", type=int, default=None, help="timed calls per size (default: adaptive, ~0.2 s)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--dtype", choices=tuple(TOLERANCES), default="float32")
+    p.add_argument("--seed", type=int, default=None, help="default: random")
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        p.exit(2, "rsccl.bench: the CUDA engine is not in this release; use --device cpu\n")
+    if args.min_bytes > args.max_bytes:
+        p.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if (args.iters is not None and args.iters < 1) or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    return args
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> tuple[int, ...]:
+    count = int(math.log(max_bytes / min_bytes, 4) + 1e-9) + 1
+    return tuple(min_bytes * 4**k for k in range(count))
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+# -- inside a rank ---------------------------------------------------------------------------
+
+
+def numels(collective: str, nbytes: int, world: int, elem: int) -> tuple[int, int] | None:
+    """(input, output) element counts for a per-rank message of `nbytes`, or None when it
+    holds too few elements. Sizes that do not split evenly among ranks are rounded down."""
+    n = nbytes // elem
+    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        n -= n % world
+    if n == 0:
+        return None
+    if collective == "all_gather_into_tensor":
+        return n // world, n
+    if collective == "reduce_scatter_tensor":
+        return n, n // world
+    return n, n
+
+
+def is_in_place(collective: str) -> bool:
+    return collective in ("all_reduce", "broadcast")
+
+
+def make_call(collective: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], None]:
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(inp, group=group)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(inp, src=ROOT, group=group)
+    if collective == "all_gather_into_tensor":
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def buffers(collective: str, n_in: int, n_out: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Zeros, because in-place sums repeated hundreds of times would overflow other data
+    # into inf/NaN.
+    inp = torch.zeros(n_in, dtype=dtype)
+    return inp, inp if is_in_place(collective) else torch.empty(n_out, dtype=dtype)
+
+
+def random_input(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=gen, dtype=dtype)
+    return torch.randint(-100, 100, (n,), generator=gen, dtype=dtype)
+
+
+def max_over_ranks(value: float, gloo: dist.ProcessGroup) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+    return t.item()
+
+
+def check(collective: str, counts: tuple[int, int], label: str, groups: dict, cfg: Config, gen: torch.Generator) -> None:
+    """Run once on each backend from the same input; raise on every rank if any differs.
+    `label` names the case in the error."""
+    dtype = getattr(torch, cfg.dtype)
+    x = random_input(counts[0], dtype, gen)
+    results = []
+    for backend in BACKENDS:
+        inp, out = buffers(collective, *counts, dtype)
+        inp.copy_(x)
+        make_call(collective, inp, out, groups[backend])()
+        results.append(out)
+    rtol, atol = TOLERANCES[cfg.dtype]
+    ok = torch.allclose(results[0], results[1], rtol=rtol, atol=atol)
+    # Agree on the verdict so that every rank stops, not only the one that saw it.
+    if max_over_ranks(0.0 if ok else 1.0, groups["gloo"]):
+        diff = (results[0].double() - results[1].double()).abs().max().item()
+        raise MismatchError(
+            f"{label}: rsccl's result differs from gloo's "
+            f"(this rank's max |diff| {diff:.3g}, rtol {rtol}, atol {atol}, seed {cfg.seed})"
+        )
+
+
+def timed(call: Callable[[], None], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    return time.perf_counter() - start
+
+
+def measure(call: Callable[[], None], gloo: dist.ProcessGroup, cfg: Config) -> tuple[float, int]:
+    """(seconds per call on the slowest rank, calls timed)."""
+    iters = cfg.iters
+    # The adaptive count is estimated from the warm-up, so it needs at least one call.
+    warmup = cfg.warmup if iters else max(cfg.warmup, 1)
+    if warmup:
+        per_call = max_over_ranks(timed(call, warmup), gloo) / warmup
+        # Every rank must run the same count: the estimate is already the max over ranks.
+        iters = iters or min(MAX_ITERS, max(MIN_ITERS, math.ceil(TARGET_SECONDS / max(per_call, 1e-9))))
+    dist.barrier(group=gloo)
+    return max_over_ranks(timed(call, iters), gloo) / iters, iters
+
+
+def bench_collective(collective: str, world: int, groups: dict, cfg: Config, gen: torch.Generator) -> list[dict]:
+    dtype = getattr(torch, cfg.dtype)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for i, nbytes in enumerate(cfg.sizes):
+        counts = numels(collective, nbytes, world, elem)
+        if counts is None:
+            continue
+        message = (counts[1] if collective == "all_gather_into_tensor" else counts[0]) * elem
+        check(collective, counts, f"{collective}, {human(message)}, world size {world}", groups, cfg, gen)
+        inp, out = buffers(collective, *counts, dtype)
+        # Alternate the order so that neither backend always inherits the other's caches.
+        for backend in BACKENDS if i % 2 == 0 else BACKENDS[::-1]:
+            latency, iters = measure(make_call(collective, inp, out, groups[backend]), groups["gloo"], cfg)
+            rows.append(dict(world_size=world, collective=collective, bytes=message, backend=backend, latency_s=latency, iters=iters))
+    return rows
+
+
+def rank_main(rank: int, world: int, port: int, cfg: Config, result_path: str) -> None:
+    import rsccl  # noqa: F401 - registers the "rsccl" backend in this process
+
+    # Leave each rank its share of the cores for generating and comparing data.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timeout)
+    groups = {"rsccl": None, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
+    gen = torch.Generator().manual_seed(cfg.seed * 1009 + rank)
+    rows = []
+    for collective in cfg.collectives:
+        start = time.perf_counter()
+        rows += bench_collective(collective, world, groups, cfg, gen)
+        if rank == 0:
+            print(f"  world size {world}: {collective} checked and timed in {time.perf_counter() - start:.1f} s", flush=True)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+# -- in the parent ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, cfg: Config) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="rsccl-bench-") as tmp:
+        path = os.path.join(tmp, "rows.json")
+        mp.spawn(rank_main, args=(world, free_port(), cfg, path), nprocs=world)
+        return json.loads(Path(path).read_text())
+
+
+def bus_factor(collective: str, world: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (world - 1) / world
+    if collective == "broadcast":
+        return 1.0
+    return (world - 1) / world
+
+
+def add_bandwidth(row: dict) -> dict:
+    algbw = row["bytes"] / row["latency_s"] / 1e9
+    return dict(row, algbw_GBps=algbw, busbw_GBps=algbw * bus_factor(row["collective"], row["world_size"]))
+
+
+def format_table(world: int, rows: list[dict]) -> str:
+    cores = os.cpu_count()
+    by_key = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
+    head = f"{'collective':<24}{'size':>10}{'rsccl us':>12}{'gloo us':>12}{'rsccl busbw GB/s':>18}{'gloo busbw GB/s':>17}{'speedup':>9}"
+    lines = [f"world size {world} ({world} ranks on {cores} cores)", head, "-" * len(head)]
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        for nbytes in sorted({b for c, b, _ in by_key if c == collective}):
+            rs, gl = by_key[collective, nbytes, "rsccl"], by_key[collective, nbytes, "gloo"]
+            lines.append(
+                f"{collective:<24}{human(nbytes):>10}{rs['latency_s'] * 1e6:>12.1f}{gl['latency_s'] * 1e6:>12.1f}"
+                f"{rs['busbw_GBps']:>18.3f}{gl['busbw_GBps']:>17.3f}{gl['latency_s'] / rs['latency_s']:>8.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def header_line(cfg: Config) -> str:
+    import rsccl
+
+    date = datetime.now().astimezone().isoformat(timespec="seconds")
+    return (
+        f"# date={date} host={platform.node()} cores={os.cpu_count()} python={platform.python_version()} "
+        f"torch={torch.__version__} rsccl={rsccl.__version__} dtype={cfg.dtype} seed={cfg.seed}"
+    )
+
+
+def write_csv(path: Path, device: str, rows: list[dict], header: str) -> None:
+    with path.open("w", newline="") as f:
+        f.write(header + "\n")
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for r in rows:
+            w.writerow([device, r["world_size"], r["collective"], r["bytes"], r["backend"], f"{r['latency_s'] * 1e6:.3f}",
+                        f"{r['algbw_GBps']:.6g}", f"{r['busbw_GBps']:.6g}", r["iters"]])
+
+
+def write_png(path: Path, rows: list[dict], title: str) -> bool:
+    """Plot busbw against size, one panel per collective; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display is needed or wanted
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator
+    except ImportError:
+        return False
+    collectives = list(dict.fromkeys(r["collective"] for r in rows))
+    worlds = sorted({r["world_size"] for r in rows})
+    ncols = min(2, len(collectives))
+    nrows = math.ceil(len(collectives) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.5 * nrows), squeeze=False)
+    styles = ("-o", "--s", ":^", "-.v")
+    for ax, collective in zip(axes.flat, collectives):
+        for backend, color in zip(BACKENDS, ("tab:blue", "tab:orange")):
+            for world, style in zip(worlds, itertools.cycle(styles)):
+                pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows
+                             if (r["collective"], r["backend"], r["world_size"]) == (collective, backend, world))
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, markersize=4, label=f"{backend}, {world} ranks")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        # Powers of 4 keep the tick labels from overlapping.
+        ax.xaxis.set_major_locator(LogLocator(base=4))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
+        ax.set_title(collective)
+        ax.set_xlabel("message size per rank")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes.flat[len(collectives):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
+    cfg = Config(args.collectives, message_sizes(args.min_bytes, args.max_bytes), args.dtype, args.iters, args.warmup, seed)
+    print(
+        f"rsccl.bench: device {args.device}, world sizes {args.world_sizes}, {args.dtype}, "
+        f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, seed {seed}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    rows = []
+    for world in args.world_sizes:
+        try:
+            world_rows = [add_bandwidth(r) for r in run_world(world, cfg)]
+        except mp.ProcessException as e:
+            print(f"rsccl.bench: aborted at world size {world}:{e}", file=sys.stderr)
+            return 1
+        print("\n" + format_table(world, world_rows) + "\n", flush=True)
+        rows += world_rows
+    header = header_line(cfg)
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = args.out / f"bench_{args.device}.csv", args.out / f"bench_{args.device}.png"
+    write_csv(csv_path, args.device, rows, header)
+    print(f"wrote {csv_path}")
+    if write_png(png_path, rows, header.removeprefix("# ")):
+        print(f"wrote {png_path}")
+    else:
+        print("note: matplotlib is not installed, so no plot was drawn (pip install matplotlib)")
+    print(f"total time {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

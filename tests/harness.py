@@ -1,0 +1,145 @@
+"""Real multi-process test clusters.
+
+A `Cluster` starts `world` processes (spawn), each of which joins an rsccl default group
+and a gloo group (the reference) over one TCPStore, then runs test bodies on request:
+`cluster.run(body, *args)` calls `body(ctx, *args)` on every rank and returns the per-rank
+results, or raises with every failing rank's traceback. Bodies are module-level functions
+(they are pickled by reference). Nothing waits forever: every call has a deadline, after
+which the cluster is killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fresh_seed() -> int:
+    """A new seed per test, overridable with RSCCL_TEST_SEED to reproduce a failure."""
+    env = os.environ.get("RSCCL_TEST_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "little")
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    gloo: Any  # the gloo reference group over the same ranks
+    state: dict  # per-process scratch that survives between bodies
+
+
+def _worker(rank: int, world: int, port: int, conn: Any, env: dict, init_timeout: float, options: Any) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    import rsccl  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+        dist.init_process_group(
+            "rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=init_timeout), pg_options=options
+        )
+        ctx = Ctx(rank, world, dist.new_group(backend="gloo"), {})
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(ctx, *args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    try:
+        dist.destroy_process_group()
+    finally:
+        conn.send(("bye", None))
+
+
+class ClusterError(AssertionError):
+    pass
+
+
+class Cluster:
+    def __init__(self, world: int, env: dict | None = None, init_timeout: float = 60.0, options: Any = None, start_timeout: float = 180.0):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self.conns = []
+        self.procs = []
+        port = free_port()
+        for r in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world, port, child, dict(env or {}), init_timeout, options), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._collect(start_timeout, "start-up")
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * self.world
+        errors = []
+        for r, c in enumerate(self.conns):
+            while not c.poll(0.1):
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise ClusterError(f"rank {r} did not answer {what} within {timeout} s")
+                if not self.procs[r].is_alive() and not c.poll(0):
+                    errors.append(f"rank {r} exited with code {self.procs[r].exitcode} during {what}")
+                    break
+            else:
+                status, value = c.recv()
+                if status == "err":
+                    errors.append(f"--- rank {r}: {value}")
+                else:
+                    results[r] = value
+        if errors:
+            raise ClusterError(f"{what} failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+        """Run `fn(ctx, *args)` on every rank; return the per-rank results."""
+        for c in self.conns:
+            c.send((fn, args))
+        return self._collect(timeout, fn.__name__)
+
+    def run_each(self, fn: Callable[..., Any], per_rank_args: list[tuple], timeout: float = 300.0) -> list[Any]:
+        """Like run, with different arguments per rank."""
+        for c, a in zip(self.conns, per_rank_args):
+            c.send((fn, a))
+        return self._collect(timeout, fn.__name__)
+
+    def close(self, timeout: float = 60.0) -> list[int | None]:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout)
+        self.kill()
+        return [p.exitcode for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
