@@ -77,7 +77,15 @@ class ClusterError(AssertionError):
 
 
 class Cluster:
-    def __init__(self, world: int, env: dict | None = None, init_timeout: float = 60.0, options: Any = None, start_timeout: float = 180.0):
+    def __init__(
+        self,
+        world: int,
+        env: dict | None = None,
+        init_timeout: float = 60.0,
+        options: Any = None,
+        start_timeout: float = 180.0,
+        rank_env: list[dict] | None = None,
+    ):
         self.world = world
         ctx = mp.get_context("spawn")
         self.conns = []
@@ -85,13 +93,14 @@ class Cluster:
         port = free_port()
         for r in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world, port, child, dict(env or {}), init_timeout, options), daemon=True)
+            penv = {**(env or {}), **(rank_env[r] if rank_env else {})}
+            p = ctx.Process(target=_worker, args=(r, world, port, child, penv, init_timeout, options), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
         self._collect(start_timeout, "start-up")
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(self, timeout: float, what: str, may_exit: frozenset = frozenset()) -> list[Any]:
         import time
 
         deadline = time.monotonic() + timeout
@@ -103,10 +112,16 @@ class Cluster:
                     self.kill()
                     raise ClusterError(f"rank {r} did not answer {what} within {timeout} s")
                 if not self.procs[r].is_alive() and not c.poll(0):
-                    errors.append(f"rank {r} exited with code {self.procs[r].exitcode} during {what}")
+                    if r not in may_exit:
+                        errors.append(f"rank {r} exited with code {self.procs[r].exitcode} during {what}")
                     break
             else:
-                status, value = c.recv()
+                try:
+                    status, value = c.recv()
+                except EOFError:
+                    if r not in may_exit:
+                        errors.append(f"rank {r} closed its pipe (exit code {self.procs[r].exitcode}) during {what}")
+                    continue
                 if status == "err":
                     errors.append(f"--- rank {r}: {value}")
                 else:
@@ -115,11 +130,13 @@ class Cluster:
             raise ClusterError(f"{what} failed:\n" + "\n".join(errors))
         return results
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
-        """Run `fn(ctx, *args)` on every rank; return the per-rank results."""
-        for c in self.conns:
-            c.send((fn, args))
-        return self._collect(timeout, fn.__name__)
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, may_exit: frozenset = frozenset()) -> list[Any]:
+        """Run `fn(ctx, *args)` on every rank; return the per-rank results (None for a
+        rank in `may_exit` that exited)."""
+        for r, c in enumerate(self.conns):
+            if self.procs[r].is_alive():
+                c.send((fn, args))
+        return self._collect(timeout, fn.__name__, may_exit)
 
     def run_each(self, fn: Callable[..., Any], per_rank_args: list[tuple], timeout: float = 300.0) -> list[Any]:
         """Like run, with different arguments per rank."""

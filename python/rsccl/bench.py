@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 BACKENDS = ("rsccl", "gloo")
@@ -135,8 +136,8 @@ def message_sizes(min_bytes: int, max_bytes: int) -> tuple[int, ...]:
 def human(n: float) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n:g} B"
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 # -- inside a rank ---------------------------------------------------------------------------
@@ -391,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.world_sizes:
         try:
             world_rows = [add_bandwidth(r) for r in run_world(world, cfg)]
-        except mp.ProcessException as e:
-            print(f"rsccl.bench: aborted at world size {world}:{e}", file=sys.stderr)
+        except ProcessException as e:
+            # The rank's traceback, then its last line (the error itself) as the verdict.
+            reason = str(e).strip().splitlines()[-1]
+            print(f"{e}\nrsccl.bench: aborted at world size {world}: {reason}", file=sys.stderr)
             return 1
         print("\n" + format_table(world, world_rows) + "\n", flush=True)
         rows += world_rows

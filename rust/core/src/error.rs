@@ -64,6 +64,7 @@ impl Error {
             Error::InvalidArgument(_) => 1,
             Error::InvalidType(_) => 2,
             Error::Mismatch(_) => 3,
+            Error::Timeout(_) => 5,
             _ => 4,
         }
     }
@@ -74,6 +75,7 @@ impl Error {
             1 => Error::InvalidArgument(message),
             2 => Error::InvalidType(message),
             3 => Error::Mismatch(message),
+            5 => Error::Timeout(message),
             _ => Error::PeerFailure(message),
         }
     }

@@ -49,7 +49,9 @@ pub struct Group {
     pub cfg: Config,
     pub timeout: Duration,
     pub kind: EngineKind,
-    engine: Option<Arc<dyn Engine>>,
+    /// Taken out at shutdown, so the region and sockets are released then, not whenever
+    /// Python drops the last reference to the group.
+    engine: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
 }
 
 impl Group {
@@ -80,7 +82,7 @@ impl Group {
                 Some(Arc::new(HostEngine::start(region, layout, cfg.clone(), me, mesh, pids)?))
             }
         };
-        let g = Group { topo, cfg, timeout, kind, engine };
+        let g = Group { topo, cfg, timeout, kind, engine: parking_lot::Mutex::new(engine) };
         tracing::info!(
             rank,
             size,
@@ -93,10 +95,14 @@ impl Group {
         Ok(g)
     }
 
-    fn engine(&self) -> Result<&Arc<dyn Engine>> {
-        self.engine.as_ref().ok_or_else(|| {
-            Error::Internal("this group spans hosts; its CPU collectives run on gloo, not the host engine".into())
-        })
+    fn engine(&self) -> Result<Arc<dyn Engine>> {
+        match (&*self.engine.lock(), self.kind) {
+            (Some(e), _) => Ok(e.clone()),
+            (None, EngineKind::Host) => Err(Error::Aborted("the group was destroyed".into())),
+            (None, EngineKind::Gloo) => Err(Error::Internal(
+                "this group spans hosts; its CPU collectives run on gloo, not the host engine".into(),
+            )),
+        }
     }
 
     pub fn submit(&self, c: Collective, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
@@ -108,11 +114,13 @@ impl Group {
     }
 
     pub fn stats(&self) -> MemoryStats {
-        self.engine.as_ref().map(|e| e.stats()).unwrap_or_default()
+        self.engine.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
     }
 
+    /// Stop the engine and release its region and sockets. Idempotent.
     pub fn shutdown(&self) {
-        if let Some(e) = &self.engine {
+        let engine = self.engine.lock().take();
+        if let Some(e) = engine {
             e.shutdown();
         }
     }

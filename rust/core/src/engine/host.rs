@@ -83,6 +83,7 @@ impl Shared {
                 let hdr = c as *const ControlBlock as *mut ControlBlock;
                 (*hdr).abort_rank = self.me as u32;
                 (*hdr).abort_len = b.len() as u32;
+                (*hdr).abort_class = why.class_code() as u32;
             }
             c.abort_flag.0.store(2, Ordering::Release);
         }
@@ -105,7 +106,7 @@ impl Shared {
         }
         let len = (c.abort_len as usize).min(c.abort_text.len());
         let text = String::from_utf8_lossy(&c.abort_text[..len]).into_owned();
-        Some(Error::PeerFailure(format!("rank {} aborted the group: {text}", c.abort_rank)))
+        Some(Error::from_class_code(c.abort_class as u8, format!("rank {} aborted the group: {text}", c.abort_rank)))
     }
 
     fn dead_peers(&self) -> Option<Error> {
@@ -378,6 +379,11 @@ impl CollExec {
                 },
             )?;
         }
+        // A rank that arrives after the others aborted can find the barrier complete (their
+        // arrivals counted); the abort flag, set before they left, tells it the truth.
+        if let Some(e) = self.sh.abort_error() {
+            return Err(e);
+        }
         if let Some(p) = self.check_parity.take() {
             debug_assert_eq!(p, parity);
             let headers: Vec<CollHeader> = (0..n)
@@ -397,6 +403,9 @@ impl CollExec {
 
     fn run(&mut self, c: &Collective, timeout: Duration) -> Result<()> {
         let (me, n) = (self.sh.me, self.sh.n);
+        if let Some(e) = self.sh.abort_error() {
+            return Err(e);
+        }
         self.seq += 1;
         self.timeout = timeout;
         self.deadline = Instant::now() + timeout;

@@ -54,6 +54,8 @@ pub struct ControlBlock {
     pub abort_flag: PaddedU32,
     pub abort_rank: u32,
     pub abort_len: u32,
+    /// `Error::class_code` of the abort's cause, so a timeout stays a timeout everywhere.
+    pub abort_class: u32,
     pub abort_text: [u8; 512],
     /// Barriers each rank has arrived at: names the missing ranks on a timeout.
     pub arrivals: [PaddedU32; MAX_LOCAL_RANKS],

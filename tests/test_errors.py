@@ -1,0 +1,257 @@
+"""Bad input, disagreeing ranks, missing and dead ranks: every involved rank raises a
+clear exception (which rank passed what), nothing hangs, and processes still shut down
+cleanly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import Cluster, free_port
+from refs import assert_close, make, reduce_ref
+
+import rsccl
+
+
+@pytest.fixture(scope="module")
+def trio():
+    c = Cluster(3, init_timeout=20.0)
+    yield c
+    assert c.close() == [0, 0, 0]
+
+
+def body_mismatch(ctx, case: str) -> tuple[str, str]:
+    r = ctx.rank
+    pg = dist.group.WORLD
+    try:
+        if case == "dtype":
+            dist.all_reduce(torch.ones(12, dtype=torch.float64 if r == 1 else torch.float32))
+        elif case == "count":
+            dist.all_reduce(torch.ones(10 if r == 2 else 12))
+        elif case == "op":
+            dist.all_reduce(torch.ones(4), op=dist.ReduceOp.MAX if r == 1 else dist.ReduceOp.SUM)
+        elif case == "collective":
+            t = torch.ones(4)
+            dist.broadcast(t, 0) if r == 0 else dist.all_reduce(t)
+        elif case == "root":
+            dist.broadcast(torch.ones(4), src=1 if r == 2 else 0)
+        elif case == "unsupported_dtype":
+            dist.all_reduce(torch.ones(4, dtype=torch.int16 if r == 1 else torch.float32))
+        elif case == "avg_on_ints":
+            dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG)
+        elif case == "root_out_of_range":
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 7 if r == 2 else 0
+            pg.broadcast([torch.ones(4)], opts).wait()
+        elif case == "split_sum":
+            splits = [2, 2, 2] if r != 0 else [1, 1, 1]
+            dist.all_to_all_single(torch.empty(6), torch.ones(6), output_split_sizes=[2, 2, 2], input_split_sizes=splits)
+        elif case == "split_pairing":
+            send = [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
+            if r == 1:
+                send[1] = [2, 1, 3]
+            recv = [send[i][r] for i in range(3)]
+            if r == 0:
+                recv = [1, 1, 3] if False else [send[0][0], send[1][0] - 1 if False else 1, send[2][0]]
+            dist.all_to_all_single(torch.empty(sum(recv)), torch.ones(sum(send[r])), recv, send[r])
+        elif case == "gather_output_size":
+            out = torch.empty(3 * 4 - (1 if r == 1 else 0))
+            dist.all_gather_into_tensor(out, torch.ones(4))
+        else:
+            raise AssertionError(case)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        result = (type(e).__name__, str(e))
+    else:
+        result = ("no error", "")
+    # The group is still in step and usable after an argument error.
+    x = make(7, ctx.rank, 100, torch.float32)
+    dist.all_reduce(x)
+    assert_close(x, reduce_ref([make(7, q, 100, torch.float32) for q in range(ctx.world)], "SUM"), "after error", 3)
+    return result
+
+
+CASES = {
+    "dtype": ("ValueError", ["rank 0 passed dtype=float32", "rank 1 passed dtype=float64"]),
+    "count": ("ValueError", ["rank 0 passed elements=12", "rank 2 passed elements=10"]),
+    "op": ("ValueError", ["op=SUM", "rank 1 passed op=MAX"]),
+    "collective": ("ValueError", ["rank 0 called broadcast, rank 1 called all_reduce"]),
+    "root": ("ValueError", ["rank 2 passed root=1"]),
+    "unsupported_dtype": ("TypeError", ["rank 1: rsccl does not support dtype int16"]),
+    "avg_on_ints": ("TypeError", ["ReduceOp.AVG is not defined on dtype int64"]),
+    "root_out_of_range": ("ValueError", ["rank 2: broadcast: root/src rank 7 is out of range for a group of size 3"]),
+    "split_sum": ("ValueError", ["rank 0: all_to_all: input split sizes [1, 1, 1]"]),
+    "split_pairing": ("ValueError", ["all_to_all split sizes disagree", "rank 1 sends 2 elements to rank 0, but rank 0 expects 1"]),
+    "gather_output_size": ("ValueError", ["rank 1:", "all_gather: output has 11 elements, expected group size 3 x input 4 = 12"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_rank_raises_the_same_clear_error(trio, case):
+    kind, fragments = CASES[case]
+    results = trio.run(body_mismatch, case, timeout=60)
+    for rank, (got_kind, msg) in enumerate(results):
+        assert got_kind == kind, f"rank {rank} raised {got_kind}: {msg}"
+        for f in fragments:
+            assert f in msg, f"rank {rank}'s message lacks {f!r}: {msg}"
+    assert len({m for _, m in results}) == 1, f"ranks raised different messages: {results}"
+
+
+def body_p2p_errors(ctx) -> tuple[str, str]:
+    big = torch.arange(300_000, dtype=torch.float32)  # several channel chunks
+    try:
+        if ctx.rank == 0:
+            dist.send(big, dst=1, tag=5)
+        elif ctx.rank == 1:
+            dist.recv(torch.empty(300_000), src=0, tag=6)
+        else:
+            return ("skip", "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e))
+    return ("no error", "")
+
+
+def body_send_without_recv(ctx) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        if ctx.rank == 2:
+            dist.send(torch.ones(400_000), dst=0, tag=1)
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", time.monotonic() - start)
+
+
+def test_p2p_mismatch_and_unmatched_send():
+    c = Cluster(3, init_timeout=4.0)
+    try:
+        res = c.run(body_p2p_errors, timeout=60)
+        assert res[1][0] == "ValueError", res
+        assert "rank 1 posted a recv of 300000 float32 elements from rank 0 (tag 6)" in res[1][1], res
+        assert "rank 0 sent 300000 float32 elements (tag 5)" in res[1][1], res
+        assert res[0] == res[1], f"the sender must fail with the receiver's message: {res}"
+        res = c.run(body_send_without_recv, timeout=60)
+        kind, msg, took = res[2]
+        assert kind == "TimeoutError", res
+        assert "send of 400000 float32 elements to rank 0 (tag 1) timed out after 4.0 s: rank 0 posted no matching recv" in msg
+        assert 3.5 < took < 15, took
+    finally:
+        c.close()
+
+
+def body_absent_rank(ctx) -> tuple[str, str, float]:
+    if ctx.rank == 2:
+        time.sleep(5)  # never calls the collective in time
+        return ("absent", "", 0.0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000))
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", 0.0)
+
+
+def body_after_abort(ctx) -> str:
+    try:
+        dist.all_reduce(torch.ones(3))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__ + ": " + str(e)
+    return "no error"
+
+
+def test_rank_that_never_calls_times_out_naming_it():
+    c = Cluster(3, init_timeout=2.0)
+    try:
+        res = c.run(body_absent_rank, timeout=60)
+        for r in (0, 1):
+            kind, msg, took = res[r]
+            assert kind == "TimeoutError", res
+            assert "waiting for rank 2 (pid" in msg and "timed out after 2.0 s in all_reduce" in msg, msg
+            assert 1.9 < took < 8, took
+        # The group is aborted now: every rank, the late one included, gets an error.
+        after = c.run(body_after_abort, timeout=60)
+        assert all("no error" not in a for a in after), after
+        assert "aborted" in after[2], after
+    finally:
+        assert c.close() == [0, 0, 0]
+
+
+def body_die_or_collect(ctx, victim: int) -> tuple[str, str, float] | None:
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        x = torch.ones(100_000)
+        for _ in range(50):
+            dist.all_reduce(x)
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", 0.0)
+
+
+def test_killed_rank_fails_the_others_quickly_and_cleanly():
+    c = Cluster(3, init_timeout=60.0)
+    try:
+        res = c.run(body_die_or_collect, 1, timeout=60, may_exit=frozenset({1}))
+        for r in (0, 2):
+            kind, msg, took = res[r]
+            assert kind == "PeerFailureError", res
+            assert "rank 1 (pid" in msg and "exited, was killed, or left the group" in msg, msg
+            assert took < 10, f"took {took:.1f} s, the group timeout is 60 s"
+    finally:
+        codes = c.close()
+    assert codes[0] == 0 and codes[2] == 0, codes
+    assert codes[1] == -signal.SIGKILL
+
+
+def _partial_join(rank: int, world: int, port: int, q) -> None:
+    import rsccl  # noqa: F401
+
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    start = time.monotonic()
+    try:
+        dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=3))
+        q.put((rank, "no error", "", 0.0))
+    except Exception as e:  # noqa: BLE001
+        q.put((rank, type(e).__name__, str(e), time.monotonic() - start))
+
+
+def test_rank_that_never_joins_fails_group_creation():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    # The store lives in this process, so it outlives whichever rank gives up first.
+    server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    procs = [ctx.Process(target=_partial_join, args=(r, 3, server.port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for rank, kind, msg, took in got:
+        assert kind == "TimeoutError", got
+        assert "rank 2 did not join the group within 3.0 s" in msg, msg
+        assert took < 15
+
+
+def test_bad_options_name_the_setting(monkeypatch):
+    with pytest.raises(ValueError, match=r"rsccl.Options.host_buffer_bytes = 'lots' is not a size"):
+        rsccl._rsccl.resolve_options(rsccl.Options(host_buffer_bytes="lots").items())
+    monkeypatch.setenv("RSCCL_SPIN_COUNT", "-5")
+    with pytest.raises(ValueError, match="RSCCL_SPIN_COUNT"):
+        rsccl._rsccl.resolve_options([])
+    monkeypatch.delenv("RSCCL_SPIN_COUNT")
+    with pytest.raises(ValueError, match="no field 'bogus'"):
+        rsccl._rsccl.resolve_options([("bogus", "1")])
+    resolved = dict(rsccl._rsccl.resolve_options(rsccl.Options(host_buffer_bytes="8MiB").items()))
+    assert resolved["host_buffer_bytes"] == 8 << 20
+
+
+def test_region_cap_is_enforced_at_init():
+    with pytest.raises(AssertionError, match=r"needs a \d+-byte host region .* over max_region_bytes=1048576 \(RSCCL_MAX_REGION_BYTES\)"):
+        Cluster(2, init_timeout=10.0, options=rsccl.Options(max_region_bytes="1MiB"), start_timeout=120).close()
