@@ -61,6 +61,13 @@ def body_mismatch(ctx, case: str) -> tuple[str, str]:
             if r == 0:
                 recv = [1, 1, 3] if False else [send[0][0], send[1][0] - 1 if False else 1, send[2][0]]
             dist.all_to_all_single(torch.empty(sum(recv)), torch.ones(sum(send[r])), recv, send[r])
+        elif case == "coalesced_output_size":
+            ins = [torch.ones(4), torch.ones(5, dtype=torch.int64), torch.ones(6)]
+            outs = [torch.empty(12), torch.empty(15 - (1 if r == 1 else 0), dtype=torch.int64), torch.empty(18)]
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    dist.all_gather_into_tensor(o, i)
+            cm.wait()
         elif case == "gather_output_size":
             out = torch.empty(3 * 4 - (1 if r == 1 else 0))
             dist.all_gather_into_tensor(out, torch.ones(4))
@@ -88,6 +95,7 @@ CASES = {
     "root_out_of_range": ("ValueError", ["rank 2: broadcast: root/src rank 7 is out of range for a group of size 3"]),
     "split_sum": ("ValueError", ["rank 0: all_to_all: input split sizes [1, 1, 1]"]),
     "split_pairing": ("ValueError", ["all_to_all split sizes disagree", "rank 1 sends 2 elements to rank 0, but rank 0 expects 1"]),
+    "coalesced_output_size": ("ValueError", ["rank 1: all_gather_into_tensor_coalesced #1: output has 14 elements, expected 3 x 5"]),
     "gather_output_size": ("ValueError", ["rank 1:", "all_gather: output has 11 elements, expected group size 3 x input 4 = 12"]),
 }
 
@@ -109,7 +117,7 @@ def body_p2p_errors(ctx) -> tuple[str, str]:
         if ctx.rank == 0:
             dist.send(big, dst=1, tag=5)
         elif ctx.rank == 1:
-            dist.recv(torch.empty(300_000), src=0, tag=6)
+            dist.recv(torch.empty(200_000), src=0, tag=5)
         else:
             return ("skip", "")
     except Exception as e:  # noqa: BLE001
@@ -117,11 +125,41 @@ def body_p2p_errors(ctx) -> tuple[str, str]:
     return ("no error", "")
 
 
+def body_tag_nobody_receives(ctx) -> tuple[str, str]:
+    try:
+        if ctx.rank == 2:
+            time.sleep(1)  # so the recv's deadline comes first
+            dist.send(torch.ones(10), dst=0, tag=5)
+        elif ctx.rank == 0:
+            dist.recv(torch.empty(10), src=2, tag=6)
+        else:
+            return ("skip", "")
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e))
+    return ("no error", "")
+
+
+def body_tags_out_of_order(ctx) -> None:
+    """Messages go to the recv with their tag, whatever order the recvs were posted in."""
+    if ctx.rank == 0:
+        works = [dist.isend(torch.full((7,), float(t)), dst=1, tag=t) for t in (1, 2, 3)]
+    elif ctx.rank == 1:
+        bufs = {t: torch.empty(7) for t in (3, 1, 2)}
+        works = [dist.irecv(bufs[t], src=0, tag=t) for t in (3, 1, 2)]
+    else:
+        return
+    for w in works:
+        w.wait()
+    if ctx.rank == 1:
+        for t, b in bufs.items():
+            assert torch.equal(b, torch.full((7,), float(t))), (t, b)
+
+
 def body_send_without_recv(ctx) -> tuple[str, str, float]:
     start = time.monotonic()
     try:
         if ctx.rank == 2:
-            dist.send(torch.ones(400_000), dst=0, tag=1)
+            dist.send(torch.ones(400_000), dst=1, tag=1)  # a pair not yet used in this cluster
     except Exception as e:  # noqa: BLE001
         return (type(e).__name__, str(e), time.monotonic() - start)
     return ("no error", "", time.monotonic() - start)
@@ -130,15 +168,20 @@ def body_send_without_recv(ctx) -> tuple[str, str, float]:
 def test_p2p_mismatch_and_unmatched_send():
     c = Cluster(3, init_timeout=4.0)
     try:
+        c.run(body_tags_out_of_order, timeout=60)
         res = c.run(body_p2p_errors, timeout=60)
         assert res[1][0] == "ValueError", res
-        assert "rank 1 posted a recv of 300000 float32 elements from rank 0 (tag 6)" in res[1][1], res
-        assert "rank 0 sent 300000 float32 elements (tag 5)" in res[1][1], res
-        assert res[0] == res[1], f"the sender must fail with the receiver's message: {res}"
+        assert "rank 1 posted a recv of 200000 float32 elements from rank 0 (tag 5)" in res[1][1], res
+        assert "rank 0 sent 300000 float32 elements" in res[1][1], res
+        assert res[0][0] == "ValueError" and res[1][1].removeprefix("rsccl: ") in res[0][1], f"the sender must fail with the receiver's message: {res}"
+        res = c.run(body_tag_nobody_receives, timeout=60)
+        assert res[0][0] == "TimeoutError" and "recv of 10 float32 elements from rank 2 (tag 6) timed out" in res[0][1], res
+        assert "a message of 10 float32 elements with tag 5 from rank 2 is waiting" in res[0][1], res
+        assert res[2][0] == "TimeoutError" and "posted no matching recv" in res[2][1], res
         res = c.run(body_send_without_recv, timeout=60)
         kind, msg, took = res[2]
         assert kind == "TimeoutError", res
-        assert "send of 400000 float32 elements to rank 0 (tag 1) timed out after 4.0 s: rank 0 posted no matching recv" in msg
+        assert "send of 400000 float32 elements to rank 1 (tag 1) timed out after 4.0 s: rank 1 posted no matching recv" in msg
         assert 3.5 < took < 15, took
     finally:
         c.close()
@@ -240,13 +283,13 @@ def test_rank_that_never_joins_fails_group_creation():
 
 
 def test_bad_options_name_the_setting(monkeypatch):
-    with pytest.raises(ValueError, match=r"rsccl.Options.host_buffer_bytes = 'lots' is not a size"):
+    with pytest.raises(ValueError, match=r'rsccl.Options.host_buffer_bytes = "lots" is not a size'):
         rsccl._rsccl.resolve_options(rsccl.Options(host_buffer_bytes="lots").items())
     monkeypatch.setenv("RSCCL_SPIN_COUNT", "-5")
     with pytest.raises(ValueError, match="RSCCL_SPIN_COUNT"):
         rsccl._rsccl.resolve_options([])
     monkeypatch.delenv("RSCCL_SPIN_COUNT")
-    with pytest.raises(ValueError, match="no field 'bogus'"):
+    with pytest.raises(ValueError, match='no field "bogus"'):
         rsccl._rsccl.resolve_options([("bogus", "1")])
     resolved = dict(rsccl._rsccl.resolve_options(rsccl.Options(host_buffer_bytes="8MiB").items()))
     assert resolved["host_buffer_bytes"] == 8 << 20
@@ -255,3 +298,64 @@ def test_bad_options_name_the_setting(monkeypatch):
 def test_region_cap_is_enforced_at_init():
     with pytest.raises(AssertionError, match=r"needs a \d+-byte host region .* over max_region_bytes=1048576 \(RSCCL_MAX_REGION_BYTES\)"):
         Cluster(2, init_timeout=10.0, options=rsccl.Options(max_region_bytes="1MiB"), start_timeout=120).close()
+
+
+def body_world_of_one(ctx, seed: int) -> None:
+    x = make(seed, 0, 3 << 20, torch.float32)  # 12 MiB: several staging halves
+    y = x.clone()
+    dist.all_reduce(y)
+    assert torch.equal(x, y)
+    dist.all_reduce(y, op=dist.ReduceOp.AVG)
+    assert torch.equal(x, y)
+    out = torch.empty_like(x)
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out, x)
+    dist.barrier()
+
+
+def test_single_rank_group_with_large_messages():
+    c = Cluster(1)
+    try:
+        c.run(body_world_of_one, 3)
+    finally:
+        assert c.close() == [0]
+
+
+def test_ranks_with_different_settings_fail_at_creation():
+    env = [{"RSCCL_ALLREDUCE_ONE_SHOT_MAX_BYTES": "1MiB"}, {"RSCCL_ALLREDUCE_ONE_SHOT_MAX_BYTES": "0"}]
+    with pytest.raises(AssertionError) as info:
+        Cluster(2, init_timeout=20.0, rank_env=env, start_timeout=120).close()
+    text = str(info.value)
+    msg = "ValueError: rsccl: ranks disagree on allreduce_one_shot_max_bytes (RSCCL_ALLREDUCE_ONE_SHOT_MAX_BYTES): rank 0 has 1048576, rank 1 has 0"
+    assert f"--- rank 0: {msg}" in text and f"--- rank 1: {msg}" in text, text
+
+
+def _init_twice(rank: int, port: int, q) -> None:
+    import rsccl  # noqa: F401
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    try:
+        for round_ in range(2):
+            if rank == 0 and round_ == 1:
+                time.sleep(1)  # the other rank re-creates first and must not read stale records
+            dist.init_process_group("rsccl", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+            x = torch.full((10,), float(rank + round_))
+            dist.all_reduce(x)
+            assert torch.equal(x, torch.full((10,), float(1 + 2 * round_))), x
+            dist.destroy_process_group()
+        q.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_re_creating_groups_on_the_same_store():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    procs = [ctx.Process(target=_init_twice, args=(r, server.port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == [(0, "ok"), (1, "ok")], got

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _rsccl
-from ._work import FailedWork, RsWork
+from ._work import RsWork
 from .options import as_items
 
 _LIVE: "weakref.WeakSet[ProcessGroupRsccl]" = weakref.WeakSet()
@@ -96,6 +96,23 @@ def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], 
     return post
 
 
+class _Plan:
+    """What one torch call becomes: engine submissions, the tensors to keep alive until
+    they complete, the result torch's future reports, and the copy-back step."""
+
+    def __init__(self, submits: list[Callable[[], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+        self.submits = submits
+        self.result = result
+        self.keep = keep
+        self.post = post
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D uint8 view (or copy) of `t`: data movement needs no dtype."""
+    c = t.contiguous().reshape(-1)
+    return c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+
+
 def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
     def post() -> None:
         for p in posts:
@@ -155,57 +172,63 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._comm.shutdown()
 
     # -- the single seam ---------------------------------------------------------------
-    def _run(self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], RsWork]) -> Any:
-        """Delegate to gloo for multi-host groups; else prepare and submit. An
-        ArgumentError becomes an `invalid` submission, waited on here, so this rank and
-        every other rank raise the same error."""
+    def _run(self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], "_Plan"], n_ops: int = 1) -> Any:
+        """Delegate to gloo for multi-host groups; else prepare, then submit.
+
+        `prepare` validates every argument and builds every buffer before anything is
+        submitted, so a bad argument never leaves earlier operations of the same call in
+        flight. On an ArgumentError this rank submits `n_ops` `invalid` operations (as many
+        as a healthy rank submits for this call), so every rank stays in step and raises
+        the same error."""
         if self._gloo is not None:
             return gloo_call(self._gloo)
         try:
-            return prepare()
+            plan = prepare()
         except ArgumentError as e:
-            w = self._comm.invalid(kind, e.cls, str(e))
-            w.wait()  # raises the error every rank agreed on
-            return FailedWork(RuntimeError(str(e)))  # unreachable: wait() raised
-
-    def _work(self, parts: list, result: Any, keep: Any = None, post: Callable[[], None] | None = None) -> RsWork:
-        return RsWork(parts, result, keep, post)
+            works = [self._comm.invalid(kind, e.cls, str(e)) for _ in range(max(n_ops, 1))]
+            errors = []
+            for w in works:
+                try:
+                    w.wait()
+                except Exception as err:  # noqa: BLE001 - the first agreed error is raised
+                    errors.append(err)
+            raise errors[0] if errors else RuntimeError(f"rsccl: {e}")
+        return RsWork([submit() for submit in plan.submits], plan.result, plan.keep, plan.post)
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             s = _Staged(_one(tensors, "all_reduce"))
-            w = self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op)
-            return self._work([w], tensors, s, s.post)
+            return _Plan([lambda: self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op)], tensors, s, s.post)
 
         return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        dtypes = list(dict.fromkeys(getattr(t, "dtype", None) for t in tensors))
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             ts = [_check_tensor(t, "all_reduce_coalesced") for t in tensors]
-            parts, keep, posts = [], [], []
-            # One engine operation per dtype, over the tensors flattened together.
-            for dt in dict.fromkeys(t.dtype for t in ts):
+            submits, keep, posts = [], [], []
+            # One engine operation per dtype, over that dtype's tensors flattened together.
+            for dt in dtypes:
                 group = [t for t in ts if t.dtype == dt]
                 flat = _flat_cat(group).to(dt)
-                parts.append(self._comm.all_reduce(_buf(flat), _dtype(flat), op))
+                submits.append(lambda flat=flat: self._comm.all_reduce(_buf(flat), _dtype(flat), op))
                 keep.append(flat)
                 posts.append(_scatter_back(flat, group))
-            return self._work(parts, tensors, keep, _chain(*posts))
+            return _Plan(submits, tensors, keep, _chain(*posts))
 
-        return self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare)
+        return self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             s = _Staged(_one(tensors, "broadcast"))
-            w = self._comm.broadcast(_buf(s.buf), _dtype(s.buf), root)
-            return self._work([w], tensors, s, s.post)
+            return _Plan([lambda: self._comm.broadcast(_buf(s.buf), _dtype(s.buf), root)], tensors, s, s.post)
 
         return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare)
 
@@ -213,33 +236,32 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             s = _Staged(_one(tensors, "reduce"))
-            w = self._comm.reduce(_buf(s.buf), _dtype(s.buf), op, root)
-            return self._work([w], tensors, s, s.post if self.rank() == root else None)
+            post = s.post if self.rank() == root else None
+            return _Plan([lambda: self._comm.reduce(_buf(s.buf), _dtype(s.buf), op, root)], tensors, s, post)
 
         return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare)
 
-    def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Any, Any, Callable[[], None] | None]:
+    def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Callable[[], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "all_gather output")
         inp = _check_tensor(inp, "all_gather input").contiguous()
         if out.dtype != inp.dtype:
             raise ArgumentError(f"all_gather: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
         s = _Staged(out, copy_in=False)
-        w = self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp))
-        return w, (inp, s), s.post
+        return (lambda: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp))), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
-            w, keep, post = self._all_gather_one(output, input)
-            return self._work([w], output, keep, post)
+        def prepare() -> _Plan:
+            submit, keep, post = self._all_gather_one(output, input)
+            return _Plan([submit], [output], keep, post)
 
         return self._run("all_gather", lambda g: g._allgather_base(output, input, opts), prepare)
 
     all_gather_single = _allgather_base
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             inp = _one(input_tensors, "all_gather input")
             if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
                 raise ArgumentError(f"all_gather: tensor_list must hold group size {self.size()} tensors")
@@ -250,50 +272,88 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                         f"all_gather: tensor_list[{i}] is {o.dtype}[{o.numel()}], input is {inp.dtype}[{inp.numel()}]"
                     )
             flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
-            w, keep, _ = self._all_gather_one(flat, inp)
-            return self._work([w], output_tensors, keep, _scatter_back(flat, outs))
+            submit, keep, _ = self._all_gather_one(flat, inp)
+            return _Plan([submit], output_tensors, keep, _scatter_back(flat, outs))
 
         return self._run("all_gather", lambda g: g.allgather(output_tensors, input_tensors, opts), prepare)
 
+    def _gather_bytes(self, pairs: list[tuple[list[torch.Tensor], torch.Tensor]]) -> _Plan:
+        """All-gather many inputs of any dtypes in ONE engine operation, moving bytes:
+        rank r's block of the result is its inputs' bytes back to back; `pairs` gives, per
+        input, the tensors (one per rank, in rank order) to fill."""
+        n = self.size()
+        ins = [_check_tensor(i, "all_gather input") for _, i in pairs]
+        for k, (outs, i) in enumerate(pairs):
+            for o in outs:
+                _check_tensor(o, "all_gather output")
+                if o.dtype != i.dtype or o.numel() != i.numel():
+                    raise ArgumentError(f"all_gather (coalesced) #{k}: output is {o.dtype}[{o.numel()}], input {i.dtype}[{i.numel()}]")
+        flat_in = torch.cat([_as_bytes(i) for i in ins]) if ins else torch.empty(0, dtype=torch.uint8)
+        total = flat_in.numel()
+        flat_out = torch.empty(n * total, dtype=torch.uint8)
+
+        def post() -> None:
+            off = 0
+            for outs, i in pairs:
+                nb = i.numel() * i.element_size()
+                for r, o in enumerate(outs):
+                    o.copy_(flat_out[r * total + off : r * total + off + nb].view(i.dtype).view(o.shape))
+                off += nb
+
+        submit = lambda: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8")  # noqa: E731
+        return _Plan([submit], None, (flat_in, flat_out), post)
+
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             if len(outputs) != len(inputs):
                 raise ArgumentError(f"all_gather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-            done = [self._all_gather_one(o, i) for o, i in zip(outputs, inputs)]
-            return self._work([d[0] for d in done], outputs, [d[1] for d in done], _chain(*[d[2] for d in done]))
+            pairs = []
+            for k, (o, i) in enumerate(zip(outputs, inputs)):
+                _check_tensor(o, "all_gather output")
+                if o.numel() != self.size() * i.numel():
+                    raise ArgumentError(f"all_gather_into_tensor_coalesced #{k}: output has {o.numel()} elements, expected {self.size()} x {i.numel()}")
+                pairs.append((list(o.reshape(-1).chunk(self.size())) if i.numel() else [o.reshape(-1)[:0]] * self.size(), i))
+            plan = self._gather_bytes(pairs)
+            # Chunks of a non-contiguous output are copies: write them back.
+            views = [(o, p[0]) for o, p in zip(outputs, pairs)]
+            inner = plan.post
+
+            def post() -> None:
+                inner()
+                for o, chunks in views:
+                    if o.data_ptr() != chunks[0].data_ptr() or not o.is_contiguous():
+                        o.copy_(torch.cat(chunks).view(o.shape))
+
+            plan.post, plan.result = post, outputs
+            return plan
 
         return self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
-            parts, keep, posts = [], [], []
-            for i, inp in enumerate(input_list):
-                inp = _check_tensor(inp, "all_gather_coalesced input")
-                flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
-                w, k, _ = self._all_gather_one(flat, inp)
-                outs = [output_lists[r][i] for r in range(self.size())]
-                parts.append(w)
-                keep.append((flat, k))
-                posts.append(_scatter_back(flat, outs))
-            return self._work(parts, output_lists, keep, _chain(*posts))
+        def prepare() -> _Plan:
+            n = self.size()
+            if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
+                raise ArgumentError(f"all_gather_coalesced: output_tensor_lists must hold {n} lists of {len(input_list)} tensors")
+            plan = self._gather_bytes([([output_lists[r][k] for r in range(n)], i) for k, i in enumerate(input_list)])
+            plan.result = output_lists
+            return plan
 
         return self._run("all_gather", lambda g: g.allgather_coalesced(output_lists, input_list, opts), prepare)
 
-    def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> tuple[Any, Any, Callable[[], None] | None]:
+    def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> tuple[Callable[[], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "reduce_scatter output")
         inp = _check_tensor(inp, "reduce_scatter input").contiguous()
         if out.dtype != inp.dtype:
             raise ArgumentError(f"reduce_scatter: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
         s = _Staged(out, copy_in=False)
-        w = self._comm.reduce_scatter(_buf(inp), _buf(s.buf), _dtype(inp), op)
-        return w, (inp, s), s.post
+        return (lambda: self._comm.reduce_scatter(_buf(inp), _buf(s.buf), _dtype(inp), op)), (inp, s), s.post
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
 
-        def prepare() -> RsWork:
-            w, keep, post = self._reduce_scatter_one(output, input, op)
-            return self._work([w], output, keep, post)
+        def prepare() -> _Plan:
+            submit, keep, post = self._reduce_scatter_one(output, input, op)
+            return _Plan([submit], [output], keep, post)
 
         return self._run("reduce_scatter", lambda g: g._reduce_scatter_base(output, input, opts), prepare)
 
@@ -302,7 +362,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             out = _one(output_tensors, "reduce_scatter output")
             if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
                 raise ArgumentError(f"reduce_scatter: input_list must hold group size {self.size()} tensors")
@@ -312,24 +372,40 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     raise ArgumentError(
                         f"reduce_scatter: input_list[{i}] is {t.dtype}[{t.numel()}], output is {out.dtype}[{out.numel()}]"
                     )
-            w, keep, post = self._reduce_scatter_one(out, _flat_cat(ins), op)
-            return self._work([w], output_tensors, keep, post)
+            submit, keep, post = self._reduce_scatter_one(out, _flat_cat(ins), op)
+            return _Plan([submit], output_tensors, keep, post)
 
         return self._run("reduce_scatter", lambda g: g.reduce_scatter(output_tensors, input_tensors, opts), prepare)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        one_dtype = len({getattr(t, "dtype", None) for t in list(outputs) + list(inputs)}) == 1
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
+            n = self.size()
             if len(outputs) != len(inputs):
                 raise ArgumentError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-            done = [self._reduce_scatter_one(o, i, op) for o, i in zip(outputs, inputs)]
-            return self._work([d[0] for d in done], outputs, [d[1] for d in done], _chain(*[d[2] for d in done]))
+            for k, (o, i) in enumerate(zip(outputs, inputs)):
+                _check_tensor(o, "reduce_scatter output")
+                _check_tensor(i, "reduce_scatter input")
+                if i.numel() != n * o.numel():
+                    raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
+            if not one_dtype:
+                done = [self._reduce_scatter_one(o, i, op) for o, i in zip(outputs, inputs)]
+                return _Plan([d[0] for d in done], outputs, [d[1] for d in done], _chain(*[d[2] for d in done]))
+            # One engine operation: rank block r of the combined input is every input's
+            # block r, back to back; the combined output splits into the outputs.
+            blocks = [i.reshape(n, -1) for i in inputs]
+            flat_in = torch.cat(blocks, dim=1).reshape(-1) if blocks else torch.empty(0)
+            flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
+            submit = lambda: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op)  # noqa: E731
+            return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
-        return self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare)
+        n_ops = 1 if one_dtype else len(inputs)
+        return self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             out = _check_tensor(output, "all_to_all output")
             inp = _check_tensor(input, "all_to_all input").contiguous()
             if out.dtype != inp.dtype:
@@ -352,8 +428,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             send = split_bytes(inp, list(input_split_sizes), "input")
             recv = split_bytes(out, list(output_split_sizes), "output")
             s = _Staged(out, copy_in=False)
-            w = self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv)
-            return self._work([w], output, (inp, s), s.post)
+            submit = lambda: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv)  # noqa: E731
+            return _Plan([submit], [output], (inp, s), s.post)
 
         return self._run(
             "all_to_all", lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts), prepare
@@ -362,7 +438,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             n = self.size()
             if len(output_tensors) != n or len(input_tensors) != n:
                 raise ArgumentError(f"all_to_all: expected {n} input and output tensors, got {len(input_tensors)} and {len(output_tensors)}")
@@ -375,15 +451,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
-            w = self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv)
-            return self._work([w], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
+            submit = lambda: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv)  # noqa: E731
+            return _Plan([submit], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
 
         return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             inp = _one(input_tensors, "gather input").contiguous()
             flat, post = None, None
             if self.rank() == root:
@@ -395,15 +471,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                         raise ArgumentError(f"gather: gather_list[{i}] is {o.dtype}[{o.numel()}], input is {inp.dtype}[{inp.numel()}]")
                 flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
                 post = _scatter_back(flat, outs)
-            w = self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root)
-            return self._work([w], output_tensors, (inp, flat), post)
+            submit = lambda: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root)  # noqa: E731
+            return _Plan([submit], output_tensors, (inp, flat), post)
 
         return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
 
-        def prepare() -> RsWork:
+        def prepare() -> _Plan:
             s = _Staged(_one(output_tensors, "scatter output"), copy_in=False)
             flat = None
             if self.rank() == root:
@@ -414,13 +490,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     if t.numel() != s.user.numel() or t.dtype != s.user.dtype:
                         raise ArgumentError(f"scatter: scatter_list[{i}] is {t.dtype}[{t.numel()}], output is {s.user.dtype}[{s.user.numel()}]")
                 flat = _flat_cat(ins).to(s.user.dtype)
-            w = self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root)
-            return self._work([w], output_tensors, (flat, s), s.post)
+            submit = lambda: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root)  # noqa: E731
+            return _Plan([submit], output_tensors, (flat, s), s.post)
 
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare)
 
     def barrier(self, opts: Any = None) -> RsWork:
-        return self._run("barrier", lambda g: g.barrier(opts), lambda: self._work([self._comm.barrier()], None))
+        return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([self._comm.barrier], []))
 
     # -- point to point ----------------------------------------------------------------
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> RsWork:
@@ -435,9 +511,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise ValueError(f"rsccl: {what} peer {peer} is invalid for rank {self.rank()} of a group of size {self.size()}")
         if send:
             c = t.contiguous()
-            return self._work([self._comm.send(_buf(c), _dtype(c), peer, tag)], tensors, c)
+            return RsWork([self._comm.send(_buf(c), _dtype(c), peer, tag)], tensors, c)
         s = _Staged(t, copy_in=False)
-        return self._work([self._comm.recv(_buf(s.buf), _dtype(s.buf), peer, tag)], tensors, s, s.post)
+        return RsWork([self._comm.recv(_buf(s.buf), _dtype(s.buf), peer, tag)], tensors, s, s.post)
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> RsWork:
         return self._p2p(tensors, dstRank, tag, True)

@@ -23,11 +23,13 @@ class RsWork(dist._Work):
     def __init__(self, parts: Sequence[Any], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
         super().__init__()
         self._parts = list(parts)
-        self._result = result
+        # c10d's futures carry a list of tensors.
+        self._result = [result] if isinstance(result, torch.Tensor) else (result if result is not None else [])
         self._keep = keep
         self._post = post
         self._exc: BaseException | None = None
         self._fut: torch.futures.Future | None = None
+        self._settled = False
         self._lock = threading.Lock()
         self._remaining = len(self._parts)
         self._done = threading.Event()
@@ -53,15 +55,17 @@ class RsWork(dist._Work):
                 self._exc = e
         self._post = None
         self._keep = None
-        self._parts = []
-        self._done.set()
-        fut = self._fut
+        with self._lock:
+            self._done.set()
+            fut = self._fut
         if fut is not None:
             self._settle(fut)
 
     def _settle(self, fut: torch.futures.Future) -> None:
-        if fut.done():
-            return
+        with self._lock:  # _finish and get_future may both get here
+            if self._settled:
+                return
+            self._settled = True
         if self._exc is not None:
             fut.set_exception(self._exc)
         else:
@@ -69,9 +73,17 @@ class RsWork(dist._Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if timeout else 0.0
+        limit = seconds if seconds > 0 else None
+        # Errors surface from _on_done; waiting on every part first means no part is
+        # still writing into the caller's tensors when wait() raises.
         for p in list(self._parts):
-            p.wait(seconds if seconds > 0 else None)
-        if not self._done.wait(seconds if seconds > 0 else None):
+            try:
+                p.wait(limit)
+            except TimeoutError:
+                raise
+            except Exception:  # noqa: BLE001 - recorded by _on_done, raised below
+                pass
+        if not self._done.wait(limit):
             raise TimeoutError(f"rsccl: Work.wait timed out after {seconds} s")
         if self._exc is not None:
             raise self._exc
@@ -103,9 +115,3 @@ class RsWork(dist._Work):
         return fut
 
 
-class FailedWork(RsWork):
-    """A Work that failed before any engine operation ran."""
-
-    def __init__(self, exc: BaseException):
-        super().__init__([], None)
-        self._exc = exc

@@ -58,7 +58,10 @@ TARGET_SECONDS = 0.2
 MIN_ITERS, MAX_ITERS = 3, 200
 ROOT = 0
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-CSV_COLUMNS = ("device", "world_size", "collective", "bytes", "backend", "latency_us", "algbw_GBps", "busbw_GBps", "iters")
+CSV_COLUMNS = (
+    "device", "world_size", "collective", "bytes", "backend", "latency_us", "algbw_GBps", "busbw_GBps", "iters",
+)
+Groups = dict[str, "dist.ProcessGroup | None"]  # backend name -> group (None: the default group)
 
 
 class MismatchError(RuntimeError):
@@ -84,7 +87,7 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in UNITS or int(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a positive integer, optionally with B, KiB, MiB or GiB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a positive integer, optionally with B, KiB, MiB or GiB")
     return int(m.group(1)) * UNITS[unit]
 
 
@@ -108,16 +111,19 @@ def parse_collectives(text: str) -> tuple[str, ...]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rsccl.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--world-sizes", type=parse_world_sizes, default=parse_world_sizes("2,4"))
-    p.add_argument("--collectives", type=parse_collectives, default=COLLECTIVES, help=f"default {','.join(COLLECTIVES)}")
-    p.add_argument("--min-bytes", type=parse_bytes, default=4)
-    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20)
-    p.add_argument("--iters", type=int, default=None, help="timed calls per size (default: adaptive, ~0.2 s)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("bench-results"))
-    p.add_argument("--dtype", choices=tuple(TOLERANCES), default="float32")
-    p.add_argument("--seed", type=int, default=None, help="default: random")
+    add = p.add_argument
+    # String defaults go through `type` too, so they are written the way a user types them.
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
+    add("--world-sizes", type=parse_world_sizes, default="2,4", help="ranks per run, comma-separated; default: %(default)s")
+    add("--collectives", type=parse_collectives, default=",".join(COLLECTIVES), help="comma-separated; default: %(default)s")
+    add("--min-bytes", type=parse_bytes, default="4", help="smallest per-rank message; default: %(default)s")
+    add("--max-bytes", type=parse_bytes, default="64MiB", help="largest per-rank message; default: %(default)s")
+    add("--iters", type=int, default=None,
+        help=f"timed calls per size; default: about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}")
+    add("--warmup", type=int, default=2, help="untimed calls before each measurement; default: %(default)s")
+    add("--out", type=Path, default="bench-results", help="directory for the CSV and PNG; default: %(default)s")
+    add("--dtype", choices=tuple(TOLERANCES), default="float32", help="default: %(default)s")
+    add("--seed", type=int, default=None, help="seed of the checked inputs; default: random")
     args = p.parse_args(argv)
     if args.device == "cuda":
         p.exit(2, "rsccl.bench: the CUDA engine is not in this release; use --device cpu\n")
@@ -162,7 +168,9 @@ def is_in_place(collective: str) -> bool:
     return collective in ("all_reduce", "broadcast")
 
 
-def make_call(collective: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], None]:
+def make_call(
+    collective: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None
+) -> Callable[[], None]:
     if collective == "all_reduce":
         return lambda: dist.all_reduce(inp, group=group)
     if collective == "broadcast":
@@ -191,7 +199,9 @@ def max_over_ranks(value: float, gloo: dist.ProcessGroup) -> float:
     return t.item()
 
 
-def check(collective: str, counts: tuple[int, int], label: str, groups: dict, cfg: Config, gen: torch.Generator) -> None:
+def check(
+    collective: str, counts: tuple[int, int], label: str, groups: Groups, cfg: Config, gen: torch.Generator
+) -> None:
     """Run once on each backend from the same input; raise on every rank if any differs.
     `label` names the case in the error."""
     dtype = getattr(torch, cfg.dtype)
@@ -220,20 +230,22 @@ def timed(call: Callable[[], None], n: int) -> float:
     return time.perf_counter() - start
 
 
+def adaptive_iters(per_call: float) -> int:
+    return min(MAX_ITERS, max(MIN_ITERS, math.ceil(TARGET_SECONDS / max(per_call, 1e-9))))
+
+
 def measure(call: Callable[[], None], gloo: dist.ProcessGroup, cfg: Config) -> tuple[float, int]:
     """(seconds per call on the slowest rank, calls timed)."""
-    iters = cfg.iters
     # The adaptive count is estimated from the warm-up, so it needs at least one call.
-    warmup = cfg.warmup if iters else max(cfg.warmup, 1)
-    if warmup:
-        per_call = max_over_ranks(timed(call, warmup), gloo) / warmup
-        # Every rank must run the same count: the estimate is already the max over ranks.
-        iters = iters or min(MAX_ITERS, max(MIN_ITERS, math.ceil(TARGET_SECONDS / max(per_call, 1e-9))))
+    warmup = cfg.warmup if cfg.iters else max(cfg.warmup, 1)
+    # The max over ranks, so that every rank derives the same count.
+    per_call = max_over_ranks(timed(call, warmup), gloo) / warmup if warmup else 0.0
+    iters = cfg.iters or adaptive_iters(per_call)
     dist.barrier(group=gloo)
     return max_over_ranks(timed(call, iters), gloo) / iters, iters
 
 
-def bench_collective(collective: str, world: int, groups: dict, cfg: Config, gen: torch.Generator) -> list[dict]:
+def bench_collective(collective: str, world: int, groups: Groups, cfg: Config, gen: torch.Generator) -> list[dict]:
     dtype = getattr(torch, cfg.dtype)
     elem = torch.empty(0, dtype=dtype).element_size()
     rows = []
@@ -247,7 +259,8 @@ def bench_collective(collective: str, world: int, groups: dict, cfg: Config, gen
         # Alternate the order so that neither backend always inherits the other's caches.
         for backend in BACKENDS if i % 2 == 0 else BACKENDS[::-1]:
             latency, iters = measure(make_call(collective, inp, out, groups[backend]), groups["gloo"], cfg)
-            rows.append(dict(world_size=world, collective=collective, bytes=message, backend=backend, latency_s=latency, iters=iters))
+            rows.append(dict(world_size=world, collective=collective, bytes=message, backend=backend,
+                             latency_s=latency, iters=iters))
     return rows
 
 
@@ -259,14 +272,15 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, result_path: str) -
     timeout = timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timeout)
-    groups = {"rsccl": None, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
+    groups: Groups = {"rsccl": None, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
     gen = torch.Generator().manual_seed(cfg.seed * 1009 + rank)
     rows = []
     for collective in cfg.collectives:
         start = time.perf_counter()
         rows += bench_collective(collective, world, groups, cfg, gen)
         if rank == 0:
-            print(f"  world size {world}: {collective} checked and timed in {time.perf_counter() - start:.1f} s", flush=True)
+            took = time.perf_counter() - start
+            print(f"  world size {world}: {collective} checked and timed in {took:.1f} s", flush=True)
     if rank == 0:
         Path(result_path).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -304,7 +318,8 @@ def add_bandwidth(row: dict) -> dict:
 def format_table(world: int, rows: list[dict]) -> str:
     cores = os.cpu_count()
     by_key = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
-    head = f"{'collective':<24}{'size':>10}{'rsccl us':>12}{'gloo us':>12}{'rsccl busbw GB/s':>18}{'gloo busbw GB/s':>17}{'speedup':>9}"
+    head = (f"{'collective':<24}{'size':>10}{'rsccl us':>12}{'gloo us':>12}"
+            f"{'rsccl busbw GB/s':>18}{'gloo busbw GB/s':>17}{'speedup':>9}")
     lines = [f"world size {world} ({world} ranks on {cores} cores)", head, "-" * len(head)]
     for collective in dict.fromkeys(r["collective"] for r in rows):
         for nbytes in sorted({b for c, b, _ in by_key if c == collective}):
@@ -332,8 +347,10 @@ def write_csv(path: Path, device: str, rows: list[dict], header: str) -> None:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for r in rows:
-            w.writerow([device, r["world_size"], r["collective"], r["bytes"], r["backend"], f"{r['latency_s'] * 1e6:.3f}",
-                        f"{r['algbw_GBps']:.6g}", f"{r['busbw_GBps']:.6g}", r["iters"]])
+            w.writerow([
+                device, r["world_size"], r["collective"], r["bytes"], r["backend"], f"{r['latency_s'] * 1e6:.3f}",
+                f"{r['algbw_GBps']:.6g}", f"{r['busbw_GBps']:.6g}", r["iters"],
+            ])
 
 
 def write_png(path: Path, rows: list[dict], title: str) -> bool:

@@ -29,6 +29,15 @@ impl Store for PyStore {
         })
     }
 
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        Python::attach(|py| {
+            self.0
+                .call_method1(py, "add", (key, delta))
+                .and_then(|v| v.extract::<i64>(py))
+                .map_err(|e| store_error(py, &format!("store.add({key:?})"), e))
+        })
+    }
+
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         Python::attach(|py| {
             let wait = || -> PyResult<Vec<u8>> {

@@ -162,6 +162,19 @@ impl Config {
         Config::resolve(overrides, &|k| std::env::var(k).ok())
     }
 
+    /// The settings every rank of a group must share, with their names (spin_count is
+    /// local behaviour and may differ).
+    pub fn layout_settings(&self) -> (Vec<u64>, Vec<(&'static str, &'static str)>) {
+        let v = vec![
+            self.host_buffer_bytes as u64,
+            self.p2p_buffer_bytes as u64,
+            self.max_region_bytes as u64,
+            self.allreduce_one_shot_max_bytes as u64,
+        ];
+        let names = SETTINGS[..4].iter().map(|s| (s.field, s.env)).collect();
+        (v, names)
+    }
+
     /// Bytes of one half of a rank's collective staging (the other half is double-buffered).
     pub fn coll_half_bytes(&self) -> usize {
         // Halves stay a multiple of 4 KiB so every slot starts on its own page.

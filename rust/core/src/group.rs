@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::mesh::socket_name;
 use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::unix::Listener;
-use crate::bootstrap::{host_identity, LocalMesh, RankInfo, Store, Topology};
+use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, RankInfo, Store, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::engine::host::HostEngine;
@@ -61,13 +61,18 @@ impl Group {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is invalid for a group of size {size}")));
         }
-        let deadline = Instant::now() + timeout;
-        let info = RankInfo::current(host_identity());
+        let (settings, names) = cfg.layout_settings();
+        let info = RankInfo::current(host_identity(), settings);
         let mut listener = None;
-        let (nonce, topo) = exchange(store, rank, size, &info, timeout, |nonce| {
+        let (nonce, infos) = exchange(store, rank, size, &info, timeout, |nonce| {
             listener = Some(Listener::bind(&socket_name(nonce, rank), size as i32)?);
             Ok(())
         })?;
+        check_same_settings(&infos, &names)?;
+        let topo = Topology::from_infos(rank, &infos);
+        // Every rank has published its record by now, so the local set-up gets the whole
+        // timeout again rather than what the slowest rank left of it.
+        let deadline = Instant::now() + timeout;
         let listener = listener.ok_or_else(|| Error::Internal("listener not bound".into()))?;
         let (kind, why) = choose_engine(&topo);
         let engine: Option<Arc<dyn Engine>> = match kind {
@@ -133,7 +138,7 @@ mod tests {
 
     #[test]
     fn engine_choice_follows_topology() {
-        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into() };
+        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into(), settings: vec![] };
         let one = Topology::from_infos(0, &[i("a"), i("a")]);
         assert_eq!(choose_engine(&one).0, EngineKind::Host);
         let two = Topology::from_infos(0, &[i("a"), i("b")]);

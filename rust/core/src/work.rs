@@ -40,7 +40,7 @@ impl WorkState {
         };
         self.cv.notify_all();
         for cb in callbacks {
-            cb(&r);
+            run_callback(cb, &r);
         }
     }
 
@@ -86,8 +86,16 @@ impl WorkState {
             }
         };
         if let Some(r) = done {
-            cb(&r);
+            run_callback(cb, &r);
         }
+    }
+}
+
+/// A panicking callback (e.g. one entering Python while it finalizes) must not take the
+/// engine thread with it: the other Works it will complete would wait forever.
+fn run_callback(cb: Callback, r: &Result<()>) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(r))).is_err() {
+        tracing::error!("a completion callback panicked; continuing");
     }
 }
 

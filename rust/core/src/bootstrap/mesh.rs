@@ -3,6 +3,7 @@
 //! kernel closes a process's sockets when it exits, however it exits, so a peer's
 //! end-of-file means that rank is gone.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Instant;
 
 use super::unix::{Conn, Listener};
@@ -18,10 +19,28 @@ pub fn socket_name(nonce: &[u8; 16], rank: usize) -> String {
 const HELLO_MAGIC: &[u8; 4] = b"RSH1";
 const REGION_MAGIC: &[u8; 4] = b"RSR1";
 
-/// Connections to the other local ranks, indexed by local index (None for self).
+/// Connections to the other local ranks, indexed by local index (None for self), and a
+/// pidfd per peer: a socket's end-of-file is not enough when a rank forked children (a
+/// DataLoader's workers inherit its sockets and keep them open after it dies), but a
+/// pidfd becomes readable when that very process exits.
 pub struct LocalMesh {
     conns: Vec<Option<Conn>>,
+    pidfds: Vec<Option<OwnedFd>>,
     me: usize,
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: plain syscall; on success the returned descriptor is ours to own.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative return is a fresh descriptor (kernels before 5.3: ENOSYS,
+    // and liveness falls back to the sockets alone).
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; timeout 0 never blocks.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 && p.revents & libc::POLLIN != 0 }
 }
 
 impl LocalMesh {
@@ -37,27 +56,37 @@ impl LocalMesh {
             c.send(&hello(nonce, me), None)?;
             *slot = Some(c);
         }
-        for _ in me + 1..n {
+        let mut missing = n - 1 - me;
+        while missing > 0 {
             let c = listener.accept(deadline)?;
+            // A peer of this group sends its hello right after connecting; anything else
+            // (a stranger who found the name) is dropped without failing set-up.
+            let hello_deadline = deadline.min(Instant::now() + std::time::Duration::from_secs(10));
             let mut buf = [0u8; 24];
-            c.recv(&mut buf, deadline)?;
-            if &buf[..4] != HELLO_MAGIC || buf[4..20] != nonce[..] {
-                return Err(Error::PeerFailure("a local connection did not come from this group".into()));
+            if let Err(e) = c.recv(&mut buf, hello_deadline) {
+                tracing::warn!(error = %e, "dropped a local connection that sent no hello");
+                continue;
             }
             let j = u32::from_le_bytes(buf[20..24].try_into().unwrap()) as usize;
-            if j <= me || j >= n || conns[j].is_some() {
-                return Err(Error::Internal(format!("unexpected hello from local index {j}")));
+            if &buf[..4] != HELLO_MAGIC || buf[4..20] != nonce[..] || j <= me || j >= n || conns[j].is_some() {
+                tracing::warn!("dropped a local connection with a foreign hello");
+                continue;
             }
             conns[j] = Some(c);
+            missing -= 1;
         }
         // Dropping the listener removes the abstract name: nothing named outlives set-up.
         drop(listener);
-        Ok(LocalMesh { conns, me })
+        // The peer's pid comes from the kernel (SO_PEERCRED), not from what it told us.
+        let pidfds = conns
+            .iter()
+            .map(|c| c.as_ref().and_then(|c| c.peer_cred().ok()).and_then(|cred| pidfd_open(cred.pid as u32)))
+            .collect();
+        Ok(LocalMesh { conns, pidfds, me })
     }
 
     /// Local index 0 creates the region and sends it to the others; they map it.
     pub fn share_region(&self, len: usize, deadline: Instant) -> Result<HostRegion> {
-        use std::os::fd::AsRawFd;
         if self.me == 0 {
             let region = HostRegion::create(len)?;
             let mut msg = [0u8; 12];
@@ -83,9 +112,13 @@ impl LocalMesh {
         }
     }
 
-    /// Local indices whose process has gone (connection closed).
+    /// Local indices whose process has gone (exited, or closed its connection).
     pub fn gone(&self) -> Vec<usize> {
-        self.conns.iter().enumerate().filter_map(|(j, c)| c.as_ref().filter(|c| c.peer_gone()).map(|_| j)).collect()
+        (0..self.conns.len())
+            .filter(|&j| {
+                self.conns[j].as_ref().is_some_and(|c| c.peer_gone()) || self.pidfds[j].as_ref().is_some_and(exited)
+            })
+            .collect()
     }
 }
 

@@ -15,7 +15,9 @@ pub trait Store: Send + Sync {
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Block until `key` exists (at most `timeout`), then return its value.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Atomically add `delta` to the integer at `key` (0 if absent); return the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
 }
 
 pub use mesh::LocalMesh;
-pub use rendezvous::{host_identity, RankInfo, Topology};
+pub use rendezvous::{check_same_settings, host_identity, RankInfo, Topology};

@@ -13,38 +13,65 @@ pub struct RankInfo {
     pub pid: u32,
     pub uid: u32,
     pub host_id: String,
+    /// The settings that shape the shared region and the algorithms
+    /// (`Config::layout_settings`): every rank must have the same.
+    pub settings: Vec<u64>,
 }
 
-const INFO_MAGIC: &[u8; 4] = b"RSI1";
+const INFO_MAGIC: &[u8; 4] = b"RSI2";
 
 impl RankInfo {
-    pub fn current(host_id: String) -> RankInfo {
+    pub fn current(host_id: String, settings: Vec<u64>) -> RankInfo {
         // SAFETY: getuid cannot fail.
-        RankInfo { pid: std::process::id(), uid: unsafe { libc::getuid() }, host_id }
+        RankInfo { pid: std::process::id(), uid: unsafe { libc::getuid() }, host_id, settings }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(16 + self.host_id.len());
+        let mut v = Vec::with_capacity(24 + self.host_id.len() + 8 * self.settings.len());
         v.extend_from_slice(INFO_MAGIC);
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.uid.to_le_bytes());
         v.extend_from_slice(&(self.host_id.len() as u32).to_le_bytes());
+        v.extend_from_slice(&(self.settings.len() as u32).to_le_bytes());
         v.extend_from_slice(self.host_id.as_bytes());
+        for s in &self.settings {
+            v.extend_from_slice(&s.to_le_bytes());
+        }
         v
     }
 
     pub fn decode(b: &[u8]) -> Result<RankInfo> {
         let bad = || Error::Internal(format!("malformed rank record of {} bytes in the store", b.len()));
-        if b.len() < 16 || &b[..4] != INFO_MAGIC {
+        if b.len() < 20 || &b[..4] != INFO_MAGIC {
             return Err(Error::PeerFailure(
                 "a rank published an incompatible record: are all ranks running the same rsccl version?".into(),
             ));
         }
         let u = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-        let n = u(12) as usize;
-        let host = b.get(16..16 + n).ok_or_else(bad)?;
-        Ok(RankInfo { pid: u(4), uid: u(8), host_id: String::from_utf8(host.to_vec()).map_err(|_| bad())? })
+        let (n, k) = (u(12) as usize, u(16) as usize);
+        let host = b.get(20..20 + n).ok_or_else(bad)?;
+        let raw = b.get(20 + n..20 + n + 8 * k).ok_or_else(bad)?;
+        let settings = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+        Ok(RankInfo { pid: u(4), uid: u(8), host_id: String::from_utf8(host.to_vec()).map_err(|_| bad())?, settings })
     }
+}
+
+/// Every rank must run with the same layout settings: they decide the region's layout and
+/// the algorithm each rank runs, and ranks that differ would read each other's data at
+/// the wrong places. Names the first rank that differs from rank 0, and the setting.
+pub fn check_same_settings(infos: &[RankInfo], names: &[(&str, &str)]) -> Result<()> {
+    for (r, info) in infos.iter().enumerate().skip(1) {
+        for (i, (a, b)) in infos[0].settings.iter().zip(&info.settings).enumerate() {
+            if a != b {
+                let (field, env) = names.get(i).copied().unwrap_or(("?", "?"));
+                return Err(Error::Config(format!(
+                    "ranks disagree on {field} ({env}): rank 0 has {a}, rank {r} has {b}; \
+                     every rank of a group must use the same rsccl settings"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// This host's identity: `RSCCL_HOST_ID` if set (tests use it to make one machine act as
@@ -107,6 +134,11 @@ impl Topology {
 
 /// Publish this rank's record and read everyone's. `rank 0` also publishes a random nonce
 /// that names this group's sockets, returned to all.
+///
+/// Keys carry a generation: torch reuses a group's store prefix when a job destroys and
+/// re-creates its groups, and stale records of the previous generation must not be read.
+/// Each rank adds 1 to a counter once per creation, so creation g sees values in
+/// [g*size + 1, (g+1)*size] and all its ranks compute the same g.
 pub fn exchange(
     store: &dyn Store,
     rank: usize,
@@ -114,18 +146,21 @@ pub fn exchange(
     info: &RankInfo,
     timeout: Duration,
     before_publish: impl FnOnce(&[u8; 16]) -> Result<()>,
-) -> Result<([u8; 16], Topology)> {
+) -> Result<([u8; 16], Vec<RankInfo>)> {
+    let ticket = store.add("rsccl/creations", 1)?;
+    let gen = (ticket - 1).max(0) as u64 / size as u64;
+    let key = |k: &str| format!("rsccl/{gen}/{k}");
     if rank == 0 {
-        store.set("rsccl/nonce", &random_nonce()?)?;
+        store.set(&key("nonce"), &random_nonce()?)?;
     }
-    let nonce_v = store.get("rsccl/nonce", timeout)?;
+    let nonce_v = store.get(&key("nonce"), timeout)?;
     let nonce: [u8; 16] =
         nonce_v.as_slice().try_into().map_err(|_| Error::Internal("bad nonce record in the store".into()))?;
     before_publish(&nonce)?;
-    store.set(&format!("rsccl/info/{rank}"), &info.encode())?;
+    store.set(&key(&format!("info/{rank}")), &info.encode())?;
     let mut infos = Vec::with_capacity(size);
     for r in 0..size {
-        let raw = store.get(&format!("rsccl/info/{r}"), timeout).map_err(|e| match e {
+        let raw = store.get(&key(&format!("info/{r}")), timeout).map_err(|e| match e {
             Error::Timeout(_) => Error::Timeout(format!(
                 "rank {r} did not join the group within {:.1} s (rank {rank} waited for it at group creation)",
                 timeout.as_secs_f64()
@@ -134,7 +169,7 @@ pub fn exchange(
         })?;
         infos.push(RankInfo::decode(&raw)?);
     }
-    Ok((nonce, Topology::from_infos(rank, &infos)))
+    Ok((nonce, infos))
 }
 
 fn random_nonce() -> Result<[u8; 16]> {
@@ -152,14 +187,54 @@ mod tests {
     use super::*;
 
     fn info(h: &str) -> RankInfo {
-        RankInfo { pid: 7, uid: 0, host_id: h.into() }
+        RankInfo { pid: 7, uid: 0, host_id: h.into(), settings: vec![1, 2] }
     }
 
     #[test]
     fn record_round_trip() {
-        let i = RankInfo { pid: 123, uid: 1000, host_id: "node-1:abc".into() };
+        let i = RankInfo { pid: 123, uid: 1000, host_id: "node-1:abc".into(), settings: vec![4 << 20, 0, 7] };
         assert_eq!(RankInfo::decode(&i.encode()).unwrap(), i);
         assert!(RankInfo::decode(b"garbage").is_err());
+    }
+
+    #[test]
+    fn settings_must_agree() {
+        let names = [("host_buffer_bytes", "RSCCL_HOST_BUFFER_BYTES"), ("p2p_buffer_bytes", "RSCCL_P2P_BUFFER_BYTES")];
+        let mut b = info("a");
+        assert!(check_same_settings(&[info("a"), b.clone()], &names).is_ok());
+        b.settings[1] = 9;
+        let e = check_same_settings(&[info("a"), info("a"), b], &names).unwrap_err().to_string();
+        assert!(e.contains("p2p_buffer_bytes (RSCCL_P2P_BUFFER_BYTES): rank 0 has 2, rank 2 has 9"), "{e}");
+    }
+
+    /// An in-memory store, as torch's HashStore.
+    #[derive(Default)]
+    struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+    impl Store for MemStore {
+        fn set(&self, k: &str, v: &[u8]) -> Result<()> {
+            self.0.lock().insert(k.into(), v.into());
+            Ok(())
+        }
+        fn get(&self, k: &str, _: Duration) -> Result<Vec<u8>> {
+            self.0.lock().get(k).cloned().ok_or_else(|| Error::Timeout(k.into()))
+        }
+        fn add(&self, k: &str, d: i64) -> Result<i64> {
+            let mut m = self.0.lock();
+            let v = m.get(k).map_or(0, |b| i64::from_le_bytes(b[..8].try_into().unwrap())) + d;
+            m.insert(k.into(), v.to_le_bytes().to_vec());
+            Ok(v)
+        }
+    }
+
+    #[test]
+    fn re_creation_does_not_read_stale_records() {
+        let store = MemStore::default();
+        let t = Duration::from_secs(1);
+        let (n1, _) = exchange(&store, 0, 1, &info("a"), t, |_| Ok(())).unwrap();
+        let (n2, infos) = exchange(&store, 0, 1, &info("b"), t, |_| Ok(())).unwrap();
+        assert_ne!(n1, n2, "a new generation gets a new nonce");
+        assert_eq!(infos[0].host_id, "b");
     }
 
     #[test]

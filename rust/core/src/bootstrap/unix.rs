@@ -59,22 +59,32 @@ impl Listener {
         Ok(Listener { fd, name: name.to_string() })
     }
 
-    /// Accept one connection before `deadline`.
+    /// Accept one connection from a process of our own user before `deadline`.
+    /// Connections from other users are closed and skipped: anyone can see an abstract
+    /// name in /proc/net/unix, and a stranger must not be able to break set-up.
     pub fn accept(&self, deadline: Instant) -> Result<Conn> {
-        wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, || {
-            format!("no local rank connected to @{} in time", self.name)
-        })?;
-        // SAFETY: `self.fd` is a listening socket; null address arguments are allowed.
-        let fd = unsafe {
-            libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
-        };
-        if fd < 0 {
-            return Err(Error::last_os(format!("accepting on @{}", self.name)));
+        loop {
+            wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, || {
+                format!("no local rank connected to @{} in time", self.name)
+            })?;
+            // SAFETY: `self.fd` is a listening socket; null address arguments are allowed.
+            let fd = unsafe {
+                libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+            };
+            if fd < 0 {
+                let err = std::io::Error::last_os_error();
+                if matches!(err.raw_os_error(), Some(libc::EINTR) | Some(libc::ECONNABORTED) | Some(libc::EAGAIN)) {
+                    continue;
+                }
+                return Err(Error::os(format!("accepting on @{}", self.name), err));
+            }
+            // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+            let conn = Conn { fd: unsafe { OwnedFd::from_raw_fd(fd) } };
+            match conn.check_same_user() {
+                Ok(()) => return Ok(conn),
+                Err(e) => tracing::warn!(socket = %self.name, error = %e, "dropped a local connection"),
+            }
         }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let conn = Conn { fd: unsafe { OwnedFd::from_raw_fd(fd) } };
-        conn.check_same_user()?;
-        Ok(conn)
     }
 }
 
@@ -117,7 +127,10 @@ impl Conn {
                 return Ok(conn);
             }
             let err = std::io::Error::last_os_error();
-            let retry = matches!(err.raw_os_error(), Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN));
+            let retry = matches!(
+                err.raw_os_error(),
+                Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN) | Some(libc::EINTR)
+            );
             if !retry || Instant::now() >= deadline {
                 return Err(Error::os(format!("connecting to local rank socket @{name}"), err));
             }
@@ -201,9 +214,14 @@ impl Conn {
         msg.msg_iovlen = 1;
         msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
         msg.msg_controllen = std::mem::size_of_val(&cmsg_buf);
-        // SAFETY: `msg` points at valid buffers we own for the call; MSG_WAITALL waits for
-        // the whole message; MSG_CMSG_CLOEXEC marks received descriptors close-on-exec.
-        let n = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC) };
+        let n = loop {
+            // SAFETY: `msg` points at valid buffers we own for the call; MSG_WAITALL waits
+            // for the whole message; MSG_CMSG_CLOEXEC marks received descriptors close-on-exec.
+            let n = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_WAITALL | libc::MSG_CMSG_CLOEXEC) };
+            if n >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break n;
+            }
+        };
         if n < 0 {
             return Err(Error::last_os("receiving from a local rank"));
         }
@@ -213,20 +231,32 @@ impl Conn {
                 buf.len()
             )));
         }
-        let mut received = None;
+        // Every descriptor that arrived is owned (and closed unless returned), so a peer
+        // sending extra ones cannot leak descriptors into this process.
+        let mut received: Vec<OwnedFd> = Vec::new();
         // SAFETY: the kernel filled `msg`'s control buffer; CMSG_FIRSTHDR/NXTHDR walk it
-        // within msg_controllen, and an SCM_RIGHTS message carries RawFds.
+        // within msg_controllen, and an SCM_RIGHTS payload is an array of RawFds whose
+        // length follows from cmsg_len.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(&msg);
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
-                    received = Some(OwnedFd::from_raw_fd(fd));
+                    let payload = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let data = libc::CMSG_DATA(c) as *const RawFd;
+                    for i in 0..payload / std::mem::size_of::<RawFd>() {
+                        received.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                    }
                 }
                 c = libc::CMSG_NXTHDR(&msg, c);
             }
         }
-        Ok(received)
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(Error::PeerFailure("a local rank sent more descriptors than expected".into()));
+        }
+        if received.len() > 1 {
+            return Err(Error::PeerFailure(format!("a local rank sent {} descriptors, expected one", received.len())));
+        }
+        Ok(received.pop())
     }
 
     /// True once the peer's end is closed (it exited, was killed, or left the group).

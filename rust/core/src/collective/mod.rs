@@ -204,7 +204,8 @@ impl Collective {
                         recv_bytes.len()
                     ));
                 }
-                let (s, r): (u64, u64) = (send_bytes.iter().sum(), recv_bytes.iter().sum());
+                let sum = |v: &[u64]| v.iter().try_fold(0u64, |a, x| a.checked_add(*x)).unwrap_or(u64::MAX);
+                let (s, r) = (sum(send_bytes), sum(recv_bytes));
                 let es = dtype.size() as u64;
                 if s != input.len as u64 || r != output.len as u64 {
                     return bad(format!(
@@ -369,11 +370,9 @@ pub enum AllReduceAlgo {
 
 /// Pick the all_reduce algorithm; returns the reason for logs and tests.
 pub fn choose_allreduce(bytes: usize, nranks: usize, one_shot_max: usize, half_bytes: usize) -> (AllReduceAlgo, &'static str) {
-    if nranks <= 1 {
-        (AllReduceAlgo::OneShot, "single rank")
-    } else if bytes > half_bytes {
+    if bytes > half_bytes {
         (AllReduceAlgo::TwoPhase, "message larger than one staging half: pipelined")
-    } else if bytes <= one_shot_max {
+    } else if nranks <= 1 || bytes <= one_shot_max {
         (AllReduceAlgo::OneShot, "small message: one barrier beats two")
     } else {
         (AllReduceAlgo::TwoPhase, "large message: reading every input on every rank costs more than a second barrier")
@@ -441,6 +440,8 @@ mod tests {
         assert_eq!(choose_allreduce(1024, 4, 65536, 1 << 21).0, AllReduceAlgo::OneShot);
         assert_eq!(choose_allreduce(1 << 20, 4, 65536, 1 << 21).0, AllReduceAlgo::TwoPhase);
         assert_eq!(choose_allreduce(1 << 22, 4, usize::MAX, 1 << 21).0, AllReduceAlgo::TwoPhase);
-        assert_eq!(choose_allreduce(1 << 22, 1, 0, 1 << 21).0, AllReduceAlgo::OneShot);
+        // One rank still pipelines what does not fit one half (it once overran the region).
+        assert_eq!(choose_allreduce(1 << 22, 1, usize::MAX, 1 << 21).0, AllReduceAlgo::TwoPhase);
+        assert_eq!(choose_allreduce(1 << 20, 1, 0, 1 << 21).0, AllReduceAlgo::OneShot);
     }
 }

@@ -47,14 +47,16 @@ struct Shared {
 impl Shared {
     fn ctrl(&self) -> &ControlBlock {
         // SAFETY: the region starts with a ControlBlock (Layout reserves CONTROL_BYTES at
-        // offset 0, page-aligned); its shared fields are atomics, and a zeroed block is
-        // the valid initial state (memfd pages start zeroed).
+        // offset 0, page-aligned). Every field other processes write is an atomic or an
+        // UnsafeCell, so a shared reference to it is sound; a zeroed block is the valid
+        // initial state (memfd pages start zeroed).
         unsafe { &*(self.region.base() as *const ControlBlock) }
     }
 
     fn channel(&self, src: usize, dst: usize) -> &ChannelCtrl {
-        // SAFETY: Layout places a ChannelCtrl (zero-initialised, atomics for shared words)
-        // at the page-aligned start of every channel; src != dst is checked by callers.
+        // SAFETY: Layout places a ChannelCtrl at the page-aligned start of every channel;
+        // its shared fields are atomics or UnsafeCells, zero is their initial state;
+        // src != dst is checked by callers.
         unsafe { &*(self.region.at(self.layout.channel(src, dst)) as *const ChannelCtrl) }
     }
 
@@ -74,16 +76,15 @@ impl Shared {
         let c = self.ctrl();
         if c.abort_flag.0.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             let text = why.to_string();
-            let b = &text.as_bytes()[..text.len().min(c.abort_text.len())];
-            // SAFETY: only the rank that won the compare_exchange writes the text, and
-            // readers read it only after observing abort_flag == 2 (Release below).
+            // SAFETY: only the rank that won the compare_exchange writes these fields,
+            // once; readers read them only after observing abort_flag == 2 (Release below).
             unsafe {
-                let dst = c.abort_text.as_ptr() as *mut u8;
-                std::ptr::copy_nonoverlapping(b.as_ptr(), dst, b.len());
-                let hdr = c as *const ControlBlock as *mut ControlBlock;
-                (*hdr).abort_rank = self.me as u32;
-                (*hdr).abort_len = b.len() as u32;
-                (*hdr).abort_class = why.class_code() as u32;
+                let t = &mut *c.abort_text.get();
+                let n = text.len().min(t.len());
+                t[..n].copy_from_slice(&text.as_bytes()[..n]);
+                *c.abort_len.get() = n as u32;
+                *c.abort_rank.get() = self.me as u32;
+                *c.abort_class.get() = why.class_code() as u32;
             }
             c.abort_flag.0.store(2, Ordering::Release);
         }
@@ -99,14 +100,20 @@ impl Shared {
         if f == 0 {
             return None;
         }
-        // Text is being written by the aborting rank; it is bounded work, so wait for it.
+        // The aborting rank is writing its reason (bounded work): give it a moment, and
+        // read the reason only once it is published.
         let start = Instant::now();
-        while c.abort_flag.0.load(Ordering::Acquire) != 2 && start.elapsed() < Duration::from_millis(100) {
+        while c.abort_flag.0.load(Ordering::Acquire) != 2 {
+            if start.elapsed() > Duration::from_millis(200) {
+                return Some(Error::PeerFailure("another rank aborted the group (its reason is not published yet)".into()));
+            }
             std::thread::yield_now();
         }
-        let len = (c.abort_len as usize).min(c.abort_text.len());
-        let text = String::from_utf8_lossy(&c.abort_text[..len]).into_owned();
-        Some(Error::from_class_code(c.abort_class as u8, format!("rank {} aborted the group: {text}", c.abort_rank)))
+        // SAFETY: published before the Release store of abort_flag = 2 observed above,
+        // and never written again.
+        let (rank, len, class, text) = unsafe { (*c.abort_rank.get(), *c.abort_len.get(), *c.abort_class.get(), *c.abort_text.get()) };
+        let text = String::from_utf8_lossy(&text[..(len as usize).min(text.len())]).into_owned();
+        Some(Error::from_class_code(class as u8, format!("rank {rank} aborted the group: {text}")))
     }
 
     fn dead_peers(&self) -> Option<Error> {
@@ -138,8 +145,10 @@ impl WaitGuard for Shared {
     }
 }
 
+/// Submitted collectives. `closed` is set under the same lock the thread drains under,
+/// so a job is either run or failed, never left behind at shutdown.
 struct Queue<T> {
-    items: Mutex<VecDeque<T>>,
+    items: Mutex<(VecDeque<T>, bool)>,
     cv: Condvar,
 }
 
@@ -147,6 +156,13 @@ struct CollJob {
     c: Collective,
     timeout: Duration,
     work: Arc<WorkState>,
+}
+
+impl Drop for CollJob {
+    fn drop(&mut self) {
+        // Never leave a Work waiting forever, whatever path dropped this (a panic included).
+        self.work.complete(Err(Error::Aborted("the collective was abandoned by the engine".into())));
+    }
 }
 
 use crate::work::WorkState;
@@ -157,10 +173,12 @@ struct P2pJob {
     work: Arc<WorkState>,
 }
 
+
+
 pub struct HostEngine {
     sh: Arc<Shared>,
     coll: Arc<Queue<CollJob>>,
-    p2p: Arc<Mutex<VecDeque<P2pJob>>>,
+    p2p: Arc<Mutex<P2pInbox>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -182,8 +200,8 @@ impl HostEngine {
             p2p_messages: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
         });
-        let coll = Arc::new(Queue { items: Mutex::new(VecDeque::new()), cv: Condvar::new() });
-        let p2p = Arc::new(Mutex::new(VecDeque::new()));
+        let coll = Arc::new(Queue { items: Mutex::new((VecDeque::new(), false)), cv: Condvar::new() });
+        let p2p = Arc::new(Mutex::new(P2pInbox { jobs: VecDeque::new(), closed: false }));
         let t1 = {
             let (sh, coll) = (sh.clone(), coll.clone());
             std::thread::Builder::new()
@@ -205,11 +223,16 @@ impl HostEngine {
 impl Engine for HostEngine {
     fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
-        if self.sh.shutdown.load(Ordering::Acquire) {
-            work.complete(Err(Error::Aborted("the group was destroyed".into())));
-            return work;
+        let job = CollJob { c, timeout, work: work.clone() };
+        {
+            let mut q = self.coll.items.lock();
+            if q.1 {
+                drop(q);
+                drop(job); // completes the Work with Aborted, outside the lock
+                return work;
+            }
+            q.0.push_back(job);
         }
-        self.coll.items.lock().push_back(CollJob { c, timeout, work: work.clone() });
         self.coll.cv.notify_one();
         work
     }
@@ -226,12 +249,16 @@ impl Engine for HostEngine {
             ))));
             return work;
         }
-        if self.sh.shutdown.load(Ordering::Acquire) {
-            work.complete(Err(Error::Aborted("the group was destroyed".into())));
-            return work;
+        {
+            let mut inbox = self.p2p.lock();
+            if !inbox.closed {
+                inbox.jobs.push_back(P2pJob { op, timeout, work: work.clone() });
+                drop(inbox);
+                self.sh.ring(self.sh.me);
+                return work;
+            }
         }
-        self.p2p.lock().push_back(P2pJob { op, timeout, work: work.clone() });
-        self.sh.ring(self.sh.me);
+        work.complete(Err(Error::Aborted("the group was destroyed".into())));
         work
     }
 
@@ -246,8 +273,14 @@ impl Engine for HostEngine {
     }
 
     fn shutdown(&self) {
-        self.sh.shutdown.store(true, Ordering::Release);
-        self.coll.cv.notify_all();
+        {
+            // Under the queue lock: the collective thread either sees the flag before it
+            // sleeps or is already asleep and gets this notification.
+            let mut q = self.coll.items.lock();
+            q.1 = true;
+            self.sh.shutdown.store(true, Ordering::Release);
+            self.coll.cv.notify_all();
+        }
         self.sh.ring(self.sh.me);
         futex_wake_all(&self.sh.ctrl().barrier.0);
         for t in self.threads.lock().drain(..) {
@@ -268,10 +301,10 @@ fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>) {
         let job = {
             let mut items = q.items.lock();
             loop {
-                if let Some(j) = items.pop_front() {
+                if let Some(j) = items.0.pop_front() {
                     break Some(j);
                 }
-                if sh.shutdown.load(Ordering::Acquire) {
+                if items.1 {
                     break None;
                 }
                 q.cv.wait(&mut items);
@@ -640,8 +673,18 @@ struct Pending {
     deadline: Instant,
     timeout: Duration,
     work: Arc<WorkState>,
+    /// Chunks moved so far.
     done: usize,
-    started: bool,
+    /// Sends: the channel's chunk counter after this message's last chunk; the send is
+    /// complete once the receiver has acked up to it.
+    end: Option<u32>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        // Never leave a Work waiting forever, whatever path dropped this (a panic included).
+        self.work.complete(Err(Error::Aborted("the send/recv was abandoned by the engine".into())));
+    }
 }
 
 impl Pending {
@@ -651,57 +694,87 @@ impl Pending {
         }
     }
 
-    fn describe(&self) -> String {
+    fn tag_dtype(&self) -> (i64, crate::dtype::DType) {
         match &self.op {
-            P2p::Send { buf, dtype, peer, tag } => format!(
-                "send of {} {} elements to rank {peer} (tag {tag})",
-                buf.len / dtype.size(),
-                dtype.name()
-            ),
-            P2p::Recv { buf, dtype, peer, tag } => format!(
-                "recv of {} {} elements from rank {peer} (tag {tag})",
-                buf.len / dtype.size(),
-                dtype.name()
-            ),
+            P2p::Send { tag, dtype, .. } | P2p::Recv { tag, dtype, .. } => (*tag, *dtype),
         }
+    }
+
+    fn started(&self) -> bool {
+        self.done > 0
+    }
+
+    fn describe(&self) -> String {
+        let (what, dir) = match &self.op {
+            P2p::Send { peer, .. } => ("send", format!("to rank {peer}")),
+            P2p::Recv { peer, .. } => ("recv", format!("from rank {peer}")),
+        };
+        let (tag, dtype) = self.tag_dtype();
+        format!("{what} of {} {} elements {dir} (tag {tag})", self.buf().len / dtype.size(), dtype.name())
     }
 }
 
-/// Progresses every pending send and recv of this rank. Messages between two ranks are
-/// delivered in order, per direction; a recv checks tag, size and dtype of what arrives.
+/// Progresses every pending send and recv of this rank.
+///
+/// Semantics: messages from one rank to another travel in order through their channel. A
+/// message goes to the oldest pending recv from that rank with the same tag (as gloo
+/// matches); one that no recv matches waits in the channel. A send completes once the
+/// receiver has taken the whole message, so a send nobody receives times out, and a
+/// receiver's objection (wrong size or dtype) reaches the very send it concerns.
 struct P2pExec {
     sh: Arc<Shared>,
-    incoming: Arc<Mutex<VecDeque<P2pJob>>>,
+    incoming: Arc<Mutex<P2pInbox>>,
     sends: Vec<VecDeque<Pending>>,
     recvs: Vec<VecDeque<Pending>>,
+    /// The recv being filled from each source's channel (matched by tag).
+    active: Vec<Option<Pending>>,
     send_next: Vec<u32>,
     recv_next: Vec<u32>,
-    send_seq: Vec<u64>,
-    recv_seq: Vec<u64>,
     /// A channel direction that failed mid-message cannot be trusted again.
     send_broken: Vec<Option<Error>>,
     recv_broken: Vec<Option<Error>>,
 }
 
+/// New p2p jobs, and whether the engine still takes them (flipped under the same lock,
+/// so no job can slip in after the thread's last drain).
+struct P2pInbox {
+    jobs: VecDeque<P2pJob>,
+    closed: bool,
+}
+
+impl Drop for P2pInbox {
+    fn drop(&mut self) {
+        // Jobs still here when the engine goes away (its thread died) must not hang.
+        for job in self.jobs.drain(..) {
+            job.work.complete(Err(Error::Aborted("the send/recv was abandoned by the engine".into())));
+        }
+    }
+}
+
+fn complete_all(items: impl IntoIterator<Item = Pending>, e: &Error) {
+    for p in items {
+        p.work.complete(Err(e.clone()));
+    }
+}
+
 impl P2pExec {
-    fn new(sh: Arc<Shared>, incoming: Arc<Mutex<VecDeque<P2pJob>>>) -> P2pExec {
+    fn new(sh: Arc<Shared>, incoming: Arc<Mutex<P2pInbox>>) -> P2pExec {
         let n = sh.n;
         P2pExec {
             sh,
             incoming,
             sends: (0..n).map(|_| VecDeque::new()).collect(),
             recvs: (0..n).map(|_| VecDeque::new()).collect(),
+            active: (0..n).map(|_| None).collect(),
             send_next: vec![0; n],
             recv_next: vec![0; n],
-            send_seq: vec![0; n],
-            recv_seq: vec![0; n],
             send_broken: vec![None; n],
             recv_broken: vec![None; n],
         }
     }
 
     fn pending(&self) -> bool {
-        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty())
+        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty()) || self.active.iter().any(Option::is_some)
     }
 
     fn run(mut self) {
@@ -710,32 +783,42 @@ impl P2pExec {
         loop {
             let bell_word: &AtomicU32 = &sh.ctrl().doorbells[me].0;
             let bell = bell_word.load(Ordering::Acquire);
-            if self.sh.shutdown.load(Ordering::Acquire) {
-                self.fail_all(&Error::Aborted("the group was destroyed before this send/recv completed".into()));
-                for job in self.incoming.lock().drain(..) {
-                    job.work.complete(Err(Error::Aborted("the group was destroyed".into())));
+            if sh.shutdown.load(Ordering::Acquire) {
+                let late: Vec<P2pJob> = {
+                    let mut inbox = self.incoming.lock();
+                    inbox.closed = true;
+                    inbox.jobs.drain(..).collect()
+                };
+                // Completing runs Python callbacks: never while holding the inbox lock.
+                let e = Error::Aborted("the group was destroyed before this send/recv completed".into());
+                for job in late {
+                    job.work.complete(Err(e.clone()));
                 }
+                self.fail_everything(&e);
                 return;
             }
-            for job in self.incoming.lock().drain(..) {
+            let new: Vec<P2pJob> = self.incoming.lock().jobs.drain(..).collect();
+            for job in new {
                 let peer = match &job.op {
                     P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
                 };
+                let is_send = matches!(job.op, P2p::Send { .. });
                 let p = Pending {
                     deadline: Instant::now() + job.timeout,
                     timeout: job.timeout,
                     op: job.op,
                     work: job.work,
                     done: 0,
-                    started: false,
+                    end: None,
                 };
-                match p.op {
-                    P2p::Send { .. } => self.sends[peer].push_back(p),
-                    P2p::Recv { .. } => self.recvs[peer].push_back(p),
+                if is_send {
+                    self.sends[peer].push_back(p);
+                } else {
+                    self.recvs[peer].push_back(p);
                 }
             }
             let mut progressed = false;
-            for j in 0..self.sh.n {
+            for j in 0..sh.n {
                 if j != me {
                     progressed |= self.progress_send(j);
                     progressed |= self.progress_recv(j);
@@ -747,13 +830,13 @@ impl P2pExec {
             let pending = self.pending();
             if pending {
                 self.expire();
-                if let Some(e) = self.sh.dead_peers() {
-                    for r in self.sh.mesh.gone() {
+                if let Some(e) = sh.dead_peers() {
+                    for r in sh.mesh.gone() {
                         self.fail_peer(r, &e);
                     }
                 }
                 // Brief spin: the peer usually answers within microseconds.
-                for _ in 0..self.sh.cfg.spin_count.min(4096) {
+                for _ in 0..sh.cfg.spin_count.min(4096) {
                     if bell_word.load(Ordering::Acquire) != bell {
                         break;
                     }
@@ -766,116 +849,175 @@ impl P2pExec {
         }
     }
 
-    fn fail_all(&mut self, e: &Error) {
-        for q in self.sends.iter_mut().chain(self.recvs.iter_mut()) {
-            for p in q.drain(..) {
-                p.work.complete(Err(e.clone()));
-            }
+    fn fail_everything(&mut self, e: &Error) {
+        for r in 0..self.sh.n {
+            complete_all(self.sends[r].drain(..), e);
+            complete_all(self.recvs[r].drain(..), e);
+            complete_all(self.active[r].take(), e);
         }
     }
 
     fn fail_peer(&mut self, r: usize, e: &Error) {
-        for p in self.sends[r].drain(..).chain(self.recvs[r].drain(..)) {
-            p.work.complete(Err(e.clone()));
-        }
+        complete_all(self.sends[r].drain(..), e);
+        complete_all(self.recvs[r].drain(..), e);
+        complete_all(self.active[r].take(), e);
         self.send_broken[r] = Some(e.clone());
         self.recv_broken[r] = Some(e.clone());
     }
 
+    /// Fail operations past their deadline. One that had moved part of its message
+    /// poisons its channel, so the peer fails now rather than at its own timeout.
     fn expire(&mut self) {
         let now = Instant::now();
+        let me = self.sh.me;
         for r in 0..self.sh.n {
-            for (is_send, q) in [(true, &mut self.sends[r]), (false, &mut self.recvs[r])] {
-                if q.front().is_some_and(|p| now >= p.deadline) {
-                    let p = q.pop_front().expect("checked");
-                    let e = Error::Timeout(format!(
-                        "rank {}: {} timed out after {:.1} s: rank {r} {}",
-                        self.sh.me,
-                        p.describe(),
-                        p.timeout.as_secs_f64(),
-                        if is_send { "posted no matching recv" } else { "sent nothing matching" }
-                    ));
-                    if p.started {
-                        // A partly moved message leaves the channel out of step.
-                        if is_send {
-                            self.send_broken[r] = Some(e.clone());
-                        } else {
-                            self.recv_broken[r] = Some(e.clone());
-                        }
+            if r == me {
+                continue;
+            }
+            let recv_note = self.channel_note(r);
+            let timed_out = |p: &Pending, is_send: bool| {
+                let waiting = if is_send { "" } else { recv_note.as_str() };
+                Error::Timeout(format!(
+                    "rank {me}: {} timed out after {:.1} s: rank {r} {}{waiting}",
+                    p.describe(),
+                    p.timeout.as_secs_f64(),
+                    if is_send { "posted no matching recv" } else { "sent nothing matching" }
+                ))
+            };
+            let mut failed: Vec<(Pending, Error)> = Vec::new();
+            let mut i = 0;
+            while i < self.sends[r].len() {
+                if now >= self.sends[r][i].deadline {
+                    let p = self.sends[r].remove(i).expect("index in range");
+                    let e = timed_out(&p, true);
+                    if p.started() {
+                        poison(self.sh.channel(me, r), &e);
+                        self.sh.ring(r);
+                        self.send_broken[r] = Some(e.clone());
                     }
-                    p.work.complete(Err(e));
+                    failed.push((p, e));
+                } else {
+                    i += 1;
                 }
             }
+            let mut i = 0;
+            while i < self.recvs[r].len() {
+                if now >= self.recvs[r][i].deadline {
+                    let p = self.recvs[r].remove(i).expect("index in range");
+                    let e = timed_out(&p, false);
+                    failed.push((p, e));
+                } else {
+                    i += 1;
+                }
+            }
+            if self.active[r].as_ref().is_some_and(|p| now >= p.deadline) {
+                let p = self.active[r].take().expect("checked");
+                let e = timed_out(&p, false);
+                poison(self.sh.channel(r, me), &e);
+                self.sh.ring(r);
+                self.recv_broken[r] = Some(e.clone());
+                failed.push((p, e));
+            }
+            for (p, e) in failed {
+                p.work.complete(Err(e));
+            }
         }
+    }
+
+    /// For a recv timeout: what is waiting in the channel from `r`, if anything.
+    fn channel_note(&self, r: usize) -> String {
+        let ch = self.sh.channel(r, self.sh.me);
+        let g = self.recv_next[r];
+        if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
+            return String::new();
+        }
+        // SAFETY: chunk g is published (Acquire load above) and not rewritten until acked.
+        let h = unsafe { std::ptr::read(ch.headers[(g & 1) as usize].get()) };
+        let dt = crate::dtype::DType::from_code(h.dtype);
+        format!(
+            " (a message of {} {} elements with tag {} from rank {r} is waiting: no recv matched its tag)",
+            h.total_bytes / dt.map_or(1, |d| d.size()) as u64,
+            dt.map_or("?", |d| d.name()),
+            h.tag
+        )
     }
 
     fn chunks_of(len: usize, half: usize) -> usize {
         len.div_ceil(half).max(1)
     }
 
+    fn poisoned(&self, src: usize, dst: usize) -> Option<Error> {
+        let ch = self.sh.channel(src, dst);
+        let code = ch.poisoned.0.load(Ordering::Acquire);
+        if code == 0 || code == POISON_WRITING {
+            return None; // not poisoned, or the text is not published yet: look again later
+        }
+        // SAFETY: the text was written before the Release store of `poisoned` that the
+        // Acquire load above observed, and is never written again.
+        let (len, text) = unsafe { (*ch.error_len.get() as usize, *ch.error_text.get()) };
+        let len = len.min(ERROR_TEXT_BYTES);
+        Some(Error::from_class_code(code as u8, String::from_utf8_lossy(&text[..len]).into_owned()))
+    }
+
     fn progress_send(&mut self, j: usize) -> bool {
         let me = self.sh.me;
         let half = self.sh.layout.p2p_half;
+        if self.sends[j].is_empty() {
+            return false;
+        }
+        if self.send_broken[j].is_none() {
+            self.send_broken[j] = self.poisoned(me, j);
+        }
+        if let Some(e) = &self.send_broken[j] {
+            let e = Error::from_class_code(e.class_code(), format!("send to rank {j} failed: {e}"));
+            complete_all(self.sends[j].drain(..), &e);
+            return true;
+        }
+        let ch = self.sh.channel(me, j);
         let mut progressed = false;
         while let Some(p) = self.sends[j].front_mut() {
-            if let Some(e) = &self.send_broken[j] {
-                let p = self.sends[j].pop_front().expect("front exists");
-                p.work.complete(Err(Error::PeerFailure(format!("send to rank {j} is unusable after an earlier error: {e}"))));
-                progressed = true;
-                continue;
-            }
-            let ch = self.sh.channel(me, j);
-            let poison = ch.poisoned.0.load(Ordering::Acquire);
-            if poison != 0 {
-                let len = (ch.error_len as usize).min(ERROR_TEXT_BYTES);
-                let e = Error::from_class_code(poison as u8, String::from_utf8_lossy(&ch.error_text[..len]).into_owned());
-                self.send_broken[j] = Some(e.clone());
-                let p = self.sends[j].pop_front().expect("front exists");
-                p.work.complete(Err(e));
-                return true;
-            }
             let buf = p.buf();
-            let (tag, dtype) = match &p.op {
-                P2p::Send { tag, dtype, .. } => (*tag, *dtype),
-                P2p::Recv { .. } => unreachable!("only sends are queued here"),
-            };
+            let (tag, dtype) = p.tag_dtype();
             let total_chunks = Self::chunks_of(buf.len, half);
-            let mut sent_any = false;
             while p.done < total_chunks {
                 let g = self.send_next[j];
                 if g.wrapping_sub(ch.acked.0.load(Ordering::Acquire)) >= 2 {
                     break;
                 }
-                if !p.started {
-                    self.send_seq[j] += 1;
-                    p.started = true;
-                }
                 let h = (g & 1) as usize;
                 let lo = p.done * half;
                 let len = half.min(buf.len - lo.min(buf.len));
-                // SAFETY: half h of channel me->j is ours until the receiver acks chunk g
-                // (protocol in ChannelCtrl); the header slot h belongs to the same half.
+                // SAFETY: half h of channel me->j (and its header) is ours until the
+                // receiver acks chunk g (protocol in ChannelCtrl); `buf` is valid for its
+                // len (the Python Work holds the tensor).
                 unsafe {
-                    let hdr = &ch.headers[h] as *const MsgHeader as *mut MsgHeader;
-                    hdr.write(MsgHeader { tag, total_bytes: buf.len as u64, dtype: dtype as u8, _pad: [0; 7], msg_seq: self.send_seq[j] });
+                    ch.headers[h].get().write(MsgHeader {
+                        tag,
+                        total_bytes: buf.len as u64,
+                        dtype: dtype as u8,
+                        _pad: [0; 7],
+                        msg_seq: 0,
+                    });
                     copy(self.sh.region.at(self.sh.layout.channel_half(me, j, h)), buf.ptr.add(lo), len);
                 }
                 ch.sent.0.store(g.wrapping_add(1), Ordering::Release);
                 self.sh.ring(j);
                 self.send_next[j] = g.wrapping_add(1);
                 p.done += 1;
-                sent_any = true;
-            }
-            progressed |= sent_any;
-            if p.done == total_chunks {
-                let p = self.sends[j].pop_front().expect("front exists");
-                self.sh.p2p_messages.fetch_add(1, Ordering::Relaxed);
-                self.sh.staged_bytes.fetch_add(buf.len as u64, Ordering::Relaxed);
-                p.work.complete(Ok(()));
                 progressed = true;
-            } else {
+            }
+            if p.done < total_chunks {
                 break;
             }
+            let end = *p.end.get_or_insert(self.send_next[j]);
+            if (ch.acked.0.load(Ordering::Acquire).wrapping_sub(end) as i32) < 0 {
+                break;
+            }
+            let p = self.sends[j].pop_front().expect("front exists");
+            self.sh.p2p_messages.fetch_add(1, Ordering::Relaxed);
+            self.sh.staged_bytes.fetch_add(buf.len as u64, Ordering::Relaxed);
+            p.work.complete(Ok(()));
+            progressed = true;
         }
         progressed
     }
@@ -883,83 +1025,88 @@ impl P2pExec {
     fn progress_recv(&mut self, i: usize) -> bool {
         let me = self.sh.me;
         let half = self.sh.layout.p2p_half;
+        if self.recvs[i].is_empty() && self.active[i].is_none() {
+            return false;
+        }
+        if self.recv_broken[i].is_none() {
+            self.recv_broken[i] = self.poisoned(i, me);
+        }
+        if let Some(e) = &self.recv_broken[i] {
+            let e = Error::from_class_code(e.class_code(), format!("recv from rank {i} failed: {e}"));
+            complete_all(self.recvs[i].drain(..), &e);
+            complete_all(self.active[i].take(), &e);
+            return true;
+        }
+        let ch = self.sh.channel(i, me);
         let mut progressed = false;
-        while let Some(p) = self.recvs[i].front_mut() {
-            if let Some(e) = &self.recv_broken[i] {
-                let p = self.recvs[i].pop_front().expect("front exists");
-                p.work.complete(Err(Error::PeerFailure(format!("recv from rank {i} is unusable after an earlier error: {e}"))));
-                progressed = true;
-                continue;
+        loop {
+            let g = self.recv_next[i];
+            if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
+                break;
             }
-            let ch = self.sh.channel(i, me);
-            let buf = p.buf();
-            let (tag, dtype) = match &p.op {
-                P2p::Recv { tag, dtype, .. } => (*tag, *dtype),
-                P2p::Send { .. } => unreachable!("only recvs are queued here"),
-            };
-            let total_chunks = Self::chunks_of(buf.len, half);
-            let mut got_any = false;
-            while p.done < total_chunks {
-                let g = self.recv_next[i];
-                if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
-                    break;
-                }
-                let h = (g & 1) as usize;
+            let h = (g & 1) as usize;
+            if self.active[i].is_none() {
                 // SAFETY: chunk g is published (Acquire load of `sent` above); the sender
                 // does not touch half h until we ack it.
-                let hdr = unsafe { std::ptr::read(&ch.headers[h] as *const MsgHeader) };
-                if p.done == 0 {
-                    if hdr.tag != tag || hdr.total_bytes != buf.len as u64 || hdr.dtype != dtype as u8 {
-                        let sent_dt = crate::dtype::DType::from_code(hdr.dtype);
-                        let e = Error::Mismatch(format!(
-                            "rank {me} posted a {}, but rank {i} sent {} {} elements (tag {})",
-                            p.describe(),
-                            hdr.total_bytes / sent_dt.map_or(1, |d| d.size()) as u64,
-                            sent_dt.map_or("?", |d| d.name()),
-                            hdr.tag
-                        ));
-                        poison(ch, &e);
-                        self.sh.ring(i);
-                        self.recv_broken[i] = Some(e.clone());
-                        let p = self.recvs[i].pop_front().expect("front exists");
-                        p.work.complete(Err(e));
-                        return true;
-                    }
-                    p.started = true;
-                    self.recv_seq[i] = hdr.msg_seq;
+                let hdr = unsafe { std::ptr::read(ch.headers[h].get()) };
+                let Some(idx) = self.recvs[i].iter().position(|p| p.tag_dtype().0 == hdr.tag) else {
+                    break; // no recv for this tag yet: the message waits in the channel
+                };
+                let p = self.recvs[i].remove(idx).expect("index in range");
+                let (tag, dtype) = p.tag_dtype();
+                if hdr.total_bytes != p.buf().len as u64 || hdr.dtype != dtype as u8 {
+                    let sent_dt = crate::dtype::DType::from_code(hdr.dtype);
+                    let e = Error::Mismatch(format!(
+                        "rank {me} posted a {}, but rank {i} sent {} {} elements (tag {tag})",
+                        p.describe(),
+                        hdr.total_bytes / sent_dt.map_or(1, |d| d.size()) as u64,
+                        sent_dt.map_or("?", |d| d.name()),
+                    ));
+                    poison(ch, &e);
+                    self.sh.ring(i);
+                    self.recv_broken[i] = Some(e.clone());
+                    p.work.complete(Err(e));
+                    return true;
                 }
-                let lo = p.done * half;
-                let len = half.min(buf.len - lo.min(buf.len));
-                // SAFETY: as above; `buf` is valid for its len (kept alive by the Work).
-                unsafe { copy(buf.ptr.add(lo), self.sh.region.at(self.sh.layout.channel_half(i, me, h)), len) };
-                ch.acked.0.store(g.wrapping_add(1), Ordering::Release);
-                self.sh.ring(i);
-                self.recv_next[i] = g.wrapping_add(1);
-                p.done += 1;
-                got_any = true;
+                self.active[i] = Some(p);
             }
-            progressed |= got_any;
-            if p.done == total_chunks {
-                let p = self.recvs[i].pop_front().expect("front exists");
+            let p = self.active[i].as_mut().expect("set above");
+            let buf = p.buf();
+            let lo = p.done * half;
+            let len = half.min(buf.len - lo.min(buf.len));
+            // SAFETY: as above; `buf` is valid for its len (kept alive by the Work).
+            unsafe { copy(buf.ptr.add(lo), self.sh.region.at(self.sh.layout.channel_half(i, me, h)), len) };
+            ch.acked.0.store(g.wrapping_add(1), Ordering::Release);
+            self.sh.ring(i);
+            self.recv_next[i] = g.wrapping_add(1);
+            p.done += 1;
+            progressed = true;
+            if p.done == Self::chunks_of(buf.len, half) {
+                let p = self.active[i].take().expect("set above");
                 p.work.complete(Ok(()));
-                progressed = true;
-            } else {
-                break;
             }
         }
         progressed
     }
 }
 
+/// `ChannelCtrl::poisoned` while the poisoning end writes the text.
+const POISON_WRITING: u32 = u32::MAX;
+
+/// Mark channel `ch` failed with `e`, for whichever side reads it next.
 fn poison(ch: &ChannelCtrl, e: &Error) {
     let text = e.to_string();
     let b = &text.as_bytes()[..text.len().min(ERROR_TEXT_BYTES)];
-    // SAFETY: the receiver is the only writer of the error text, written once before the
-    // Release store of `poisoned`; the sender reads it after an Acquire load of `poisoned`.
+    // Either end may poison; the compare_exchange elects one writer of the text.
+    if ch.poisoned.0.compare_exchange(0, POISON_WRITING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return; // the first failure's text stands
+    }
+    // SAFETY: only the end that won the compare_exchange writes the text, once; readers
+    // read it only after an Acquire load sees the final code (Release store below).
     unsafe {
-        let c = ch as *const ChannelCtrl as *mut ChannelCtrl;
-        std::ptr::copy_nonoverlapping(b.as_ptr(), (*c).error_text.as_mut_ptr(), b.len());
-        (*c).error_len = b.len() as u32;
+        let t = &mut *ch.error_text.get();
+        t[..b.len()].copy_from_slice(b);
+        *ch.error_len.get() = b.len() as u32;
     }
     ch.poisoned.0.store(e.class_code() as u32, Ordering::Release);
 }

@@ -8,6 +8,7 @@
 //! [p2p channel x N*(N-1) ordered pairs            ]   send/recv, each: ChannelCtrl + 2 halves
 //! ```
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::AtomicU32;
 
 use crate::config::Config;
@@ -52,11 +53,11 @@ pub struct ControlBlock {
     pub _pad1: [u8; 40],
     pub barrier: PaddedU32,
     pub abort_flag: PaddedU32,
-    pub abort_rank: u32,
-    pub abort_len: u32,
+    pub abort_rank: UnsafeCell<u32>,
+    pub abort_len: UnsafeCell<u32>,
     /// `Error::class_code` of the abort's cause, so a timeout stays a timeout everywhere.
-    pub abort_class: u32,
-    pub abort_text: [u8; 512],
+    pub abort_class: UnsafeCell<u32>,
+    pub abort_text: UnsafeCell<[u8; 512]>,
     /// Barriers each rank has arrived at: names the missing ranks on a timeout.
     pub arrivals: [PaddedU32; MAX_LOCAL_RANKS],
     pub doorbells: [PaddedU32; MAX_LOCAL_RANKS],
@@ -96,16 +97,18 @@ const _: () = assert!(std::mem::size_of::<ControlBlock>() <= CONTROL_BYTES);
 /// chunk g once `sent.load(Acquire) > g`, copies it out, then `acked.store(g + 1, Release)`
 /// and rings src's doorbell. Release/acquire on `sent` makes the data visible to the
 /// reader; on `acked` it orders the reader's copy before the writer's reuse of the half.
-/// `poisoned` (Release store of a class code, text in `error_text`) is set by a receiver
-/// that found a mismatching message, so the sender fails with the same message.
+/// `poisoned` ends the channel: a receiver that finds a mismatching message, or an end
+/// that times out mid-message, claims it (compare_exchange 0 -> u32::MAX), writes
+/// `error_text`, then stores the error's class code (Release); the other end fails with
+/// that text once an Acquire load sees the code.
 #[repr(C)]
 pub struct ChannelCtrl {
     pub sent: PaddedU32,
     pub acked: PaddedU32,
     pub poisoned: PaddedU32,
-    pub error_len: u32,
-    pub error_text: [u8; ERROR_TEXT_BYTES],
-    pub headers: [MsgHeader; 2],
+    pub error_len: UnsafeCell<u32>,
+    pub error_text: UnsafeCell<[u8; ERROR_TEXT_BYTES]>,
+    pub headers: [UnsafeCell<MsgHeader>; 2],
 }
 
 /// What one p2p chunk belongs to; checked by the receiver against its recv.

@@ -15,8 +15,8 @@ pub struct HostRegion {
     fd: OwnedFd,
 }
 
-// SAFETY: the mapping is plain shared memory; all concurrent access to it goes through
-// the atomics and barrier protocol of `engine::host`, never through Rust references.
+// SAFETY: the mapping is plain shared memory; concurrent access to it goes through raw
+// pointers, atomics and UnsafeCells under the protocols of `memory::layout`.
 unsafe impl Send for HostRegion {}
 // SAFETY: as above; `&HostRegion` only hands out raw pointers.
 unsafe impl Sync for HostRegion {}
