@@ -100,7 +100,7 @@ class _Plan:
     """What one torch call becomes: engine submissions, the tensors to keep alive until
     they complete, the result torch's future reports, and the copy-back step."""
 
-    def __init__(self, submits: list[Callable[[], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+    def __init__(self, submits: list[Callable[[bool], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
         self.submits = submits
         self.result = result
         self.keep = keep
@@ -172,7 +172,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._comm.shutdown()
 
     # -- the single seam ---------------------------------------------------------------
-    def _run(self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], "_Plan"], n_ops: int = 1) -> Any:
+    def _run(
+        self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], "_Plan"], n_ops: int = 1, opts: Any = None
+    ) -> Any:
         """Delegate to gloo for multi-host groups; else prepare, then submit.
 
         `prepare` validates every argument and builds every buffer before anything is
@@ -193,7 +195,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 except Exception as err:  # noqa: BLE001 - the first agreed error is raised
                     errors.append(err)
             raise errors[0] if errors else RuntimeError(f"rsccl: {e}")
-        return RsWork([submit() for submit in plan.submits], plan.result, plan.keep, plan.post)
+        # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
+        # call runs on this thread when nothing is queued before it.
+        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
+        return RsWork([submit(blocking) for submit in plan.submits], plan.result, plan.keep, plan.post)
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
@@ -201,9 +206,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "all_reduce"))
-            return _Plan([lambda: self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op)], tensors, s, s.post)
+            return _Plan([lambda b: self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op, blocking=b)], tensors, s, s.post)
 
-        return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare)
+        return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare, opts=opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -216,21 +221,21 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             for dt in dtypes:
                 group = [t for t in ts if t.dtype == dt]
                 flat = _flat_cat(group).to(dt)
-                submits.append(lambda flat=flat: self._comm.all_reduce(_buf(flat), _dtype(flat), op))
+                submits.append(lambda b, flat=flat: self._comm.all_reduce(_buf(flat), _dtype(flat), op, blocking=b))
                 keep.append(flat)
                 posts.append(_scatter_back(flat, group))
             return _Plan(submits, tensors, keep, _chain(*posts))
 
-        return self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes))
+        return self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes), opts=opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "broadcast"))
-            return _Plan([lambda: self._comm.broadcast(_buf(s.buf), _dtype(s.buf), root)], tensors, s, s.post)
+            return _Plan([lambda b: self._comm.broadcast(_buf(s.buf), _dtype(s.buf), root, blocking=b)], tensors, s, s.post)
 
-        return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare)
+        return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare, opts=opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -239,24 +244,24 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "reduce"))
             post = s.post if self.rank() == root else None
-            return _Plan([lambda: self._comm.reduce(_buf(s.buf), _dtype(s.buf), op, root)], tensors, s, post)
+            return _Plan([lambda b: self._comm.reduce(_buf(s.buf), _dtype(s.buf), op, root, blocking=b)], tensors, s, post)
 
-        return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare)
+        return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare, opts=opts)
 
-    def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Callable[[], Any], Any, Callable[[], None] | None]:
+    def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "all_gather output")
         inp = _check_tensor(inp, "all_gather input").contiguous()
         if out.dtype != inp.dtype:
             raise ArgumentError(f"all_gather: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
         s = _Staged(out, copy_in=False)
-        return (lambda: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp))), (inp, s), s.post
+        return (lambda b: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp), blocking=b)), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         def prepare() -> _Plan:
             submit, keep, post = self._all_gather_one(output, input)
             return _Plan([submit], [output], keep, post)
 
-        return self._run("all_gather", lambda g: g._allgather_base(output, input, opts), prepare)
+        return self._run("all_gather", lambda g: g._allgather_base(output, input, opts), prepare, opts=opts)
 
     all_gather_single = _allgather_base
 
@@ -275,7 +280,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             submit, keep, _ = self._all_gather_one(flat, inp)
             return _Plan([submit], output_tensors, keep, _scatter_back(flat, outs))
 
-        return self._run("all_gather", lambda g: g.allgather(output_tensors, input_tensors, opts), prepare)
+        return self._run("all_gather", lambda g: g.allgather(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def _gather_bytes(self, pairs: list[tuple[list[torch.Tensor], torch.Tensor]]) -> _Plan:
         """All-gather many inputs of any dtypes in ONE engine operation, moving bytes:
@@ -300,7 +305,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     o.copy_(flat_out[r * total + off : r * total + off + nb].view(i.dtype).view(o.shape))
                 off += nb
 
-        submit = lambda: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8")  # noqa: E731
+        submit = lambda b: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8", blocking=b)  # noqa: E731
         return _Plan([submit], None, (flat_in, flat_out), post)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
@@ -327,7 +332,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             plan.post, plan.result = post, outputs
             return plan
 
-        return self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare)
+        return self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare, opts=opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> RsWork:
         def prepare() -> _Plan:
@@ -338,15 +343,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             plan.result = output_lists
             return plan
 
-        return self._run("all_gather", lambda g: g.allgather_coalesced(output_lists, input_list, opts), prepare)
+        return self._run("all_gather", lambda g: g.allgather_coalesced(output_lists, input_list, opts), prepare, opts=opts)
 
-    def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> tuple[Callable[[], Any], Any, Callable[[], None] | None]:
+    def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "reduce_scatter output")
         inp = _check_tensor(inp, "reduce_scatter input").contiguous()
         if out.dtype != inp.dtype:
             raise ArgumentError(f"reduce_scatter: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
         s = _Staged(out, copy_in=False)
-        return (lambda: self._comm.reduce_scatter(_buf(inp), _buf(s.buf), _dtype(inp), op)), (inp, s), s.post
+        return (lambda b: self._comm.reduce_scatter(_buf(inp), _buf(s.buf), _dtype(inp), op, blocking=b)), (inp, s), s.post
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -355,7 +360,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             submit, keep, post = self._reduce_scatter_one(output, input, op)
             return _Plan([submit], [output], keep, post)
 
-        return self._run("reduce_scatter", lambda g: g._reduce_scatter_base(output, input, opts), prepare)
+        return self._run("reduce_scatter", lambda g: g._reduce_scatter_base(output, input, opts), prepare, opts=opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -375,7 +380,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             submit, keep, post = self._reduce_scatter_one(out, _flat_cat(ins), op)
             return _Plan([submit], output_tensors, keep, post)
 
-        return self._run("reduce_scatter", lambda g: g.reduce_scatter(output_tensors, input_tensors, opts), prepare)
+        return self._run("reduce_scatter", lambda g: g.reduce_scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -398,11 +403,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             blocks = [i.reshape(n, -1) for i in inputs]
             flat_in = torch.cat(blocks, dim=1).reshape(-1) if blocks else torch.empty(0)
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
-            submit = lambda: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op)  # noqa: E731
+            submit = lambda b: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op, blocking=b)  # noqa: E731
             return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
         n_ops = 1 if one_dtype else len(inputs)
-        return self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops)
+        return self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
         def prepare() -> _Plan:
@@ -428,11 +433,14 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             send = split_bytes(inp, list(input_split_sizes), "input")
             recv = split_bytes(out, list(output_split_sizes), "output")
             s = _Staged(out, copy_in=False)
-            submit = lambda: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv)  # noqa: E731
+            submit = lambda b: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv, blocking=b)  # noqa: E731
             return _Plan([submit], [output], (inp, s), s.post)
 
         return self._run(
-            "all_to_all", lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts), prepare
+            "all_to_all",
+            lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
+            prepare,
+            opts=opts,
         )
 
     all_to_all_single = alltoall_base
@@ -451,10 +459,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
-            submit = lambda: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv)  # noqa: E731
+            submit = lambda b: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv, blocking=b)  # noqa: E731
             return _Plan([submit], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
 
-        return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare)
+        return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -471,10 +479,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                         raise ArgumentError(f"gather: gather_list[{i}] is {o.dtype}[{o.numel()}], input is {inp.dtype}[{inp.numel()}]")
                 flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
                 post = _scatter_back(flat, outs)
-            submit = lambda: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root)  # noqa: E731
+            submit = lambda b: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root, blocking=b)  # noqa: E731
             return _Plan([submit], output_tensors, (inp, flat), post)
 
-        return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare)
+        return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -490,13 +498,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     if t.numel() != s.user.numel() or t.dtype != s.user.dtype:
                         raise ArgumentError(f"scatter: scatter_list[{i}] is {t.dtype}[{t.numel()}], output is {s.user.dtype}[{s.user.numel()}]")
                 flat = _flat_cat(ins).to(s.user.dtype)
-            submit = lambda: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root)  # noqa: E731
+            submit = lambda b: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root, blocking=b)  # noqa: E731
             return _Plan([submit], output_tensors, (flat, s), s.post)
 
-        return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare)
+        return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def barrier(self, opts: Any = None) -> RsWork:
-        return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([self._comm.barrier], []))
+        return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([lambda b: self._comm.barrier(blocking=b)], []), opts=opts)
 
     # -- point to point ----------------------------------------------------------------
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> RsWork:

@@ -122,26 +122,32 @@ impl Communicator {
         self.0.timeout.as_secs_f64()
     }
 
-    fn all_reduce(&self, b: PyBuf, dtype: &str, op: &str) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }), Kind::AllReduce)
+    #[pyo3(signature = (b, dtype, op, blocking=false))]
+    fn all_reduce(&self, b: PyBuf, dtype: &str, op: &str, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }), Kind::AllReduce, blocking)
     }
 
-    fn broadcast(&self, b: PyBuf, dtype: &str, root: usize) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root }), Kind::Broadcast)
+    #[pyo3(signature = (b, dtype, root, blocking=false))]
+    fn broadcast(&self, b: PyBuf, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root }), Kind::Broadcast, blocking)
     }
 
-    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: usize) -> PyResult<Work> {
+    #[pyo3(signature = (b, dtype, op, root, blocking=false))]
+    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: usize, blocking: bool) -> PyResult<Work> {
         self.collective(
             || Ok(Collective::Reduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)?, root }),
             Kind::Reduce,
+            blocking,
         )
     }
 
-    fn all_gather(&self, input: PyBuf, output: PyBuf, dtype: &str) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }), Kind::AllGather)
+    #[pyo3(signature = (input, output, dtype, blocking=false))]
+    fn all_gather(&self, input: PyBuf, output: PyBuf, dtype: &str, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }), Kind::AllGather, blocking)
     }
 
-    fn reduce_scatter(&self, input: PyBuf, output: PyBuf, dtype: &str, op: &str) -> PyResult<Work> {
+    #[pyo3(signature = (input, output, dtype, op, blocking=false))]
+    fn reduce_scatter(&self, input: PyBuf, output: PyBuf, dtype: &str, op: &str, blocking: bool) -> PyResult<Work> {
         self.collective(
             || {
                 Ok(Collective::ReduceScatter {
@@ -152,28 +158,32 @@ impl Communicator {
                 })
             },
             Kind::ReduceScatter,
+            blocking,
         )
     }
 
-    fn all_to_all(&self, input: PyBuf, output: PyBuf, dtype: &str, send_bytes: Vec<u64>, recv_bytes: Vec<u64>) -> PyResult<Work> {
+    #[pyo3(signature = (input, output, dtype, send_bytes, recv_bytes, blocking=false))]
+    fn all_to_all(&self, input: PyBuf, output: PyBuf, dtype: &str, send_bytes: Vec<u64>, recv_bytes: Vec<u64>, blocking: bool) -> PyResult<Work> {
         self.collective(
             || Ok(Collective::AllToAll { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)?, send_bytes, recv_bytes }),
             Kind::AllToAll,
+            blocking,
         )
     }
 
-    #[pyo3(signature = (input, output, dtype, root))]
-    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: usize) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root }), Kind::Gather)
+    #[pyo3(signature = (input, output, dtype, root, blocking=false))]
+    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root }), Kind::Gather, blocking)
     }
 
-    #[pyo3(signature = (input, output, dtype, root))]
-    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: usize) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root }), Kind::Scatter)
+    #[pyo3(signature = (input, output, dtype, root, blocking=false))]
+    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root }), Kind::Scatter, blocking)
     }
 
-    fn barrier(&self) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Barrier), Kind::Barrier)
+    #[pyo3(signature = (blocking=false))]
+    fn barrier(&self, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Barrier), Kind::Barrier, blocking)
     }
 
     /// Take part in collective `kind` with arguments this rank found invalid, so every
@@ -195,7 +205,7 @@ impl Communicator {
         .find(|k| k.name() == kind)
         .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown collective {kind:?}")))?;
         let error = if class_ == "type" { Error::InvalidType(message) } else { Error::InvalidArgument(message) };
-        self.collective(|| Ok(Collective::Invalid { kind: k, error }), k)
+        self.collective(|| Ok(Collective::Invalid { kind: k, error }), k, false)
     }
 
     fn send(&self, b: PyBuf, dtype: &str, peer: usize, tag: i64) -> PyResult<Work> {
@@ -229,9 +239,14 @@ impl Communicator {
 
 impl Communicator {
     /// Build the collective; if this rank's arguments are invalid, submit them as
-    /// `Invalid` so the other ranks learn of it instead of waiting.
-    fn collective(&self, build: impl FnOnce() -> rsccl_core::Result<Collective>, kind: Kind) -> PyResult<Work> {
+    /// `Invalid` so the other ranks learn of it instead of waiting. A blocking call runs
+    /// it (GIL released) and returns an already completed Work.
+    fn collective(&self, build: impl FnOnce() -> rsccl_core::Result<Collective>, kind: Kind, blocking: bool) -> PyResult<Work> {
         let c = build().unwrap_or_else(|error| Collective::Invalid { kind, error });
+        if blocking {
+            let r = Python::attach(|py| py.detach(|| self.0.run_now(c, None)));
+            return Ok(Work(Arc::new(WorkState::completed(r))));
+        }
         Ok(Work(self.0.submit(c, None).py()?))
     }
 }

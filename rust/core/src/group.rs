@@ -114,6 +114,11 @@ impl Group {
         Ok(self.engine()?.submit(c, timeout.unwrap_or(self.timeout)))
     }
 
+    /// Run a collective on the calling thread (or after the queued ones) and return when done.
+    pub fn run_now(&self, c: Collective, timeout: Option<Duration>) -> Result<()> {
+        self.engine()?.run_now(c, timeout.unwrap_or(self.timeout))
+    }
+
     pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
         Ok(self.engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
     }

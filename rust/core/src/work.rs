@@ -27,6 +27,13 @@ impl WorkState {
         Self::default()
     }
 
+    /// A state that is already complete with `r`.
+    pub fn completed(r: Result<()>) -> Self {
+        let w = Self::default();
+        w.inner.lock().result = Some(r);
+        w
+    }
+
     /// Record the result, wake waiters, then run callbacks (outside the lock, in the
     /// completing thread).
     pub fn complete(&self, r: Result<()>) {

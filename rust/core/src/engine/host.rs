@@ -146,10 +146,18 @@ impl WaitGuard for Shared {
 }
 
 /// Submitted collectives. `closed` is set under the same lock the thread drains under,
-/// so a job is either run or failed, never left behind at shutdown.
+/// so a job is either run or failed, never left behind at shutdown. `busy` is the right
+/// to run a collective: held by the engine thread for a queued job, or by a caller that
+/// found the queue empty and runs its blocking collective on its own thread.
 struct Queue<T> {
-    items: Mutex<(VecDeque<T>, bool)>,
+    items: Mutex<QueueState<T>>,
     cv: Condvar,
+}
+
+struct QueueState<T> {
+    jobs: VecDeque<T>,
+    closed: bool,
+    busy: bool,
 }
 
 struct CollJob {
@@ -178,6 +186,7 @@ struct P2pJob {
 pub struct HostEngine {
     sh: Arc<Shared>,
     coll: Arc<Queue<CollJob>>,
+    exec: Arc<Mutex<CollExec>>,
     p2p: Arc<Mutex<P2pInbox>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -200,13 +209,25 @@ impl HostEngine {
             p2p_messages: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
         });
-        let coll = Arc::new(Queue { items: Mutex::new((VecDeque::new(), false)), cv: Condvar::new() });
+        let coll = Arc::new(Queue {
+            items: Mutex::new(QueueState { jobs: VecDeque::new(), closed: false, busy: false }),
+            cv: Condvar::new(),
+        });
+        let exec = Arc::new(Mutex::new(CollExec {
+            sh: sh.clone(),
+            epoch: 0,
+            seq: 0,
+            check_parity: None,
+            deadline: Instant::now(),
+            timeout: Duration::ZERO,
+            kind_name: "",
+        }));
         let p2p = Arc::new(Mutex::new(P2pInbox { jobs: VecDeque::new(), closed: false }));
         let t1 = {
-            let (sh, coll) = (sh.clone(), coll.clone());
+            let (sh, coll, exec) = (sh.clone(), coll.clone(), exec.clone());
             std::thread::Builder::new()
                 .name(format!("rsccl-coll-{me}"))
-                .spawn(move || collective_thread(sh, coll))
+                .spawn(move || collective_thread(sh, coll, exec))
                 .map_err(|e| Error::os("starting the collective thread", e))?
         };
         let t2 = {
@@ -216,7 +237,7 @@ impl HostEngine {
                 .spawn(move || P2pExec::new(sh, p2p).run())
                 .map_err(|e| Error::os("starting the send/recv thread", e))?
         };
-        Ok(HostEngine { sh, coll, p2p, threads: Mutex::new(vec![t1, t2]) })
+        Ok(HostEngine { sh, coll, exec, p2p, threads: Mutex::new(vec![t1, t2]) })
     }
 }
 
@@ -226,15 +247,36 @@ impl Engine for HostEngine {
         let job = CollJob { c, timeout, work: work.clone() };
         {
             let mut q = self.coll.items.lock();
-            if q.1 {
+            if q.closed {
                 drop(q);
                 drop(job); // completes the Work with Aborted, outside the lock
                 return work;
             }
-            q.0.push_back(job);
+            q.jobs.push_back(job);
         }
-        self.coll.cv.notify_one();
+        self.coll.cv.notify_all();
         work
+    }
+
+    fn run_now(&self, c: Collective, timeout: Duration) -> Result<()> {
+        {
+            let mut q = self.coll.items.lock();
+            if q.closed {
+                return Err(Error::Aborted("the group was destroyed".into()));
+            }
+            if q.busy || !q.jobs.is_empty() {
+                drop(q);
+                // Earlier collectives are queued: keep the order, wait for ours.
+                return self.submit(c, timeout).wait(None);
+            }
+            q.busy = true;
+        }
+        // The inline path saves two thread hand-offs per blocking call (the engine
+        // thread's wake-up and the completion back to the caller).
+        let r = execute(&self.sh, &mut self.exec.lock(), &c, timeout);
+        self.coll.items.lock().busy = false;
+        self.coll.cv.notify_all();
+        r
     }
 
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
@@ -277,7 +319,7 @@ impl Engine for HostEngine {
             // Under the queue lock: the collective thread either sees the flag before it
             // sleeps or is already asleep and gets this notification.
             let mut q = self.coll.items.lock();
-            q.1 = true;
+            q.closed = true;
             self.sh.shutdown.store(true, Ordering::Release);
             self.coll.cv.notify_all();
         }
@@ -295,41 +337,56 @@ impl Drop for HostEngine {
     }
 }
 
-fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>) {
-    let mut exec = CollExec { sh: sh.clone(), epoch: 0, seq: 0, check_parity: None, deadline: Instant::now(), timeout: Duration::ZERO, kind_name: "" };
+fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>, exec: Arc<Mutex<CollExec>>) {
     loop {
         let job = {
-            let mut items = q.items.lock();
+            let mut st = q.items.lock();
             loop {
-                if let Some(j) = items.0.pop_front() {
-                    break Some(j);
+                // `busy` means a caller is running a collective inline: wait for it, so
+                // collectives keep their submission order.
+                if !st.busy {
+                    if let Some(j) = st.jobs.pop_front() {
+                        st.busy = true;
+                        break Some(j);
+                    }
+                    if st.closed {
+                        break None;
+                    }
                 }
-                if items.1 {
-                    break None;
-                }
-                q.cv.wait(&mut items);
+                q.cv.wait(&mut st);
             }
         };
         let Some(job) = job else { return };
-        let broken = sh.broken.lock().clone();
-        let r = match broken {
-            Some(e) => Err(Error::Aborted(format!("the group was aborted by an earlier error: {e}"))),
-            None if sh.shutdown.load(Ordering::Acquire) => Err(Error::Aborted("the group was destroyed".into())),
-            None => {
-                // A panic here is a bug; it must become an error, not a Work that never completes.
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| exec.run(&job.c, job.timeout)))
-                    .unwrap_or_else(|_| Err(Error::Internal("a collective panicked; see stderr".into())));
-                if let Err(e) = &r {
-                    if !e.keeps_group_usable() {
-                        tracing::warn!(rank = sh.me, error = %e, "collective failed; aborting the group");
-                        *sh.broken.lock() = Some(e.clone());
-                        sh.abort(e);
-                    }
-                }
-                r
-            }
-        };
+        let r = execute(&sh, &mut exec.lock(), &job.c, job.timeout);
+        {
+            let mut st = q.items.lock();
+            st.busy = false;
+        }
+        q.cv.notify_all();
         job.work.complete(r);
+    }
+}
+
+/// Run one collective with the group's abort bookkeeping; shared by the engine thread and
+/// callers running inline.
+fn execute(sh: &Shared, exec: &mut CollExec, c: &Collective, timeout: Duration) -> Result<()> {
+    let broken = sh.broken.lock().clone();
+    match broken {
+        Some(e) => Err(Error::Aborted(format!("the group was aborted by an earlier error: {e}"))),
+        None if sh.shutdown.load(Ordering::Acquire) => Err(Error::Aborted("the group was destroyed".into())),
+        None => {
+            // A panic here is a bug; it must become an error, not a Work that never completes.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| exec.run(c, timeout)))
+                .unwrap_or_else(|_| Err(Error::Internal("a collective panicked; see stderr".into())));
+            if let Err(e) = &r {
+                if !e.keeps_group_usable() {
+                    tracing::warn!(rank = sh.me, error = %e, "collective failed; aborting the group");
+                    *sh.broken.lock() = Some(e.clone());
+                    sh.abort(e);
+                }
+            }
+            r
+        }
     }
 }
 

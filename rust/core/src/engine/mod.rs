@@ -29,6 +29,10 @@ pub struct MemoryStats {
 
 pub trait Engine: Send + Sync {
     fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState>;
+    /// Run `c` and return when it completed, after every collective submitted before it.
+    fn run_now(&self, c: Collective, timeout: Duration) -> crate::Result<()> {
+        self.submit(c, timeout).wait(None)
+    }
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState>;
     fn stats(&self) -> MemoryStats;
     /// Stop the engine's threads; pending operations fail with `Error::Aborted`.
