@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _rsccl
-from ._work import RsWork
+from ._work import DoneWork, RsWork
 from .options import as_items
 
 _LIVE: "weakref.WeakSet[ProcessGroupRsccl]" = weakref.WeakSet()
@@ -40,10 +40,18 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+# RedOpType value -> name, built once: rsccl matches ops by name, and reading .name of a
+# pybind enum on every call costs microseconds a small collective cannot spare.
+_OP_NAMES = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
+
+
 def _op_name(op: Any) -> str:
-    """torch passes a ReduceOp (with .op) or a RedOpType; rsccl matches by name."""
+    """torch passes a ReduceOp (with .op) or a RedOpType."""
     inner = getattr(op, "op", op)
-    return getattr(inner, "name", str(inner))
+    try:
+        return _OP_NAMES[int(inner)]
+    except (KeyError, TypeError, ValueError):
+        return getattr(inner, "name", str(inner))
 
 
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
@@ -196,9 +204,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     errors.append(err)
             raise errors[0] if errors else RuntimeError(f"rsccl: {e}")
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
-        # call runs on this thread when nothing is queued before it.
-        blocking = opts is not None and getattr(opts, "asyncOp", True) is False
-        return RsWork([submit(blocking) for submit in plan.submits], plan.result, plan.keep, plan.post)
+        # call runs on this thread when nothing is queued before it, raises here if it
+        # fails, and needs none of an asynchronous Work's bookkeeping.
+        if opts is not None and opts.asyncOp is False:
+            for submit in plan.submits:
+                submit(True)
+            if plan.post is not None:
+                plan.post()
+            return DoneWork(plan.result)
+        return RsWork([submit(False) for submit in plan.submits], plan.result, plan.keep, plan.post)
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:

@@ -115,3 +115,34 @@ class RsWork(dist._Work):
         return fut
 
 
+
+
+class DoneWork(dist._Work):
+    """The Work of a blocking call that already completed on the caller's thread."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._result = [result] if isinstance(result, torch.Tensor) else (result if result is not None else [])
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut

@@ -240,12 +240,12 @@ impl Communicator {
 impl Communicator {
     /// Build the collective; if this rank's arguments are invalid, submit them as
     /// `Invalid` so the other ranks learn of it instead of waiting. A blocking call runs
-    /// it (GIL released) and returns an already completed Work.
+    /// it (GIL released), raises its error, or returns an already completed Work.
     fn collective(&self, build: impl FnOnce() -> rsccl_core::Result<Collective>, kind: Kind, blocking: bool) -> PyResult<Work> {
         let c = build().unwrap_or_else(|error| Collective::Invalid { kind, error });
         if blocking {
-            let r = Python::attach(|py| py.detach(|| self.0.run_now(c, None)));
-            return Ok(Work(Arc::new(WorkState::completed(r))));
+            Python::attach(|py| py.detach(|| self.0.run_now(c, None))).py()?;
+            return Ok(Work(Arc::new(WorkState::completed(Ok(())))));
         }
         Ok(Work(self.0.submit(c, None).py()?))
     }
