@@ -13,7 +13,8 @@ group and a gloo group over the same TCP store. For every collective and size, e
 first checks that rsccl gives gloo's result on the same seeded random input (the run
 aborts on any difference), then times both backends in turn, alternating which goes first:
 warm-up calls, a gloo barrier, then N back-to-back calls timed with time.perf_counter.
-A call's latency is the slowest rank's time divided by N. Without --iters, N is chosen
+A measurement's latency is the slowest rank's time divided by N; each backend is measured
+--repeats times (interleaved with the other) and the median is reported. Without --iters, N is chosen
 from the warm-up so that one measurement takes about 0.2 s (3 to 200 calls). Rank 0 hands
 its rows to the parent through a JSON file; the parent prints one table per world size
 and writes DIR/bench_<device>.csv and, when matplotlib is installed, DIR/bench_<device>.png.
@@ -30,6 +31,7 @@ import os
 import platform
 import re
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +80,7 @@ class Config:
     iters: int | None
     warmup: int
     seed: int
+    repeats: int = 3
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -121,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--iters", type=int, default=None,
         help=f"timed calls per size; default: about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}")
     add("--warmup", type=int, default=2, help="untimed calls before each measurement; default: %(default)s")
+    add("--repeats", type=int, default=3,
+        help="measurements per size and backend, interleaved; the median is reported; default: %(default)s")
     add("--out", type=Path, default="bench-results", help="directory for the CSV and PNG; default: %(default)s")
     add("--dtype", choices=tuple(TOLERANCES), default="float32", help="default: %(default)s")
     add("--seed", type=int, default=None, help="seed of the checked inputs; default: random")
@@ -129,8 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.exit(2, "rsccl.bench: the CUDA engine is not in this release; use --device cpu\n")
     if args.min_bytes > args.max_bytes:
         p.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
-    if (args.iters is not None and args.iters < 1) or args.warmup < 0:
-        p.error("--iters must be at least 1 and --warmup at least 0")
+    if (args.iters is not None and args.iters < 1) or args.warmup < 0 or args.repeats < 1:
+        p.error("--iters and --repeats must be at least 1, --warmup at least 0")
     return args
 
 
@@ -256,11 +261,19 @@ def bench_collective(collective: str, world: int, groups: Groups, cfg: Config, g
         message = (counts[1] if collective == "all_gather_into_tensor" else counts[0]) * elem
         check(collective, counts, f"{collective}, {human(message)}, world size {world}", groups, cfg, gen)
         inp, out = buffers(collective, *counts, dtype)
-        # Alternate the order so that neither backend always inherits the other's caches.
-        for backend in BACKENDS if i % 2 == 0 else BACKENDS[::-1]:
-            latency, iters = measure(make_call(collective, inp, out, groups[backend]), groups["gloo"], cfg)
+        samples: dict[str, list[float]] = {b: [] for b in BACKENDS}
+        iters_done = dict.fromkeys(BACKENDS, 0)
+        # Interleave the backends' repeats, alternating who goes first, so that neither
+        # always inherits the other's caches, and a burst of load on a shared machine hits
+        # both; the median of the repeats is reported.
+        for rep in range(cfg.repeats):
+            for backend in BACKENDS if (i + rep) % 2 == 0 else BACKENDS[::-1]:
+                latency, iters = measure(make_call(collective, inp, out, groups[backend]), groups["gloo"], cfg)
+                samples[backend].append(latency)
+                iters_done[backend] += iters
+        for backend in BACKENDS:
             rows.append(dict(world_size=world, collective=collective, bytes=message, backend=backend,
-                             latency_s=latency, iters=iters))
+                             latency_s=statistics.median(samples[backend]), iters=iters_done[backend]))
     return rows
 
 
@@ -337,7 +350,7 @@ def header_line(cfg: Config) -> str:
     date = datetime.now().astimezone().isoformat(timespec="seconds")
     return (
         f"# date={date} host={platform.node()} cores={os.cpu_count()} python={platform.python_version()} "
-        f"torch={torch.__version__} rsccl={rsccl.__version__} dtype={cfg.dtype} seed={cfg.seed}"
+        f"torch={torch.__version__} rsccl={rsccl.__version__} dtype={cfg.dtype} seed={cfg.seed} repeats={cfg.repeats}"
     )
 
 
@@ -398,7 +411,8 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
-    cfg = Config(args.collectives, message_sizes(args.min_bytes, args.max_bytes), args.dtype, args.iters, args.warmup, seed)
+    sizes = message_sizes(args.min_bytes, args.max_bytes)
+    cfg = Config(args.collectives, sizes, args.dtype, args.iters, args.warmup, seed, args.repeats)
     print(
         f"rsccl.bench: device {args.device}, world sizes {args.world_sizes}, {args.dtype}, "
         f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, seed {seed}",
