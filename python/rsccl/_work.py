@@ -15,9 +15,9 @@ class RsWork(dist._Work):
     step (`post`: copies back into non-contiguous or list outputs).
 
     The tensors the engine reads and writes are referenced by `_keep` until the finishing
-    step ran, so they outlive the operation even if the caller drops this Work; that is
-    rsccl's replacement for record_stream. The engine calls `_on_done` on its own thread
-    (with the GIL) once each operation completes.
+    step ran, so they outlive the operation even if the caller drops this Work: that is
+    how rsccl keeps memory alive without marking it on streams. The engine calls
+    `_on_done` on its own thread (with the GIL) once each operation completes.
     """
 
     def __init__(self, parts: Sequence[Any], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
