@@ -296,8 +296,9 @@ def body_functional(ctx, seed: int) -> None:
     a2a = fc.all_to_all_single(x[: n * ctx.world], None, None, pg).wait()
     assert_close(a2a, torch.cat([t[ctx.rank * n : (ctx.rank + 1) * n] for t in xs]), "fc.all_to_all_single")
     assert_close(fc.broadcast(x, 0, pg).wait(), xs[0], "fc.broadcast")
-    out = fc.all_reduce_coalesced([x, x * 2], "max", pg)
-    assert_close(out[1].wait(), reduce_ref(xs, "MAX") * 2, "fc.all_reduce_coalesced")
+    out = [t.wait() for t in fc.all_reduce_coalesced([x, x * 2], "max", pg)]
+    assert_close(out[0], reduce_ref(xs, "MAX"), "fc.all_reduce_coalesced [0]")
+    assert_close(out[1], reduce_ref(xs, "MAX") * 2, "fc.all_reduce_coalesced [1]")
     if ctx.world == 4:
         from torch.distributed.device_mesh import init_device_mesh
 

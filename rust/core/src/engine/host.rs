@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::memory::layout::{ChannelCtrl, CollHeader, ControlBlock, MsgHeader, ERROR_TEXT_BYTES};
 use crate::memory::{HostRegion, Layout};
 use crate::sync::{futex_wait, futex_wake_all, wait_until, WaitGuard, SLICE};
+use crate::work::WorkState;
 
 /// State shared by the group's threads.
 struct Shared {
@@ -172,8 +173,6 @@ impl Drop for CollJob {
         self.work.complete(Err(Error::Aborted("the collective was abandoned by the engine".into())));
     }
 }
-
-use crate::work::WorkState;
 
 struct P2pJob {
     op: P2p,

@@ -1,0 +1,74 @@
+"""rsccl under real torch users: DDP (its C++ reducer calls the group and chains on Work
+futures, with and without a comm hook), and a job launched by torchrun (env://)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.distributed as dist
+
+from refs import assert_close
+
+
+def body_ddp(ctx, seed: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+    g = torch.Generator().manual_seed(seed + ctx.rank)
+    batches = [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(3)]
+    ours = DDP(model(), bucket_cap_mb=0.001)  # several buckets, so several all_reduces
+    hooked = DDP(model(), bucket_cap_mb=0.001)
+    hooked.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
+    ref = DDP(model(), process_group=ctx.gloo, bucket_cap_mb=0.001)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, hooked, ref)]
+    for step, (x, y) in enumerate(batches):
+        for m, o in zip((ours, hooked, ref), opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        for (name, a), b, c in zip(ours.named_parameters(), hooked.parameters(), ref.parameters()):
+            assert_close(a.detach(), c.detach(), f"DDP step {step} {name}", ctx.world)
+            assert_close(b.detach(), c.detach(), f"DDP+allreduce_hook step {step} {name}", ctx.world)
+
+
+def test_ddp_matches_gloo(cluster4, seed):
+    cluster4.run(body_ddp, seed)
+
+
+JOB = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    import rsccl
+    dist.init_process_group("rsccl")  # env:// from torchrun
+    r, w = dist.get_rank(), dist.get_world_size()
+    x = torch.full((1000,), float(r + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((1000,), w * (w + 1) / 2)), x
+    assert dist.get_backend() == "rsccl"
+    print(f"rank {r} of {w} ok", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchrun_env_init(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(3):
+        assert f"rank {r} of 3 ok" in out.stdout, out.stdout + out.stderr
