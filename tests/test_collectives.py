@@ -63,6 +63,29 @@ def body_all_reduce_noncontiguous_and_async(ctx, seed: int) -> None:
     assert_close(doubled, ref * 2, "future of all_reduce", ctx.world)
 
 
+def body_collectives_inside_future_callbacks(ctx, seed: int) -> None:
+    """As PowerSGD's comm hook does: a future's callback issues collectives and waits."""
+    w = ctx.world
+    a = make(seed, ctx.rank, 1000, torch.float32)
+    b = make(seed, ctx.rank, 500, torch.float32, salt=1)
+    c = make(seed, ctx.rank, 300, torch.float32, salt=2)
+
+    def then(fut):
+        dist.all_reduce(b, async_op=True).get_future().wait()  # async, waited in the callback
+        dist.all_reduce(c)  # blocking, in the callback
+        return fut.value()[0] + 1
+
+    out = dist.all_reduce(a, async_op=True).get_future().then(then).wait()
+    ref = lambda n, salt: reduce_ref([make(seed, r, n, torch.float32, salt=salt) for r in range(w)], "SUM")  # noqa: E731
+    assert_close(out, ref(1000, 0) + 1, "chained future", w)
+    assert_close(b, ref(500, 1), "collective waited inside a callback", w)
+    assert_close(c, ref(300, 2), "blocking collective inside a callback", w)
+
+
+def test_collectives_inside_future_callbacks(cluster, seed):
+    cluster.run(body_collectives_inside_future_callbacks, seed, timeout=120)
+
+
 def test_non_contiguous_async_and_future(cluster, seed):
     cluster.run(body_all_reduce_noncontiguous_and_async, seed)
 
@@ -112,6 +135,23 @@ def body_all_gather(ctx, seed: int, sizes: list[int]) -> None:
     cm.wait()
     for o, k in zip(outs, (3, 1000, 17)):
         assert_close(o, torch.cat([make(seed, r, k, torch.float32, salt=k) for r in range(ctx.world)]), "coalesced all_gather")
+
+
+def body_all_gather_coalesced_mixed_dtypes(ctx, seed: int) -> None:
+    specs = [(torch.int8, 3), (torch.float32, 2), (torch.bool, 5), (torch.float64, 1), (torch.bfloat16, 0), (torch.int64, 7)]
+    ins = [make(seed, ctx.rank, n, dt, salt=k) for k, (dt, n) in enumerate(specs)]
+    outs = [torch.empty(ctx.world * n, dtype=dt) for dt, n in specs]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for k, (o, (dt, n)) in enumerate(zip(outs, specs)):
+        ref = torch.cat([make(seed, r, n, dt, salt=k) for r in range(ctx.world)])
+        assert_close(o, ref, f"coalesced all_gather of mixed dtypes, {dt}[{n}]")
+
+
+def test_all_gather_coalesced_mixed_dtypes(cluster, seed):
+    cluster.run(body_all_gather_coalesced_mixed_dtypes, seed)
 
 
 def test_all_gather(cluster, seed):
@@ -263,6 +303,18 @@ def body_send_recv(ctx, seed: int) -> None:
             for r in reqs:
                 r.wait()
             assert_close(got, make(seed, prv, n, dtype, salt=n), f"batch_isend_irecv ring {dtype} n={n}")
+    # Tags received in another order than sent: a message whose tag no recv matches yet
+    # must not hold back the messages behind it (gloo delivers these too).
+    if me == 0:
+        works = [dist.isend(make(seed, 0, 1000, torch.float32, salt=t), dst=w - 1, tag=t) for t in (1, 2, 3)]
+        for wk in works:
+            wk.wait()
+    elif me == w - 1:
+        for t in (3, 2, 1):
+            got = torch.empty(1000)
+            dist.recv(got, src=0, tag=t)
+            assert_close(got, make(seed, 0, 1000, torch.float32, salt=t), f"recv of tag {t} posted out of order")
+    dist.barrier()
     # Blocking send/recv in a fixed order, several messages queued on one pair.
     if me == 0:
         for k in range(3):

@@ -206,13 +206,25 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
         # call runs on this thread when nothing is queued before it, raises here if it
         # fails, and needs none of an asynchronous Work's bookkeeping.
-        if opts is not None and opts.asyncOp is False:
-            for submit in plan.submits:
-                submit(True)
+        if len(plan.submits) == 1 and opts is not None and opts.asyncOp is False:
+            plan.submits[0](True)
             if plan.post is not None:
                 plan.post()
             return DoneWork(plan.result)
-        return RsWork([submit(False) for submit in plan.submits], plan.result, plan.keep, plan.post)
+        parts = []
+        try:
+            for submit in plan.submits:
+                parts.append(submit(False))
+        except BaseException:
+            # Operations already submitted still use the plan's buffers: let them finish
+            # before those buffers can be freed.
+            for p in parts:
+                try:
+                    p.wait()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+            raise
+        return RsWork(parts, plan.result, plan.keep, plan.post)
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
@@ -226,7 +238,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        dtypes = list(dict.fromkeys(getattr(t, "dtype", None) for t in tensors))
+        # Ops per dtype present: a count every rank of a valid program agrees on.
+        dtypes = list(dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)))
 
         def prepare() -> _Plan:
             ts = [_check_tensor(t, "all_reduce_coalesced") for t in tensors]
@@ -298,8 +311,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _gather_bytes(self, pairs: list[tuple[list[torch.Tensor], torch.Tensor]]) -> _Plan:
         """All-gather many inputs of any dtypes in ONE engine operation, moving bytes:
-        rank r's block of the result is its inputs' bytes back to back; `pairs` gives, per
-        input, the tensors (one per rank, in rank order) to fill."""
+        rank r's block of the result holds its inputs' bytes at aligned offsets; `pairs`
+        gives, per input, the tensors (one per rank, in rank order) to fill."""
         n = self.size()
         ins = [_check_tensor(i, "all_gather input") for _, i in pairs]
         for k, (outs, i) in enumerate(pairs):
@@ -307,17 +320,23 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 _check_tensor(o, "all_gather output")
                 if o.dtype != i.dtype or o.numel() != i.numel():
                     raise ArgumentError(f"all_gather (coalesced) #{k}: output is {o.dtype}[{o.numel()}], input {i.dtype}[{i.numel()}]")
-        flat_in = torch.cat([_as_bytes(i) for i in ins]) if ins else torch.empty(0, dtype=torch.uint8)
-        total = flat_in.numel()
+        # Each input starts 16-byte aligned in a rank's block, so every slice of the
+        # result can be viewed as its dtype again.
+        offsets, total = [], 0
+        for i in ins:
+            offsets.append(total)
+            total += (i.numel() * i.element_size() + 15) // 16 * 16
+        flat_in = torch.zeros(total, dtype=torch.uint8)
+        for off, i in zip(offsets, ins):
+            b = _as_bytes(i)
+            flat_in[off : off + b.numel()] = b
         flat_out = torch.empty(n * total, dtype=torch.uint8)
 
         def post() -> None:
-            off = 0
-            for outs, i in pairs:
+            for off, (outs, i) in zip(offsets, pairs):
                 nb = i.numel() * i.element_size()
                 for r, o in enumerate(outs):
                     o.copy_(flat_out[r * total + off : r * total + off + nb].view(i.dtype).view(o.shape))
-                off += nb
 
         submit = lambda b: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8", blocking=b)  # noqa: E731
         return _Plan([submit], None, (flat_in, flat_out), post)
@@ -398,7 +417,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        one_dtype = len({getattr(t, "dtype", None) for t in list(outputs) + list(inputs)}) == 1
+        # From the inputs only, so a rank whose output is wrong still counts the same ops.
+        one_dtype = len({getattr(t, "dtype", None) for t in inputs}) <= 1
 
         def prepare() -> _Plan:
             n = self.size()
@@ -407,6 +427,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             for k, (o, i) in enumerate(zip(outputs, inputs)):
                 _check_tensor(o, "reduce_scatter output")
                 _check_tensor(i, "reduce_scatter input")
+                if o.dtype != i.dtype:
+                    raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", "type")
                 if i.numel() != n * o.numel():
                     raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
             if not one_dtype:

@@ -79,10 +79,10 @@ class RsWork(dist._Work):
         for p in list(self._parts):
             try:
                 p.wait(limit)
-            except TimeoutError:
-                raise
-            except Exception:  # noqa: BLE001 - recorded by _on_done, raised below
-                pass
+            except Exception:  # noqa: BLE001 - an operation's own error is raised below
+                if not p.is_completed():
+                    raise  # this wait timed out; the operation goes on
+        
         if not self._done.wait(limit):
             raise TimeoutError(f"rsccl: Work.wait timed out after {seconds} s")
         if self._exc is not None:

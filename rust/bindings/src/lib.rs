@@ -1,6 +1,7 @@
 //! rsccl._rsccl: pyo3 bindings only. Methods convert Python values, release the GIL,
 //! call the core, and map errors (errors.rs); no logic lives here.
 
+mod completion;
 mod errors;
 mod store;
 
@@ -59,15 +60,19 @@ impl Work {
         }
     }
 
-    /// Call `fn(exc_or_None)` once done, on the thread that completes the operation.
+    /// Call `fn(exc_or_None)` once done, on one of rsccl's completion threads (never on
+    /// an engine thread, see completion.rs).
     fn add_done_callback(&self, cb: Py<PyAny>) {
         self.0.on_complete(Box::new(move |r| {
-            Python::attach(|py| {
-                let arg: Option<Py<PyAny>> = r.as_ref().err().map(|e| to_py(e.clone()).into_value(py).into_any());
-                if let Err(err) = cb.call1(py, (arg,)) {
-                    err.write_unraisable(py, None);
-                }
-            })
+            let r = r.clone();
+            completion::dispatch(Box::new(move || {
+                Python::attach(|py| {
+                    let arg: Option<Py<PyAny>> = r.err().map(|e| to_py(e).into_value(py).into_any());
+                    if let Err(err) = cb.call1(py, (arg,)) {
+                        err.write_unraisable(py, None);
+                    }
+                })
+            }));
         }));
     }
 }

@@ -272,10 +272,8 @@ impl Engine for HostEngine {
         }
         // The inline path saves two thread hand-offs per blocking call (the engine
         // thread's wake-up and the completion back to the caller).
-        let r = execute(&self.sh, &mut self.exec.lock(), &c, timeout);
-        self.coll.items.lock().busy = false;
-        self.coll.cv.notify_all();
-        r
+        let _token = BusyToken(&self.coll);
+        execute(&self.sh, &mut self.exec.lock(), &c, timeout)
     }
 
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
@@ -348,21 +346,30 @@ fn collective_thread(sh: Arc<Shared>, q: Arc<Queue<CollJob>>, exec: Arc<Mutex<Co
                         st.busy = true;
                         break Some(j);
                     }
-                    if st.closed {
-                        break None;
-                    }
+                }
+                if st.closed && st.jobs.is_empty() {
+                    break None;
                 }
                 q.cv.wait(&mut st);
             }
         };
         let Some(job) = job else { return };
-        let r = execute(&sh, &mut exec.lock(), &job.c, job.timeout);
-        {
-            let mut st = q.items.lock();
-            st.busy = false;
-        }
-        q.cv.notify_all();
+        let r = {
+            let _token = BusyToken(&q);
+            execute(&sh, &mut exec.lock(), &job.c, job.timeout)
+        };
         job.work.complete(r);
+    }
+}
+
+/// The right to run collectives, released when dropped, unwinding included: a holder that
+/// never gave it back would stall every later collective and shutdown.
+struct BusyToken<'a>(&'a Queue<CollJob>);
+
+impl Drop for BusyToken<'_> {
+    fn drop(&mut self) {
+        self.0.items.lock().busy = false;
+        self.0.cv.notify_all();
     }
 }
 
@@ -789,7 +796,25 @@ struct P2pExec {
     /// A channel direction that failed mid-message cannot be trusted again.
     send_broken: Vec<Option<Error>>,
     recv_broken: Vec<Option<Error>>,
+    /// Messages taken out of a channel before a recv with their tag was posted (see
+    /// `Unexpected`), oldest first, per source; and their total size.
+    unexpected: Vec<VecDeque<Unexpected>>,
+    unexpected_bytes: Vec<usize>,
 }
+
+/// A message whose tag no posted recv matched while a recv for another tag waited behind
+/// it. It is copied out of the channel (and acked, so its send completes) so that later
+/// messages are not stuck behind it, as gloo, which matches by tag, would deliver them.
+/// Bounded by `UNEXPECTED_LIMIT` per source; past that the channel waits.
+struct Unexpected {
+    tag: i64,
+    dtype: u8,
+    data: Vec<u8>,
+    chunks: usize,
+    complete: bool,
+}
+
+const UNEXPECTED_LIMIT: usize = 64 << 20;
 
 /// New p2p jobs, and whether the engine still takes them (flipped under the same lock,
 /// so no job can slip in after the thread's last drain).
@@ -826,16 +851,21 @@ impl P2pExec {
             recv_next: vec![0; n],
             send_broken: vec![None; n],
             recv_broken: vec![None; n],
+            unexpected: (0..n).map(|_| VecDeque::new()).collect(),
+            unexpected_bytes: vec![0; n],
         }
     }
 
     fn pending(&self) -> bool {
-        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty()) || self.active.iter().any(Option::is_some)
+        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty())
+            || self.active.iter().any(Option::is_some)
+            || self.unexpected.iter().any(|q| q.back().is_some_and(|u| !u.complete))
     }
 
     fn run(mut self) {
         let me = self.sh.me;
         let sh = self.sh.clone();
+        let mut last_check = Instant::now();
         loop {
             let bell_word: &AtomicU32 = &sh.ctrl().doorbells[me].0;
             let bell = bell_word.load(Ordering::Acquire);
@@ -880,17 +910,25 @@ impl P2pExec {
                     progressed |= self.progress_recv(j);
                 }
             }
-            if progressed {
-                continue;
-            }
             let pending = self.pending();
-            if pending {
+            // Deadlines and dead peers are checked at least every SLICE, also while a
+            // long transfer on another channel keeps making progress.
+            if pending && (!progressed || last_check.elapsed() >= SLICE) {
+                last_check = Instant::now();
                 self.expire();
                 if let Some(e) = sh.dead_peers() {
                     for r in sh.mesh.gone() {
+                        // What the peer completed before it left still counts.
+                        self.progress_send(r);
+                        self.progress_recv(r);
                         self.fail_peer(r, &e);
                     }
                 }
+            }
+            if progressed {
+                continue;
+            }
+            if pending {
                 // Brief spin: the peer usually answers within microseconds.
                 for _ in 0..sh.cfg.spin_count.min(4096) {
                     if bell_word.load(Ordering::Acquire) != bell {
@@ -914,6 +952,11 @@ impl P2pExec {
     }
 
     fn fail_peer(&mut self, r: usize, e: &Error) {
+        if let Some(u) = self.unexpected[r].back() {
+            if !u.complete {
+                self.unexpected[r].pop_back(); // a partial message is of no use
+            }
+        }
         complete_all(self.sends[r].drain(..), e);
         complete_all(self.recvs[r].drain(..), e);
         complete_all(self.active[r].take(), e);
@@ -930,6 +973,9 @@ impl P2pExec {
             if r == me {
                 continue;
             }
+            // An operation that completed since the last look must not be failed.
+            self.progress_send(r);
+            self.progress_recv(r);
             let recv_note = self.channel_note(r);
             let timed_out = |p: &Pending, is_send: bool| {
                 let waiting = if is_send { "" } else { recv_note.as_str() };
@@ -982,6 +1028,10 @@ impl P2pExec {
 
     /// For a recv timeout: what is waiting in the channel from `r`, if anything.
     fn channel_note(&self, r: usize) -> String {
+        let held: Vec<String> = self.unexpected[r].iter().map(|u| u.tag.to_string()).collect();
+        if !held.is_empty() {
+            return format!(" (messages from rank {r} with tags [{}] arrived and wait for matching recvs)", held.join(", "));
+        }
         let ch = self.sh.channel(r, self.sh.me);
         let g = self.recv_next[r];
         if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
@@ -1078,10 +1128,50 @@ impl P2pExec {
         progressed
     }
 
+    fn mismatch(&self, p: &Pending, i: usize, total_bytes: u64, dtype_code: u8) -> Error {
+        let (tag, _) = p.tag_dtype();
+        let sent_dt = crate::dtype::DType::from_code(dtype_code);
+        Error::Mismatch(format!(
+            "rank {} posted a {}, but rank {i} sent {} {} elements (tag {tag})",
+            self.sh.me,
+            p.describe(),
+            total_bytes / sent_dt.map_or(1, |d| d.size()) as u64,
+            sent_dt.map_or("?", |d| d.name()),
+        ))
+    }
+
+    /// Give pending recvs from `i` the complete held messages with their tags.
+    fn match_unexpected(&mut self, i: usize) -> bool {
+        let mut progressed = false;
+        let mut k = 0;
+        while k < self.recvs[i].len() {
+            let tag = self.recvs[i][k].tag_dtype().0;
+            let Some(u) = self.unexpected[i].iter().position(|u| u.complete && u.tag == tag) else {
+                k += 1;
+                continue;
+            };
+            let msg = self.unexpected[i].remove(u).expect("index in range");
+            self.unexpected_bytes[i] -= msg.data.len();
+            let p = self.recvs[i].remove(k).expect("index in range");
+            let buf = p.buf();
+            if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
+                let e = self.mismatch(&p, i, msg.data.len() as u64, msg.dtype);
+                p.work.complete(Err(e));
+            } else {
+                // SAFETY: `buf` is valid for its len (kept alive by the Work), equal to the data's.
+                unsafe { copy(buf.ptr, msg.data.as_ptr(), buf.len) };
+                p.work.complete(Ok(()));
+            }
+            progressed = true;
+        }
+        progressed
+    }
+
     fn progress_recv(&mut self, i: usize) -> bool {
         let me = self.sh.me;
         let half = self.sh.layout.p2p_half;
-        if self.recvs[i].is_empty() && self.active[i].is_none() {
+        let capturing = self.unexpected[i].back().is_some_and(|u| !u.complete);
+        if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing {
             return false;
         }
         if self.recv_broken[i].is_none() {
@@ -1093,53 +1183,76 @@ impl P2pExec {
             complete_all(self.active[i].take(), &e);
             return true;
         }
-        let ch = self.sh.channel(i, me);
-        let mut progressed = false;
+        let mut progressed = self.match_unexpected(i);
+        let sh = self.sh.clone();
+        let ch = sh.channel(i, me);
         loop {
             let g = self.recv_next[i];
             if (ch.sent.0.load(Ordering::Acquire).wrapping_sub(g) as i32) <= 0 {
                 break;
             }
             let h = (g & 1) as usize;
-            if self.active[i].is_none() {
+            let capturing = self.unexpected[i].back().is_some_and(|u| !u.complete);
+            if self.active[i].is_none() && !capturing {
                 // SAFETY: chunk g is published (Acquire load of `sent` above); the sender
                 // does not touch half h until we ack it.
                 let hdr = unsafe { std::ptr::read(ch.headers[h].get()) };
-                let Some(idx) = self.recvs[i].iter().position(|p| p.tag_dtype().0 == hdr.tag) else {
+                if let Some(idx) = self.recvs[i].iter().position(|p| p.tag_dtype().0 == hdr.tag) {
+                    let p = self.recvs[i].remove(idx).expect("index in range");
+                    if hdr.total_bytes != p.buf().len as u64 || hdr.dtype != p.tag_dtype().1 as u8 {
+                        let e = self.mismatch(&p, i, hdr.total_bytes, hdr.dtype);
+                        poison(ch, &e);
+                        self.sh.ring(i);
+                        self.recv_broken[i] = Some(e.clone());
+                        p.work.complete(Err(e));
+                        return true;
+                    }
+                    self.active[i] = Some(p);
+                } else if !self.recvs[i].is_empty()
+                    && self.unexpected_bytes[i] + hdr.total_bytes as usize <= UNEXPECTED_LIMIT
+                {
+                    // A recv for another tag waits behind this message: hold it aside.
+                    self.unexpected_bytes[i] += hdr.total_bytes as usize;
+                    self.unexpected[i].push_back(Unexpected {
+                        tag: hdr.tag,
+                        dtype: hdr.dtype,
+                        data: Vec::with_capacity(hdr.total_bytes as usize),
+                        chunks: 0,
+                        complete: false,
+                    });
+                } else {
                     break; // no recv for this tag yet: the message waits in the channel
-                };
-                let p = self.recvs[i].remove(idx).expect("index in range");
-                let (tag, dtype) = p.tag_dtype();
-                if hdr.total_bytes != p.buf().len as u64 || hdr.dtype != dtype as u8 {
-                    let sent_dt = crate::dtype::DType::from_code(hdr.dtype);
-                    let e = Error::Mismatch(format!(
-                        "rank {me} posted a {}, but rank {i} sent {} {} elements (tag {tag})",
-                        p.describe(),
-                        hdr.total_bytes / sent_dt.map_or(1, |d| d.size()) as u64,
-                        sent_dt.map_or("?", |d| d.name()),
-                    ));
-                    poison(ch, &e);
-                    self.sh.ring(i);
-                    self.recv_broken[i] = Some(e.clone());
-                    p.work.complete(Err(e));
-                    return true;
                 }
-                self.active[i] = Some(p);
             }
-            let p = self.active[i].as_mut().expect("set above");
-            let buf = p.buf();
-            let lo = p.done * half;
-            let len = half.min(buf.len - lo.min(buf.len));
-            // SAFETY: as above; `buf` is valid for its len (kept alive by the Work).
-            unsafe { copy(buf.ptr.add(lo), self.sh.region.at(self.sh.layout.channel_half(i, me, h)), len) };
+            let src = self.sh.region.at(self.sh.layout.channel_half(i, me, h));
+            let done_now = if let Some(p) = self.active[i].as_mut() {
+                let buf = p.buf();
+                let lo = p.done * half;
+                let len = half.min(buf.len - lo.min(buf.len));
+                // SAFETY: as above; `buf` is valid for its len (kept alive by the Work).
+                unsafe { copy(buf.ptr.add(lo), src, len) };
+                p.done += 1;
+                p.done == Self::chunks_of(buf.len, half)
+            } else {
+                let u = self.unexpected[i].back_mut().expect("capturing");
+                let total = u.data.capacity();
+                let len = half.min(total - u.data.len());
+                // SAFETY: as above; the chunk holds `len` valid bytes of the message.
+                u.data.extend_from_slice(unsafe { std::slice::from_raw_parts(src, len) });
+                u.chunks += 1;
+                u.complete = u.chunks == Self::chunks_of(total, half);
+                false
+            };
             ch.acked.0.store(g.wrapping_add(1), Ordering::Release);
             self.sh.ring(i);
             self.recv_next[i] = g.wrapping_add(1);
-            p.done += 1;
             progressed = true;
-            if p.done == Self::chunks_of(buf.len, half) {
+            if done_now {
                 let p = self.active[i].take().expect("set above");
                 p.work.complete(Ok(()));
+            }
+            if self.unexpected[i].back().is_some_and(|u| u.complete) {
+                progressed |= self.match_unexpected(i);
             }
         }
         progressed
