@@ -53,9 +53,11 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "allreduce_one_shot_max_bytes",
         env: "RSCCL_ALLREDUCE_ONE_SHOT_MAX_BYTES",
-        // Crossover measured with `python -m rsccl.bench --device cpu` on the 2-core CI
-        // machine (docs/performance.md): below it one barrier beats two.
-        default: 64 * KIB,
+        // From `python -m rsccl.bench --collectives all_reduce` with this set to 0, 64 KiB
+        // and 2 MiB on the 2-core CI machine (docs/performance.md): one-shot was never
+        // clearly faster, and slower from 64 KiB up (4 ranks: 280 vs 160 us at 64 KiB,
+        // 1480 vs 960 us at 1 MiB); up to 16 KiB the two were within noise.
+        default: 16 * KIB,
         min: 0,
         max: 1 * GIB,
         is_size: true,
