@@ -369,3 +369,48 @@ def test_re_creating_groups_on_the_same_store():
     for p in procs:
         p.join(30)
     assert got == [(0, "ok"), (1, "ok")], got
+
+
+def body_wait_timeout_then_complete(ctx, seed: int) -> str:
+    x = make(seed, ctx.rank, 100, torch.float32)
+    if ctx.rank == 1:
+        time.sleep(1.0)
+        dist.all_reduce(x)
+        return "late"
+    work = dist.all_reduce(x, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=0.2))
+        return "wait returned before the peer arrived"
+    except TimeoutError as e:
+        first = str(e)
+    assert not work.is_completed()
+    assert work.wait()  # completes once rank 1 arrives
+    assert_close(x, reduce_ref([make(seed, r, 100, torch.float32) for r in range(2)], "SUM"), "after a timed-out wait", 2)
+    return first
+
+
+def body_destroy_with_pending_work(ctx) -> tuple[str, float]:
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        return ("idle", 0.0)
+    work = dist.all_reduce(torch.ones(10), async_op=True)  # rank 1 never joins it
+    start = time.monotonic()
+    dist.group.WORLD.shutdown()
+    try:
+        work.wait()
+        return ("no error", 0.0)
+    except Exception as e:  # noqa: BLE001
+        return (f"{type(e).__name__}: {e}", time.monotonic() - start)
+
+
+def test_work_wait_timeout_and_shutdown_with_pending_work(seed):
+    c = Cluster(2, init_timeout=30.0)
+    try:
+        res = c.run(body_wait_timeout_then_complete, seed, timeout=60)
+        assert "Work.wait timed out after 0.2" in res[0], res
+        res = c.run(body_destroy_with_pending_work, timeout=60)
+        kind, took = res[0]
+        assert kind.startswith("GroupAbortedError") and "destroyed" in kind, res
+        assert took < 5, f"shutdown took {took:.1f} s with a 30 s timeout"
+    finally:
+        c.close()
