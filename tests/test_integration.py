@@ -72,3 +72,39 @@ def test_torchrun_env_init(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(3):
         assert f"rank {r} of 3 ok" in out.stdout, out.stdout + out.stderr
+
+
+EXIT_JOB = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    import rsccl
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("rsccl", store=store, rank=rank, world_size=2)
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        # Many pending recvs whose futures have callbacks; then the script just ends.
+        keep = []
+        for i in range(200):
+            t = torch.zeros(4)
+            w = dist.irecv(t, 1, tag=1000 + i)
+            keep.append((t, w, w.get_future().then(lambda f: sum(range(20000)))))
+        store.set("r0", "1")
+    else:
+        store.wait(["r0"])
+    """
+)
+
+
+def test_exit_with_pending_works_and_callbacks(tmp_path):
+    """Interpreter exit fails the pending Works; their callbacks run before Python
+    finalizes, never during (a thread entering Python then aborts the process)."""
+    from harness import free_port
+
+    script = tmp_path / "exit_job.py"
+    script.write_text(EXIT_JOB)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out

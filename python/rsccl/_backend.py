@@ -579,10 +579,12 @@ def create(dist_backend_opts: Any, pg_options: object) -> ProcessGroupRsccl:
 
 @atexit.register
 def _shutdown_all() -> None:
-    # Engine threads complete Works through Python callbacks; stop them before the
-    # interpreter finalizes.
+    # Stop the engines (pending Works fail), let the completion threads run the callbacks
+    # that follows, then keep them out of Python: a thread entering Python while the
+    # interpreter finalizes aborts the process.
     for pg in list(_LIVE):
         try:
             pg.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+    _rsccl.finish_completions(10.0)

@@ -16,8 +16,9 @@ class RsWork(dist._Work):
 
     The tensors the engine reads and writes are referenced by `_keep` until the finishing
     step ran, so they outlive the operation even if the caller drops this Work: that is
-    how rsccl keeps memory alive without marking it on streams. The engine calls
-    `_on_done` on its own thread (with the GIL) once each operation completes.
+    how rsccl keeps memory alive without marking it on streams. `_on_done` runs on one of
+    rsccl's completion threads once each operation completes; Works complete in no
+    particular order relative to each other.
     """
 
     def __init__(self, parts: Sequence[Any], result: Any, keep: Any = None, post: Callable[[], None] | None = None):

@@ -1,12 +1,16 @@
 //! Where Python sees operations complete. Engine threads never run Python code: a
 //! completion callback (which settles torch futures, whose `.then` callbacks may issue
 //! and wait on further collectives, as PowerSGD's comm hook does) runs on a pool thread.
-//! The pool grows when every thread is busy, so a callback that blocks on another
-//! operation's completion never waits for itself.
+//! When no pool thread is waiting for work, a new one starts (up to `MAX_THREADS`), so a
+//! callback that blocks on another operation's completion does not wait for itself.
+//!
+//! At interpreter exit `drain` waits for running callbacks, then `close` makes later
+//! completions skip Python: a thread entering Python while it finalizes takes the
+//! process down.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -14,48 +18,57 @@ type Job = Box<dyn FnOnce() + Send>;
 
 struct Pool {
     state: Mutex<State>,
-    cv: Condvar,
+    /// Workers wait here for jobs.
+    work: Condvar,
+    /// `drain` waits here for the pool to go quiet.
+    quiet: Condvar,
 }
 
 struct State {
     jobs: VecDeque<Job>,
-    idle: usize,
     threads: usize,
+    running: usize,
+    closed: bool,
 }
 
 /// Idle pool threads exit after this long, down to one.
 const IDLE_EXIT: Duration = Duration::from_secs(30);
+/// Nested waits deeper than this queue instead of starting threads.
+const MAX_THREADS: usize = 32;
 
 fn pool() -> &'static Arc<Pool> {
     static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
     POOL.get_or_init(|| {
-        Arc::new(Pool { state: Mutex::new(State { jobs: VecDeque::new(), idle: 0, threads: 0 }), cv: Condvar::new() })
+        Arc::new(Pool {
+            state: Mutex::new(State { jobs: VecDeque::new(), threads: 0, running: 0, closed: false }),
+            work: Condvar::new(),
+            quiet: Condvar::new(),
+        })
     })
 }
 
-/// Run `job` on a completion thread.
+/// Run `job` on a completion thread; after `close`, drop it unrun.
 pub fn dispatch(job: Job) {
     let p = pool();
-    let spawn = {
-        let mut st = p.state.lock();
-        st.jobs.push_back(job);
-        if st.idle > 0 {
-            false
-        } else {
-            st.threads += 1;
-            true
-        }
-    };
-    if spawn {
-        let p2 = p.clone();
-        let started = std::thread::Builder::new().name("rsccl-completion".into()).spawn(move || worker(p2));
-        if started.is_err() {
-            // Out of threads: the queued job runs when a busy thread frees up.
-            p.state.lock().threads -= 1;
-            tracing::error!("could not start a completion thread");
-        }
-    } else {
-        p.cv.notify_one();
+    let mut st = p.state.lock();
+    if st.closed {
+        drop(st);
+        // Dropping the job would release Python objects without an interpreter.
+        std::mem::forget(job);
+        return;
+    }
+    st.jobs.push_back(job);
+    // notify_one reports whether a waiting worker was woken; under the lock, each
+    // dispatch wakes a distinct waiter, so no job is left without one.
+    if p.work.notify_one() || st.threads >= MAX_THREADS {
+        return;
+    }
+    st.threads += 1;
+    drop(st);
+    let p2 = p.clone();
+    if std::thread::Builder::new().name("rsccl-completion".into()).spawn(move || worker(p2)).is_err() {
+        p.state.lock().threads -= 1;
+        tracing::error!("could not start a completion thread; the job waits for a busy one");
     }
 }
 
@@ -63,19 +76,40 @@ fn worker(p: Arc<Pool>) {
     let mut st = p.state.lock();
     loop {
         if let Some(job) = st.jobs.pop_front() {
+            st.running += 1;
             drop(st);
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                 tracing::error!("a completion callback panicked");
             }
             st = p.state.lock();
+            st.running -= 1;
+            if st.running == 0 && st.jobs.is_empty() {
+                p.quiet.notify_all();
+            }
             continue;
         }
-        st.idle += 1;
-        let timed_out = p.cv.wait_for(&mut st, IDLE_EXIT).timed_out();
-        st.idle -= 1;
-        if timed_out && st.jobs.is_empty() && st.threads > 1 {
+        let deadline = Instant::now() + IDLE_EXIT;
+        if p.work.wait_until(&mut st, deadline).timed_out() && st.jobs.is_empty() && st.threads > 1 {
             st.threads -= 1;
             return;
         }
     }
+}
+
+/// Wait (at most `limit`) until no callback runs or waits to run. Call without the GIL.
+pub fn drain(limit: Duration) -> bool {
+    let p = pool();
+    let deadline = Instant::now() + limit;
+    let mut st = p.state.lock();
+    while st.running > 0 || !st.jobs.is_empty() {
+        if p.quiet.wait_until(&mut st, deadline).timed_out() {
+            return false;
+        }
+    }
+    true
+}
+
+/// From now on, completions do not call into Python (interpreter exit).
+pub fn close() {
+    pool().state.lock().closed = true;
 }

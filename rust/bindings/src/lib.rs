@@ -256,6 +256,15 @@ impl Communicator {
     }
 }
 
+/// At interpreter exit: wait (GIL released, at most `timeout_s`) for completion callbacks
+/// in flight, then stop calling into Python. Returns whether the pool went quiet.
+#[pyfunction]
+fn finish_completions(py: Python<'_>, timeout_s: f64) -> bool {
+    let quiet = py.detach(|| completion::drain(Duration::from_secs_f64(timeout_s.max(0.0))));
+    completion::close();
+    quiet
+}
+
 /// The tunables: (Options field, environment variable, default, is_size, help).
 #[pyfunction]
 fn settings() -> Vec<(&'static str, &'static str, u64, bool, String)> {
@@ -294,6 +303,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Work>()?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
+    m.add_function(wrap_pyfunction!(finish_completions, m)?)?;
     m.add("PeerFailureError", m.py().get_type::<errors::PeerFailureError>())?;
     m.add("GroupAbortedError", m.py().get_type::<errors::GroupAbortedError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -781,9 +781,11 @@ impl Pending {
 ///
 /// Semantics: messages from one rank to another travel in order through their channel. A
 /// message goes to the oldest pending recv from that rank with the same tag (as gloo
-/// matches); one that no recv matches waits in the channel. A send completes once the
-/// receiver has taken the whole message, so a send nobody receives times out, and a
-/// receiver's objection (wrong size or dtype) reaches the very send it concerns.
+/// matches). A send completes once the receiver has taken the whole message: into the
+/// matching recv (a size or dtype objection then fails the send too), or, when no recv
+/// matches it while a recv for another tag waits behind it, into a holding buffer (see
+/// `Unexpected`; a later mismatch then fails only the recv). A send that the receiver
+/// never takes times out.
 struct P2pExec {
     sh: Arc<Shared>,
     incoming: Arc<Mutex<P2pInbox>>,
@@ -809,6 +811,7 @@ struct P2pExec {
 struct Unexpected {
     tag: i64,
     dtype: u8,
+    total: usize,
     data: Vec<u8>,
     chunks: usize,
     complete: bool,
@@ -952,10 +955,9 @@ impl P2pExec {
     }
 
     fn fail_peer(&mut self, r: usize, e: &Error) {
-        if let Some(u) = self.unexpected[r].back() {
-            if !u.complete {
-                self.unexpected[r].pop_back(); // a partial message is of no use
-            }
+        if self.unexpected[r].back().is_some_and(|u| !u.complete) {
+            let u = self.unexpected[r].pop_back().expect("checked"); // a partial message is of no use
+            self.unexpected_bytes[r] -= u.total;
         }
         complete_all(self.sends[r].drain(..), e);
         complete_all(self.recvs[r].drain(..), e);
@@ -1151,7 +1153,7 @@ impl P2pExec {
                 continue;
             };
             let msg = self.unexpected[i].remove(u).expect("index in range");
-            self.unexpected_bytes[i] -= msg.data.len();
+            self.unexpected_bytes[i] -= msg.total;
             let p = self.recvs[i].remove(k).expect("index in range");
             let buf = p.buf();
             if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
@@ -1174,16 +1176,22 @@ impl P2pExec {
         if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing {
             return false;
         }
+        // Messages already held are delivered even if the channel has failed since.
+        let mut progressed = self.match_unexpected(i);
         if self.recv_broken[i].is_none() {
             self.recv_broken[i] = self.poisoned(i, me);
         }
         if let Some(e) = &self.recv_broken[i] {
             let e = Error::from_class_code(e.class_code(), format!("recv from rank {i} failed: {e}"));
+            if self.unexpected[i].back().is_some_and(|u| !u.complete) {
+                let u = self.unexpected[i].pop_back().expect("checked"); // never completes now
+                self.unexpected_bytes[i] -= u.total;
+            }
+            progressed |= !self.recvs[i].is_empty() || self.active[i].is_some();
             complete_all(self.recvs[i].drain(..), &e);
             complete_all(self.active[i].take(), &e);
-            return true;
+            return progressed;
         }
-        let mut progressed = self.match_unexpected(i);
         let sh = self.sh.clone();
         let ch = sh.channel(i, me);
         loop {
@@ -1216,6 +1224,7 @@ impl P2pExec {
                     self.unexpected[i].push_back(Unexpected {
                         tag: hdr.tag,
                         dtype: hdr.dtype,
+                        total: hdr.total_bytes as usize,
                         data: Vec::with_capacity(hdr.total_bytes as usize),
                         chunks: 0,
                         complete: false,
@@ -1235,7 +1244,7 @@ impl P2pExec {
                 p.done == Self::chunks_of(buf.len, half)
             } else {
                 let u = self.unexpected[i].back_mut().expect("capturing");
-                let total = u.data.capacity();
+                let total = u.total;
                 let len = half.min(total - u.data.len());
                 // SAFETY: as above; the chunk holds `len` valid bytes of the message.
                 u.data.extend_from_slice(unsafe { std::slice::from_raw_parts(src, len) });
