@@ -108,3 +108,38 @@ def test_exit_with_pending_works_and_callbacks(tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=180)
         assert p.returncode == 0, out
+
+
+def body_many_blocked_callbacks(ctx, n: int) -> int:
+    """More future callbacks blocked at once than any fixed thread pool would hold: each
+    waits for a message that only arrives after all of them started."""
+    if ctx.rank == 0:
+        got = []
+
+        def then(i):
+            def cb(f):
+                t = torch.empty(3)
+                dist.recv(t, src=1, tag=2000 + i)
+                return t
+
+            return cb
+
+        futs = []
+        for i in range(n):
+            t = torch.empty(3)
+            futs.append(dist.irecv(t, 1, tag=1000 + i).get_future().then(then(i)))
+        for i, f in enumerate(futs):
+            got.append(f.wait())
+        for i, t in enumerate(got):
+            assert torch.equal(t, torch.full((3,), float(i))), (i, t)
+        return len(got)
+    if ctx.rank == 1:
+        for i in range(n):
+            dist.send(torch.zeros(3), dst=0, tag=1000 + i)
+        for i in range(n):
+            dist.send(torch.full((3,), float(i)), dst=0, tag=2000 + i)
+    return 0
+
+
+def test_many_blocked_future_callbacks(cluster4):
+    assert cluster4.run(body_many_blocked_callbacks, 40, timeout=120)[0] == 40

@@ -1,11 +1,13 @@
 //! Where Python sees operations complete. Engine threads never run Python code: a
 //! completion callback (which settles torch futures, whose `.then` callbacks may issue
 //! and wait on further collectives, as PowerSGD's comm hook does) runs on a pool thread.
-//! When no pool thread is waiting for work, a new one starts (up to `MAX_THREADS`), so a
-//! callback that blocks on another operation's completion does not wait for itself.
+//! When no pool thread is waiting for work, a new one starts, so a callback that blocks
+//! on another operation's completion never waits for itself. There is no cap: a cap
+//! would queue the very completions that blocked callbacks wait for, and deadlock. The
+//! number of threads is bounded by the callbacks blocked at once; idle ones exit.
 //!
-//! At interpreter exit `drain` waits for running callbacks, then `close` makes later
-//! completions skip Python: a thread entering Python while it finalizes takes the
+//! At interpreter exit `finish` waits for callbacks in flight, then keeps every later
+//! completion out of Python: a thread entering Python while it finalizes takes the
 //! process down.
 
 use std::collections::VecDeque;
@@ -33,8 +35,6 @@ struct State {
 
 /// Idle pool threads exit after this long, down to one.
 const IDLE_EXIT: Duration = Duration::from_secs(30);
-/// Nested waits deeper than this queue instead of starting threads.
-const MAX_THREADS: usize = 32;
 
 fn pool() -> &'static Arc<Pool> {
     static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
@@ -60,7 +60,7 @@ pub fn dispatch(job: Job) {
     st.jobs.push_back(job);
     // notify_one reports whether a waiting worker was woken; under the lock, each
     // dispatch wakes a distinct waiter, so no job is left without one.
-    if p.work.notify_one() || st.threads >= MAX_THREADS {
+    if p.work.notify_one() {
         return;
     }
     st.threads += 1;
@@ -76,6 +76,10 @@ fn worker(p: Arc<Pool>) {
     let mut st = p.state.lock();
     loop {
         if let Some(job) = st.jobs.pop_front() {
+            if st.closed {
+                std::mem::forget(job); // see `dispatch`
+                continue;
+            }
             st.running += 1;
             drop(st);
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
@@ -96,20 +100,24 @@ fn worker(p: Arc<Pool>) {
     }
 }
 
-/// Wait (at most `limit`) until no callback runs or waits to run. Call without the GIL.
-pub fn drain(limit: Duration) -> bool {
+/// At interpreter exit: wait (at most `limit`; call without the GIL) until no callback
+/// runs or waits to run, then keep every later completion out of Python. Returns whether
+/// the pool went quiet in time.
+pub fn finish(limit: Duration) -> bool {
     let p = pool();
     let deadline = Instant::now() + limit;
     let mut st = p.state.lock();
+    let mut quiet = true;
     while st.running > 0 || !st.jobs.is_empty() {
         if p.quiet.wait_until(&mut st, deadline).timed_out() {
-            return false;
+            quiet = false;
+            break;
         }
     }
-    true
-}
-
-/// From now on, completions do not call into Python (interpreter exit).
-pub fn close() {
-    pool().state.lock().closed = true;
+    // Under the same lock as the check above, so nothing slips in between.
+    st.closed = true;
+    for job in st.jobs.drain(..) {
+        std::mem::forget(job);
+    }
+    quiet
 }

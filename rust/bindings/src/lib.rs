@@ -260,9 +260,7 @@ impl Communicator {
 /// in flight, then stop calling into Python. Returns whether the pool went quiet.
 #[pyfunction]
 fn finish_completions(py: Python<'_>, timeout_s: f64) -> bool {
-    let quiet = py.detach(|| completion::drain(Duration::from_secs_f64(timeout_s.max(0.0))));
-    completion::close();
-    quiet
+    py.detach(|| completion::finish(Duration::from_secs_f64(timeout_s.max(0.0))))
 }
 
 /// The tunables: (Options field, environment variable, default, is_size, help).
