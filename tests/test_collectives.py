@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from refs import DTYPES, FLOATS, OPS, assert_close, assert_identical_across_ranks, make, reduce_ref, valid_ops
+from refs import DTYPES, OPS, assert_close, assert_identical_across_ranks, make, reduce_ref, valid_ops
 
 SIZES = [0, 1, 7, 1000, 5003, 300_001]
 

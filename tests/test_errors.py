@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Cluster, free_port
+from harness import Cluster
 from refs import assert_close, make, reduce_ref
 
 import rsccl

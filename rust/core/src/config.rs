@@ -26,7 +26,7 @@ pub const SETTINGS: &[Setting] = &[
         env: "RSCCL_HOST_BUFFER_BYTES",
         default: 4 * MIB,
         min: 64 * KIB,
-        max: 1 * GIB,
+        max: GIB,
         is_size: true,
         help: "shared-memory staging per rank for collectives on CPU tensors (two halves, \
                double-buffered); larger messages are pipelined through it",
@@ -43,8 +43,8 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "max_region_bytes",
         env: "RSCCL_MAX_REGION_BYTES",
-        default: 1 * GIB,
-        min: 1 * MIB,
+        default: GIB,
+        min: MIB,
         max: 64 * GIB,
         is_size: true,
         help: "cap on one group's shared region on a host; group creation fails if the \
@@ -59,7 +59,7 @@ pub const SETTINGS: &[Setting] = &[
         // 1480 vs 960 us at 1 MiB); up to 16 KiB the two were within noise.
         default: 16 * KIB,
         min: 0,
-        max: 1 * GIB,
+        max: GIB,
         is_size: true,
         help: "all_reduce messages up to this size use the one-shot algorithm (every rank \
                reduces everything, one barrier); larger ones reduce-scatter then all-gather",
