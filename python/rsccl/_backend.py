@@ -89,6 +89,20 @@ class _Staged:
             self.user.copy_(self.buf)
 
 
+def _rank_list(lists: Any, ref: torch.Tensor, size: int, what: str, list_name: str, ref_name: str, owner: str = "") -> list[torch.Tensor]:
+    """Check torch's `[[t_0, ..., t_{size-1}]]` argument: one tensor per rank, each like
+    `ref` (same dtype and element count). Returns the tensors."""
+    if len(lists) != 1 or len(lists[0]) != size:
+        raise ArgumentError(f"{what}: {owner}{list_name} must hold group size {size} tensors")
+    ts = [_check_tensor(t, f"{what} {list_name}") for t in lists[0]]
+    for i, t in enumerate(ts):
+        if t.numel() != ref.numel() or t.dtype != ref.dtype:
+            raise ArgumentError(
+                f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]"
+            )
+    return ts
+
+
 def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0)
 
@@ -295,14 +309,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         def prepare() -> _Plan:
             inp = _one(input_tensors, "all_gather input")
-            if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
-                raise ArgumentError(f"all_gather: tensor_list must hold group size {self.size()} tensors")
-            outs = [_check_tensor(t, "all_gather output") for t in output_tensors[0]]
-            for i, o in enumerate(outs):
-                if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                    raise ArgumentError(
-                        f"all_gather: tensor_list[{i}] is {o.dtype}[{o.numel()}], input is {inp.dtype}[{inp.numel()}]"
-                    )
+            outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
             flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
             submit, keep, _ = self._all_gather_one(flat, inp)
             return _Plan([submit], output_tensors, keep, _scatter_back(flat, outs))
@@ -402,14 +409,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         def prepare() -> _Plan:
             out = _one(output_tensors, "reduce_scatter output")
-            if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
-                raise ArgumentError(f"reduce_scatter: input_list must hold group size {self.size()} tensors")
-            ins = [_check_tensor(t, "reduce_scatter input") for t in input_tensors[0]]
-            for i, t in enumerate(ins):
-                if t.numel() != out.numel() or t.dtype != out.dtype:
-                    raise ArgumentError(
-                        f"reduce_scatter: input_list[{i}] is {t.dtype}[{t.numel()}], output is {out.dtype}[{out.numel()}]"
-                    )
+            ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output")
             submit, keep, post = self._reduce_scatter_one(out, _flat_cat(ins), op)
             return _Plan([submit], output_tensors, keep, post)
 
@@ -507,12 +507,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             inp = _one(input_tensors, "gather input").contiguous()
             flat, post = None, None
             if self.rank() == root:
-                if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
-                    raise ArgumentError(f"gather: the root's gather_list must hold group size {self.size()} tensors")
-                outs = [_check_tensor(t, "gather output") for t in output_tensors[0]]
-                for i, o in enumerate(outs):
-                    if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                        raise ArgumentError(f"gather: gather_list[{i}] is {o.dtype}[{o.numel()}], input is {inp.dtype}[{inp.numel()}]")
+                outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ")
                 flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
                 post = _scatter_back(flat, outs)
             submit = lambda b: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root, blocking=b)  # noqa: E731
@@ -527,12 +522,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             s = _Staged(_one(output_tensors, "scatter output"), copy_in=False)
             flat = None
             if self.rank() == root:
-                if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
-                    raise ArgumentError(f"scatter: the root's scatter_list must hold group size {self.size()} tensors")
-                ins = [_check_tensor(t, "scatter input") for t in input_tensors[0]]
-                for i, t in enumerate(ins):
-                    if t.numel() != s.user.numel() or t.dtype != s.user.dtype:
-                        raise ArgumentError(f"scatter: scatter_list[{i}] is {t.dtype}[{t.numel()}], output is {s.user.dtype}[{s.user.numel()}]")
+                ins = _rank_list(input_tensors, s.user, self.size(), "scatter", "scatter_list", "output", "the root's ")
                 flat = _flat_cat(ins).to(s.user.dtype)
             submit = lambda b: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root, blocking=b)  # noqa: E731
             return _Plan([submit], output_tensors, (flat, s), s.post)
