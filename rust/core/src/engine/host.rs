@@ -220,6 +220,7 @@ impl HostEngine {
             deadline: Instant::now(),
             timeout: Duration::ZERO,
             kind_name: "",
+            headers: Vec::with_capacity(n),
         }));
         let p2p = Arc::new(Mutex::new(P2pInbox { jobs: VecDeque::new(), closed: false }));
         let t1 = {
@@ -406,6 +407,8 @@ struct CollExec {
     deadline: Instant,
     timeout: Duration,
     kind_name: &'static str,
+    /// Every rank's header of the current collective, for the agreement check.
+    headers: Vec<CollHeader>,
 }
 
 /// Chunks of `count` elements, `per` at a time; at least one (possibly empty) chunk so
@@ -482,12 +485,15 @@ impl CollExec {
         }
         if let Some(p) = self.check_parity.take() {
             debug_assert_eq!(p, parity);
-            let headers: Vec<CollHeader> = (0..n)
+            // Reused buffer: the collective path allocates nothing.
+            self.headers.clear();
+            for r in 0..n {
                 // SAFETY: headers of this parity were written before the barrier just
                 // passed and are not rewritten until the barrier after next.
-                .map(|r| unsafe { std::ptr::read(self.sh.region.at(self.sh.layout.header(p, r)) as *const CollHeader) })
-                .collect();
-            agree(&headers)?;
+                let h = unsafe { std::ptr::read(self.sh.region.at(self.sh.layout.header(p, r)) as *const CollHeader) };
+                self.headers.push(h);
+            }
+            agree(&self.headers)?;
         }
         Ok(())
     }
@@ -1104,7 +1110,6 @@ impl P2pExec {
                         total_bytes: buf.len as u64,
                         dtype: dtype as u8,
                         _pad: [0; 7],
-                        msg_seq: 0,
                     });
                     copy(self.sh.region.at(self.sh.layout.channel_half(me, j, h)), buf.ptr.add(lo), len);
                 }

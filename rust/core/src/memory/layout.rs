@@ -119,7 +119,6 @@ pub struct MsgHeader {
     pub total_bytes: u64,
     pub dtype: u8,
     pub _pad: [u8; 7],
-    pub msg_seq: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<ChannelCtrl>() <= CHANNEL_CTRL_BYTES);
