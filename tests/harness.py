@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, env: dict, init_timeout
 
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60), wait_for_workers=False)
         dist.init_process_group(
             "rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=init_timeout), pg_options=options
         )
@@ -87,10 +87,15 @@ class Cluster:
         rank_env: list[dict] | None = None,
     ):
         self.world = world
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
         self.conns = []
         self.procs = []
-        port = free_port()
+        # The store lives here, not in rank 0, so a rank that fails early (on purpose, in
+        # the error tests) does not take the others' rendezvous down with it.
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        port = self.store.port
         for r in range(world):
             parent, child = ctx.Pipe()
             penv = {**(env or {}), **(rank_env[r] if rank_env else {})}
