@@ -57,6 +57,14 @@ def _worker(rank: int, world: int, port: int, conn: Any, env: dict, init_timeout
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    serve(conn, ctx)
+
+
+def serve(conn: Any, ctx: Any) -> None:
+    """A rank's loop: run the bodies the parent sends until it sends None, then leave the
+    default group and say goodbye."""
+    import torch.distributed as dist
+
     while True:
         msg = conn.recv()
         if msg is None:
@@ -85,7 +93,11 @@ class Cluster:
         options: Any = None,
         start_timeout: float = 180.0,
         rank_env: list[dict] | None = None,
+        worker: Callable[..., None] | None = None,
+        worker_kwargs: dict | None = None,
     ):
+        """`worker` replaces the rank's start-up (default: join rsccl and a gloo reference
+        group); it takes the same arguments as `_worker`, then `worker_kwargs`."""
         self.world = world
         import torch.distributed as dist
 
@@ -99,7 +111,9 @@ class Cluster:
         for r in range(world):
             parent, child = ctx.Pipe()
             penv = {**(env or {}), **(rank_env[r] if rank_env else {})}
-            p = ctx.Process(target=_worker, args=(r, world, port, child, penv, init_timeout, options), daemon=True)
+            p = ctx.Process(
+                target=worker or _worker, args=(r, world, port, child, penv, init_timeout, options), kwargs=worker_kwargs or {}, daemon=True
+            )
             p.start()
             self.conns.append(parent)
             self.procs.append(p)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _rsccl
+from ._cuda import REDUCE_DTYPES, REDUCE_OPS, CudaWork, Pending, device_for_new_group, raw_stream
 from ._work import DoneWork, RsWork
 from .options import as_items
 
@@ -59,7 +60,8 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
         raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}", "type")
     if t.device.type != "cpu":
         raise ArgumentError(
-            f"{what} is on {t.device}; this rsccl release runs CPU tensors only (the CUDA engine comes next)",
+            f"{what} is on {t.device}; on CUDA tensors this rsccl release runs all_reduce, all_gather, "
+            "reduce_scatter, broadcast and barrier (the other collectives come in a later release)",
             "type",
         )
     if t.is_sparse or t.layout != torch.strided:
@@ -151,7 +153,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         super().__init__(rank, size)
         self._timeout = timeout
         self._options = pg_options
-        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options))
+        device = device_for_new_group()
+        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
+        self._cuda_device = device if self._comm.has_cuda else None
+        self._pending = Pending()
         self._gloo = None
         if self._comm.engine == "gloo":
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
@@ -240,9 +245,107 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise
         return RsWork(parts, plan.result, plan.keep, plan.post)
 
+    # -- CUDA ------------------------------------------------------------------------
+    def _cuda_check(self, t: torch.Tensor, what: str, reduce_op: str | None) -> None:
+        if self._cuda_device is None:
+            self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
+            raise ArgumentError(
+                f"{what}: this group has no CUDA engine (CUDA was not initialized when it was created); "
+                "call torch.cuda.set_device(local_rank) before init_process_group/new_group"
+            )
+        if t.device.index != self._cuda_device:
+            raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
+        if reduce_op is not None:
+            if t.dtype not in REDUCE_DTYPES:
+                raise ArgumentError(
+                    f"{what}: rank {self.rank()} passed {t.dtype}; rsccl's CUDA reductions take {', '.join(REDUCE_DTYPES.values())}",
+                    "type",
+                )
+            if reduce_op not in REDUCE_OPS or (reduce_op == "AVG" and not t.dtype.is_floating_point):
+                raise ArgumentError(f"{what}: rank {self.rank()} passed ReduceOp.{reduce_op} on {t.dtype}", "type")
+
+    def _cuda(self, kind: str, prepare: Callable[[], tuple], opts: Any, result: Any) -> Any:
+        """Check and launch one CUDA collective. `prepare` returns (inp, out, count, dtype,
+        op, root, keep, post). An invalid argument makes this rank take part in the
+        collective's first barrier as "invalid", so its peers report the mismatch instead
+        of waiting, and raises here."""
+        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
+        stream = raw_stream(device)
+        try:
+            inp, out, count, dtype, op, root, keep, post = prepare()
+        except ArgumentError as e:
+            if self._cuda_device is not None:
+                self._comm.cuda_invalid(stream)
+            exc = TypeError if e.cls == "type" else ValueError
+            raise exc(f"rsccl: {e}") from None
+        asynchronous = opts is None or opts.asyncOp is not False
+        ev = self._comm.cuda_collective(kind, inp, out, count, dtype, op, root, stream, asynchronous)
+        if ev is None:
+            if post is not None:
+                post()
+            return DoneWork(result)
+        w = CudaWork(self, device, ev, result, keep, post)
+        self._pending.add(w)
+        return w
+
+    def _cuda_allreduce(self, t: torch.Tensor, op: str, opts: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(t, "all_reduce", op)
+            c = t if t.is_contiguous() else t.contiguous()
+            post = None if c is t else (lambda: t.copy_(c))
+            return c.data_ptr(), c.data_ptr(), c.numel(), _dtype(c), op, 0, (t, c), post
+
+        return self._cuda("all_reduce", prepare, opts, [t])
+
+    def _cuda_all_gather(self, out: torch.Tensor, inp: torch.Tensor, opts: Any, result: Any, post_extra: Callable[[], None] | None = None) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(inp, "all_gather input", None)
+            self._cuda_check(out, "all_gather output", None)
+            if out.dtype != inp.dtype or out.numel() != inp.numel() * self.size():
+                raise ArgumentError(
+                    f"all_gather: rank {self.rank()} passed output {out.dtype}[{out.numel()}] for input "
+                    f"{inp.dtype}[{inp.numel()}] (the output must hold group size {self.size()} inputs)"
+                )
+            i = inp.contiguous()
+            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            posts = [p for p in ((None if o is out else (lambda: out.copy_(o))), post_extra) if p is not None]
+            post = (lambda: [p() for p in posts]) if posts else None
+            return i.data_ptr(), o.data_ptr(), i.numel() * i.element_size(), "uint8", "SUM", 0, (inp, out, i, o), post
+
+        return self._cuda("all_gather", prepare, opts, result)
+
+    def _cuda_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, opts: Any, result: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(inp, "reduce_scatter input", op)
+            self._cuda_check(out, "reduce_scatter output", op)
+            if out.dtype != inp.dtype or inp.numel() != out.numel() * self.size():
+                raise ArgumentError(
+                    f"reduce_scatter: rank {self.rank()} passed input {inp.dtype}[{inp.numel()}] for output "
+                    f"{out.dtype}[{out.numel()}] (the input must hold group size {self.size()} outputs)"
+                )
+            i = inp.contiguous()
+            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            post = None if o is out else (lambda: out.copy_(o))
+            return i.data_ptr(), o.data_ptr(), o.numel(), _dtype(o), op, 0, (inp, out, i, o), post
+
+        return self._cuda("reduce_scatter", prepare, opts, result)
+
+    def _cuda_broadcast(self, t: torch.Tensor, root: int, opts: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(t, "broadcast", None)
+            if not 0 <= root < self.size():
+                raise ArgumentError(f"broadcast: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
+            c = t if t.is_contiguous() else t.contiguous()
+            post = None if c is t else (lambda: t.copy_(c))
+            return c.data_ptr(), c.data_ptr(), c.numel() * c.element_size(), "uint8", "SUM", root, (t, c), post
+
+        return self._cuda("broadcast", prepare, opts, [t])
+
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+            return self._cuda_allreduce(tensors[0], op, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "all_reduce"))
@@ -271,6 +374,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
+        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+            return self._cuda_broadcast(tensors[0], root, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "broadcast"))
@@ -298,6 +403,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return (lambda b: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp), blocking=b)), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
+        if getattr(input, "is_cuda", False) and self._gloo is None:
+            return self._cuda_all_gather(output, input, opts, [output])
         def prepare() -> _Plan:
             submit, keep, post = self._all_gather_one(output, input)
             return _Plan([submit], [output], keep, post)
@@ -307,6 +414,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
+        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+            inp = input_tensors[0]
+            try:
+                outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
+            except ArgumentError:
+                outs = None
+            if outs is not None:
+                flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
+                return self._cuda_all_gather(flat, inp, opts, output_tensors, _scatter_back(flat, outs))
         def prepare() -> _Plan:
             inp = _one(input_tensors, "all_gather input")
             outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
@@ -395,6 +511,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if getattr(input, "is_cuda", False) and self._gloo is None:
+            return self._cuda_reduce_scatter(output, input, op, opts, [output])
 
         def prepare() -> _Plan:
             submit, keep, post = self._reduce_scatter_one(output, input, op)
@@ -406,6 +524,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+            out = output_tensors[0]
+            try:
+                ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output")
+            except ArgumentError:
+                ins = None
+            if ins is not None and all(t.is_cuda for t in ins):
+                flat = torch.cat([t.reshape(-1) for t in ins])
+                return self._cuda_reduce_scatter(out, flat, op, opts, output_tensors)
 
         def prepare() -> _Plan:
             out = _one(output_tensors, "reduce_scatter output")
@@ -530,6 +657,14 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def barrier(self, opts: Any = None) -> RsWork:
+        if self._cuda_device is not None and self._gloo is None:
+            # Like NCCL's barrier: every GPU reaches a device barrier, and this CPU waits
+            # for its own, so all ranks' earlier work is done and every rank got here.
+            stream = raw_stream(self._cuda_device)
+            self._comm.cuda_collective("barrier", 0, 0, 0, "uint8", "SUM", 0, stream, False)
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+            self._comm.cuda_health()
+            return DoneWork([])
         return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([lambda b: self._comm.barrier(blocking=b)], []), opts=opts)
 
     # -- point to point ----------------------------------------------------------------

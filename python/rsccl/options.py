@@ -22,6 +22,18 @@ class Options:
     allreduce_one_shot_max_bytes: int | str | None = None
     #: Polls of a shared flag before a waiting rank sleeps; RSCCL_SPIN_COUNT.
     spin_count: int | None = None
+    #: Device memory per rank for CUDA collectives (signal pads + staging); RSCCL_CUDA_BUFFER_BYTES.
+    cuda_buffer_bytes: int | str | None = None
+    #: CUDA blocks of every rsccl kernel; RSCCL_CUDA_BLOCKS.
+    cuda_blocks: int | None = None
+    #: CUDA all_reduce size up to which the one-shot kernel is used; RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES.
+    cuda_allreduce_one_shot_max_bytes: int | str | None = None
+    #: Cap on the GPU virtual address space one group reserves; RSCCL_MAX_CUDA_VA_BYTES.
+    max_cuda_va_bytes: int | str | None = None
+    #: 1 (default): warm-up collective at group creation; 0: skip it; RSCCL_CUDA_WARMUP.
+    cuda_warmup: int | None = None
+    #: 1 (default): blocking CUDA collectives run on the caller's stream; 0: internal stream; RSCCL_CUDA_SYNC_STREAM.
+    cuda_sync_stream: int | None = None
 
     def items(self) -> list[tuple[str, str]]:
         """The fields that are set, as (name, text) pairs for the Rust core."""

@@ -17,7 +17,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Timeout(_) => PyTimeoutError::new_err(msg),
         Error::PeerFailure(_) => PeerFailureError::new_err(msg),
         Error::Aborted(_) => GroupAbortedError::new_err(msg),
-        Error::Os { .. } | Error::Internal(_) => PyRuntimeError::new_err(msg),
+        Error::Os { .. } | Error::Cuda(_) | Error::Internal(_) => PyRuntimeError::new_err(msg),
     }
 }
 

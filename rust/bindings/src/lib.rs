@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rsccl_core::collective::{Buf, Collective, Kind};
 use rsccl_core::config::{Config, SETTINGS};
+use rsccl_core::cuda::{CudaCall, CudaKind};
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::engine::P2p;
 use rsccl_core::group::Group;
@@ -85,7 +86,7 @@ struct Communicator(Group);
 impl Communicator {
     /// Rendezvous through `store` and build everything the group needs (blocks, GIL released).
     #[new]
-    #[pyo3(signature = (store, rank, size, timeout_s, options=None))]
+    #[pyo3(signature = (store, rank, size, timeout_s, options=None, cuda_device=None))]
     fn new(
         py: Python<'_>,
         store: Py<PyAny>,
@@ -93,11 +94,12 @@ impl Communicator {
         size: usize,
         timeout_s: f64,
         options: Option<Vec<(String, String)>>,
+        cuda_device: Option<i32>,
     ) -> PyResult<Self> {
         let cfg = Config::from_env(&options.unwrap_or_default()).py()?;
         let timeout = Duration::from_secs_f64(timeout_s.max(0.001));
         let store = store::PyStore(store);
-        let g = py.detach(move || Group::create(&store, rank, size, timeout, cfg)).py()?;
+        let g = py.detach(move || Group::create(&store, rank, size, timeout, cfg, cuda_device)).py()?;
         Ok(Communicator(g))
     }
 
@@ -223,6 +225,69 @@ impl Communicator {
         Ok(Work(self.0.submit_p2p(op, None).py()?))
     }
 
+    /// Whether the group has a CUDA engine.
+    #[getter]
+    fn has_cuda(&self) -> bool {
+        self.0.cuda_stats().is_some()
+    }
+
+    /// Launch a CUDA collective (see rsccl_core::cuda::CudaCall for `count`). Returns the
+    /// end event of an asynchronous call, None for a blocking one.
+    #[pyo3(signature = (kind, inp, out, count, dtype, op, root, stream, asynchronous))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_collective(
+        &self,
+        kind: &str,
+        inp: u64,
+        out: u64,
+        count: u64,
+        dtype: &str,
+        op: &str,
+        root: usize,
+        stream: u64,
+        asynchronous: bool,
+    ) -> PyResult<Option<CudaEvent>> {
+        let kind = match kind {
+            "all_reduce" => CudaKind::AllReduce,
+            "reduce_scatter" => CudaKind::ReduceScatter,
+            "all_gather" => CudaKind::AllGather,
+            "broadcast" => CudaKind::Broadcast,
+            "barrier" => CudaKind::Barrier,
+            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown CUDA collective {other:?}"))),
+        };
+        let dtype = DType::from_name(dtype).py()?;
+        let op = ReduceOp::from_name(op).py()?;
+        let call = CudaCall { kind, dtype, op, root, inp, out, count, stream, asynchronous };
+        let engine = self.0.cuda().py()?;
+        Ok(engine.launch(&call).py()?.map(CudaEvent))
+    }
+
+    /// This rank's arguments to a CUDA collective were invalid: take part in its first
+    /// barrier only, so the other ranks report the mismatch instead of waiting.
+    fn cuda_invalid(&self, stream: u64) -> PyResult<()> {
+        let engine = self.0.cuda().py()?;
+        let call = CudaCall {
+            kind: CudaKind::Invalid,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            inp: 0,
+            out: 0,
+            count: 0,
+            stream,
+            asynchronous: false,
+        };
+        engine.launch(&call).py().map(|_| ())
+    }
+
+    /// Raise the error a CUDA kernel reported (timeout, dead peer, mismatched calls).
+    fn cuda_health(&self) -> PyResult<()> {
+        match self.0.cuda_stats() {
+            Some(_) => self.0.cuda().py()?.health().py(),
+            None => Ok(()),
+        }
+    }
+
     /// Bytes reserved and mapped for this group, and traffic counters.
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.0.stats();
@@ -233,6 +298,15 @@ impl Communicator {
         d.set_item("collectives", s.collectives)?;
         d.set_item("p2p_messages", s.p2p_messages)?;
         d.set_item("staged_bytes", s.staged_bytes)?;
+        if let Some(c) = self.0.cuda_stats() {
+            d.set_item("cuda_device", c.device)?;
+            d.set_item("cuda_va_reserved_bytes", c.va_reserved_bytes)?;
+            d.set_item("cuda_mapped_own_bytes", c.mapped_own_bytes)?;
+            d.set_item("cuda_mapped_peer_bytes", c.mapped_peer_bytes)?;
+            d.set_item("cuda_in_use_bytes", c.in_use_bytes)?;
+            d.set_item("cuda_kernel_image_bytes", c.kernel_image_bytes)?;
+            d.set_item("cuda_collectives", c.collectives)?;
+        }
         Ok(d)
     }
 
@@ -254,6 +328,35 @@ impl Communicator {
         }
         Ok(Work(self.0.submit(c, None).py()?))
     }
+}
+
+/// The end of an asynchronous CUDA collective.
+#[pyclass(module = "rsccl._rsccl", frozen)]
+struct CudaEvent(rsccl_core::cuda::CudaEvent);
+
+#[pymethods]
+impl CudaEvent {
+    /// Whether the collective finished on the GPU.
+    fn query(&self) -> PyResult<bool> {
+        self.0.query().py()
+    }
+
+    /// Make `stream` (a raw CUDA stream handle) wait for the collective.
+    fn wait_on(&self, stream: u64) -> PyResult<()> {
+        self.0.wait_on(stream).py()
+    }
+
+    /// Block (GIL released) until the collective finished.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.0.synchronize()).py()
+    }
+}
+
+/// Compile rsccl's CUDA kernels for `arch` (e.g. "sm_90") with NVRTC and return the size
+/// of the image: a check that needs NVRTC, not a GPU.
+#[pyfunction]
+fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<usize> {
+    py.detach(|| rsccl_core::cuda::kernels::compile(arch)).py().map(|b| b.len())
 }
 
 /// At interpreter exit: wait (GIL released, at most `timeout_s`) for completion callbacks
@@ -280,6 +383,12 @@ fn resolve_options(options: Option<Vec<(String, String)>>) -> PyResult<Vec<(Stri
         ("max_region_bytes".into(), c.max_region_bytes as u64),
         ("allreduce_one_shot_max_bytes".into(), c.allreduce_one_shot_max_bytes as u64),
         ("spin_count".into(), c.spin_count as u64),
+        ("cuda_buffer_bytes".into(), c.cuda_buffer_bytes as u64),
+        ("cuda_blocks".into(), c.cuda_blocks as u64),
+        ("cuda_allreduce_one_shot_max_bytes".into(), c.cuda_allreduce_one_shot_max_bytes as u64),
+        ("max_cuda_va_bytes".into(), c.max_cuda_va_bytes as u64),
+        ("cuda_warmup".into(), c.cuda_warmup as u64),
+        ("cuda_sync_stream".into(), c.cuda_sync_stream as u64),
     ])
 }
 
@@ -299,6 +408,8 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging()?;
     m.add_class::<Communicator>()?;
     m.add_class::<Work>()?;
+    m.add_class::<CudaEvent>()?;
+    m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(finish_completions, m)?)?;

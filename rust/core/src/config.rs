@@ -73,6 +73,67 @@ pub const SETTINGS: &[Setting] = &[
         is_size: false,
         help: "polls of a shared-memory flag before a waiting rank yields, then sleeps on a futex",
     },
+    Setting {
+        field: "cuda_buffer_bytes",
+        env: "RSCCL_CUDA_BUFFER_BYTES",
+        default: 32 * MIB,
+        min: 2 * MIB,
+        max: 4 * GIB,
+        is_size: true,
+        help: "device memory per rank for CUDA collectives (signal pads and double-buffered \
+               staging), mapped by every local rank; larger messages are pipelined through it",
+    },
+    Setting {
+        field: "cuda_blocks",
+        env: "RSCCL_CUDA_BLOCKS",
+        default: 32,
+        min: 1,
+        max: 64,
+        is_size: false,
+        help: "CUDA blocks (of 512 threads) of every rsccl kernel; each block moves its own \
+               share of the staging and synchronizes with the same block on the other ranks",
+    },
+    Setting {
+        field: "cuda_allreduce_one_shot_max_bytes",
+        env: "RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES",
+        default: 256 * KIB,
+        min: 0,
+        max: 64 * GIB,
+        is_size: true,
+        help: "CUDA all_reduce messages up to this size use the one-shot kernel (every rank \
+               reduces everything); larger ones use two-shot (reduce-scatter + all-gather)",
+    },
+    Setting {
+        field: "max_cuda_va_bytes",
+        env: "RSCCL_MAX_CUDA_VA_BYTES",
+        default: 4 * GIB,
+        min: 2 * MIB,
+        max: 1 << 40,
+        is_size: true,
+        help: "cap on the virtual address space one group reserves on a GPU (its own buffer \
+               and every local peer's, mapped); group creation fails if more is needed",
+    },
+    Setting {
+        field: "cuda_warmup",
+        env: "RSCCL_CUDA_WARMUP",
+        default: 1,
+        min: 0,
+        max: 1,
+        is_size: false,
+        help: "1: run one collective of every kernel family at group creation, so the first \
+               real collective finds everything loaded and resident; 0: skip it (faster \
+               creation; memory is still mapped and kernels loaded at creation)",
+    },
+    Setting {
+        field: "cuda_sync_stream",
+        env: "RSCCL_CUDA_SYNC_STREAM",
+        default: 1,
+        min: 0,
+        max: 1,
+        is_size: false,
+        help: "1: a blocking CUDA collective (async_op=False) runs on the caller's current \
+               stream; 0: on the group's internal stream, ordered with events",
+    },
 ];
 
 /// Resolved configuration of one group.
@@ -83,6 +144,12 @@ pub struct Config {
     pub max_region_bytes: usize,
     pub allreduce_one_shot_max_bytes: usize,
     pub spin_count: u32,
+    pub cuda_buffer_bytes: usize,
+    pub cuda_blocks: u32,
+    pub cuda_allreduce_one_shot_max_bytes: usize,
+    pub max_cuda_va_bytes: usize,
+    pub cuda_warmup: bool,
+    pub cuda_sync_stream: bool,
 }
 
 impl Default for Config {
@@ -155,6 +222,12 @@ impl Config {
             max_region_bytes: values[2] as usize,
             allreduce_one_shot_max_bytes: values[3] as usize,
             spin_count: values[4] as u32,
+            cuda_buffer_bytes: values[5] as usize,
+            cuda_blocks: values[6] as u32,
+            cuda_allreduce_one_shot_max_bytes: values[7] as usize,
+            max_cuda_va_bytes: values[8] as usize,
+            cuda_warmup: values[9] != 0,
+            cuda_sync_stream: values[10] != 0,
         };
         Ok(cfg)
     }
@@ -164,17 +237,23 @@ impl Config {
         Config::resolve(overrides, &|k| std::env::var(k).ok())
     }
 
-    /// The settings every rank of a group must share, with their names (spin_count is
-    /// local behaviour and may differ).
+    /// The settings every rank of a group must share, with their names (spin_count, the
+    /// caps, warm-up and stream choice are local behaviour and may differ).
     pub fn layout_settings(&self) -> (Vec<u64>, Vec<(&'static str, &'static str)>) {
-        let v = vec![
-            self.host_buffer_bytes as u64,
-            self.p2p_buffer_bytes as u64,
-            self.max_region_bytes as u64,
-            self.allreduce_one_shot_max_bytes as u64,
+        let shared = [
+            ("host_buffer_bytes", self.host_buffer_bytes as u64),
+            ("p2p_buffer_bytes", self.p2p_buffer_bytes as u64),
+            ("max_region_bytes", self.max_region_bytes as u64),
+            ("allreduce_one_shot_max_bytes", self.allreduce_one_shot_max_bytes as u64),
+            ("cuda_buffer_bytes", self.cuda_buffer_bytes as u64),
+            ("cuda_blocks", self.cuda_blocks as u64),
+            ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
         ];
-        let names = SETTINGS[..4].iter().map(|s| (s.field, s.env)).collect();
-        (v, names)
+        let names = shared
+            .iter()
+            .map(|(f, _)| SETTINGS.iter().find(|s| s.field == *f).map(|s| (s.field, s.env)).expect("a known setting"))
+            .collect();
+        (shared.iter().map(|(_, v)| *v).collect(), names)
     }
 
     /// Bytes of one half of a rank's collective staging (the other half is double-buffered).

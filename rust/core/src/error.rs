@@ -31,6 +31,9 @@ pub enum Error {
     /// An operating-system call failed; `context` says what rsccl was doing.
     #[error("{context}: {source}")]
     Os { context: String, source: std::sync::Arc<io::Error> },
+    /// A CUDA driver or NVRTC call failed; the message names the call and the cause.
+    #[error("{0}")]
+    Cuda(String),
     /// A broken invariant inside rsccl: a bug to report.
     #[error("internal error in rsccl (please report): {0}")]
     Internal(String),

@@ -11,6 +11,7 @@ use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, RankInfo, Store, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
+use crate::cuda::{CudaEngine, CudaStats};
 use crate::engine::host::HostEngine;
 use crate::engine::{Engine, MemoryStats, P2p};
 use crate::error::{Error, Result};
@@ -52,12 +53,15 @@ pub struct Group {
     /// Taken out at shutdown, so the region and sockets are released then, not whenever
     /// Python drops the last reference to the group.
     engine: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
+    /// The CUDA engine, when the group was created with a device on one host.
+    cuda: parking_lot::Mutex<Option<Arc<CudaEngine>>>,
 }
 
 impl Group {
-    /// Rendezvous with the other ranks and build the engine. Blocks until every rank has
-    /// joined, or fails after `timeout` naming the ranks that did not.
-    pub fn create(store: &dyn Store, rank: usize, size: usize, timeout: Duration, cfg: Config) -> Result<Group> {
+    /// Rendezvous with the other ranks and build the engine (and, with `cuda_device`, the
+    /// CUDA engine on that GPU). Blocks until every rank has joined, or fails after
+    /// `timeout` naming the ranks that did not.
+    pub fn create(store: &dyn Store, rank: usize, size: usize, timeout: Duration, cfg: Config, cuda_device: Option<i32>) -> Result<Group> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is invalid for a group of size {size}")));
         }
@@ -75,19 +79,25 @@ impl Group {
         let deadline = Instant::now() + timeout;
         let listener = listener.ok_or_else(|| Error::Internal("listener not bound".into()))?;
         let (kind, why) = choose_engine(&topo);
+        let mut cuda = None;
         let engine: Option<Arc<dyn Engine>> = match kind {
             EngineKind::Gloo => None,
             EngineKind::Host => {
                 let ranks = topo.local_ranks().to_vec();
                 let me = topo.local_index();
                 let layout = Layout::new(ranks.len(), &cfg)?;
-                let mesh = LocalMesh::connect(listener, &nonce, &ranks, me, deadline)?;
+                let mesh = Arc::new(LocalMesh::connect(listener, &nonce, &ranks, me, deadline)?);
                 let region = mesh.share_region(layout.total, deadline)?;
+                // The CUDA set-up talks over the mesh, so it runs before the host engine
+                // starts watching the mesh for peers that leave.
+                if let Some(d) = cuda_device {
+                    cuda = Some(CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline)?);
+                }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
                 Some(Arc::new(HostEngine::start(region, layout, cfg.clone(), me, mesh, pids)?))
             }
         };
-        let g = Group { topo, cfg, timeout, kind, engine: parking_lot::Mutex::new(engine) };
+        let g = Group { topo, cfg, timeout, kind, engine: parking_lot::Mutex::new(engine), cuda: parking_lot::Mutex::new(cuda) };
         tracing::info!(
             rank,
             size,
@@ -127,8 +137,34 @@ impl Group {
         self.engine.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
     }
 
+    /// The CUDA engine, or why there is none.
+    pub fn cuda(&self) -> Result<Arc<CudaEngine>> {
+        if let Some(c) = &*self.cuda.lock() {
+            return Ok(c.clone());
+        }
+        Err(match self.kind {
+            EngineKind::Gloo => Error::InvalidArgument(
+                "CUDA tensors in a group that spans hosts need the NCCL engine, which this release does not have yet".into(),
+            ),
+            EngineKind::Host if self.engine.lock().is_none() => Error::Aborted("the group was destroyed".into()),
+            EngineKind::Host => Error::InvalidArgument(
+                "this group has no CUDA engine: CUDA was not initialized when it was created. Call \
+                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
+                    .into(),
+            ),
+        })
+    }
+
+    pub fn cuda_stats(&self) -> Option<CudaStats> {
+        self.cuda.lock().as_ref().map(|c| c.stats())
+    }
+
     /// Stop the engine and release its region and sockets. Idempotent.
     pub fn shutdown(&self) {
+        let cuda = self.cuda.lock().take();
+        if let Some(c) = cuda {
+            c.shutdown();
+        }
         let engine = self.engine.lock().take();
         if let Some(e) = engine {
             e.shutdown();

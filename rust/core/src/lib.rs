@@ -5,6 +5,7 @@
 pub mod bootstrap;
 pub mod collective;
 pub mod config;
+pub mod cuda;
 pub mod dtype;
 pub mod engine;
 pub mod error;

@@ -112,6 +112,41 @@ impl LocalMesh {
         }
     }
 
+    /// Send `msg` (and `fd`, if any) to every other local rank and receive theirs: a small
+    /// all-gather over the mesh. Returns, per local index, the peer's message and
+    /// descriptor (this rank's own slot holds `msg` and no descriptor). Sends never block
+    /// for long (messages are small and socket buffers hold them), so every rank can send
+    /// first and receive after.
+    pub fn all_gather(&self, msg: &[u8; 64], fd: Option<std::os::fd::RawFd>, deadline: Instant) -> Result<Vec<([u8; 64], Option<OwnedFd>)>> {
+        for c in self.conns.iter().flatten() {
+            c.send(msg, fd)?;
+        }
+        let mut out = Vec::with_capacity(self.conns.len());
+        for (j, c) in self.conns.iter().enumerate() {
+            match c {
+                None => out.push((*msg, None)),
+                Some(c) => {
+                    let mut buf = [0u8; 64];
+                    let got = c.recv(&mut buf, deadline).map_err(|e| match e {
+                        Error::Timeout(m) => Error::Timeout(format!("local rank {j} did not answer during CUDA set-up: {m}")),
+                        other => other,
+                    })?;
+                    out.push((buf, got));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn local_index(&self) -> usize {
+        self.me
+    }
+
+    /// Local ranks in the mesh (this one included).
+    pub fn size(&self) -> usize {
+        self.conns.len()
+    }
+
     /// Local indices whose process has gone (exited, or closed its connection).
     pub fn gone(&self) -> Vec<usize> {
         (0..self.conns.len())

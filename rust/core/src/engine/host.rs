@@ -35,7 +35,7 @@ struct Shared {
     cfg: Config,
     me: usize,
     n: usize,
-    mesh: LocalMesh,
+    mesh: Arc<LocalMesh>,
     pids: Vec<u32>,
     shutdown: AtomicBool,
     /// Set once a collective failed in a way that leaves the shared state out of step.
@@ -192,7 +192,7 @@ pub struct HostEngine {
 
 impl HostEngine {
     /// Start the engine of local rank `me` of `n` over a region already shared.
-    pub fn start(region: HostRegion, layout: Layout, cfg: Config, me: usize, mesh: LocalMesh, pids: Vec<u32>) -> Result<HostEngine> {
+    pub fn start(region: HostRegion, layout: Layout, cfg: Config, me: usize, mesh: Arc<LocalMesh>, pids: Vec<u32>) -> Result<HostEngine> {
         let n = layout.nranks;
         let sh = Arc::new(Shared {
             region,

@@ -1,0 +1,632 @@
+// rsccl's collective kernels for the ranks of one host, over symmetric memory.
+//
+// Compiled by NVRTC at group creation (rust/core/src/cuda/kernels.rs; cached on disk,
+// never compiled on a collective's path) for the device's architecture (sm_90 on H100/H200),
+// and checked by the CPU-only test suite. No headers: NVRTC's built-ins only.
+//
+// Memory: every local rank owns one VMM allocation ("symmetric block"), mapped by every
+// local rank; `Args::peer[j]` is rank j's block as mapped in this process. A block is
+//   [0, FLAGS_BYTES)          flags[MAX_BLOCKS][MAX_RANKS] u32: written by peers (barrier)
+//   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
+//   [DESC_OFF, +32 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 16-byte collective descriptors,
+//                             written by peers before their first signal of a kernel, in
+//                             the half picked by the barrier epoch's parity
+//   [STAGE_OFF, ...)          staging: for CUDA block b and parity p, `stage_per_block`
+//                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
+// Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
+// a group are serialized on the GPU (the engine orders every launch after the previous
+// one), so CUDA block b of every rank runs the same sequence of steps and barriers: the
+// per-block counters agree across ranks without any host round trip, including under
+// CUDA graph replay (the counters live in device memory, not in kernel arguments).
+//
+// Barrier protocol (per CUDA block b, between the same block on every local rank):
+//   epoch e = my counter + 1. After __syncthreads() (every thread of the block finished
+//   its stores for this step, local and remote), thread j < world issues a system-scope
+//   fence and a st.release.sys of e into rank j's flags[b][me]. Thread j then spins with
+//   ld.acquire.sys on my flags[b][j] until it is >= e (wrap-safe signed difference), and
+//   __syncthreads() publishes that to the block.
+//   Ordering: bar.sync orders the block's data stores before the signalling thread's
+//   release (release is cumulative over what happened-before it); the waiter's acquire
+//   synchronizes-with that release at system scope, and the second bar.sync extends it to
+//   the block's later loads. A peer can run at most one barrier ahead (it cannot pass
+//   barrier e before my signal e), so flags only grow and ">= e" is exact.
+// Buffer reuse: staging is double-buffered by step parity. A block writes parity p at
+//   step s+2 only after passing the barrier of step s+1 with every peer's block b, which
+//   each peer's block reached only after finishing its reads of step s; every element is
+//   written and read by the same block index on every rank, so no other block is involved.
+// Agreement: the first barrier of every kernel also carries the caller's descriptor
+//   (collective, dtype, op, root, count), stored into the peer's desc slot before the
+//   release; the waiter compares it after the acquire. Slots alternate by epoch parity: a
+//   peer may already be one barrier ahead (the first of its next kernel) and write its
+//   next descriptor, but only into the other half. Ranks that called different
+//   collectives all pass that barrier, see the mismatch, record it for the host and stop
+//   before moving data, with their counters still in step, so the group stays usable.
+// Bounded waits: a spin that outlasts `timeout_ns`, or sees the host's abort word set,
+//   records an error in host-mapped memory and the whole kernel returns; the GPU is never
+//   left spinning. The group is unusable afterwards (the host poisons it).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define MAX_RANKS 16
+#define MAX_BLOCKS 64
+#define FLAGS_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+#define CTR_OFF 8192
+#define DESC_OFF 16384
+#define STAGE_OFF 65536
+
+// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index).
+#define ERR_TIMEOUT 1u
+#define ERR_ABORTED 2u
+#define ERR_MISMATCH 3u
+
+struct Args {
+    u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here
+    u64 in;                // this rank's input
+    u64 out;               // this rank's output
+    u64 count;             // elements: see each kernel
+    u64 stage_per_block;   // bytes of staging per CUDA block and parity (multiple of 256)
+    u64 err_host;          // device pointer to a host-mapped u32: first error
+    u64 abort_host;        // device pointer to a host-mapped u32: set by the host to abort
+    u64 timeout_ns;        // bound on any single wait
+    u64 desc0;             // this call's descriptor (kind, dtype, op, root) ...
+    u64 desc1;             // ... and element count: equal on every rank of a valid call
+    u32 rank;              // local index of this rank
+    u32 world;             // local ranks
+    u32 root;              // broadcast root (local index)
+    u32 pad;
+};
+
+// ---------------------------------------------------------------------------------------
+// Scalar types and reduction ops. fp16/bf16 are accumulated in float.
+
+struct f16 { u16 x; };
+struct bf16 { u16 x; };
+
+template <typename T> struct Acc { typedef T type; };
+template <> struct Acc<f16> { typedef float type; };
+template <> struct Acc<bf16> { typedef float type; };
+
+__device__ __forceinline__ float widen(f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+__device__ __forceinline__ float widen(bf16 v) { return __uint_as_float(((u32)v.x) << 16); }
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ i32 widen(i32 v) { return v; }
+__device__ __forceinline__ i64 widen(i64 v) { return v; }
+
+template <typename T> __device__ __forceinline__ T narrow(typename Acc<T>::type a) { return a; }
+template <> __device__ __forceinline__ f16 narrow<f16>(float a) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(a));
+    return r;
+}
+template <> __device__ __forceinline__ bf16 narrow<bf16>(float a) {
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(a));
+    return r;
+}
+
+struct OpSum { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
+struct OpProd { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a * b; } };
+struct OpMin { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b < a ? b : a; } };
+struct OpMax { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b > a ? b : a; } };
+// AVG: a sum, divided by the number of ranks at the end (integer division for integers).
+struct OpAvg { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
+
+template <typename Op> struct Finish {
+    template <typename A> __device__ __forceinline__ static A f(A a, u32) { return a; }
+};
+template <> struct Finish<OpAvg> {
+    template <typename A> __device__ __forceinline__ static A f(A a, u32 world) { return a / (A)world; }
+};
+
+// ---------------------------------------------------------------------------------------
+// 16-byte packs. A pack is 16 / sizeof(T) consecutive elements; a pack that runs past the
+// end, or sits at an address that is not 16-byte aligned, moves element by element.
+
+template <typename T> struct Pack {
+    enum { N = 16 / sizeof(T) };
+    T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_pack(Pack<T>& p, const T* base, u64 i, u64 n) {
+    const T* src = base + i;
+    if (i + Pack<T>::N <= n && (((u64)src) & 15) == 0) {
+        *reinterpret_cast<uint4*>(&p) = *reinterpret_cast<const uint4*>(src);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) {
+            if (i + k < n) p.v[k] = src[k];
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(const Pack<T>& p, T* base, u64 i, u64 n) {
+    T* dst = base + i;
+    if (i + Pack<T>::N <= n && (((u64)dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&p);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) {
+            if (i + k < n) dst[k] = p.v[k];
+        }
+    }
+}
+
+// Staging is always 16-byte aligned and sized in whole packs.
+template <typename T> __device__ __forceinline__ void load_stage(Pack<T>& p, const T* base, u64 i) {
+    *reinterpret_cast<uint4*>(&p) = *reinterpret_cast<const uint4*>(base + i);
+}
+template <typename T> __device__ __forceinline__ void store_stage(const Pack<T>& p, T* base, u64 i) {
+    *reinterpret_cast<uint4*>(base + i) = *reinterpret_cast<const uint4*>(&p);
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-block state and the barrier.
+
+struct BlockState {
+    u32 epoch;   // barriers passed by this CUDA block (all kernels of the group)
+    u32 step;    // steps done by this CUDA block: its parity picks the staging half
+    u32 abort;   // set when a wait failed: every thread returns, counters are not saved
+    u32 first;   // the next barrier is the kernel's first: it checks descriptors
+    u32 mismatch;  // a peer called another collective: stop, counters saved
+};
+
+__device__ __forceinline__ u32* flag_ptr(u64 block_base, u32 cuda_block, u32 src) {
+    return reinterpret_cast<u32*>(block_base) + cuda_block * MAX_RANKS + src;
+}
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_volatile_host(u64 p) {
+    u32 v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
+    asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void load_state(const Args& a, BlockState* s) {
+    if (threadIdx.x == 0) {
+        const u32* c = reinterpret_cast<const u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
+        s->epoch = c[0];
+        s->step = c[1];
+        s->abort = 0;
+        s->first = 1;
+        s->mismatch = 0;
+    }
+    __syncthreads();
+}
+
+// Store the counters back (not after an abort: the group is unusable then). `steps` is
+// added to the step counter, so the next kernel's parity follows this one's.
+__device__ __forceinline__ void save_state(const Args& a, BlockState* s, u64 steps) {
+    __syncthreads();
+    if (threadIdx.x == 0 && !s->abort) {
+        s->step += (u32)steps;
+        u32* c = reinterpret_cast<u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
+        c[0] = s->epoch;
+        c[1] = s->step;
+    }
+}
+
+__device__ __forceinline__ u64* desc_ptr(u64 block_base, u32 epoch, u32 cuda_block, u32 src) {
+    return reinterpret_cast<u64*>(block_base + DESC_OFF) + 2 * (((epoch & 1) * MAX_BLOCKS + cuda_block) * MAX_RANKS + src);
+}
+
+// On a mismatch the host reads both descriptors from host-mapped memory next to the error
+// word: this rank's at +32 bytes, peer j's at +64 + 16 j (see engine.rs, HostWords).
+__device__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
+    volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+    h[4] = a.desc0;
+    h[5] = a.desc1;
+    h[8 + 2 * peer] = theirs[0];
+    h[9 + 2 * peer] = theirs[1];
+    __threadfence_system();
+    st_volatile_host(a.err_host, (ERR_MISMATCH << 16) | peer);
+    __threadfence_system();
+}
+
+// Returns false if the wait failed (timeout or abort) or a peer called another collective;
+// then every thread must return (through `finish`).
+__device__ bool barrier(const Args& a, BlockState* s) {
+    __syncthreads();
+    const u32 e = s->epoch + 1;
+    const u32 t = threadIdx.x;
+    const bool first = s->first;
+    if (t < a.world) {
+        if (first) {
+            u64* d = desc_ptr(a.peer[t], e, blockIdx.x, a.rank);
+            d[0] = a.desc0;
+            d[1] = a.desc1;
+        }
+        // Publish this block's stores of the step, then signal rank t (see file comment).
+        __threadfence_system();
+        st_release_sys(flag_ptr(a.peer[t], blockIdx.x, a.rank), e);
+        const u32* mine = flag_ptr(a.peer[a.rank], blockIdx.x, t);
+        if ((i32)(ld_acquire_sys(mine) - e) < 0) {
+            const u64 start = global_ns();
+            u32 spins = 0;
+            while ((i32)(ld_acquire_sys(mine) - e) < 0) {
+                if ((++spins & 255) == 0) {
+                    u32 why = 0;
+                    if (ld_volatile_host(a.abort_host) != 0) why = ERR_ABORTED;
+                    else if (global_ns() - start > a.timeout_ns) why = ERR_TIMEOUT;
+                    if (why) {
+                        st_volatile_host(a.err_host, (why << 16) | t);
+                        __threadfence_system();
+                        s->abort = 1;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if (first && t < a.world && !s->abort) {
+        const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, t);
+        const u64 theirs[2] = {d[0], d[1]};
+        if (theirs[0] != a.desc0 || theirs[1] != a.desc1) {
+            report_mismatch(a, t, theirs);
+            s->mismatch = 1;
+        }
+    }
+    __syncthreads();
+    if (s->abort) return false;
+    if (t == 0) {
+        s->epoch = e;
+        s->first = 0;
+    }
+    // The next reader of s->epoch is after the next barrier's first __syncthreads().
+    return !s->mismatch;
+}
+
+__device__ __forceinline__ u8* stage_of(const Args& a, u32 rank, u32 parity) {
+    return reinterpret_cast<u8*>(a.peer[rank] + STAGE_OFF + (2ull * blockIdx.x + parity) * a.stage_per_block);
+}
+
+__device__ __forceinline__ u64 round_down(u64 x, u64 m) { return x - x % m; }
+
+// Elements per block and step when the staging half must hold `slots` slots of them.
+template <typename T> __device__ __forceinline__ u64 chunk_elems(const Args& a, u64 slots) {
+    return round_down(a.stage_per_block / slots, 16) / sizeof(T);
+}
+
+__device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
+// Steps of a kernel: at least one, so that even an empty message passes the first
+// barrier (the one that checks descriptors).
+__device__ __forceinline__ u64 steps_for(u64 count, u64 per_step) {
+    const u64 n = per_step == 0 ? 0 : (count + per_step - 1) / per_step;
+    return n == 0 ? 1 : n;
+}
+
+// A failed barrier is either an abort (nothing is saved) or a descriptor mismatch, which
+// only the first barrier of step 0 detects, on every rank alike: every rank then counts
+// exactly one step, so the counters stay equal across ranks.
+#define BARRIER_OR_RETURN(a, s, steps) \
+    if (!barrier(a, &s)) {             \
+        save_state(a, &s, 1);          \
+        return;                        \
+    }
+
+// ---------------------------------------------------------------------------------------
+// all_reduce, one-shot: count elements in `in`, result in `out` (may alias in).
+// Each step, block b takes m elements, writes them into slot `rank` of every rank's
+// staging (remote stores over NVLink), passes a barrier, then reduces the `world` slots
+// of its own staging in rank order (so every rank computes the same bits).
+template <typename T, typename Op>
+__device__ void ar_oneshot(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world;
+    const u64 m = chunk_elems<T>(a, W);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(a.count, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    const u32 P = Pack<T>::N;
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, a.count);
+        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+            Pack<T> p;
+            load_pack(p, in, i, hi);
+            for (u32 j = 0; j < W; j++) {
+                T* slot = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * m;
+                store_stage(p, slot, i - lo);
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        const T* mine = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
+        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+            Pack<T> p;
+            load_stage(p, mine, i - lo);
+            A acc[Pack<T>::N];
+#pragma unroll
+            for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
+            for (u32 j = 1; j < W; j++) {
+                load_stage(p, mine + j * m, i - lo);
+#pragma unroll
+                for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+            }
+#pragma unroll
+            for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+            store_pack(p, out, i, hi);
+        }
+    }
+    save_state(a, &s, steps);
+}
+
+// all_reduce, two-shot: reduce-scatter then all-gather, both through staging.
+// Each step, block b takes m elements split into `world` shards of m / world. Staging
+// holds an RS area (world slots) and an AG area (world slots) of one shard each.
+//   1. push shard j of my input into rank j's RS slot `rank` (j != rank);  barrier
+//   2. reduce shard `rank` in rank order (my own input for p == rank), write it to my
+//      output and into every peer's AG slot `rank`;                         barrier
+//   3. copy AG slot p into my output's shard p (p != rank).
+template <typename T, typename Op>
+__device__ void ar_twoshot(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world;
+    const u32 P = Pack<T>::N;
+    const u64 shard = round_down(chunk_elems<T>(a, 2 * W), P);  // elements per shard
+    const u64 m = shard * W;
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(a.count, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, a.count);
+        for (u32 j0 = 1; j0 < W; j0++) {
+            const u32 j = (a.rank + j0) % W;
+            const u64 slo = lo + j * shard;
+            const u64 shi = min64(slo + shard, hi);
+            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * shard;
+            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
+                Pack<T> p;
+                load_pack(p, in, i, shi);
+                store_stage(p, dst, i - slo);
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        {
+            const T* rs = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
+            const u64 slo = lo + a.rank * shard;
+            const u64 shi = min64(slo + shard, hi);
+            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
+                Pack<T> p;
+                A acc[Pack<T>::N];
+                for (u32 j = 0; j < W; j++) {
+                    if (j == a.rank) load_pack(p, in, i, shi);
+                    else load_stage(p, rs + j * shard, i - slo);
+                    if (j == 0) {
+#pragma unroll
+                        for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+                store_pack(p, out, i, shi);
+                for (u32 j0 = 1; j0 < W; j0++) {
+                    const u32 j = (a.rank + j0) % W;
+                    T* ag = reinterpret_cast<T*>(stage_of(a, j, par)) + (W + a.rank) * shard;
+                    store_stage(p, ag, i - slo);
+                }
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        const T* ag = reinterpret_cast<const T*>(stage_of(a, a.rank, par)) + W * shard;
+        for (u32 j0 = 1; j0 < W; j0++) {
+            const u32 j = (a.rank + j0) % W;
+            const u64 slo = lo + j * shard;
+            const u64 shi = min64(slo + shard, hi);
+            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
+                Pack<T> p;
+                load_stage(p, ag + j * shard, i - slo);
+                store_pack(p, out, i, shi);
+            }
+        }
+    }
+    save_state(a, &s, steps);
+}
+
+// reduce_scatter: `in` holds world * count elements, `out` count (this rank's shard).
+// Each step, block b takes m elements of every shard: pushes shard j's piece to rank j's
+// slot `rank`; barrier; reduces in rank order (own input for p == rank).
+template <typename T, typename Op>
+__device__ void reduce_scatter(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world;
+    const u32 P = Pack<T>::N;
+    const u64 m = round_down(chunk_elems<T>(a, W), P);
+    const u64 per_step = m * gridDim.x;
+    const u64 n = a.count;
+    const u64 steps = steps_for(n, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        for (u32 j0 = 1; j0 < W; j0++) {
+            const u32 j = (a.rank + j0) % W;
+            const T* src = in + j * n;
+            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * m;
+            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+                Pack<T> p;
+                load_pack(p, src, i, hi);
+                store_stage(p, dst, i - lo);
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        const T* rs = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
+        const T* own = in + a.rank * n;
+        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+            Pack<T> p;
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                if (j == a.rank) load_pack(p, own, i, hi);
+                else load_stage(p, rs + j * m, i - lo);
+                if (j == 0) {
+#pragma unroll
+                    for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+            store_pack(p, out, i, hi);
+        }
+    }
+    save_state(a, &s, steps);
+}
+
+// all_gather (bytes): `in` holds count bytes, `out` world * count. Each step, block b
+// pushes its piece of my input into every peer's slot `rank` and into my own output;
+// barrier; copies slot p into output block p (p != rank).
+extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world;
+    const u32 P = 16;
+    const u64 m = round_down(a.stage_per_block / W, 16);
+    const u64 per_step = m * gridDim.x;
+    const u64 n = a.count;
+    const u64 steps = steps_for(n, per_step);
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+            Pack<u8> p;
+            load_pack(p, in, i, hi);
+            store_pack(p, out + a.rank * n, i, hi);
+            for (u32 j0 = 1; j0 < W; j0++) {
+                const u32 j = (a.rank + j0) % W;
+                store_stage(p, stage_of(a, j, par) + a.rank * m, i - lo);
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        const u8* mine = stage_of(a, a.rank, par);
+        for (u32 j0 = 1; j0 < W; j0++) {
+            const u32 j = (a.rank + j0) % W;
+            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+                Pack<u8> p;
+                load_stage(p, mine + j * m, i - lo);
+                store_pack(p, out + j * n, i, hi);
+            }
+        }
+    }
+    save_state(a, &s, steps);
+}
+
+// broadcast (bytes): the root pushes count bytes of `in` into every peer's slot 0;
+// barrier; the others copy it into `out`.
+extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world;
+    const u32 P = 16;
+    const u64 m = round_down(a.stage_per_block, 16);
+    const u64 per_step = m * gridDim.x;
+    const u64 n = a.count;
+    const u64 steps = steps_for(n, per_step);
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        if (a.rank == a.root) {
+            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+                Pack<u8> p;
+                load_pack(p, in, i, hi);
+                if (out != in) store_pack(p, out, i, hi);
+                for (u32 j = 0; j < W; j++) {
+                    if (j != a.rank) store_stage(p, stage_of(a, j, par), i - lo);
+                }
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        if (a.rank != a.root) {
+            const u8* mine = stage_of(a, a.rank, par);
+            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
+                Pack<u8> p;
+                load_stage(p, mine, i - lo);
+                store_pack(p, out, i, hi);
+            }
+        }
+    }
+    save_state(a, &s, steps);
+}
+
+// A device-side barrier of every local rank (all CUDA blocks, one epoch each).
+extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u64 steps = 0;
+    BARRIER_OR_RETURN(a, s, steps)
+    save_state(a, &s, steps);
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points: rs_<algorithm>_<dtype>_<op>.
+
+#define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
+    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
+        ALG<T, OP>(a);                                                                      \
+    }
+
+#define RS_OPS(ALG, T, TN)             \
+    RS_ENTRY(ALG, T, TN, OpSum, sum)   \
+    RS_ENTRY(ALG, T, TN, OpAvg, avg)   \
+    RS_ENTRY(ALG, T, TN, OpProd, prod) \
+    RS_ENTRY(ALG, T, TN, OpMin, min)   \
+    RS_ENTRY(ALG, T, TN, OpMax, max)
+
+#define RS_TYPES(ALG)            \
+    RS_OPS(ALG, float, f32)      \
+    RS_OPS(ALG, f16, f16)        \
+    RS_OPS(ALG, bf16, bf16)      \
+    RS_OPS(ALG, i32, i32)        \
+    RS_OPS(ALG, i64, i64)
+
+RS_TYPES(ar_oneshot)
+RS_TYPES(ar_twoshot)
+RS_TYPES(reduce_scatter)

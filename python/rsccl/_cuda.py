@@ -1,0 +1,147 @@
+"""The CUDA side of rsccl's ProcessGroup: device choice at group creation, NVRTC loading,
+argument checks, and the Work of an asynchronous CUDA collective.
+
+Tensor lifetime without record_stream: a CudaWork keeps the tensors a collective reads
+and writes until the consumer is ordered after it: `wait()` makes the caller's current
+stream wait on the collective's end event, and from then on the caching allocator can
+reuse the memory safely (later work on that stream runs after the collective). A Work
+nobody waits on stays in its group's pending list until its end event has completed.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import glob
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+_NVRTC_LOADED = False
+
+# dtypes rsccl's CUDA kernels reduce; gathers and broadcasts move bytes of any dtype.
+REDUCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64"}
+REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+
+
+def load_nvrtc() -> None:
+    """Load NVRTC (and its builtins) from torch's CUDA packages, globally, so the Rust core
+    finds it by its soname. A no-op once done or if the library is elsewhere on the path."""
+    global _NVRTC_LOADED
+    if _NVRTC_LOADED:
+        return
+    dirs = []
+    try:
+        import nvidia  # torch's CUDA wheels (nvidia-cuda-nvrtc)
+
+        for base in nvidia.__path__:
+            dirs += glob.glob(os.path.join(base, "cu*", "lib")) + glob.glob(os.path.join(base, "cuda_nvrtc", "lib"))
+    except ImportError:
+        pass
+    for d in dirs:
+        builtins = sorted(glob.glob(os.path.join(d, "libnvrtc-builtins.so.*")))
+        lib = sorted(glob.glob(os.path.join(d, "libnvrtc.so.*")))
+        if lib:
+            for path in [b for b in builtins if ".alt." not in b][:1] + [p for p in lib if ".alt." not in p][:1]:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            break
+    _NVRTC_LOADED = True
+
+
+def device_for_new_group() -> int | None:
+    """The GPU a new group's CUDA engine uses: the current device, if the process has
+    initialized CUDA (torch.cuda.set_device does); else None (a CPU-only job on a GPU
+    machine pays nothing)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    load_nvrtc()
+    return torch.cuda.current_device()
+
+
+def raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+class CudaWork(dist._Work):
+    """An asynchronous CUDA collective: its end event, and the tensors it uses."""
+
+    def __init__(self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None):
+        super().__init__()
+        self._pg = pg
+        self._device = device
+        self._event = event
+        self._result = [result] if isinstance(result, torch.Tensor) else (result if result is not None else [])
+        self._keep = keep
+        self._post = post
+        self._ordered = False
+
+    def _order_current_stream(self) -> None:
+        if not self._ordered:
+            self._event.wait_on(raw_stream(self._device))
+            self._ordered = True
+            if self._post is not None:
+                post, self._post = self._post, None
+                post()
+            # The consumer stream now runs after the collective: the memory may be reused.
+            self._keep = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._order_current_stream()
+        self._pg._comm.cuda_health()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> BaseException | None:
+        try:
+            self._pg._comm.cuda_health()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            return e
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self._order_current_stream()
+        self._event.synchronize()
+        self._pg._comm.cuda_health()
+
+    def get_future(self) -> torch.futures.Future:
+        # A CUDA-aware future: set_result records the current stream, which now waits on
+        # the collective, and consumers of the value wait on that.
+        self._order_current_stream()
+        fut: torch.futures.Future = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+        fut.set_result(self._result)
+        return fut
+
+    def _release_if_done(self) -> bool:
+        """Drop the tensors once the collective finished on the GPU; True if released."""
+        if self._keep is None:
+            return True
+        if self._event.query():
+            self._keep = None
+            return True
+        return False
+
+
+class Pending:
+    """Asynchronous Works not yet known to be finished, oldest first."""
+
+    def __init__(self) -> None:
+        self.works: collections.deque[CudaWork] = collections.deque()
+
+    def add(self, w: CudaWork) -> None:
+        self.works.append(w)
+        if len(self.works) > 1 and not torch.cuda.is_current_stream_capturing():
+            # Works on one stream finish in order: stop at the first one still running.
+            while self.works and self.works[0]._release_if_done():
+                self.works.popleft()

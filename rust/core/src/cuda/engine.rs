@@ -1,0 +1,687 @@
+//! The CUDA engine of a group on one host: the symmetric pool, the loaded kernels, an
+//! internal stream, and the ordering rules between them and the caller's streams.
+//!
+//! Streams: every kernel of a group must run after the previous one (the kernels' per-block
+//! counters assume it, see csrc_kernels/rsccl_kernels.cu). A launch goes to the caller's
+//! current stream (blocking calls, `cuda_sync_stream = 1`) or to the internal stream (after
+//! an event makes it wait for the caller's stream). When a launch goes to a different
+//! stream than the previous launch, the new stream first waits on an event recorded on the
+//! old one. Nothing calls record_stream: the Python Work keeps its tensors until the
+//! consumer stream is ordered after the collective.
+//!
+//! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
+//! finds that a peer called another collective writes a code into host-mapped memory; the
+//! host reads it before every launch and when a Work is waited on. A watchdog thread sets
+//! the abort word as soon as a local peer process is gone, so kernels stop within
+//! milliseconds instead of running into the timeout.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+use parking_lot::Mutex;
+
+use super::driver::{check, is_capturing, CUevent, CUstream, Device};
+use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, STAGE_OFF, THREADS};
+use super::pool::SymmetricPool;
+use crate::bootstrap::LocalMesh;
+use crate::config::Config;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+
+/// The kernel argument block (the source's `struct Args`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Args {
+    peer: [u64; MAX_RANKS],
+    inp: u64,
+    out: u64,
+    count: u64,
+    stage_per_block: u64,
+    err_host: u64,
+    abort_host: u64,
+    timeout_ns: u64,
+    desc0: u64,
+    desc1: u64,
+    rank: u32,
+    world: u32,
+    root: u32,
+    pad: u32,
+}
+
+const ERR_TIMEOUT: u32 = 1;
+const ERR_ABORTED: u32 = 2;
+const ERR_MISMATCH: u32 = 3;
+
+/// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
+/// broadcast, which move bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaKind {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Barrier,
+    /// This rank's arguments were invalid: it takes part in the first barrier only, so
+    /// every peer learns of it (descriptor mismatch) instead of waiting.
+    Invalid,
+}
+
+impl CudaKind {
+    fn code(self) -> u64 {
+        match self {
+            CudaKind::AllReduce => 1,
+            CudaKind::ReduceScatter => 2,
+            CudaKind::AllGather => 3,
+            CudaKind::Broadcast => 4,
+            CudaKind::Barrier => 5,
+            CudaKind::Invalid => 6,
+        }
+    }
+
+    fn from_code(c: u64) -> Option<CudaKind> {
+        [CudaKind::AllReduce, CudaKind::ReduceScatter, CudaKind::AllGather, CudaKind::Broadcast, CudaKind::Barrier, CudaKind::Invalid]
+            .into_iter()
+            .find(|k| k.code() == c)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaKind::AllReduce => "all_reduce",
+            CudaKind::ReduceScatter => "reduce_scatter",
+            CudaKind::AllGather => "all_gather",
+            CudaKind::Broadcast => "broadcast",
+            CudaKind::Barrier => "barrier",
+            CudaKind::Invalid => "an invalid call",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct CudaCall {
+    pub kind: CudaKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: usize,
+    pub inp: u64,
+    pub out: u64,
+    /// all_reduce: elements; reduce_scatter: output elements; all_gather: input bytes;
+    /// broadcast: bytes.
+    pub count: u64,
+    /// The caller's current stream (raw handle).
+    pub stream: u64,
+    pub asynchronous: bool,
+}
+
+fn describe(d0: u64, d1: u64) -> String {
+    let kind = CudaKind::from_code(d0 & 0xff).map(|k| k.name()).unwrap_or("an unknown call");
+    if kind == "barrier" || kind == "an invalid call" {
+        return kind.to_string();
+    }
+    let dtype = DType::from_code(((d0 >> 8) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
+    let op = ReduceOp::from_code(((d0 >> 16) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
+    let root = (d0 >> 32) as u32;
+    match kind {
+        "all_reduce" | "reduce_scatter" => format!("{kind} {dtype}[{d1}] {op}"),
+        "broadcast" => format!("{kind} of {d1} bytes from local rank {root}"),
+        _ => format!("{kind} of {d1} bytes per rank"),
+    }
+}
+
+/// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
+pub fn choose_allreduce(bytes: usize, one_shot_max: usize) -> Family {
+    if bytes <= one_shot_max {
+        Family::OneShot
+    } else {
+        Family::TwoShot
+    }
+}
+
+/// Staging bytes per CUDA block and parity for a buffer of `buffer_bytes` and `blocks`
+/// blocks: what remains after the control area, split in 2 * blocks, in 256-byte units.
+pub fn stage_per_block(buffer_bytes: usize, blocks: u32) -> usize {
+    (buffer_bytes.saturating_sub(STAGE_OFF) / (2 * blocks as usize)) & !255
+}
+
+/// Pinned host memory the kernels write errors into and the host writes the abort word into.
+struct HostWords {
+    host: *mut u32,
+    dev: u64,
+}
+
+impl HostWords {
+    const ERR: usize = 0;
+    // u32 index 0: the error code; bytes 32..48: this rank's descriptor; bytes 64..320: peers'
+    // descriptors (report_mismatch in the kernel source); the abort word lives apart.
+    const ABORT: usize = 512;
+
+    fn new() -> Result<HostWords> {
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: allocates 4 KiB of pinned, device-mapped host memory into `p`.
+        check(unsafe { cu::cuMemHostAlloc(&mut p, 4096, cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE) }, "cuMemHostAlloc")?;
+        // SAFETY: `p` points at 4096 writable bytes.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, 4096) };
+        let mut d: u64 = 0;
+        // SAFETY: `p` was allocated with DEVICEMAP above.
+        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut d, p, 0) }, "cuMemHostGetDevicePointer")?;
+        Ok(HostWords { host: p as *mut u32, dev: d })
+    }
+
+    fn read(&self, i: usize) -> u32 {
+        // SAFETY: in bounds of the 4 KiB allocation; volatile because the GPU writes it.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+
+    /// The i-th u64 of the page (the kernels store descriptors there).
+    fn read64(&self, i: usize) -> u64 {
+        // SAFETY: i < 512 keeps it inside the 4 KiB page; volatile because the GPU writes it.
+        unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
+    }
+
+    fn write(&self, i: usize, v: u32) {
+        // SAFETY: as above; the GPU polls it with volatile loads.
+        unsafe { std::ptr::write_volatile(self.host.add(i), v) }
+    }
+}
+
+impl Drop for HostWords {
+    fn drop(&mut self) {
+        // SAFETY: frees the allocation made in `new`; no kernel runs any more.
+        unsafe { cu::cuMemFreeHost(self.host as *mut std::ffi::c_void) };
+    }
+}
+
+struct Ordering_ {
+    /// The stream of the previous launch (0 before the first).
+    last_stream: u64,
+    free_events: Vec<CUevent>,
+}
+
+/// Counters reported by memory_stats.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CudaStats {
+    pub device: i32,
+    pub va_reserved_bytes: u64,
+    pub mapped_own_bytes: u64,
+    pub mapped_peer_bytes: u64,
+    pub in_use_bytes: u64,
+    pub kernel_image_bytes: u64,
+    pub collectives: u64,
+}
+
+struct Shared {
+    dev: Arc<Device>,
+    words: HostWords,
+    /// The first error that made the group unusable (timeouts, aborts, dead peers).
+    poisoned: Mutex<Option<Error>>,
+    stop: AtomicBool,
+}
+
+// SAFETY: HostWords is a pointer to pinned memory valid for the engine's life, accessed with
+// volatile loads/stores only; the rest is Sync already.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+pub struct CudaEngine {
+    sh: Arc<Shared>,
+    pool: SymmetricPool,
+    kernels: Kernels,
+    internal: CUstream,
+    order: Mutex<Ordering_>,
+    base: Args,
+    blocks: u32,
+    one_shot_max: usize,
+    sync_on_caller: bool,
+    local_ranks: Vec<usize>,
+    collectives: std::sync::atomic::AtomicU64,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+    timeout: Duration,
+}
+
+// SAFETY: the raw handles (stream, events) are driver objects usable from any thread; all
+// mutable state is behind mutexes or atomics.
+unsafe impl Send for CudaEngine {}
+// SAFETY: as above.
+unsafe impl Sync for CudaEngine {}
+
+/// An event that marks the end of an asynchronous collective; goes back to the engine's
+/// pool when dropped.
+pub struct CudaEvent {
+    ev: CUevent,
+    engine: std::sync::Weak<CudaEngine>,
+    dev: Arc<Device>,
+}
+
+// SAFETY: an event handle may be used from any thread.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// Whether the collective has finished on the GPU.
+    pub fn query(&self) -> Result<bool> {
+        let _ctx = self.dev.bind()?;
+        // SAFETY: valid event handle.
+        let r = unsafe { cu::cuEventQuery(self.ev) };
+        match r {
+            cu::CUresult::CUDA_SUCCESS => Ok(true),
+            cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => check(e, "cuEventQuery").map(|_| false),
+        }
+    }
+
+    /// Make `stream` wait for the collective (no CPU wait).
+    pub fn wait_on(&self, stream: u64) -> Result<()> {
+        let _ctx = self.dev.bind()?;
+        // SAFETY: valid event; `stream` is a live stream of this context (the caller's).
+        check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, self.ev, 0) }, "cuStreamWaitEvent")
+    }
+
+    /// Block the CPU until the collective finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let _ctx = self.dev.bind()?;
+        // SAFETY: valid event handle.
+        check(unsafe { cu::cuEventSynchronize(self.ev) }, "cuEventSynchronize")
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        match self.engine.upgrade() {
+            Some(e) => e.order.lock().free_events.push(self.ev),
+            None => {
+                if let Ok(_ctx) = self.dev.bind() {
+                    // SAFETY: the engine is gone, so this event is ours alone.
+                    unsafe { cu::cuEventDestroy_v2(self.ev) };
+                }
+            }
+        }
+    }
+}
+
+impl CudaEngine {
+    /// Build the engine of local rank `mesh.local_index()` on `device`: map the pool with
+    /// every local peer, load the kernels, and (if configured) run a warm-up of every
+    /// kernel family. Blocks until every local rank has done the same, or the deadline.
+    pub fn create(device: i32, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>, cfg: &Config, timeout: Duration, deadline: Instant) -> Result<Arc<CudaEngine>> {
+        let n = mesh.size();
+        if n > MAX_RANKS {
+            return Err(Error::Config(format!("rsccl's CUDA kernels support up to {MAX_RANKS} GPUs per host, this group has {n}")));
+        }
+        if cfg.cuda_blocks > MAX_BLOCKS {
+            return Err(Error::Config(format!("cuda_blocks = {} is over {MAX_BLOCKS}", cfg.cuda_blocks)));
+        }
+        let dev = Arc::new(Device::open(device)?);
+        // The GPUs of a group must be distinct: two ranks on one GPU is a set-up mistake
+        // (usually a missing torch.cuda.set_device) that would run but slowly and wrongly sized.
+        let bus = dev.pci_bus_id()?;
+        let mut msg = [0u8; 64];
+        msg[..4].copy_from_slice(b"RSD1");
+        let b = bus.as_bytes();
+        msg[4..4 + b.len().min(40)].copy_from_slice(&b[..b.len().min(40)]);
+        let got = mesh.all_gather(&msg, None, deadline)?;
+        for (j, (m, _)) in got.iter().enumerate() {
+            for (k, (m2, _)) in got.iter().enumerate().skip(j + 1) {
+                if m[4..44] == m2[4..44] {
+                    return Err(Error::InvalidArgument(format!(
+                        "group ranks {} and {} both use the GPU at PCI {}: call torch.cuda.set_device(local_rank) \
+                         before init_process_group/new_group, so each rank has its own GPU",
+                        local_ranks[j],
+                        local_ranks[k],
+                        String::from_utf8_lossy(&m[4..44]).trim_end_matches('\0')
+                    )));
+                }
+            }
+        }
+        let kernels = Kernels::load(&dev)?;
+        let pool = SymmetricPool::create(dev.clone(), &mesh, cfg.cuda_buffer_bytes, cfg.max_cuda_va_bytes, deadline)?;
+        let spb = stage_per_block(pool.block, cfg.cuda_blocks);
+        if spb < 4096 {
+            return Err(Error::Config(format!(
+                "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for cuda_blocks = {}: \
+                 raise cuda_buffer_bytes or lower cuda_blocks",
+                cfg.cuda_buffer_bytes, cfg.cuda_blocks
+            )));
+        }
+        let _ctx = dev.bind()?;
+        let words = HostWords::new()?;
+        let mut internal: CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
+        check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        let mut peer = [0u64; MAX_RANKS];
+        for (j, p) in peer.iter_mut().enumerate().take(n) {
+            *p = pool.block_addr(j);
+        }
+        let base = Args {
+            peer,
+            inp: 0,
+            out: 0,
+            count: 0,
+            stage_per_block: spb as u64,
+            err_host: words.dev + (HostWords::ERR * 4) as u64,
+            abort_host: words.dev + (HostWords::ABORT * 4) as u64,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            desc0: 0,
+            desc1: 0,
+            rank: mesh.local_index() as u32,
+            world: n as u32,
+            root: 0,
+            pad: 0,
+        };
+        let mut free_events = Vec::new();
+        for _ in 0..8 {
+            free_events.push(new_event()?);
+        }
+        let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
+        let engine = Arc::new(CudaEngine {
+            sh: sh.clone(),
+            pool,
+            kernels,
+            internal,
+            order: Mutex::new(Ordering_ { last_stream: 0, free_events }),
+            base,
+            blocks: cfg.cuda_blocks,
+            one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
+            sync_on_caller: cfg.cuda_sync_stream,
+            local_ranks: local_ranks.clone(),
+            collectives: Default::default(),
+            watchdog: Mutex::new(None),
+            timeout,
+        });
+        drop(_ctx);
+        let wd = {
+            let sh = sh.clone();
+            let mesh = mesh.clone();
+            std::thread::Builder::new()
+                .name("rsccl-cuda-watchdog".into())
+                .spawn(move || watchdog(sh, mesh, local_ranks))
+                .map_err(|e| Error::os("starting the CUDA watchdog thread", e))?
+        };
+        *engine.watchdog.lock() = Some(wd);
+        if cfg.cuda_warmup {
+            engine.warm_up()?;
+        }
+        Ok(engine)
+    }
+
+    /// One collective of every kernel family, on the internal stream, then wait: the
+    /// first real collective finds the kernels resident and the signal pads in use.
+    fn warm_up(self: &Arc<Self>) -> Result<()> {
+        let stream = self.internal as u64;
+        let call = |kind, dtype, op, count| CudaCall { kind, dtype, op, root: 0, inp: 0, out: 0, count, stream, asynchronous: false };
+        // Zero-length calls run every barrier path without touching user memory.
+        for c in [
+            call(CudaKind::Barrier, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::AllReduce, DType::BF16, ReduceOp::Sum, 0),
+            call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::ReduceScatter, DType::BF16, ReduceOp::Sum, 0),
+            call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, 0),
+        ] {
+            self.launch(&c)?;
+        }
+        let _ctx = self.sh.dev.bind()?;
+        // SAFETY: the internal stream is live.
+        check(unsafe { cu::cuStreamSynchronize(self.internal) }, "cuStreamSynchronize (warm-up)")?;
+        self.health()
+    }
+
+    /// Raise the error that made the group unusable, or a mismatch the kernels reported.
+    pub fn health(&self) -> Result<()> {
+        if let Some(e) = self.sh.poisoned.lock().clone() {
+            return Err(e);
+        }
+        let code = self.sh.words.read(HostWords::ERR);
+        if code == 0 {
+            return Ok(());
+        }
+        let (kind, peer) = (code >> 16, (code & 0xffff) as usize);
+        let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
+        let me = self.local_ranks[self.pool.me];
+        let err = match kind {
+            ERR_MISMATCH => {
+                // Counters stayed in step: report once and keep the group usable. Every
+                // block of the mismatched kernel may write the code: wait for the kernels
+                // queued so far before clearing it, so it is reported once.
+                let _ctx = self.sh.dev.bind()?;
+                // SAFETY: plain synchronization of this device's context.
+                check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+                self.sh.words.write(HostWords::ERR, 0);
+                let (mine, theirs) = self.descriptors(peer)?;
+                return Err(Error::Mismatch(format!(
+                    "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
+                )));
+            }
+            ERR_TIMEOUT => Error::Timeout(format!(
+                "a CUDA collective on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
+                self.timeout.as_secs_f64()
+            )),
+            ERR_ABORTED => self.sh.poisoned.lock().clone().unwrap_or_else(|| Error::Aborted("the group was aborted".into())),
+            _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
+        };
+        *self.sh.poisoned.lock() = Some(err.clone());
+        Err(err)
+    }
+
+    /// (this rank's, `peer`'s) descriptor of a mismatched call, as the kernel stored them
+    /// next to the error word (see report_mismatch in the kernel source).
+    fn descriptors(&self, peer: usize) -> Result<(String, String)> {
+        let w = |i: usize| self.sh.words.read64(i);
+        Ok((describe(w(4), w(5)), describe(w(8 + 2 * peer), w(9 + 2 * peer))))
+    }
+
+    /// Launch one collective. Returns the end event for an asynchronous call (the Work
+    /// waits on it); a blocking call is ordered before the caller's later work already.
+    pub fn launch(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        self.health()?;
+        let func = match c.kind {
+            CudaKind::AllReduce => {
+                let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.one_shot_max);
+                self.kernels.reduce(fam, c.dtype, c.op)
+            }
+            CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
+            CudaKind::AllGather => Some(self.kernels.all_gather),
+            CudaKind::Broadcast => Some(self.kernels.broadcast),
+            CudaKind::Barrier | CudaKind::Invalid => Some(self.kernels.barrier),
+        }
+        .ok_or_else(|| {
+            Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))
+        })?;
+        let mut a = self.base;
+        a.inp = c.inp;
+        a.out = c.out;
+        a.count = c.count;
+        a.root = c.root as u32;
+        a.desc0 = c.kind.code() | ((c.dtype as u64) << 8) | ((c.op as u64) << 16) | ((c.root as u64) << 32);
+        a.desc1 = c.count;
+        if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid) {
+            a.desc0 = c.kind.code();
+            a.desc1 = 0;
+        }
+        let _ctx = self.sh.dev.bind()?;
+        let caller = c.stream;
+        let internal = self.internal as u64;
+        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        let mut o = self.order.lock();
+        let capturing = is_capturing(target as CUstream)?;
+        // The previous rsccl kernel ran on another stream: order this one after it. (Under
+        // graph capture only streams of the same capture can be joined; torch synchronizes
+        // the device before capture begins.)
+        let last = o.last_stream;
+        if last != 0 && last != target && last != caller && is_capturing(last as CUstream)? == capturing {
+            self.join(&mut o, last, target)?;
+        }
+        if target != caller {
+            // The internal stream waits for everything the caller queued before the call.
+            self.join(&mut o, caller, target)?;
+        }
+        let mut arg_ptr = &mut a as *mut Args as *mut std::ffi::c_void;
+        // SAFETY: `func` takes one `Args` by value (same layout as the source's struct);
+        // `arg_ptr` points at it for the call; the grid matches every kernel's launch bounds.
+        check(
+            unsafe {
+                cu::cuLaunchKernel(func, self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+            },
+            &format!("launching rsccl's CUDA {}", c.kind.name()),
+        )?;
+        o.last_stream = target;
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        if target == caller {
+            return Ok(None);
+        }
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+        // SAFETY: valid event and stream.
+        check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
+        if c.asynchronous {
+            return Ok(Some(CudaEvent { ev, engine: Arc::downgrade(self), dev: self.sh.dev.clone() }));
+        }
+        // SAFETY: valid event and caller stream; the wait captures the event's current
+        // state, so the event can be reused right away.
+        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
+        o.free_events.push(ev);
+        r.map(|_| None)
+    }
+
+    /// Make `to` wait for the work queued on `from` so far.
+    fn join(&self, o: &mut Ordering_, from: u64, to: u64) -> Result<()> {
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+        // SAFETY: valid event and streams; reusing the event after the wait is enqueued is
+        // allowed (the wait captured the record).
+        let r = unsafe {
+            check(cu::cuEventRecord(ev, from as CUstream), "cuEventRecord")
+                .and_then(|_| check(cu::cuStreamWaitEvent(to as CUstream, ev, 0), "cuStreamWaitEvent"))
+        };
+        o.free_events.push(ev);
+        r
+    }
+
+    pub fn stats(&self) -> CudaStats {
+        let n = self.pool.nranks as u64;
+        let block = self.pool.block as u64;
+        CudaStats {
+            device: self.sh.dev.ordinal,
+            va_reserved_bytes: self.pool.reserved_bytes() as u64,
+            mapped_own_bytes: block,
+            mapped_peer_bytes: block * (n - 1),
+            in_use_bytes: (STAGE_OFF as u64) + 2 * self.blocks as u64 * self.base.stage_per_block,
+            kernel_image_bytes: self.kernels.cubin_bytes as u64,
+            collectives: self.collectives.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Let queued kernels finish (up to the group timeout), then stop them and the
+    /// watchdog. Idempotent; resources are freed when the last reference drops.
+    pub fn shutdown(&self) {
+        if self.sh.stop.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(h) = self.watchdog.lock().take() {
+            let _ = h.join();
+        }
+        let Ok(_ctx) = self.sh.dev.bind() else { return };
+        let o = self.order.lock();
+        let mut pending = vec![self.internal as u64];
+        if o.last_stream != 0 && o.last_stream != self.internal as u64 {
+            pending.push(o.last_stream);
+        }
+        let deadline = Instant::now() + self.timeout;
+        for s in pending {
+            let Ok(ev) = new_event() else { continue };
+            // SAFETY: valid event and stream (streams outlive the group: torch never
+            // destroys its pool streams; ours is destroyed in Drop).
+            if unsafe { cu::cuEventRecord(ev, s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
+                // SAFETY: valid event.
+                while unsafe { cu::cuEventQuery(ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
+                    if Instant::now() > deadline {
+                        self.sh.words.write(HostWords::ABORT, 1);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            // SAFETY: the event is ours and no longer waited on.
+            unsafe { cu::cuEventDestroy_v2(ev) };
+        }
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+        let Ok(_ctx) = self.sh.dev.bind() else { return };
+        // SAFETY: every kernel of ours finished (shutdown waited); the stream and events
+        // are ours. The pool and module are released after this, by their own Drop.
+        unsafe {
+            cu::cuStreamSynchronize(self.internal);
+            for ev in self.order.get_mut().free_events.drain(..) {
+                cu::cuEventDestroy_v2(ev);
+            }
+            cu::cuStreamDestroy_v2(self.internal);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allreduce_algorithm_follows_threshold() {
+        assert_eq!(choose_allreduce(1024, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce(256 << 10, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce((256 << 10) + 2, 256 << 10), Family::TwoShot);
+        assert_eq!(choose_allreduce(0, 0), Family::OneShot);
+        assert_eq!(choose_allreduce(2, 0), Family::TwoShot);
+    }
+
+    #[test]
+    fn staging_split_fits_the_buffer() {
+        for (buf, blocks) in [(32usize << 20, 32u32), (2 << 20, 64), (4 << 20, 1)] {
+            let spb = stage_per_block(buf, blocks);
+            assert!(spb > 0 && spb % 256 == 0);
+            assert!(STAGE_OFF + 2 * blocks as usize * spb <= buf);
+        }
+    }
+
+    #[test]
+    fn args_layout_matches_the_kernel_source() {
+        // 16 peers + 9 u64 fields + 4 u32 fields, as in `struct Args` of the .cu file.
+        assert_eq!(std::mem::size_of::<Args>(), 16 * 8 + 9 * 8 + 16);
+        assert!(super::super::kernels::SOURCE.contains("u64 desc1;"));
+    }
+
+    #[test]
+    fn descriptors_read_back_as_calls() {
+        let d0 = CudaKind::AllReduce.code() | ((DType::BF16 as u64) << 8) | ((ReduceOp::Max as u64) << 16);
+        assert_eq!(describe(d0, 1000), "all_reduce bfloat16[1000] MAX");
+        assert_eq!(describe(CudaKind::Invalid.code(), 0), "an invalid call");
+    }
+}
+
+fn new_event() -> Result<CUevent> {
+    let mut e: CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+    Ok(e)
+}
+
+fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
+    while !sh.stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(50));
+        let gone = mesh.gone();
+        if let Some(&j) = gone.first() {
+            let mut p = sh.poisoned.lock();
+            if p.is_none() {
+                *p = Some(Error::PeerFailure(format!(
+                    "rank {} (local rank {j}) is gone: its process exited or closed its connection",
+                    local_ranks.get(j).copied().unwrap_or(j)
+                )));
+            }
+            drop(p);
+            // Kernels poll this word while they wait and return (see the kernel source).
+            sh.words.write(HostWords::ABORT, 1);
+            return;
+        }
+    }
+}

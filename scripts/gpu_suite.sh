@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# rsccl on a GPU machine, in one call: install the wheel carried in dist/, record the
+# machine, run the GPU test suite (tests/gpu), then the benchmark.
+#
+#   scripts/gpu_suite.sh [RESULTS_DIR]     (default: $OUT, else ./gpu-results)
+#
+# Environment:
+#   GPU_TESTS         a -k expression ("memory and not large"), or test paths / node ids
+#                     starting with tests/ ("tests/gpu/test_gpu_streams.py")
+#   SKIP_BENCH=1      tests only
+#   BENCH_ARGS        extra arguments for python3 -m rsccl.bench
+#   RSCCL_GPU_WORLDS  world sizes to test ("2,4", "8"); RSCCL_TEST_SEED replays a seed
+#
+# Results (few files: the device tool brings back at most 8): env.log, gpu_tests.log,
+# bench.log, and what the benchmark writes. Exits non-zero if the tests failed (the
+# benchmark runs anyway), else with the benchmark's status.
+set -u -o pipefail
+
+RESULTS=${1:-${OUT:-./gpu-results}}
+mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+# NVLink multicast can take a shared host's GPUs down: off in every process started here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+
+ENV_LOG=$RESULTS/env.log
+shopt -s nullglob
+wheels=(dist/rsccl-*.whl)
+if ((${#wheels[@]} != 1)); then
+    echo "gpu_suite: expected exactly one dist/rsccl-*.whl, found ${#wheels[@]}: ${wheels[*]:-none}" | tee "$ENV_LOG" >&2
+    exit 2
+fi
+
+(
+    echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+    echo "## wheel: ${wheels[0]}"
+    python3 -m pip install -q --no-index --no-deps --force-reinstall "${wheels[0]}" || exit 2
+    python3 -c 'import rsccl; print("rsccl", rsccl.__version__, "from", rsccl.__file__)' || exit 2
+    python3 -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__,
+        "| cuda", torch.version.cuda, "| nccl", ".".join(map(str, torch.cuda.nccl.version())),
+        "| gpus", torch.cuda.device_count())'
+    echo "## nvidia-smi"
+    nvidia-smi
+    echo "## nvidia-smi topo -m"
+    nvidia-smi topo -m
+    env | grep -E '^(RSCCL_|NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_)' | sort
+    exit 0
+) >"$ENV_LOG" 2>&1
+setup=$?
+cat "$ENV_LOG"
+if ((setup != 0)); then
+    echo "gpu_suite: installing or importing rsccl failed (see $ENV_LOG)" >&2
+    exit 2
+fi
+
+selection=(tests/gpu)
+if [[ -n "${GPU_TESTS:-}" ]]; then
+    if [[ $GPU_TESTS == tests/* ]]; then
+        read -r -a selection <<<"$GPU_TESTS"
+    else
+        selection=(tests/gpu -k "$GPU_TESTS")
+    fi
+fi
+python3 -m pytest "${selection[@]}" -q -x --timeout 300 -p no:cacheprovider -rfEs --durations=15 2>&1 |
+    tee "$RESULTS/gpu_tests.log"
+tests_rc=$?
+
+bench_rc=0
+if [[ ${SKIP_BENCH:-0} != 1 ]]; then
+    # BENCH_ARGS is split into words on purpose.
+    # shellcheck disable=SC2086
+    python3 -m rsccl.bench --device cuda --out-dir "$RESULTS" ${BENCH_ARGS:-} 2>&1 | tee "$RESULTS/bench.log"
+    bench_rc=$?
+fi
+
+echo "gpu_suite: tests exit status $tests_rc, benchmark exit status $bench_rc (results in $RESULTS)"
+if ((tests_rc != 0)); then
+    exit "$tests_rc"
+fi
+exit "$bench_rc"

@@ -1,0 +1,126 @@
+"""GPU test clusters: one process per GPU, long-lived, reused across tests.
+
+Each rank process sets its device (GPU = rank), joins the rsccl default group (whose CUDA
+engine is created eagerly on that device) and an NCCL group over the same ranks, the
+reference every result is compared with. Bodies are module-level functions
+`body(ctx, *args)` run on every rank, as in tests/harness.py, whose Cluster (deadline per
+call, tracebacks of every failing rank) starts and drives these processes too.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from harness import Cluster, serve
+
+# NVLink multicast can put a shared host's GPUs out of service: keep it off in NCCL, torch's
+# symmetric memory and NVSHMEM. Set here, in the parent, so that the spawned ranks have it
+# from their first instruction (they import torch while unpickling their arguments, before
+# any code of ours runs).
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(GPU_ENV)
+
+# Each all-rank group config the collective tests run on, as rsccl.Options fields.
+GROUP_CONFIGS: dict[str, dict | None] = {
+    "default": None,  # the world group, default settings
+    "small-buffer": {"cuda_buffer_bytes": "4MiB"},  # multi-MiB messages take the pipelined (multi-chunk) path
+    "two-shot": {"cuda_allreduce_one_shot_max_bytes": 0},  # every all_reduce reduce-scatters then all-gathers
+    "one-shot": {"cuda_allreduce_one_shot_max_bytes": "1GiB"},  # every all_reduce is one-shot
+}
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count()
+
+
+def selected_worlds() -> list[int]:
+    """World sizes to test: RSCCL_GPU_WORLDS ("2,4", "8"), else 2, and 4 where there are 4 GPUs."""
+    env = os.environ.get("RSCCL_GPU_WORLDS", "").replace(" ", "")
+    if env:
+        worlds = sorted({int(w) for w in env.split(",") if w})
+        if not worlds or worlds[0] < 2:
+            raise ValueError(f"RSCCL_GPU_WORLDS={env!r}: expected world sizes >= 2, such as '2,4'")
+        return worlds
+    return [2, 4] if gpu_count() >= 4 else [2]
+
+
+needs_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs at least 2 CUDA GPUs")
+
+
+@dataclass
+class GpuCtx:
+    rank: int
+    world: int
+    device: torch.device
+    nccl: Any  # NCCL group over the same ranks (None where the cluster was started without it)
+    state: dict  # per-process scratch that survives between bodies
+
+
+def _gpu_worker(
+    rank: int, world: int, port: int, conn: Any, env: dict, init_timeout: float, options: Any, *, nccl_ref: bool = True
+) -> None:
+    os.environ.update(env)
+    import rsccl  # noqa: F401 - registers the backend
+    import torch.distributed as dist
+
+    try:
+        # Before init_process_group: rsccl creates its CUDA engine on the current device.
+        torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60), wait_for_workers=False)
+        dist.init_process_group(
+            "rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=init_timeout), pg_options=options
+        )
+        nccl = None
+        if nccl_ref:
+            nccl = dist.new_group(backend="nccl")
+            # NCCL creates its communicator at first use: now, not inside a test's measurement.
+            warm = torch.ones(1, device="cuda")
+            dist.all_reduce(warm, group=nccl)
+            torch.cuda.synchronize()
+        ctx = GpuCtx(rank, world, torch.device("cuda", rank), nccl, {})
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    serve(conn, ctx)
+
+
+def gpu_cluster(
+    world: int, *, timeout: float = 60.0, options: Any = None, nccl_ref: bool = True, start_timeout: float = 240.0
+) -> Cluster:
+    """`world` rank processes on GPUs 0..world-1; `timeout` is the rsccl default group's."""
+    return Cluster(
+        world,
+        env=GPU_ENV,
+        init_timeout=timeout,
+        options=options,
+        start_timeout=start_timeout,
+        worker=_gpu_worker,
+        worker_kwargs={"nccl_ref": nccl_ref},
+    )
+
+
+def alive(cluster: Cluster) -> bool:
+    return all(p.is_alive() for p in cluster.procs)
+
+
+def rsccl_group(ctx: GpuCtx, config: str) -> Any:
+    """The group of GROUP_CONFIGS[config] over all ranks, created on first use (a collective
+    call: every rank asks for it in the same body) and kept for later bodies."""
+    import torch.distributed as dist
+
+    fields = GROUP_CONFIGS[config]
+    if fields is None:
+        return dist.group.WORLD
+    groups = ctx.state.setdefault("groups", {})
+    if config not in groups:
+        import rsccl
+
+        groups[config] = dist.new_group(backend="rsccl", pg_options=rsccl.Options(**fields))
+    return groups[config]

@@ -1,0 +1,269 @@
+"""Every CUDA collective x dtype x op on 2 and 4 GPUs, against NCCL's result on the same
+random input and a float64/int64 reference built from every rank's input. Sizes: 1
+element, odd counts, byte sizes that are not multiples of 16, several MiB, and a few
+messages up to 1 GiB. Group configs force the pipelined, one-shot and two-shot paths.
+all_reduce results must be bitwise identical on every rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_harness import needs_gpus, rsccl_group
+from gpu_refs import (
+    DTYPES,
+    OPS,
+    RED,
+    assert_equal,
+    assert_same_on_all_ranks,
+    check_reduction,
+    check_vs_nccl,
+    gather_inputs,
+    nccl_result,
+    ops_for,
+    rand,
+)
+
+pytestmark = needs_gpus
+
+# 1 element; odd counts (7 x 2 bytes = 14 bytes: not a multiple of 16); 1.5 Mi + 3
+# elements = 3 to 12 MiB by dtype, several times the small-buffer config's staging.
+SIZES = [1, 7, 1023, 100_003, 1_572_867]
+ALL_REDUCE_CONFIGS = ["default", "small-buffer", "two-shot", "one-shot"]
+OTHER_CONFIGS = ["default", "small-buffer"]  # the all_reduce algorithm choice does not apply
+
+
+def body_all_reduce(ctx, seed: int, config: str, sizes: list[int]) -> int:
+    g = rsccl_group(ctx, config)
+    checks = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in sizes:
+                what = f"all_reduce {op} {dtype} n={n} world={ctx.world} group={config}"
+                x = rand(seed, ctx.rank, n, dtype, op, salt=what)
+                xs = gather_inputs(ctx, x)
+                ours = x.clone()
+                dist.all_reduce(ours, op=RED[op], group=g)
+                check_reduction(ours, xs, op, what)
+                theirs = x.clone()
+                if nccl_result(dist.all_reduce, theirs, op=RED[op], group=ctx.nccl):
+                    check_vs_nccl(ours, theirs, op, what, ctx.world)
+                assert_same_on_all_ranks(ctx, ours, what)
+                checks += 1
+    torch.cuda.synchronize()
+    return checks
+
+
+@pytest.mark.parametrize("config", ALL_REDUCE_CONFIGS)
+def test_all_reduce(gpus, seed, config):
+    checks = gpus.run(body_all_reduce, seed, config, SIZES, timeout=200)
+    assert checks[0] == sum(len(ops_for(d)) for d in DTYPES) * len(SIZES)
+
+
+def body_reduce_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
+    g = rsccl_group(ctx, config)
+    w, me = ctx.world, ctx.rank
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in sizes:  # elements of each rank's output
+                what = f"reduce_scatter_tensor {op} {dtype} n={n}x{w} group={config}"
+                x = rand(seed, me, n * w, dtype, op, salt=what)
+                xs = gather_inputs(ctx, x)
+                ours = torch.empty(n, dtype=dtype, device=x.device)
+                dist.reduce_scatter_tensor(ours, x, op=RED[op], group=g)
+                check_reduction(ours, xs[:, me * n : (me + 1) * n], op, what)
+                theirs = torch.empty_like(ours)
+                if nccl_result(dist.reduce_scatter_tensor, theirs, x, op=RED[op], group=ctx.nccl):
+                    check_vs_nccl(ours, theirs, op, what, w)
+        # The list form, once per dtype, each dtype with another op.
+        n, op = 100_003, OPS[DTYPES.index(dtype)]
+        what = f"reduce_scatter (list) {op} {dtype} n={n}x{w} group={config}"
+        x = rand(seed, me, n * w, dtype, op, salt=what)
+        xs = gather_inputs(ctx, x)
+        ours = torch.empty(n, dtype=dtype, device=x.device)
+        dist.reduce_scatter(ours, list(x.chunk(w)), op=RED[op], group=g)
+        check_reduction(ours, xs[:, me * n : (me + 1) * n], op, what)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("config", OTHER_CONFIGS)
+def test_reduce_scatter(gpus, seed, config):
+    # The largest per-rank output, x world, is a multi-MiB input.
+    gpus.run(body_reduce_scatter, seed, config, [1, 7, 1023, 100_003, 393_219], timeout=200)
+
+
+def body_all_gather(ctx, seed: int, config: str, sizes: list[int]) -> None:
+    g = rsccl_group(ctx, config)
+    w = ctx.world
+    for dtype in DTYPES:
+        for n in sizes:
+            what = f"all_gather {dtype} n={n} group={config}"
+            x = rand(seed, ctx.rank, n, dtype, salt=what)
+            xs = gather_inputs(ctx, x)  # NCCL's all_gather_into_tensor: the reference
+            out = torch.empty(w * n, dtype=dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=g)
+            assert_equal(out, xs.reshape(-1), f"{what}: all_gather_into_tensor")
+            outs = [torch.empty(n, dtype=dtype, device=x.device) for _ in range(w)]
+            dist.all_gather(outs, x, group=g)
+            for r in range(w):
+                assert_equal(outs[r], xs[r], f"{what}: all_gather (list), block of rank {r}")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("config", OTHER_CONFIGS)
+def test_all_gather(gpus, seed, config):
+    gpus.run(body_all_gather, seed, config, SIZES, timeout=200)
+
+
+def body_broadcast(ctx, seed: int, config: str, sizes: list[int]) -> None:
+    g = rsccl_group(ctx, config)
+    for dtype in DTYPES:
+        for n in sizes:
+            for root in range(ctx.world):
+                what = f"broadcast {dtype} n={n} root={root} group={config}"
+                x = rand(seed, ctx.rank, n, dtype, salt=what)
+                ours, theirs = x.clone(), x.clone()
+                dist.broadcast(ours, src=root, group=g)
+                dist.broadcast(theirs, src=root, group=ctx.nccl)
+                assert_equal(ours, theirs, what)
+                if ctx.rank == root:
+                    assert_equal(ours, x, f"{what}: the root's own tensor changed")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("config", OTHER_CONFIGS)
+def test_broadcast(gpus, seed, config):
+    gpus.run(body_broadcast, seed, config, SIZES, timeout=200)
+
+
+def body_barrier(ctx) -> tuple[float, float]:
+    time.sleep(0.2 * ctx.rank)
+    before = time.time()
+    dist.barrier()
+    return before, time.time()
+
+
+def test_barrier_waits_for_the_last_rank(gpus):
+    times = gpus.run(body_barrier, timeout=60)
+    last_arrival = max(b for b, _ in times)
+    assert all(after >= last_arrival for _, after in times), times
+
+
+def body_large(ctx, seed: int, config: str, elements: list[int]) -> None:
+    """bfloat16 messages of up to 1 GiB: all_reduce SUM, all_gather_into_tensor (that much
+    output) and reduce_scatter_tensor (that much input)."""
+    g = rsccl_group(ctx, config)
+    w, me, op = ctx.world, ctx.rank, "SUM"
+    for n in elements:
+        what = f"large all_reduce SUM bfloat16 n={n} group={config}"
+        x = rand(seed, me, n, torch.bfloat16, salt=what)
+        xs = gather_inputs(ctx, x)
+        ours = x.clone()
+        dist.all_reduce(ours, group=g)
+        check_reduction(ours, xs, op, what)
+        dist.all_reduce(x, group=ctx.nccl)  # x is NCCL's result from here on
+        check_vs_nccl(ours, x, op, what, w)
+        assert_same_on_all_ranks(ctx, ours, what)
+        del ours, x
+
+        what = f"large all_gather_into_tensor bfloat16 {n // w}x{w} group={config}"
+        x = xs[me, : n // w].clone()  # fresh random data: this rank's row of the last case
+        out = torch.empty(w * (n // w), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=g)
+        ref = torch.empty_like(out)
+        dist.all_gather_into_tensor(ref, x, group=ctx.nccl)
+        assert_equal(out, ref, what)
+        del out, ref, x, xs
+
+        m = n // w
+        what = f"large reduce_scatter_tensor SUM bfloat16 {m}x{w} group={config}"
+        x = rand(seed, me, m * w, torch.bfloat16, salt=what)
+        xs = gather_inputs(ctx, x)
+        ours = torch.empty(m, dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(ours, x, group=g)
+        check_reduction(ours, xs[:, me * m : (me + 1) * m], op, what)
+        theirs = torch.empty_like(ours)
+        dist.reduce_scatter_tensor(theirs, x, group=ctx.nccl)
+        check_vs_nccl(ours, theirs, op, what, w)
+        del x, xs, ours, theirs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # give the GiBs back to the tests that read device memory
+
+
+# bfloat16 elements: 64 MiB + 6 bytes, and 1 GiB.
+LARGE = {"default": [(32 << 20) + 3, 1 << 29], "small-buffer": [(32 << 20) + 3]}
+
+
+@pytest.mark.parametrize("config", list(LARGE))
+def test_large_messages(gpus, seed, config):
+    gpus.run(body_large, seed, config, LARGE[config], timeout=240)
+
+
+def body_views(ctx, seed: int) -> None:
+    """Inputs that are not plain contiguous tensors: a transposed view, and slices whose
+    storage starts one element (2, 4 or 8 bytes) in; the elements around a slice must stay
+    untouched."""
+    w, me = ctx.world, ctx.rank
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        what = f"all_reduce of a transposed {dtype} view"
+        base = rand(seed, me, 700 * 333, dtype, salt=what).view(700, 333)
+        view = base.t()
+        assert not view.is_contiguous()
+        xs = gather_inputs(ctx, view)
+        dist.all_reduce(view)
+        check_reduction(view, xs, "SUM", what)
+
+        what = f"all_reduce of a {dtype} slice at storage offset 1"
+        n = 100_003
+        padded = rand(seed, me, n + 2, dtype, salt=what)
+        edges = padded[[0, -1]].clone()
+        x = padded[1:-1]
+        xs = gather_inputs(ctx, x)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        check_reduction(x, xs, "MAX", what)
+        assert_equal(padded[[0, -1]], edges, f"{what}: elements outside the slice changed")
+
+        what = f"all_gather_into_tensor and reduce_scatter_tensor on {dtype} slices at offset 1"
+        out_padded = torch.zeros(w * n + 2, dtype=dtype, device=x.device)
+        dist.all_gather_into_tensor(out_padded[1:-1], padded[1:-1])
+        ref = torch.empty(w * n, dtype=dtype, device=x.device)
+        dist.all_gather_into_tensor(ref, padded[1:-1].contiguous(), group=ctx.nccl)
+        assert_equal(out_padded[1:-1], ref, what)
+        assert_equal(out_padded[[0, -1]], torch.zeros(2, dtype=dtype, device=x.device), f"{what}: elements outside the output slice changed")
+        rs_in = torch.cat([padded[:1], rand(seed, me, w * 1001, dtype, salt=what)])[1:]
+        xs = gather_inputs(ctx, rs_in)
+        rs_out = torch.zeros(1001 + 2, dtype=dtype, device=x.device)
+        dist.reduce_scatter_tensor(rs_out[1:-1], rs_in)
+        check_reduction(rs_out[1:-1], xs[:, me * 1001 : (me + 1) * 1001], "SUM", what)
+        assert_equal(rs_out[[0, -1]], torch.zeros(2, dtype=dtype, device=x.device), f"{what}: elements outside the output slice changed")
+    torch.cuda.synchronize()
+
+
+def test_non_contiguous_and_unaligned(gpus, seed):
+    gpus.run(body_views, seed, timeout=120)
+
+
+def body_integer_avg(ctx, seed: int) -> list[str]:
+    """AVG on integers is refused, as on CPU tensors (an integer mean would silently
+    truncate): a TypeError naming the op on every rank, and the group keeps working."""
+    errors = []
+    for dtype in (torch.int32, torch.int64):
+        x = rand(seed, ctx.rank, 1000, dtype, salt="int avg")
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.AVG)
+            errors.append("no error")
+        except TypeError as e:
+            errors.append(str(e))
+    y = rand(seed, ctx.rank, 1000, torch.float32, salt="after int avg")
+    ys = gather_inputs(ctx, y)
+    dist.all_reduce(y)
+    check_reduction(y, ys, "SUM", "all_reduce after the refused AVG")
+    return errors
+
+
+def test_integer_avg_is_refused(gpus, seed):
+    for rank, errs in enumerate(gpus.run(body_integer_avg, seed, timeout=60)):
+        for e in errs:
+            assert "AVG" in e, f"rank {rank}: {e}"

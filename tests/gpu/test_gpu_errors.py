@@ -1,0 +1,151 @@
+"""Errors on CUDA tensors: ranks that disagree raise on every rank, naming the rank, and the
+group works afterwards; collectives this release does not run on CUDA raise rather than
+hang; a killed rank makes the survivors raise within the group's timeout and leaves their
+GPUs usable (no kernel left spinning on a dead peer)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_harness import gpu_cluster, gpu_count, needs_gpus, selected_worlds
+from gpu_refs import check_reduction, gather_inputs, rand
+from harness import ClusterError
+
+pytestmark = needs_gpus
+
+
+def _own_group():
+    """A group of its own for a test that provokes errors, so that a failure that aborts it
+    leaves the shared world group alone."""
+    return dist.new_group(backend="rsccl", timeout=timedelta(seconds=15))
+
+
+def _still_works(ctx, g, seed: int) -> None:
+    x = rand(seed, ctx.rank, 10_007, torch.float32, salt="after the error")
+    xs = gather_inputs(ctx, x)
+    dist.all_reduce(x, group=g)
+    check_reduction(x, xs, "SUM", "all_reduce on the group after the error")
+
+
+def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
+    g = _own_group()
+    n = 1000
+    try:
+        if case == "dtype":
+            x = rand(seed, ctx.rank, n, torch.bfloat16 if ctx.rank == 1 else torch.float32)
+        elif case == "count":
+            x = rand(seed, ctx.rank, n + (1 if ctx.rank == 1 else 0), torch.float32)
+        else:
+            raise AssertionError(case)
+        dist.all_reduce(x, group=g)
+        # The kernels find the disagreement on the GPU, asynchronously: rsccl raises it at
+        # the group's next call (here a barrier, which also waits for the GPU).
+        dist.barrier(group=g)
+        result = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        result = (type(e).__name__, str(e))
+    _still_works(ctx, g, seed)
+    dist.destroy_process_group(g)
+    return result
+
+
+@pytest.mark.parametrize("case", ["dtype", "count"])
+def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
+    results = gpus.run(body_mismatch, seed, case, timeout=90)
+    for rank, (kind, msg) in enumerate(results):
+        assert kind in ("ValueError", "TypeError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        assert "rank 1" in msg, f"rank {rank}'s message does not name rank 1, whose {case} differs: {msg}"
+
+
+def body_unsupported(ctx, seed: int) -> dict[str, str]:
+    """CUDA collectives outside this release: each must raise on every rank."""
+    g = _own_group()
+    w = ctx.world
+    x = rand(seed, ctx.rank, 4 * w, torch.float32)
+    calls = {
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=g),
+        "reduce": lambda: dist.reduce(x.clone(), dst=0, group=g),
+        "gather": lambda: dist.gather(x, [torch.empty_like(x) for _ in range(w)] if ctx.rank == 0 else None, dst=0, group=g),
+        "scatter": lambda: dist.scatter(torch.empty_like(x), list(x.chunk(w)) if ctx.rank == 0 else None, src=0, group=g),
+    }
+    results = {}
+    for name, call in calls.items():
+        try:
+            call()
+            torch.cuda.synchronize()
+            results[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the parent inspects it
+            results[name] = f"{type(e).__name__}: {e}"
+    _still_works(ctx, g, seed)
+    dist.destroy_process_group(g)
+    return results
+
+
+def test_unsupported_cuda_collectives_raise(gpus, seed):
+    results = gpus.run(body_unsupported, seed, timeout=120)
+    for rank, per_call in enumerate(results):
+        for name, outcome in per_call.items():
+            assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; this release must raise"
+            assert "cuda" in outcome.lower(), f"rank {rank}: {name}'s error does not say that CUDA tensors are the problem: {outcome}"
+
+
+KILL_TIMEOUT = 20.0  # the fresh cluster's group timeout
+KILL_SLACK = 20.0
+
+
+def body_warm(ctx) -> None:
+    x = torch.ones(1000, device=ctx.device)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    assert x[0].item() == ctx.world
+
+
+def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float) -> tuple[tuple[str, str, float] | None, float]:
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = rand(seed, ctx.rank, 1 << 20, torch.float32)
+    start = time.monotonic()
+    error = None
+    try:
+        while time.monotonic() - start < 3 * timeout:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        error = (type(e).__name__, str(e), time.monotonic() - start)
+    # The GPU must not be left running a kernel that waits for the dead rank.
+    t0 = time.monotonic()
+    torch.cuda.synchronize()
+    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
+    return error, time.monotonic() - t0
+
+
+def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):
+    worlds = [w for w in selected_worlds() if w <= gpu_count()]
+    if not worlds:
+        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
+    world, victim = max(worlds), 1
+    c = gpu_cluster(world, timeout=KILL_TIMEOUT, nccl_ref=False)  # a fresh cluster: this one ends broken
+    try:
+        c.run(body_warm, timeout=60)
+        try:
+            res = c.run(body_die_or_keep_reducing, seed, victim, KILL_TIMEOUT, timeout=3 * KILL_TIMEOUT + 60, may_exit=frozenset({victim}))
+        except ClusterError as e:
+            pytest.fail(f"with rank {victim} killed, the survivors did not come back (hung in a collective or on the GPU?):\n{e}")
+    finally:
+        c.close(timeout=30)
+    for rank, got in enumerate(res):
+        if rank == victim:
+            continue
+        error, sync_s = got
+        assert error is not None, f"rank {rank} kept running all_reduce for {3 * KILL_TIMEOUT:.0f} s with rank {victim} dead, without an error"
+        kind, msg, took = error
+        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        assert f"rank {victim}" in msg, f"rank {rank}'s error does not name rank {victim}: {kind}: {msg}"
+        assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s)"
+        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"

@@ -1,0 +1,38 @@
+"""The CUDA engine's parts that need no GPU: the kernels compile (NVRTC, sm_90), the
+settings parse, and a group made without CUDA says why it cannot run CUDA tensors."""
+
+import pytest
+import torch
+
+import rsccl
+from rsccl import _cuda
+
+
+def test_kernels_compile_for_hopper():
+    _cuda.load_nvrtc()
+    size = rsccl._rsccl.compile_kernels("sm_90")
+    assert size > 100_000  # a cubin with every entry point, not an empty image
+
+
+def test_kernel_compile_errors_are_exceptions():
+    _cuda.load_nvrtc()
+    with pytest.raises(RuntimeError, match="sm_1"):
+        rsccl._rsccl.compile_kernels("sm_1")
+
+
+def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
+    got = dict(rsccl._rsccl.resolve_options([("cuda_buffer_bytes", "64MiB"), ("cuda_blocks", "16")]))
+    assert got["cuda_buffer_bytes"] == 64 << 20 and got["cuda_blocks"] == 16
+    assert got["max_cuda_va_bytes"] == 4 << 30 and got["cuda_warmup"] == 1
+    with pytest.raises(ValueError, match="cuda_blocks"):
+        rsccl._rsccl.resolve_options([("cuda_blocks", "65")])
+    monkeypatch.setenv("RSCCL_MAX_CUDA_VA_BYTES", "lots")
+    with pytest.raises(ValueError, match="RSCCL_MAX_CUDA_VA_BYTES"):
+        rsccl._rsccl.resolve_options([])
+    assert "RSCCL_CUDA_BUFFER_BYTES" in rsccl.settings_table()
+
+
+def test_no_cuda_engine_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU suite covers it")
+    assert _cuda.device_for_new_group() is None
