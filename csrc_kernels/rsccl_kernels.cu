@@ -307,19 +307,31 @@ __device__ __forceinline__ u8* stage_of(const Args& a, u32 rank, u32 parity) {
 }
 
 __device__ __forceinline__ u64 round_down(u64 x, u64 m) { return x - x % m; }
+__device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
+__device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
 
-// Elements per block and step when the staging half must hold `slots` slots of them.
-template <typename T> __device__ __forceinline__ u64 chunk_elems(const Args& a, u64 slots) {
-    return round_down(a.stage_per_block / slots, 16) / sizeof(T);
+// Elements per block and step: at most what `slots` slots of the staging half hold, and no
+// more than an even share of `count` over the grid (so small messages use every block).
+// A multiple of the pack size, so slots and block ranges stay 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ u64 per_block(const Args& a, u64 slots, u64 count) {
+    const u64 P = Pack<T>::N;
+    const u64 cap = round_down(a.stage_per_block / slots / sizeof(T), P);
+    const u64 even = round_up((count + gridDim.x - 1) / gridDim.x, P);
+    const u64 m = min64(cap, even);
+    return m == 0 ? P : m;
 }
 
-__device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
 // Steps of a kernel: at least one, so that even an empty message passes the first
 // barrier (the one that checks descriptors).
 __device__ __forceinline__ u64 steps_for(u64 count, u64 per_step) {
-    const u64 n = per_step == 0 ? 0 : (count + per_step - 1) / per_step;
+    const u64 n = (count + per_step - 1) / per_step;
     return n == 0 ? 1 : n;
 }
+
+// Staging slots hold data from the OTHER ranks only: at rank `me`, peer p's slot is
+// p - (p > me), so a staging half is split in world - 1 slots (or 2 (world - 1) areas).
+__device__ __forceinline__ u32 slot_of(u32 src, u32 me) { return src - (src > me ? 1 : 0); }
 
 // A failed barrier is either an abort (nothing is saved) or a descriptor mismatch, which
 // only the first barrier of step 0 detects, on every rank alike: every rank then counts
@@ -330,71 +342,130 @@ __device__ __forceinline__ u64 steps_for(u64 count, u64 per_step) {
         return;                        \
     }
 
+template <typename T, typename Op>
+__device__ __forceinline__ void reduce_pack(Pack<T>& p, typename Acc<T>::type* acc, bool first) {
+    typedef typename Acc<T>::type A;
+    if (first) {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+    }
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ void finish_pack(Pack<T>& p, const typename Acc<T>::type* acc, u32 W) {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+}
+
+// Every thread moves packs lo + (k * blockDim + threadIdx) * P, UNROLL packs at a time:
+// all UNROLL loads are issued before the first store, so each thread keeps several 16-byte
+// requests in flight (the compiler cannot hoist loads above stores that may alias).
+#define UNROLL 4
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store) {
+    const u64 P = Pack<T>::N;
+    const u64 stride = (u64)blockDim.x * P;
+    for (u64 base = lo + threadIdx.x * P; base < hi; base += stride * UNROLL) {
+        Pack<T> p[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) load(p[u], i);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) store(p[u], i);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // all_reduce, one-shot: count elements in `in`, result in `out` (may alias in).
-// Each step, block b takes m elements, writes them into slot `rank` of every rank's
-// staging (remote stores over NVLink), passes a barrier, then reduces the `world` slots
-// of its own staging in rank order (so every rank computes the same bits).
+// Each step, block b takes m elements and writes them into its slot of every peer's
+// staging (remote stores over NVLink), passes a barrier, then reduces in rank order: its
+// own input for itself, the slots for the others (so every rank computes the same bits).
 template <typename T, typename Op>
 __device__ void ar_oneshot(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
     typedef typename Acc<T>::type A;
-    const u32 W = a.world;
-    const u64 m = chunk_elems<T>(a, W);
+    const u32 W = a.world, me = a.rank;
+    const u64 m = per_block<T>(a, W - 1 ? W - 1 : 1, a.count);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(a.count, per_step);
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
-    const u32 P = Pack<T>::N;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, a.count);
-        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-            Pack<T> p;
-            load_pack(p, in, i, hi);
-            for (u32 j = 0; j < W; j++) {
-                T* slot = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * m;
-                store_stage(p, slot, i - lo);
-            }
-        }
+        for_packs<T>(
+            lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, hi); },
+            [&](const Pack<T>& p, u64 i) {
+                for (u32 j0 = 1; j0 < W; j0++) {
+                    const u32 j = (me + j0) % W;
+                    store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m, i - lo);
+                }
+            });
         BARRIER_OR_RETURN(a, s, steps)
-        const T* mine = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
-        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-            Pack<T> p;
-            load_stage(p, mine, i - lo);
-            A acc[Pack<T>::N];
-#pragma unroll
-            for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
-            for (u32 j = 1; j < W; j++) {
-                load_stage(p, mine + j * m, i - lo);
-#pragma unroll
-                for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
-            }
-#pragma unroll
-            for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
-            store_pack(p, out, i, hi);
-        }
+        const T* mine = reinterpret_cast<const T*>(stage_of(a, me, par));
+        for_packs<T>(
+            lo, hi,
+            [&](Pack<T>& p, u64 i) {
+                A acc[Pack<T>::N];
+                for (u32 j = 0; j < W; j++) {
+                    if (j == me) load_pack(p, in, i, hi);
+                    else load_stage(p, mine + slot_of(j, me) * m, i - lo);
+                    reduce_pack<T, Op>(p, acc, j == 0);
+                }
+                finish_pack<T, Op>(p, acc, W);
+            },
+            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
 }
 
-// all_reduce, two-shot: reduce-scatter then all-gather, both through staging.
-// Each step, block b takes m elements split into `world` shards of m / world. Staging
-// holds an RS area (world slots) and an AG area (world slots) of one shard each.
-//   1. push shard j of my input into rank j's RS slot `rank` (j != rank);  barrier
-//   2. reduce shard `rank` in rank order (my own input for p == rank), write it to my
-//      output and into every peer's AG slot `rank`;                         barrier
-//   3. copy AG slot p into my output's shard p (p != rank).
+// all_reduce, two-shot: reduce-scatter then all-gather, both through staging, with ONE
+// barrier per step. Each step, block b takes m elements split into `world` shards.
+// Staging holds an RS area and an AG area of world - 1 shard slots each.
+//   A. push shard j of my input into rank j's RS slot for me;               barrier(s)
+//   B. copy the AG slots of step s - 1 into my output (they arrived before barrier(s):
+//      each peer pushed them before signalling it); reduce shard `rank` of step s in rank
+//      order (my own input for myself), write it to my output and push it into every
+//      peer's AG slot for me.
+// After the last step, one more barrier, then the last AG copy.
+// Reuse: a peer writes RS slots of parity p again in phase A of step s + 2, after passing
+// barrier(s + 1), which needs my signal given after my phase B of step s (my last read of
+// them); it writes AG slots of parity p again in phase B of step s + 2, after barrier(s + 2),
+// which needs my signal given after my phase B of step s + 1 (where I copy them out).
+template <typename T, typename Op>
+__device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, const T* ag, T* out) {
+    const u32 W = a.world, me = a.rank;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, a.count);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 slo = lo + j * shard;
+        const u64 shi = min64(slo + shard, hi);
+        const T* src = ag + slot_of(j, me) * shard;
+        for_packs<T>(
+            slo, shi, [&](Pack<T>& p, u64 i) { load_stage(p, src, i - slo); },
+            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, shi); });
+    }
+}
+
 template <typename T, typename Op>
 __device__ void ar_twoshot(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
     typedef typename Acc<T>::type A;
-    const u32 W = a.world;
-    const u32 P = Pack<T>::N;
-    const u64 shard = round_down(chunk_elems<T>(a, 2 * W), P);  // elements per shard
+    const u32 W = a.world, me = a.rank;
+    const u32 slots = W > 1 ? W - 1 : 1;
+    const u64 shard = per_block<T>(a, 2 * slots, (a.count + W - 1) / W);
     const u64 m = shard * W;
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(a.count, per_step);
@@ -405,74 +476,63 @@ __device__ void ar_twoshot(const Args& a) {
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, a.count);
         for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (a.rank + j0) % W;
+            const u32 j = (me + j0) % W;
             const u64 slo = lo + j * shard;
             const u64 shi = min64(slo + shard, hi);
-            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * shard;
-            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
-                Pack<T> p;
-                load_pack(p, in, i, shi);
-                store_stage(p, dst, i - slo);
-            }
+            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * shard;
+            for_packs<T>(
+                slo, shi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
+                [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - slo); });
         }
-        BARRIER_OR_RETURN(a, s, steps)
-        {
-            const T* rs = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
-            const u64 slo = lo + a.rank * shard;
-            const u64 shi = min64(slo + shard, hi);
-            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
-                Pack<T> p;
+        BARRIER_OR_RETURN(a, s, steps + 1)
+        if (st > 0) {
+            const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
+            copy_ag<T, Op>(a, st - 1, per_step, m, shard, ag, out);
+        }
+        const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+        const u64 slo = lo + me * shard;
+        const u64 shi = min64(slo + shard, hi);
+        for_packs<T>(
+            slo, shi,
+            [&](Pack<T>& p, u64 i) {
                 A acc[Pack<T>::N];
                 for (u32 j = 0; j < W; j++) {
-                    if (j == a.rank) load_pack(p, in, i, shi);
-                    else load_stage(p, rs + j * shard, i - slo);
-                    if (j == 0) {
-#pragma unroll
-                        for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
-                    } else {
-#pragma unroll
-                        for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
-                    }
+                    if (j == me) load_pack(p, in, i, shi);
+                    else load_stage(p, rs + slot_of(j, me) * shard, i - slo);
+                    reduce_pack<T, Op>(p, acc, j == 0);
                 }
-#pragma unroll
-                for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+                finish_pack<T, Op>(p, acc, W);
+            },
+            [&](const Pack<T>& p, u64 i) {
                 store_pack(p, out, i, shi);
                 for (u32 j0 = 1; j0 < W; j0++) {
-                    const u32 j = (a.rank + j0) % W;
-                    T* ag = reinterpret_cast<T*>(stage_of(a, j, par)) + (W + a.rank) * shard;
-                    store_stage(p, ag, i - slo);
+                    const u32 j = (me + j0) % W;
+                    store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + (slots + slot_of(me, j)) * shard, i - slo);
                 }
-            }
-        }
-        BARRIER_OR_RETURN(a, s, steps)
-        const T* ag = reinterpret_cast<const T*>(stage_of(a, a.rank, par)) + W * shard;
-        for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (a.rank + j0) % W;
-            const u64 slo = lo + j * shard;
-            const u64 shi = min64(slo + shard, hi);
-            for (u64 i = slo + threadIdx.x * P; i < shi; i += blockDim.x * P) {
-                Pack<T> p;
-                load_stage(p, ag + j * shard, i - slo);
-                store_pack(p, out, i, shi);
-            }
-        }
+            });
+    }
+    // The AG pushes of the last step arrive before this barrier's signals.
+    BARRIER_OR_RETURN(a, s, steps + 1)
+    {
+        const u32 par = (s.step + (u32)(steps - 1)) & 1;
+        const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par)) + slots * shard;
+        copy_ag<T, Op>(a, steps - 1, per_step, m, shard, ag, out);
     }
     save_state(a, &s, steps);
 }
 
 // reduce_scatter: `in` holds world * count elements, `out` count (this rank's shard).
-// Each step, block b takes m elements of every shard: pushes shard j's piece to rank j's
-// slot `rank`; barrier; reduces in rank order (own input for p == rank).
+// Each step, block b takes m elements of every shard: pushes shard j's piece into rank j's
+// slot for me; barrier; reduces in rank order (own input for myself).
 template <typename T, typename Op>
 __device__ void reduce_scatter(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
     typedef typename Acc<T>::type A;
-    const u32 W = a.world;
-    const u32 P = Pack<T>::N;
-    const u64 m = round_down(chunk_elems<T>(a, W), P);
-    const u64 per_step = m * gridDim.x;
+    const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
+    const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
@@ -481,51 +541,59 @@ __device__ void reduce_scatter(const Args& a) {
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, n);
         for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (a.rank + j0) % W;
+            const u32 j = (me + j0) % W;
             const T* src = in + j * n;
-            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + a.rank * m;
-            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-                Pack<T> p;
-                load_pack(p, src, i, hi);
-                store_stage(p, dst, i - lo);
-            }
+            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m;
+            for_packs<T>(
+                lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
+                [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
         }
         BARRIER_OR_RETURN(a, s, steps)
-        const T* rs = reinterpret_cast<const T*>(stage_of(a, a.rank, par));
-        const T* own = in + a.rank * n;
-        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-            Pack<T> p;
-            A acc[Pack<T>::N];
-            for (u32 j = 0; j < W; j++) {
-                if (j == a.rank) load_pack(p, own, i, hi);
-                else load_stage(p, rs + j * m, i - lo);
-                if (j == 0) {
-#pragma unroll
-                    for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+        const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+        const T* own = in + me * n;
+        for_packs<T>(
+            lo, hi,
+            [&](Pack<T>& p, u64 i) {
+                A acc[Pack<T>::N];
+                for (u32 j = 0; j < W; j++) {
+                    if (j == me) load_pack(p, own, i, hi);
+                    else load_stage(p, rs + slot_of(j, me) * m, i - lo);
+                    reduce_pack<T, Op>(p, acc, j == 0);
                 }
-            }
-#pragma unroll
-            for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
-            store_pack(p, out, i, hi);
-        }
+                finish_pack<T, Op>(p, acc, W);
+            },
+            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
 }
 
 // all_gather (bytes): `in` holds count bytes, `out` world * count. Each step, block b
-// pushes its piece of my input into every peer's slot `rank` and into my own output;
-// barrier; copies slot p into output block p (p != rank).
+// copies its piece of my input into my own output block and pushes it into my slot of
+// every peer's staging; barrier; the copy of the peers' slots into my output is deferred
+// to the next step's first phase (as in two-shot: the slots are rewritten two steps later,
+// after a barrier that needs my signal, given after the copy).
+__device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_step, u64 m, const u8* mine, u8* out) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u8* src = mine + slot_of(j, me) * m;
+        u8* dst = out + j * n;
+        for_packs<u8>(
+            lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, src, i - lo); },
+            [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    const u32 W = a.world;
-    const u32 P = 16;
-    const u64 m = round_down(a.stage_per_block / W, 16);
-    const u64 per_step = m * gridDim.x;
+    const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     const u8* in = reinterpret_cast<const u8*>(a.in);
     u8* out = reinterpret_cast<u8*>(a.out);
@@ -533,39 +601,31 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
         const u32 par = (s.step + (u32)st) & 1;
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, n);
-        for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-            Pack<u8> p;
-            load_pack(p, in, i, hi);
-            store_pack(p, out + a.rank * n, i, hi);
-            for (u32 j0 = 1; j0 < W; j0++) {
-                const u32 j = (a.rank + j0) % W;
-                store_stage(p, stage_of(a, j, par) + a.rank * m, i - lo);
-            }
-        }
+        if (st > 0) copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out);
+        for_packs<u8>(
+            lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+            [&](const Pack<u8>& p, u64 i) {
+                store_pack(p, out + me * n, i, hi);
+                for (u32 j0 = 1; j0 < W; j0++) {
+                    const u32 j = (me + j0) % W;
+                    store_stage(p, stage_of(a, j, par) + slot_of(me, j) * m, i - lo);
+                }
+            });
         BARRIER_OR_RETURN(a, s, steps)
-        const u8* mine = stage_of(a, a.rank, par);
-        for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (a.rank + j0) % W;
-            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-                Pack<u8> p;
-                load_stage(p, mine + j * m, i - lo);
-                store_pack(p, out + j * n, i, hi);
-            }
-        }
     }
+    copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out);
     save_state(a, &s, steps);
 }
 
-// broadcast (bytes): the root pushes count bytes of `in` into every peer's slot 0;
+// broadcast (bytes): the root pushes count bytes of `in` into every peer's staging;
 // barrier; the others copy it into `out`.
 extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world;
-    const u32 P = 16;
-    const u64 m = round_down(a.stage_per_block, 16);
-    const u64 per_step = m * gridDim.x;
     const u64 n = a.count;
+    const u64 m = per_block<u8>(a, 1, n);
+    const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     const u8* in = reinterpret_cast<const u8*>(a.in);
     u8* out = reinterpret_cast<u8*>(a.out);
@@ -574,23 +634,21 @@ extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, n);
         if (a.rank == a.root) {
-            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-                Pack<u8> p;
-                load_pack(p, in, i, hi);
-                if (out != in) store_pack(p, out, i, hi);
-                for (u32 j = 0; j < W; j++) {
-                    if (j != a.rank) store_stage(p, stage_of(a, j, par), i - lo);
-                }
-            }
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+                [&](const Pack<u8>& p, u64 i) {
+                    if (out != in) store_pack(p, out, i, hi);
+                    for (u32 j = 0; j < W; j++) {
+                        if (j != a.rank) store_stage(p, stage_of(a, j, par), i - lo);
+                    }
+                });
         }
         BARRIER_OR_RETURN(a, s, steps)
         if (a.rank != a.root) {
             const u8* mine = stage_of(a, a.rank, par);
-            for (u64 i = lo + threadIdx.x * P; i < hi; i += blockDim.x * P) {
-                Pack<u8> p;
-                load_stage(p, mine, i - lo);
-                store_pack(p, out, i, hi);
-            }
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, mine, i - lo); },
+                [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
         }
     }
     save_state(a, &s, steps);

@@ -23,6 +23,8 @@ from ._work import DoneWork, RsWork
 from .options import as_items
 
 _LIVE: "weakref.WeakSet[ProcessGroupRsccl]" = weakref.WeakSet()
+_FLOAT_OPS = frozenset(REDUCE_OPS)
+_INT_OPS = frozenset(REDUCE_OPS) - {"AVG"}
 
 
 class ArgumentError(Exception):
@@ -91,18 +93,33 @@ class _Staged:
             self.user.copy_(self.buf)
 
 
-def _rank_list(lists: Any, ref: torch.Tensor, size: int, what: str, list_name: str, ref_name: str, owner: str = "") -> list[torch.Tensor]:
+def _check_cuda_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout != torch.strided:
+        raise ArgumentError(f"{what} must be a dense CUDA tensor like the others, got {getattr(t, 'device', type(t).__name__)}", "type")
+    return t
+
+
+def _rank_list(
+    lists: Any, ref: torch.Tensor, size: int, what: str, list_name: str, ref_name: str, owner: str = "", check: Callable[[Any, str], torch.Tensor] = _check_tensor
+) -> list[torch.Tensor]:
     """Check torch's `[[t_0, ..., t_{size-1}]]` argument: one tensor per rank, each like
     `ref` (same dtype and element count). Returns the tensors."""
     if len(lists) != 1 or len(lists[0]) != size:
         raise ArgumentError(f"{what}: {owner}{list_name} must hold group size {size} tensors")
-    ts = [_check_tensor(t, f"{what} {list_name}") for t in lists[0]]
+    ts = [check(t, f"{what} {list_name}") for t in lists[0]]
     for i, t in enumerate(ts):
         if t.numel() != ref.numel() or t.dtype != ref.dtype:
             raise ArgumentError(
                 f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]"
             )
     return ts
+
+
+def _raiser(e: ArgumentError) -> Callable[[], tuple]:
+    def prepare() -> tuple:
+        raise e
+
+    return prepare
 
 
 def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -157,6 +174,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
         self._cuda_device = device if self._comm.has_cuda else None
         self._pending = Pending()
+        # Returned by every blocking CUDA collective (torch discards it after wait()).
+        self._done = DoneWork([])
         self._gloo = None
         if self._comm.engine == "gloo":
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
@@ -345,7 +364,21 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
         if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
-            return self._cuda_allreduce(tensors[0], op, opts)
+            t = tensors[0]
+            dev = self._cuda_device
+            # The blocking call's fast path: nothing to check beyond this, nothing to keep.
+            if (
+                opts is not None
+                and opts.asyncOp is False
+                and t.device.index == dev
+                and t.dtype in REDUCE_DTYPES
+                and (op in _FLOAT_OPS if t.dtype.is_floating_point else op in _INT_OPS)
+                and t.is_contiguous()
+            ):
+                p = t.data_ptr()
+                self._comm.cuda_collective("all_reduce", p, p, t.numel(), REDUCE_DTYPES[t.dtype], op, 0, raw_stream(dev), False)
+                return self._done
+            return self._cuda_allreduce(t, op, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "all_reduce"))
@@ -417,12 +450,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
             inp = input_tensors[0]
             try:
-                outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
-            except ArgumentError:
-                outs = None
-            if outs is not None:
-                flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
-                return self._cuda_all_gather(flat, inp, opts, output_tensors, _scatter_back(flat, outs))
+                outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input", check=_check_cuda_tensor)
+            except ArgumentError as e:
+                return self._cuda("all_gather", _raiser(e), opts, None)
+            flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
+            return self._cuda_all_gather(flat, inp, opts, output_tensors, _scatter_back(flat, outs))
         def prepare() -> _Plan:
             inp = _one(input_tensors, "all_gather input")
             outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
@@ -527,12 +559,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
             out = output_tensors[0]
             try:
-                ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output")
-            except ArgumentError:
-                ins = None
-            if ins is not None and all(t.is_cuda for t in ins):
-                flat = torch.cat([t.reshape(-1) for t in ins])
-                return self._cuda_reduce_scatter(out, flat, op, opts, output_tensors)
+                ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output", check=_check_cuda_tensor)
+            except ArgumentError as e:
+                return self._cuda("reduce_scatter", _raiser(e), opts, None)
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            return self._cuda_reduce_scatter(out, flat, op, opts, output_tensors)
 
         def prepare() -> _Plan:
             out = _one(output_tensors, "reduce_scatter output")

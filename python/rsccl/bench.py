@@ -1,6 +1,10 @@
-"""Benchmark rsccl against gloo on one host: latency and bus bandwidth per collective.
+"""Benchmark rsccl on one host: latency and bus bandwidth per collective, side by side
+with gloo (--device cpu) or with NCCL and torch's symmetric memory (--device cuda).
 
-    python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out bench-results/]
+    python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out-dir bench-results/]
+    python -m rsccl.bench --device cuda [--quick] [--sweep-one-shot] [--rsccl-options KEY=VAL,...]
+
+--device cuda is described in rsccl/_bench_cuda.py; what follows is --device cpu.
 
 What it measures: for each world size, collective and message size (powers of 4 from
 --min-bytes to --max-bytes), the latency of one synchronous call on rsccl and on gloo,
@@ -35,10 +39,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,26 +117,99 @@ def parse_collectives(text: str) -> tuple[str, ...]:
     return names
 
 
+# Defaults that differ between the devices; None in the parser means "this device's".
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"collectives": COLLECTIVES, "min_bytes": 4, "max_bytes": 64 << 20, "warmup": 2, "dtype": "float32"},
+    "cuda": {
+        "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
+        "min_bytes": 1 << 10, "max_bytes": 1 << 30, "warmup": 5, "dtype": "bfloat16",
+    },
+}
+QUICK_MAX_BYTES = 1 << 20
+
+
+def parse_options(text: str) -> dict[str, int | str]:
+    """--rsccl-options KEY=VAL,...: fields of rsccl.Options (checked here; values are
+    checked by rsccl when the group is created)."""
+    from dataclasses import fields
+
+    from .options import Options
+
+    known = [f.name for f in fields(Options)]
+    out: dict[str, int | str] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not val or key not in known:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give KEY=VALUE pairs with KEY one of rsccl.Options' fields: {', '.join(known)}"
+            )
+        out[key] = int(val) if re.fullmatch(r"-?\d+", val) else val
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rsccl.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rsccl.bench", description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1],
+    )
     add = p.add_argument
+    cpu, cuda = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
     # String defaults go through `type` too, so they are written the way a user types them.
     add("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
-    add("--world-sizes", type=parse_world_sizes, default="2,4", help="ranks per run, comma-separated; default: %(default)s")
-    add("--collectives", type=parse_collectives, default=",".join(COLLECTIVES), help="comma-separated; default: %(default)s")
-    add("--min-bytes", type=parse_bytes, default="4", help="smallest per-rank message; default: %(default)s")
-    add("--max-bytes", type=parse_bytes, default="64MiB", help="largest per-rank message; default: %(default)s")
+    add("--world-sizes", type=parse_world_sizes, default="2,4",
+        help="ranks per run, comma-separated (cuda: those above the number of visible GPUs are left out); "
+             "default: %(default)s")
+    add("--collectives", type=parse_collectives, default=None,
+        help=f"comma-separated; default: {','.join(cpu['collectives'])} (cpu), {','.join(cuda['collectives'])} (cuda)")
+    add("--min-bytes", type=parse_bytes, default=None,
+        help=f"smallest per-rank message; default: {human(cpu['min_bytes'])} (cpu), {human(cuda['min_bytes'])} (cuda)")
+    add("--max-bytes", type=parse_bytes, default=None,
+        help=f"largest per-rank message; default: {human(cpu['max_bytes'])} (cpu), {human(cuda['max_bytes'])} (cuda)")
     add("--iters", type=int, default=None,
-        help=f"timed calls per size; default: about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}")
-    add("--warmup", type=int, default=2, help="untimed calls before each measurement; default: %(default)s")
+        help=f"timed calls per size; default (cpu): about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}; "
+             "(cuda): 50 up to 16 MiB, then fewer, at least 5")
+    add("--warmup", type=int, default=None,
+        help=f"untimed calls before each measurement; default: {cpu['warmup']} (cpu), {cuda['warmup']} (cuda)")
     add("--repeats", type=int, default=3,
-        help="measurements per size and backend, interleaved; the median is reported; default: %(default)s")
-    add("--out", type=Path, default="bench-results", help="directory for the CSV and PNG; default: %(default)s")
-    add("--dtype", choices=tuple(TOLERANCES), default="float32", help="default: %(default)s")
+        help="measurements per size and backend; the median is reported; default: %(default)s")
+    add("--out-dir", "--out", dest="out", metavar="DIR", type=Path, default="bench-results",
+        help="directory for the results (CSV, plot; cuda: Markdown tables too); default: %(default)s")
+    add("--dtype", choices=tuple(TOLERANCES), default=None,
+        help=f"default: {cpu['dtype']} (cpu), {cuda['dtype']} (cuda)")
     add("--seed", type=int, default=None, help="seed of the checked inputs; default: random")
+    add("--quick", action="store_true",
+        help=f"smoke run: world size 2, messages up to {human(QUICK_MAX_BYTES)}")
+    g = p.add_argument_group("--device cuda only")
+    g.add_argument("--rsccl-options", type=parse_options, default={}, metavar="KEY=VAL,...",
+                   help="rsccl.Options fields for the rsccl group, e.g. cuda_blocks=16,cuda_buffer_bytes=64MiB")
+    g.add_argument("--sweep-one-shot", action="store_true",
+                   help="all_reduce also on two extra rsccl groups, one-shot never (rsccl-2shot) and always "
+                        "(rsccl-1shot), to read the crossover off one table")
+    g.add_argument("--no-graph", action="store_true", help="skip the CUDA graph measurements")
+    g.add_argument("--graph-max-bytes", type=parse_bytes, default="1MiB",
+                   help="largest message timed in a CUDA graph; default: %(default)s")
+    g.add_argument("--check-max-bytes", type=parse_bytes, default="64MiB",
+                   help="largest message checked against NCCL; default: %(default)s")
+    g.add_argument("--symm-max-bytes", type=parse_bytes, default="64MiB",
+                   help="largest all_reduce on torch symmetric memory; default: %(default)s")
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one world size may take before its ranks are stopped; default: %(default)s")
     args = p.parse_args(argv)
-    if args.device == "cuda":
-        p.exit(2, "rsccl.bench: the CUDA engine is not in this release; use --device cpu\n")
+    defaults = DEVICE_DEFAULTS[args.device]
+    for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.quick:
+        args.world_sizes = [2]
+        args.max_bytes = min(args.max_bytes, QUICK_MAX_BYTES)
+        args.min_bytes = min(args.min_bytes, args.max_bytes)
+    if args.device == "cpu":
+        cuda_only = [flag for flag, used in (("--rsccl-options", args.rsccl_options), ("--sweep-one-shot", args.sweep_one_shot),
+                                             ("--no-graph", args.no_graph)) if used]
+        if cuda_only:
+            p.error(f"{', '.join(cuda_only)}: only with --device cuda")
     if args.min_bytes > args.max_bytes:
         p.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if (args.iters is not None and args.iters < 1) or args.warmup < 0 or args.repeats < 1:
@@ -198,6 +276,12 @@ def random_input(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tens
     return torch.randint(-100, 100, (n,), generator=gen, dtype=dtype)
 
 
+def gloo_of(groups: Groups) -> dist.ProcessGroup:
+    g = groups["gloo"]
+    assert g is not None
+    return g
+
+
 def max_over_ranks(value: float, gloo: dist.ProcessGroup) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
@@ -220,7 +304,7 @@ def check(
     rtol, atol = TOLERANCES[cfg.dtype]
     ok = torch.allclose(results[0], results[1], rtol=rtol, atol=atol)
     # Agree on the verdict so that every rank stops, not only the one that saw it.
-    if max_over_ranks(0.0 if ok else 1.0, groups["gloo"]):
+    if max_over_ranks(0.0 if ok else 1.0, gloo_of(groups)):
         diff = (results[0].double() - results[1].double()).abs().max().item()
         raise MismatchError(
             f"{label}: rsccl's result differs from gloo's "
@@ -268,12 +352,12 @@ def bench_collective(collective: str, world: int, groups: Groups, cfg: Config, g
         # both; the median of the repeats is reported.
         for rep in range(cfg.repeats):
             for backend in BACKENDS if (i + rep) % 2 == 0 else BACKENDS[::-1]:
-                latency, iters = measure(make_call(collective, inp, out, groups[backend]), groups["gloo"], cfg)
+                latency, iters = measure(make_call(collective, inp, out, groups[backend]), gloo_of(groups), cfg)
                 samples[backend].append(latency)
                 iters_done[backend] += iters
         for backend in BACKENDS:
-            rows.append(dict(world_size=world, collective=collective, bytes=message, backend=backend,
-                             latency_s=statistics.median(samples[backend]), iters=iters_done[backend]))
+            rows.append({"world_size": world, "collective": collective, "bytes": message, "backend": backend,
+                             "latency_s": statistics.median(samples[backend]), "iters": iters_done[backend]})
     return rows
 
 
@@ -410,6 +494,10 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        from . import _bench_cuda
+
+        return _bench_cuda.main(args, argv if argv is not None else sys.argv[1:])
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
     sizes = message_sizes(args.min_bytes, args.max_bytes)
     cfg = Config(args.collectives, sizes, args.dtype, args.iters, args.warmup, seed, args.repeats)

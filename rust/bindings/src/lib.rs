@@ -359,6 +359,18 @@ fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<usize> {
     py.detach(|| rsccl_core::cuda::kernels::compile(arch)).py().map(|b| b.len())
 }
 
+/// Compile `arch`'s kernels into the disk cache now (a no-op if cached) and return the
+/// file: lets an image or job step pay the compilation once, before any group exists.
+#[pyfunction]
+fn cache_kernels(py: Python<'_>, arch: &str) -> PyResult<Option<String>> {
+    py.detach(|| {
+        rsccl_core::cuda::kernels::cubin_for(arch)?;
+        rsccl_core::cuda::kernels::cache_path(arch)
+    })
+    .py()
+    .map(|p| p.map(|p| p.display().to_string()))
+}
+
 /// At interpreter exit: wait (GIL released, at most `timeout_s`) for completion callbacks
 /// in flight, then stop calling into Python. Returns whether the pool went quiet.
 #[pyfunction]
@@ -410,6 +422,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Work>()?;
     m.add_class::<CudaEvent>()?;
     m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(finish_completions, m)?)?;

@@ -194,8 +194,9 @@ impl Drop for HostWords {
 }
 
 struct Ordering_ {
-    /// The stream of the previous launch (0 before the first).
-    last_stream: u64,
+    /// The stream of the previous launch (None before the first; 0 is the legacy default
+    /// stream, a stream like any other here).
+    last_stream: Option<u64>,
     free_events: Vec<CUevent>,
 }
 
@@ -381,7 +382,7 @@ impl CudaEngine {
             pool,
             kernels,
             internal,
-            order: Mutex::new(Ordering_ { last_stream: 0, free_events }),
+            order: Mutex::new(Ordering_ { last_stream: None, free_events }),
             base,
             blocks: cfg.cuda_blocks,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
@@ -475,7 +476,19 @@ impl CudaEngine {
     /// Launch one collective. Returns the end event for an asynchronous call (the Work
     /// waits on it); a blocking call is ordered before the caller's later work already.
     pub fn launch(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        // A group that failed (timeout, dead peer) runs nothing more. A mismatch that a
+        // kernel reported is raised after this launch: ranks notice it at different calls
+        // (the GPU reports it asynchronously), so every rank must still launch the same
+        // kernels for the group to stay in step.
+        if let Some(e) = self.sh.poisoned.lock().clone() {
+            return Err(e);
+        }
+        let ev = self.launch_inner(c)?;
         self.health()?;
+        Ok(ev)
+    }
+
+    fn launch_inner(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
         let func = match c.kind {
             CudaKind::AllReduce => {
                 let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.one_shot_max);
@@ -505,13 +518,13 @@ impl CudaEngine {
         let internal = self.internal as u64;
         let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
         let mut o = self.order.lock();
-        let capturing = is_capturing(target as CUstream)?;
         // The previous rsccl kernel ran on another stream: order this one after it. (Under
         // graph capture only streams of the same capture can be joined; torch synchronizes
         // the device before capture begins.)
-        let last = o.last_stream;
-        if last != 0 && last != target && last != caller && is_capturing(last as CUstream)? == capturing {
-            self.join(&mut o, last, target)?;
+        if let Some(last) = o.last_stream {
+            if last != target && last != caller && is_capturing(last as CUstream)? == is_capturing(target as CUstream)? {
+                self.join(&mut o, last, target)?;
+            }
         }
         if target != caller {
             // The internal stream waits for everything the caller queued before the call.
@@ -526,7 +539,7 @@ impl CudaEngine {
             },
             &format!("launching rsccl's CUDA {}", c.kind.name()),
         )?;
-        o.last_stream = target;
+        o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
         if target == caller {
             return Ok(None);
@@ -583,8 +596,8 @@ impl CudaEngine {
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         let o = self.order.lock();
         let mut pending = vec![self.internal as u64];
-        if o.last_stream != 0 && o.last_stream != self.internal as u64 {
-            pending.push(o.last_stream);
+        if let Some(last) = o.last_stream.filter(|&l| l != self.internal as u64) {
+            pending.push(last);
         }
         let deadline = Instant::now() + self.timeout;
         for s in pending {

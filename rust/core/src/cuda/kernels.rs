@@ -163,12 +163,17 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("rsccl"))
 }
 
+/// The cache file of `arch`'s kernels (None if there is no cache directory).
+pub fn cache_path(arch: &str) -> Result<Option<PathBuf>> {
+    let (ma, mi) = nvrtc_version()?;
+    let key = fnv1a(&[SOURCE.as_bytes(), arch.as_bytes(), &ma.to_le_bytes(), &mi.to_le_bytes(), options(arch).join(" ").as_bytes()]);
+    Ok(cache_dir().map(|d| d.join(format!("kernels-{key:016x}-{arch}.cubin"))))
+}
+
 /// The cubin for `arch`, from the disk cache or freshly compiled (then cached: written to
 /// a temporary name and renamed, so concurrent ranks never read a partial file).
 pub fn cubin_for(arch: &str) -> Result<Vec<u8>> {
-    let (ma, mi) = nvrtc_version()?;
-    let key = fnv1a(&[SOURCE.as_bytes(), arch.as_bytes(), &ma.to_le_bytes(), &mi.to_le_bytes(), options(arch).join(" ").as_bytes()]);
-    let path = cache_dir().map(|d| d.join(format!("kernels-{key:016x}-{arch}.cubin")));
+    let path = cache_path(arch)?;
     if let Some(p) = &path {
         if let Ok(b) = std::fs::read(p) {
             if !b.is_empty() {
