@@ -21,8 +21,8 @@
 //
 // Barrier protocol (per CUDA block b, between the same block on every local rank):
 //   epoch e = my counter + 1. After __syncthreads() (every thread of the block finished
-//   its stores for this step, local and remote), thread j < world issues a system-scope
-//   fence and a st.release.sys of e into rank j's flags[b][me]. Thread j then spins with
+//   its stores for this step, local and remote), thread j < world issues a st.release.sys
+//   of e into rank j's flags[b][me]. Thread j then spins with
 //   ld.acquire.sys on my flags[b][j] until it is >= e (wrap-safe signed difference), and
 //   __syncthreads() publishes that to the block.
 //   Ordering: bar.sync orders the block's data stores before the signalling thread's
@@ -262,8 +262,8 @@ __device__ bool barrier(const Args& a, BlockState* s) {
             d[0] = a.desc0;
             d[1] = a.desc1;
         }
-        // Publish this block's stores of the step, then signal rank t (see file comment).
-        __threadfence_system();
+        // Signal rank t: the release publishes this block's stores of the step (ordered
+        // before it by the bar.sync above; release is cumulative), see the file comment.
         st_release_sys(flag_ptr(a.peer[t], blockIdx.x, a.rank), e);
         const u32* mine = flag_ptr(a.peer[a.rank], blockIdx.x, t);
         if ((i32)(ld_acquire_sys(mine) - e) < 0) {

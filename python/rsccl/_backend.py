@@ -23,8 +23,8 @@ from ._work import DoneWork, RsWork
 from .options import as_items
 
 _LIVE: "weakref.WeakSet[ProcessGroupRsccl]" = weakref.WeakSet()
-_FLOAT_OPS = frozenset(REDUCE_OPS)
-_INT_OPS = frozenset(REDUCE_OPS) - {"AVG"}
+# (dtype, op) -> dtype name, for every combination rsccl's CUDA kernels reduce.
+_FAST_ALLREDUCE = {(dt, op): name for dt, name in REDUCE_DTYPES.items() for op in REDUCE_OPS if op != "AVG" or dt.is_floating_point}
 
 
 class ArgumentError(Exception):
@@ -365,18 +365,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
         if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
             t = tensors[0]
-            dev = self._cuda_device
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
-            if (
-                opts is not None
-                and opts.asyncOp is False
-                and t.device.index == dev
-                and t.dtype in REDUCE_DTYPES
-                and (op in _FLOAT_OPS if t.dtype.is_floating_point else op in _INT_OPS)
-                and t.is_contiguous()
-            ):
+            name = _FAST_ALLREDUCE.get((t.dtype, op))
+            if name is not None and opts is not None and opts.asyncOp is False and t.get_device() == self._cuda_device and t.is_contiguous():
                 p = t.data_ptr()
-                self._comm.cuda_collective("all_reduce", p, p, t.numel(), REDUCE_DTYPES[t.dtype], op, 0, raw_stream(dev), False)
+                self._comm.cuda_collective("all_reduce", p, p, t.numel(), name, op, 0, raw_stream(self._cuda_device), False)
                 return self._done
             return self._cuda_allreduce(t, op, opts)
 

@@ -81,7 +81,9 @@ MiB = 1 << 20
 PROBE_BYTES = 1 * MiB  # the first collectives' message, for the memory measurements
 GRAPH_CALLS = 20  # calls captured in one graph
 GRAPH_REPLAYS = 5  # replays of it per repeat
-ITERS_MAX, ITERS_MIN, ITERS_FULL_UP_TO = 50, 5, 16 * MiB
+# Small messages take 300 calls per repeat: a start-up skew between ranks of ~100 us
+# then adds well under 1 us per call.
+ITERS_MAX, ITERS_MIN, ITERS_FULL_UP_TO = 300, 5, 4 * MiB
 SMALL_PLOT_BYTES = 1 << 20  # the latency panels show sizes up to this (or --graph-max-bytes)
 DONE_GRACE_S = 30.0  # after rank 0 wrote its results, how long the ranks may take to exit
 SYMM_BACKENDS = ("symm-1shot", "symm-2shot")

@@ -122,7 +122,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"collectives": COLLECTIVES, "min_bytes": 4, "max_bytes": 64 << 20, "warmup": 2, "dtype": "float32"},
     "cuda": {
         "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
-        "min_bytes": 1 << 10, "max_bytes": 1 << 30, "warmup": 5, "dtype": "bfloat16",
+        "min_bytes": 1 << 10, "max_bytes": 1 << 30, "warmup": 20, "dtype": "bfloat16",
     },
 }
 QUICK_MAX_BYTES = 1 << 20

@@ -1,0 +1,82 @@
+"""Where an eager CUDA all_reduce spends its CPU time: wall time per call of each layer
+(torch.distributed, the ProcessGroup method, the Rust launch), 2 ranks, 1 KiB bf16.
+
+    python3 scripts/gpu_cpu_cost.py
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+
+def rank_main(rank, world, port, q):
+    import torch
+    import torch.distributed as dist
+
+    import rsccl
+
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)
+    nccl = dist.new_group(backend="nccl", device_id=torch.device("cuda", rank))
+    pg = dist.group.WORLD
+    x = torch.randn(512, device="cuda").bfloat16()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    p = x.data_ptr()
+    comm = pg._comm
+    cases = {
+        "python loop only": lambda: None,
+        "comm.cuda_collective (Rust launch)": lambda: comm.cuda_collective("all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(rank), False),
+        "pg.allreduce([x], opts)": lambda: pg.allreduce([x], opts),
+        "dist.all_reduce(x)": lambda: dist.all_reduce(x),
+        "dist.all_reduce(x, group=nccl)": lambda: dist.all_reduce(x, group=nccl),
+        "dist.all_reduce(x, async_op=True).wait()": lambda: dist.all_reduce(x, async_op=True).wait(),
+        "x.add_(0) (torch launch)": lambda: x.add_(0),
+    }
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier(group=nccl)
+        n = 2000
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        e0.record()
+        for _ in range(n):
+            fn()
+        cpu = (time.perf_counter() - t) / n * 1e6
+        e1.record()
+        torch.cuda.synchronize()
+        out[name] = (cpu, e0.elapsed_time(e1) * 1000 / n)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def main():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=rank_main, args=(r, 2, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    res = dict(q.get(timeout=180) for _ in ps)
+    for p in ps:
+        p.join(30)
+    print(f"{'per call, 1 KiB bf16, 2 ranks':45s} {'CPU us':>8s} {'GPU-stream us':>14s}")
+    for name, (cpu, gpu) in res[0].items():
+        print(f"{name:45s} {cpu:8.2f} {gpu:14.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
