@@ -522,13 +522,39 @@ __device__ void ar_twoshot(const Args& a) {
 }
 
 // reduce_scatter: `in` holds world * count elements, `out` count (this rank's shard).
-// Each step, block b takes m elements of every shard: pushes shard j's piece into rank j's
-// slot for me; barrier; reduces in rank order (own input for myself).
+// Each step, block b takes m elements of every shard and pushes shard j's piece into rank
+// j's slot for me; barrier; then, while the next step's pushes go out over NVLink, it
+// reduces this step's slots in rank order (own input for myself) into the output:
+//   push(0) barrier(0) | push(1) reduce(0) barrier(1) | ... | reduce(last)
+// Reuse: a peer writes parity p's slots again at push(s + 2), after barrier(s + 1), which
+// needs my signal given after reduce(s) (my last read of them).
+template <typename T, typename Op>
+__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out) {
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+    const T* own = in + me * n;
+    for_packs<T>(
+        lo, hi,
+        [&](Pack<T>& p, u64 i) {
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                if (j == me) load_pack(p, own, i, hi);
+                else load_stage(p, rs + slot_of(j, me) * m, i - lo);
+                reduce_pack<T, Op>(p, acc, j == 0);
+            }
+            finish_pack<T, Op>(p, acc, W);
+        },
+        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+}
+
 template <typename T, typename Op>
 __device__ void reduce_scatter(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
@@ -548,22 +574,10 @@ __device__ void reduce_scatter(const Args& a) {
                 lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
         }
+        if (st > 0) rs_reduce_step<T, Op>(a, st - 1, per_step, m, par ^ 1, in, out);
         BARRIER_OR_RETURN(a, s, steps)
-        const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
-        const T* own = in + me * n;
-        for_packs<T>(
-            lo, hi,
-            [&](Pack<T>& p, u64 i) {
-                A acc[Pack<T>::N];
-                for (u32 j = 0; j < W; j++) {
-                    if (j == me) load_pack(p, own, i, hi);
-                    else load_stage(p, rs + slot_of(j, me) * m, i - lo);
-                    reduce_pack<T, Op>(p, acc, j == 0);
-                }
-                finish_pack<T, Op>(p, acc, W);
-            },
-            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
+    rs_reduce_step<T, Op>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out);
     save_state(a, &s, steps);
 }
 

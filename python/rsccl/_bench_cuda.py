@@ -9,7 +9,7 @@ agreements, CPU only), an NCCL group (`new_group(backend="nccl", device_id=...)`
 after rsccl's memory was measured, so NCCL connects eagerly as in the baseline), and for
 all_reduce torch's symmetric memory on the NCCL group's name (one_shot_all_reduce_out and
 two_shot_all_reduce_, never the multicast variants). With --sweep-one-shot, all_reduce
-also runs on two more rsccl groups whose one-shot threshold is 0 (rsccl-2shot) and 1 GiB
+also runs on two more rsccl groups whose one-shot threshold is 1 byte (rsccl-2shot) and 1 GiB
 (rsccl-1shot).
 
 Message size: the bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor
@@ -87,7 +87,7 @@ ITERS_MAX, ITERS_MIN, ITERS_FULL_UP_TO = 300, 5, 4 * MiB
 SMALL_PLOT_BYTES = 1 << 20  # the latency panels show sizes up to this (or --graph-max-bytes)
 DONE_GRACE_S = 30.0  # after rank 0 wrote its results, how long the ranks may take to exit
 SYMM_BACKENDS = ("symm-1shot", "symm-2shot")
-SWEEP: dict[str, int | str] = {"rsccl-2shot": 0, "rsccl-1shot": "1GiB"}  # cuda_allreduce_one_shot_max_bytes per extra group
+SWEEP: dict[str, int | str] = {"rsccl-2shot": 1, "rsccl-1shot": "1GiB"}  # cuda_allreduce_one_shot_max_bytes per extra group
 BACKEND_ORDER = ("rsccl", "rsccl-2shot", "rsccl-1shot", "nccl", "symm-1shot", "symm-2shot")
 SHORT = {"rsccl": "rsccl", "rsccl-2shot": "rs-2shot", "rsccl-1shot": "rs-1shot", "nccl": "nccl",
          "symm-1shot": "symm1", "symm-2shot": "symm2"}

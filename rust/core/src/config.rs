@@ -101,12 +101,14 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "cuda_allreduce_one_shot_max_bytes",
         env: "RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES",
-        default: 256 * KIB,
+        default: 0,
         min: 0,
         max: 64 * GIB,
         is_size: true,
         help: "CUDA all_reduce messages up to this size use the one-shot kernel (every rank \
-               reduces everything); larger ones use two-shot (reduce-scatter + all-gather)",
+               reduces everything); larger ones use two-shot (reduce-scatter + all-gather). \
+               0: by the number of local ranks, as measured on H200s (2 MiB for 2, 512 KiB \
+               for 3-4, 256 KiB for more)",
     },
     Setting {
         field: "max_cuda_va_bytes",

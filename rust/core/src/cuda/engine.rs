@@ -130,9 +130,26 @@ fn describe(d0: u64, d1: u64) -> String {
     }
 }
 
+/// The one-shot limit when `cuda_allreduce_one_shot_max_bytes` is 0 (auto), by the number
+/// of local ranks. From `python -m rsccl.bench --device cuda --sweep-one-shot` on 2 and 4
+/// H200s (2026-11-21): at 2 ranks one-shot was faster up to 1 MiB (11.0 vs 14.1 us) and
+/// even at 4 MiB (26.6 vs 26.0 us), two-shot from 16 MiB; at 4 ranks the two were within
+/// noise up to 1 MiB and two-shot won from 4 MiB (33.9 vs 60.5 us). One-shot moves
+/// (ranks - 1) x the message over each GPU's links, so its range shrinks with more ranks;
+/// beyond 4 ranks nothing was measured yet and 256 KiB is a guess on that trend.
+pub fn auto_one_shot_max(local_ranks: usize) -> usize {
+    match local_ranks {
+        0..=2 => 2 << 20,
+        3..=4 => 512 << 10,
+        _ => 256 << 10,
+    }
+}
+
 /// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
-pub fn choose_allreduce(bytes: usize, one_shot_max: usize) -> Family {
-    if bytes <= one_shot_max {
+/// `one_shot_max` 0 means auto (`auto_one_shot_max`).
+pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -> Family {
+    let limit = if one_shot_max == 0 { auto_one_shot_max(local_ranks) } else { one_shot_max };
+    if bytes <= limit {
         Family::OneShot
     } else {
         Family::TwoShot
@@ -491,7 +508,7 @@ impl CudaEngine {
     fn launch_inner(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
         let func = match c.kind {
             CudaKind::AllReduce => {
-                let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.one_shot_max);
+                let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
                 self.kernels.reduce(fam, c.dtype, c.op)
             }
             CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
@@ -641,11 +658,16 @@ mod tests {
 
     #[test]
     fn allreduce_algorithm_follows_threshold() {
-        assert_eq!(choose_allreduce(1024, 256 << 10), Family::OneShot);
-        assert_eq!(choose_allreduce(256 << 10, 256 << 10), Family::OneShot);
-        assert_eq!(choose_allreduce((256 << 10) + 2, 256 << 10), Family::TwoShot);
-        assert_eq!(choose_allreduce(0, 0), Family::OneShot);
-        assert_eq!(choose_allreduce(2, 0), Family::TwoShot);
+        assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10), Family::TwoShot);
+        assert_eq!(choose_allreduce(2, 2, 1), Family::TwoShot);
+        // Auto: the measured crossover per number of ranks.
+        assert_eq!(choose_allreduce(2 << 20, 2, 0), Family::OneShot);
+        assert_eq!(choose_allreduce(4 << 20, 2, 0), Family::TwoShot);
+        assert_eq!(choose_allreduce(1 << 20, 4, 0), Family::TwoShot);
+        assert_eq!(choose_allreduce(512 << 10, 4, 0), Family::OneShot);
+        assert_eq!(choose_allreduce(512 << 10, 8, 0), Family::TwoShot);
     }
 
     #[test]
