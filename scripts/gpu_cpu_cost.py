@@ -17,8 +17,6 @@ def rank_main(rank, world, port, q):
     import torch
     import torch.distributed as dist
 
-    import rsccl
-
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)

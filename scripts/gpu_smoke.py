@@ -16,10 +16,9 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def rank_main(rank, world, port, q):
+    import rsccl
     import torch
     import torch.distributed as dist
-
-    import rsccl
 
     try:
         torch.cuda.set_device(rank)

@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _rsccl
-from ._cuda import REDUCE_DTYPES, REDUCE_OPS, CudaWork, Pending, device_for_new_group, raw_stream
+from ._cuda import (
+    REDUCE_DTYPES,
+    REDUCE_OPS,
+    CudaWork,
+    Pending,
+    device_for_new_group,
+    raw_stream,
+)
 from ._work import DoneWork, RsWork
 from .options import as_items
 
-_LIVE: "weakref.WeakSet[ProcessGroupRsccl]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 # (dtype, op) -> dtype name, for every combination rsccl's CUDA kernels reduce.
 _FAST_ALLREDUCE = {(dt, op): name for dt, name in REDUCE_DTYPES.items() for op in REDUCE_OPS if op != "AVG" or dt.is_floating_point}
 
@@ -219,7 +227,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     # -- the single seam ---------------------------------------------------------------
     def _run(
-        self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], "_Plan"], n_ops: int = 1, opts: Any = None
+        self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], _Plan], n_ops: int = 1, opts: Any = None
     ) -> Any:
         """Delegate to gloo for multi-host groups; else prepare, then submit.
 
@@ -486,7 +494,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 for r, o in enumerate(outs):
                     o.copy_(flat_out[r * total + off : r * total + off + nb].view(i.dtype).view(o.shape))
 
-        submit = lambda b: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8", blocking=b)  # noqa: E731
+        submit = lambda b: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8", blocking=b)
         return _Plan([submit], None, (flat_in, flat_out), post)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
@@ -590,7 +598,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             blocks = [i.reshape(n, -1) for i in inputs]
             flat_in = torch.cat(blocks, dim=1).reshape(-1) if blocks else torch.empty(0)
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
-            submit = lambda b: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op, blocking=b)  # noqa: E731
+            submit = lambda b: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op, blocking=b)
             return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
         n_ops = 1 if one_dtype else len(inputs)
@@ -620,7 +628,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             send = split_bytes(inp, list(input_split_sizes), "input")
             recv = split_bytes(out, list(output_split_sizes), "output")
             s = _Staged(out, copy_in=False)
-            submit = lambda b: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv, blocking=b)  # noqa: E731
+            submit = lambda b: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv, blocking=b)
             return _Plan([submit], [output], (inp, s), s.post)
 
         return self._run(
@@ -646,7 +654,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
-            submit = lambda b: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv, blocking=b)  # noqa: E731
+            submit = lambda b: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv, blocking=b)
             return _Plan([submit], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
 
         return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare, opts=opts)
@@ -661,7 +669,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ")
                 flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
                 post = _scatter_back(flat, outs)
-            submit = lambda b: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root, blocking=b)  # noqa: E731
+            submit = lambda b: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root, blocking=b)
             return _Plan([submit], output_tensors, (inp, flat), post)
 
         return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare, opts=opts)
@@ -675,7 +683,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             if self.rank() == root:
                 ins = _rank_list(input_tensors, s.user, self.size(), "scatter", "scatter_list", "output", "the root's ")
                 flat = _flat_cat(ins).to(s.user.dtype)
-            submit = lambda b: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root, blocking=b)  # noqa: E731
+            submit = lambda b: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root, blocking=b)
             return _Plan([submit], output_tensors, (flat, s), s.post)
 
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)

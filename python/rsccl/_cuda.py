@@ -14,8 +14,9 @@ import collections
 import ctypes
 import glob
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
