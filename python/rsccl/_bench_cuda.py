@@ -75,6 +75,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from ._cuda import mapped_va_bytes
 from .bench import TOLERANCES, bus_factor, human, message_sizes, numels
 
 MiB = 1 << 20
@@ -132,14 +133,6 @@ def iters_for(nbytes: int, cfg: Config) -> int:
 # -- inside a rank ---------------------------------------------------------------------------
 
 
-def mapped_va_bytes() -> int:
-    """Total size of this process's mappings (CUDA's address reservations included)."""
-    total = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = line.split(None, 1)[0].split("-")
-            total += int(hi, 16) - int(lo, 16)
-    return total
 
 
 def snapshot(label: str) -> dict:

@@ -62,6 +62,18 @@ def device_for_new_group() -> int | None:
     return torch.cuda.current_device()
 
 
+def mapped_va_bytes() -> int:
+    """Total size of this process's mappings, as /proc/self/maps lists them (CUDA's virtual
+    address reservations included): what the bench and the GPU suite compare with
+    memory_stats()."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = line.split(None, 1)[0].split("-")
+            total += int(hi, 16) - int(lo, 16)
+    return total
+
+
 def raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus
 from gpu_refs import DTYPES, RED, check_reduction, gather_inputs, ops_for, rand
+from rsccl._cuda import mapped_va_bytes
 
 pytestmark = needs_gpus
 
@@ -28,15 +29,6 @@ STATS_KEYS = {"cuda_device", "cuda_va_reserved_bytes", "cuda_mapped_own_bytes", 
 VA_SLACK = 1 << 30
 
 
-def mapped_va_bytes() -> int:
-    """Total size of this process's mappings, as /proc/self/maps lists them (CUDA's
-    virtual address reservations included)."""
-    total = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = line.split(None, 1)[0].split("-")
-            total += int(hi, 16) - int(lo, 16)
-    return total
 
 
 def _check_stats(stats: dict, cap: int, world: int, what: str) -> None:
