@@ -59,7 +59,9 @@ typedef long long i64;
 #define DESC_OFF 16384
 #define STAGE_OFF 65536
 
-// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index).
+// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
+// mismatch into the first u32, a timeout or abort into the second, so that neither kind
+// overwrites the other (the host clears a reported mismatch but never a fatal error).
 #define ERR_TIMEOUT 1u
 #define ERR_ABORTED 2u
 #define ERR_MISMATCH 3u
@@ -275,7 +277,7 @@ __device__ bool barrier(const Args& a, BlockState* s) {
                     if (ld_volatile_host(a.abort_host) != 0) why = ERR_ABORTED;
                     else if (global_ns() - start > a.timeout_ns) why = ERR_TIMEOUT;
                     if (why) {
-                        st_volatile_host(a.err_host, (why << 16) | t);
+                        st_volatile_host(a.err_host + 4, (why << 16) | t);
                         __threadfence_system();
                         s->abort = 1;
                         break;

@@ -311,7 +311,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             if post is not None:
                 post()
             return DoneWork(result)
-        w = CudaWork(self, device, ev, result, keep, post)
+        w = CudaWork(self, device, ev, result, keep, post, stream)
         self._pending.add(w)
         return w
 
@@ -452,6 +452,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             inp = input_tensors[0]
             try:
                 outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input", check=_check_cuda_tensor)
+                if any(t.device != inp.device for t in outs):
+                    raise ArgumentError(f"all_gather: rank {self.rank()} passed tensor_list tensors on devices other than the input's {inp.device}")
             except ArgumentError as e:
                 return self._cuda("all_gather", _raiser(e), opts, None)
             flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
@@ -561,6 +563,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             out = output_tensors[0]
             try:
                 ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output", check=_check_cuda_tensor)
+                if any(t.device != out.device for t in ins):
+                    raise ArgumentError(f"reduce_scatter: rank {self.rank()} passed input_list tensors on devices other than the output's {out.device}")
             except ArgumentError as e:
                 return self._cuda("reduce_scatter", _raiser(e), opts, None)
             flat = torch.cat([t.reshape(-1) for t in ins])

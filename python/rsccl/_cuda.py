@@ -81,10 +81,12 @@ def raw_stream(device: int) -> int:
 class CudaWork(dist._Work):
     """An asynchronous CUDA collective: its end event, and the tensors it uses."""
 
-    def __init__(self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None):
+    def __init__(self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None, stream: int | None = None):
         super().__init__()
         self._pg = pg
         self._device = device
+        # The stream current at launch: its allocations (staging copies) are in `keep`.
+        self._stream = stream
         self._event = event
         self._result = [result] if isinstance(result, torch.Tensor) else (result if result is not None else [])
         self._keep = keep
@@ -93,7 +95,11 @@ class CudaWork(dist._Work):
 
     def _order_current_stream(self) -> None:
         if not self._ordered:
-            self._event.wait_on(raw_stream(self._device))
+            current = raw_stream(self._device)
+            self._event.wait_on(current)
+            if self._stream is not None and self._stream != current:
+                # Temporaries made at launch belong to the launch stream's pool: order it too.
+                self._event.wait_on(self._stream)
             self._ordered = True
             if self._post is not None:
                 post, self._post = self._post, None

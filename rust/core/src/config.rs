@@ -245,7 +245,7 @@ impl Config {
     }
 
     /// The settings every rank of a group must share, with their names (spin_count, the
-    /// caps, warm-up and stream choice are local behaviour and may differ).
+    /// caps and the stream choice are local behaviour and may differ).
     pub fn layout_settings(&self) -> (Vec<u64>, Vec<(&'static str, &'static str)>) {
         let shared = [
             ("host_buffer_bytes", self.host_buffer_bytes as u64),
@@ -255,6 +255,8 @@ impl Config {
             ("cuda_buffer_bytes", self.cuda_buffer_bytes as u64),
             ("cuda_blocks", self.cuda_blocks as u64),
             ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
+            // The warm-up launches kernels on every rank: a collective.
+            ("cuda_warmup", self.cuda_warmup as u64),
         ];
         let names = shared
             .iter()

@@ -65,7 +65,14 @@ impl Group {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is invalid for a group of size {size}")));
         }
-        let (settings, names) = cfg.layout_settings();
+        let (mut settings, mut names) = cfg.layout_settings();
+        // Whether this rank builds a CUDA engine: its set-up is collective, so every rank
+        // must agree (a rank that never initialized CUDA would leave the others waiting).
+        settings.push(cuda_device.is_some() as u64);
+        names.push((
+            "whether CUDA was initialized at group creation (1 = yes)",
+            "call torch.cuda.set_device(local_rank) on every rank, or on none, before creating the group",
+        ));
         let info = RankInfo::current(host_identity(), settings);
         let mut listener = None;
         let (nonce, infos) = exchange(store, rank, size, &info, timeout, |nonce| {

@@ -169,7 +169,10 @@ struct HostWords {
 }
 
 impl HostWords {
+    /// A mismatch between ranks' calls (reported once, then cleared).
     const ERR: usize = 0;
+    /// A timeout or abort (never cleared: the group is unusable).
+    const FATAL: usize = 1;
     // u32 index 0: the error code; bytes 32..48: this rank's descriptor; bytes 64..320: peers'
     // descriptors (report_mismatch in the kernel source); the abort word lives apart.
     const ABORT: usize = 512;
@@ -245,8 +248,10 @@ unsafe impl Sync for Shared {}
 
 pub struct CudaEngine {
     sh: Arc<Shared>,
-    pool: SymmetricPool,
-    kernels: Kernels,
+    /// Freed in Drop only if shutdown drained the GPU work (else deliberately leaked).
+    pool: std::mem::ManuallyDrop<SymmetricPool>,
+    kernels: std::mem::ManuallyDrop<Kernels>,
+    undrained: AtomicBool,
     internal: CUstream,
     order: Mutex<Ordering_>,
     base: Args,
@@ -396,8 +401,9 @@ impl CudaEngine {
         let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
-            pool,
-            kernels,
+            pool: std::mem::ManuallyDrop::new(pool),
+            kernels: std::mem::ManuallyDrop::new(kernels),
+            undrained: AtomicBool::new(false),
             internal,
             order: Mutex::new(Ordering_ { last_stream: None, free_events }),
             base,
@@ -446,12 +452,21 @@ impl CudaEngine {
         self.health()
     }
 
-    /// Raise the error that made the group unusable, or a mismatch the kernels reported.
-    pub fn health(&self) -> Result<()> {
+    /// Mark the group unusable with `err` (the first error wins) and stop this rank's
+    /// queued kernels at their next wait.
+    fn poison(&self, err: Error) -> Error {
+        let e = self.sh.poisoned.lock().get_or_insert(err).clone();
+        self.sh.words.write(HostWords::ABORT, 1);
+        e
+    }
+
+    /// The error that made the group unusable: an earlier one, or a timeout or abort a
+    /// kernel reported.
+    fn fatal(&self) -> Result<()> {
         if let Some(e) = self.sh.poisoned.lock().clone() {
             return Err(e);
         }
-        let code = self.sh.words.read(HostWords::ERR);
+        let code = self.sh.words.read(HostWords::FATAL);
         if code == 0 {
             return Ok(());
         }
@@ -459,28 +474,42 @@ impl CudaEngine {
         let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
         let me = self.local_ranks[self.pool.me];
         let err = match kind {
-            ERR_MISMATCH => {
-                // Counters stayed in step: report once and keep the group usable. Every
-                // block of the mismatched kernel may write the code: wait for the kernels
-                // queued so far before clearing it, so it is reported once.
-                let _ctx = self.sh.dev.bind()?;
-                // SAFETY: plain synchronization of this device's context.
-                check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
-                self.sh.words.write(HostWords::ERR, 0);
-                let (mine, theirs) = self.descriptors(peer)?;
-                return Err(Error::Mismatch(format!(
-                    "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
-                )));
-            }
             ERR_TIMEOUT => Error::Timeout(format!(
                 "a CUDA collective on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
                 self.timeout.as_secs_f64()
             )),
-            ERR_ABORTED => self.sh.poisoned.lock().clone().unwrap_or_else(|| Error::Aborted("the group was aborted".into())),
+            ERR_ABORTED => Error::Aborted("the group was aborted".into()),
             _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
         };
-        *self.sh.poisoned.lock() = Some(err.clone());
-        Err(err)
+        Err(self.poison(err))
+    }
+
+    /// Raise the error that made the group unusable, or a mismatch the kernels reported.
+    pub fn health(&self) -> Result<()> {
+        self.fatal()?;
+        let code = self.sh.words.read(HostWords::ERR);
+        if code == 0 {
+            return Ok(());
+        }
+        if code >> 16 != ERR_MISMATCH {
+            return Err(self.poison(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
+        }
+        let peer = (code & 0xffff) as usize;
+        let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
+        let me = self.local_ranks[self.pool.me];
+        // Counters stayed in step: report once and keep the group usable. Every block of
+        // the mismatched kernel may write the code: wait for the kernels queued so far
+        // before clearing it, so it is reported once; a timeout or abort found meanwhile
+        // is in its own word and wins.
+        let _ctx = self.sh.dev.bind()?;
+        // SAFETY: plain synchronization of this device's context.
+        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+        self.fatal()?;
+        self.sh.words.write(HostWords::ERR, 0);
+        let (mine, theirs) = self.descriptors(peer)?;
+        Err(Error::Mismatch(format!(
+            "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
+        )))
     }
 
     /// (this rank's, `peer`'s) descriptor of a mismatched call, as the kernel stored them
@@ -497,11 +526,16 @@ impl CudaEngine {
         // kernel reported is raised after this launch: ranks notice it at different calls
         // (the GPU reports it asynchronously), so every rank must still launch the same
         // kernels for the group to stay in step.
-        if let Some(e) = self.sh.poisoned.lock().clone() {
+        self.fatal()?;
+        let ev = self.launch_inner(c)?;
+        if let Err(e) = self.health() {
+            // The caller drops its tensors when this raises: the kernel must be done
+            // with them first (an error stops it at its next wait, so this is short).
+            if let Some(ev) = &ev {
+                let _ = ev.synchronize();
+            }
             return Err(e);
         }
-        let ev = self.launch_inner(c)?;
-        self.health()?;
         Ok(ev)
     }
 
@@ -535,17 +569,22 @@ impl CudaEngine {
         let internal = self.internal as u64;
         let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
         let mut o = self.order.lock();
-        // The previous rsccl kernel ran on another stream: order this one after it. (Under
-        // graph capture only streams of the same capture can be joined; torch synchronizes
-        // the device before capture begins.)
-        if let Some(last) = o.last_stream {
-            if last != target && last != caller && is_capturing(last as CUstream)? == is_capturing(target as CUstream)? {
-                self.join(&mut o, last, target)?;
-            }
+        // Shutdown sets `stop` under this lock: no launch starts after it.
+        if self.sh.stop.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed".into()));
         }
         if target != caller {
-            // The internal stream waits for everything the caller queued before the call.
+            // The internal stream waits for everything the caller queued before the call
+            // (and joins the caller's graph capture, if any).
             self.join(&mut o, caller, target)?;
+        }
+        // The previous rsccl kernel ran on another stream: order this one after it. (Under
+        // graph capture only streams of the same capture can be joined, which the caller's
+        // stream tells; torch synchronizes the device before capture begins.)
+        if let Some(last) = o.last_stream {
+            if last != target && last != caller && is_capturing(last as CUstream)? == is_capturing(caller as CUstream)? {
+                self.join(&mut o, last, target)?;
+            }
         }
         let mut arg_ptr = &mut a as *mut Args as *mut std::ffi::c_void;
         // SAFETY: `func` takes one `Args` by value (same layout as the source's struct);
@@ -604,8 +643,11 @@ impl CudaEngine {
     /// Let queued kernels finish (up to the group timeout), then stop them and the
     /// watchdog. Idempotent; resources are freed when the last reference drops.
     pub fn shutdown(&self) {
-        if self.sh.stop.swap(true, Ordering::AcqRel) {
-            return;
+        {
+            let _o = self.order.lock();
+            if self.sh.stop.swap(true, Ordering::AcqRel) {
+                return;
+            }
         }
         if let Some(h) = self.watchdog.lock().take() {
             let _ = h.join();
@@ -616,7 +658,13 @@ impl CudaEngine {
         if let Some(last) = o.last_stream.filter(|&l| l != self.internal as u64) {
             pending.push(last);
         }
+        // Queued kernels get the group timeout to finish, then the abort word stops their
+        // waits. Work of others queued on the caller's stream may still never finish
+        // (a hung kernel of another library): after a further grace period the memory
+        // is left mapped (leaked) rather than freed under a kernel that may still use it.
         let deadline = Instant::now() + self.timeout;
+        let give_up = deadline + Duration::from_secs(10);
+        let mut drained = true;
         for s in pending {
             let Ok(ev) = new_event() else { continue };
             // SAFETY: valid event and stream (streams outlive the group: torch never
@@ -624,14 +672,23 @@ impl CudaEngine {
             if unsafe { cu::cuEventRecord(ev, s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
                 // SAFETY: valid event.
                 while unsafe { cu::cuEventQuery(ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
-                    if Instant::now() > deadline {
+                    let now = Instant::now();
+                    if now > deadline {
                         self.sh.words.write(HostWords::ABORT, 1);
+                    }
+                    if now > give_up {
+                        drained = false;
+                        break;
                     }
                     std::thread::sleep(Duration::from_micros(200));
                 }
             }
-            // SAFETY: the event is ours and no longer waited on.
+            // SAFETY: the event is ours; a pending record on it is harmless.
             unsafe { cu::cuEventDestroy_v2(ev) };
+        }
+        if !drained {
+            tracing::warn!("rsccl: GPU work did not finish at shutdown; leaving the group's CUDA memory mapped");
+            self.undrained.store(true, Ordering::Release);
         }
     }
 }
@@ -639,6 +696,14 @@ impl CudaEngine {
 impl Drop for CudaEngine {
     fn drop(&mut self) {
         self.shutdown();
+        if self.undrained.load(Ordering::Acquire) {
+            return; // pool and module are ManuallyDrop: leaked on purpose (see shutdown)
+        }
+        // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained).
+        unsafe {
+            std::mem::ManuallyDrop::drop(&mut self.kernels);
+            std::mem::ManuallyDrop::drop(&mut self.pool);
+        }
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         // SAFETY: every kernel of ours finished (shutdown waited); the stream and events
         // are ours. The pool and module are released after this, by their own Drop.
