@@ -17,6 +17,8 @@ def rank_main(rank, world, port, q):
     import torch
     import torch.distributed as dist
 
+    import rsccl  # noqa: F401 - registers the backend
+
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)
