@@ -130,10 +130,12 @@ impl Drop for CtxGuard {
     }
 }
 
-/// Whether `stream` is being captured into a CUDA graph.
-pub fn is_capturing(stream: CUstream) -> Result<bool> {
+/// Whether `stream` (a raw handle, passed as an integer: it is never dereferenced here,
+/// only handed to the driver) is being captured into a CUDA graph.
+pub fn is_capturing(stream: u64) -> Result<bool> {
     let mut st = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: out-pointer to a local; querying capture status is legal during capture.
-    check(unsafe { cu::cuStreamIsCapturing(stream, &mut st) }, "cuStreamIsCapturing")?;
+    // SAFETY: out-pointer to a local; the driver validates the handle, and querying capture
+    // status is legal during capture.
+    check(unsafe { cu::cuStreamIsCapturing(stream as CUstream, &mut st) }, "cuStreamIsCapturing")?;
     Ok(st != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }

@@ -183,10 +183,11 @@ impl HostWords {
         check(unsafe { cu::cuMemHostAlloc(&mut p, 4096, cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE) }, "cuMemHostAlloc")?;
         // SAFETY: `p` points at 4096 writable bytes.
         unsafe { std::ptr::write_bytes(p as *mut u8, 0, 4096) };
-        let mut d: u64 = 0;
+        // Owned from here, so a failure below frees the page (Drop).
+        let mut w = HostWords { host: p as *mut u32, dev: 0 };
         // SAFETY: `p` was allocated with DEVICEMAP above.
-        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut d, p, 0) }, "cuMemHostGetDevicePointer")?;
-        Ok(HostWords { host: p as *mut u32, dev: d })
+        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut w.dev, p, 0) }, "cuMemHostGetDevicePointer")?;
+        Ok(w)
     }
 
     fn read(&self, i: usize) -> u32 {
@@ -371,9 +372,24 @@ impl CudaEngine {
         }
         let _ctx = dev.bind()?;
         let words = HostWords::new()?;
+        let mut free_events = Vec::new();
+        for _ in 0..8 {
+            match new_event() {
+                Ok(e) => free_events.push(e),
+                Err(err) => {
+                    // SAFETY: events created just above, used by nothing yet.
+                    free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
+                    return Err(err);
+                }
+            }
+        }
         let mut internal: CUstream = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
-        check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate") {
+            // SAFETY: as above.
+            free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
+            return Err(err);
+        }
         let mut peer = [0u64; MAX_RANKS];
         for (j, p) in peer.iter_mut().enumerate().take(n) {
             *p = pool.block_addr(j);
@@ -394,10 +410,6 @@ impl CudaEngine {
             root: 0,
             pad: 0,
         };
-        let mut free_events = Vec::new();
-        for _ in 0..8 {
-            free_events.push(new_event()?);
-        }
         let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
@@ -582,7 +594,7 @@ impl CudaEngine {
         // graph capture only streams of the same capture can be joined, which the caller's
         // stream tells; torch synchronizes the device before capture begins.)
         if let Some(last) = o.last_stream {
-            if last != target && last != caller && is_capturing(last as CUstream)? == is_capturing(caller as CUstream)? {
+            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
                 self.join(&mut o, last, target)?;
             }
         }

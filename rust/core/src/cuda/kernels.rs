@@ -220,6 +220,17 @@ impl Kernels {
         let mut module: CUmodule = std::ptr::null_mut();
         // SAFETY: `cubin` is a complete image produced by NVRTC for this architecture.
         check(unsafe { cu::cuModuleLoadData(&mut module, cubin.as_ptr() as *const std::ffi::c_void) }, "cuModuleLoadData")?;
+        // Owns the module until `Kernels` does, so a failed lookup unloads it.
+        struct Loaded(CUmodule);
+        impl Drop for Loaded {
+            fn drop(&mut self) {
+                if !self.0.is_null() {
+                    // SAFETY: the module loaded above, used by nothing else yet.
+                    unsafe { cu::cuModuleUnload(self.0) };
+                }
+            }
+        }
+        let mut loaded = Loaded(module);
         let get = |name: &str| -> Result<CUfunction> {
             let c = CString::new(name).unwrap();
             let mut f: CUfunction = std::ptr::null_mut();
@@ -236,14 +247,9 @@ impl Kernels {
                 }
             }
         }
-        Ok(Kernels {
-            module,
-            reduce,
-            all_gather: get("rs_all_gather")?,
-            broadcast: get("rs_broadcast")?,
-            barrier: get("rs_barrier")?,
-            cubin_bytes: cubin.len(),
-        })
+        let (all_gather, broadcast, barrier) = (get("rs_all_gather")?, get("rs_broadcast")?, get("rs_barrier")?);
+        loaded.0 = std::ptr::null_mut(); // `Kernels` owns the module from here
+        Ok(Kernels { module, reduce, all_gather, broadcast, barrier, cubin_bytes: cubin.len() })
     }
 
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
