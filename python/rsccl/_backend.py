@@ -123,6 +123,16 @@ def _rank_list(
     return ts
 
 
+def _cuda_buffers(inp: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """Contiguous buffers for a CUDA kernel: the input (a copy if needed), the output or a
+    contiguous stand-in, and the copy back into the real output (None if not needed)."""
+    i = inp.contiguous()
+    if out.is_contiguous():
+        return i, out, None
+    o = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return i, o, lambda: out.copy_(o)
+
+
 def _raiser(e: ArgumentError) -> Callable[[], tuple]:
     def prepare() -> tuple:
         raise e
@@ -333,10 +343,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     f"all_gather: rank {self.rank()} passed output {out.dtype}[{out.numel()}] for input "
                     f"{inp.dtype}[{inp.numel()}] (the output must hold group size {self.size()} inputs)"
                 )
-            i = inp.contiguous()
-            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            posts = [p for p in ((None if o is out else (lambda: out.copy_(o))), post_extra) if p is not None]
-            post = (lambda: [p() for p in posts]) if posts else None
+            i, o, copy_back = _cuda_buffers(inp, out)
+            post = _chain(copy_back, post_extra) if (copy_back or post_extra) else None
             return i.data_ptr(), o.data_ptr(), i.numel() * i.element_size(), "uint8", "SUM", 0, (inp, out, i, o), post
 
         return self._cuda("all_gather", prepare, opts, result)
@@ -350,9 +358,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     f"reduce_scatter: rank {self.rank()} passed input {inp.dtype}[{inp.numel()}] for output "
                     f"{out.dtype}[{out.numel()}] (the input must hold group size {self.size()} outputs)"
                 )
-            i = inp.contiguous()
-            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            post = None if o is out else (lambda: out.copy_(o))
+            i, o, post = _cuda_buffers(inp, out)
             return i.data_ptr(), o.data_ptr(), o.numel(), _dtype(o), op, 0, (inp, out, i, o), post
 
         return self._cuda("reduce_scatter", prepare, opts, result)

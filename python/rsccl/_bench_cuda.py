@@ -308,17 +308,25 @@ def setup_symm(nccl: Any, max_bytes: int, dtype: torch.dtype, dev: torch.device,
 
 def timed(call: Call, n: int, cfg: Config, agree: Agree) -> float:
     """Median over repeats of the slowest rank's seconds per call, n calls per repeat."""
+    return event_timed(call, n, cfg, agree)
+
+
+def event_timed(step: Call, per_step: int, cfg: Config, agree: Agree, steps: int | None = None) -> float:
+    """Median over repeats of the slowest rank's seconds per call: CUDA events around
+    `steps` runs of `step` (default: `per_step` runs, one call each), the time divided by
+    `per_step`, the number of calls those runs make."""
+    runs = steps if steps is not None else per_step
     times = []
     for _ in range(cfg.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         agree.barrier()
         start.record()
-        for _ in range(n):
-            call()
+        for _ in range(runs):
+            step()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / n)
+        times.append(start.elapsed_time(end) / 1e3 / per_step)
     return statistics.median(agree.max(times))
 
 
@@ -354,19 +362,9 @@ def graph_timed(call: Call, cfg: Config, agree: Agree) -> tuple[float | None, st
     torch.cuda.synchronize()
     agree.barrier()
     graph.replay()  # the first replay uploads the graph
-    times = []
-    for _ in range(cfg.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        agree.barrier()
-        start.record()
-        for _ in range(GRAPH_REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (GRAPH_REPLAYS * GRAPH_CALLS))
+    per_call = event_timed(graph.replay, GRAPH_REPLAYS * GRAPH_CALLS, cfg, agree, steps=GRAPH_REPLAYS)
     del graph
-    return statistics.median(agree.max(times)), ""
+    return per_call, ""
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, collective: str, dtype: str, world: int) -> tuple[bool, float]:

@@ -1,7 +1,7 @@
 """The CUDA side of rsccl's ProcessGroup: device choice at group creation, NVRTC loading,
 argument checks, and the Work of an asynchronous CUDA collective.
 
-Tensor lifetime without record_stream: a CudaWork keeps the tensors a collective reads
+Tensor lifetime without marking tensors on streams: a CudaWork keeps the tensors a collective reads
 and writes until the consumer is ordered after it: `wait()` makes the caller's current
 stream wait on the collective's end event, and from then on the caching allocator can
 reuse the memory safely (later work on that stream runs after the collective). A Work

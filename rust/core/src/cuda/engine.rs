@@ -6,7 +6,7 @@
 //! current stream (blocking calls, `cuda_sync_stream = 1`) or to the internal stream (after
 //! an event makes it wait for the caller's stream). When a launch goes to a different
 //! stream than the previous launch, the new stream first waits on an event recorded on the
-//! old one. Nothing calls record_stream: the Python Work keeps its tensors until the
+//! old one. No tensor is marked on a stream: the Python Work keeps its tensors until the
 //! consumer stream is ordered after the collective.
 //!
 //! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
