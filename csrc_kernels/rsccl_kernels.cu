@@ -7,12 +7,16 @@
 // Memory: every local rank owns one VMM allocation ("symmetric block"), mapped by every
 // local rank; `Args::peer[j]` is rank j's block as mapped in this process. A block is
 //   [0, FLAGS_BYTES)          flags[MAX_BLOCKS][MAX_RANKS] u32: written by peers (barrier)
+//   [STATS_OFF, +32)          {in-place collectives, bytes, all collectives, bytes} u64:
+//                             this rank's kernels count them (memory_stats)
 //   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
-//   [DESC_OFF, +32 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 16-byte collective descriptors,
+//   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
 //                             the half picked by the barrier epoch's parity
-//   [STAGE_OFF, ...)          staging: for CUDA block b and parity p, `stage_per_block`
+//   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
+//   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
+//                             host (rust/core/src/cuda/heap.rs), used in place
 // Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
 // a group are serialized on the GPU (the engine orders every launch after the previous
 // one), so CUDA block b of every rank runs the same sequence of steps and barriers: the
@@ -41,6 +45,18 @@
 //   next descriptor, but only into the other half. Ranks that called different
 //   collectives all pass that barrier, see the mismatch, record it for the host and stop
 //   before moving data, with their counters still in step, so the group stays usable.
+// In place: a call whose buffers lie in the pool passes their offsets in the block
+//   (`place_in`/`place_out`, offset + 1; 0 = not in the pool or not eligible) in its
+//   descriptor. The first barrier shows every rank every rank's offsets, so all ranks
+//   decide alike, with no host round trip (and under graph replay): if every rank passed
+//   the same non-zero offsets, the kernel reads and writes the peers' buffers directly
+//   (`peer[j] + offset`) and uses no staging; otherwise it runs the staged algorithm. A
+//   staged kernel pushes its first step before the first barrier; a rank that offered in
+//   place did not, so when any rank offered, every rank pushes after that barrier and
+//   passes one more before reading (all of them know that any rank offered).
+//   In-place algorithms start after the first barrier (every peer's kernel has started,
+//   so its buffers hold the caller's data and are no longer used by its earlier work) and
+//   end with a barrier (no peer reads or writes my buffers after my kernel ends).
 // Bounded waits: a spin that outlasts `timeout_ns`, or sees the host's abort word set,
 //   records an error in host-mapped memory and the whole kernel returns; the GPU is never
 //   left spinning. The group is unusable afterwards (the host poisons it).
@@ -55,9 +71,11 @@ typedef long long i64;
 #define MAX_RANKS 16
 #define MAX_BLOCKS 64
 #define FLAGS_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+#define STATS_OFF 4096
 #define CTR_OFF 8192
 #define DESC_OFF 16384
-#define STAGE_OFF 65536
+#define DESC_WORDS 4
+#define STAGE_OFF 131072
 
 // Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
 // mismatch into the first u32, a timeout or abort into the second, so that neither kind
@@ -77,6 +95,8 @@ struct Args {
     u64 timeout_ns;        // bound on any single wait
     u64 desc0;             // this call's descriptor (kind, dtype, op, root) ...
     u64 desc1;             // ... and element count: equal on every rank of a valid call
+    u64 place_in;          // offset + 1 of `in` in the pool, 0 if none (see "In place")
+    u64 place_out;         // offset + 1 of `out` in the pool, 0 if none
     u32 rank;              // local index of this rank
     u32 world;             // local ranks
     u32 root;              // broadcast root (local index)
@@ -181,6 +201,8 @@ struct BlockState {
     u32 abort;   // set when a wait failed: every thread returns, counters are not saved
     u32 first;   // the next barrier is the kernel's first: it checks descriptors
     u32 mismatch;  // a peer called another collective: stop, counters saved
+    u32 place_differs;  // some rank's in-place offsets differ from mine (first barrier)
+    u32 any_attempt;    // some rank offered to run in place (first barrier)
 };
 
 __device__ __forceinline__ u32* flag_ptr(u64 block_base, u32 cuda_block, u32 src) {
@@ -218,6 +240,8 @@ __device__ __forceinline__ void load_state(const Args& a, BlockState* s) {
         s->abort = 0;
         s->first = 1;
         s->mismatch = 0;
+        s->place_differs = 0;
+        s->any_attempt = 0;
     }
     __syncthreads();
 }
@@ -235,7 +259,7 @@ __device__ __forceinline__ void save_state(const Args& a, BlockState* s, u64 ste
 }
 
 __device__ __forceinline__ u64* desc_ptr(u64 block_base, u32 epoch, u32 cuda_block, u32 src) {
-    return reinterpret_cast<u64*>(block_base + DESC_OFF) + 2 * (((epoch & 1) * MAX_BLOCKS + cuda_block) * MAX_RANKS + src);
+    return reinterpret_cast<u64*>(block_base + DESC_OFF) + DESC_WORDS * (((epoch & 1) * MAX_BLOCKS + cuda_block) * MAX_RANKS + src);
 }
 
 // On a mismatch the host reads both descriptors from host-mapped memory next to the error
@@ -263,6 +287,8 @@ __device__ bool barrier(const Args& a, BlockState* s) {
             u64* d = desc_ptr(a.peer[t], e, blockIdx.x, a.rank);
             d[0] = a.desc0;
             d[1] = a.desc1;
+            d[2] = a.place_in;
+            d[3] = a.place_out;
         }
         // Signal rank t: the release publishes this block's stores of the step (ordered
         // before it by the bar.sync above; release is cumulative), see the file comment.
@@ -293,6 +319,9 @@ __device__ bool barrier(const Args& a, BlockState* s) {
             report_mismatch(a, t, theirs);
             s->mismatch = 1;
         }
+        // Several threads may store 1 here: same value, read after the bar.sync below.
+        if (d[2] != a.place_in || d[3] != a.place_out) s->place_differs = 1;
+        if ((d[2] | d[3]) != 0) s->any_attempt = 1;
     }
     __syncthreads();
     if (s->abort) return false;
@@ -362,6 +391,20 @@ __device__ __forceinline__ void finish_pack(Pack<T>& p, const typename Acc<T>::t
     for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
 }
 
+// Count a collective of `bytes` (memory_stats) once it passed its first barrier (calls
+// that mismatched are not counted, nor empty ones: the warm-up): slots 2-3 for every
+// collective, 0-1 for those that ran in place; the host derives the staged ones. One thread of one block, with
+// reductions (red.global: no result, so no stall); counted on the GPU so that graph
+// replays count too.
+__device__ __forceinline__ void note_call(const Args& a, u64 bytes, u32 slot) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && bytes != 0) {
+        u64* st = reinterpret_cast<u64*>(a.peer[a.rank] + STATS_OFF);
+        atomicAdd(reinterpret_cast<unsigned long long*>(st + slot), 1ull);
+        atomicAdd(reinterpret_cast<unsigned long long*>(st + slot + 1), (unsigned long long)bytes);
+    }
+}
+__device__ __forceinline__ void note_in_place(const Args& a, u64 bytes) { note_call(a, bytes, 0); }
+
 // Every thread moves packs lo + (k * blockDim + threadIdx) * P, UNROLL packs at a time:
 // all UNROLL loads are issued before the first store, so each thread keeps several 16-byte
 // requests in flight (the compiler cannot hoist loads above stores that may alias).
@@ -429,6 +472,155 @@ __device__ void ar_oneshot(const Args& a) {
             [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
+    note_call(a, a.count * sizeof(T), 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// In place (see "In place" in the file comment). Called after the first barrier, when every
+// rank passed the same pool offsets; `peer[j] + offset` is rank j's buffer. Elements are
+// split in the same per-block ranges on every rank, so the per-block barriers order each
+// element's producer before its consumers. No staging: counters' step parity is untouched.
+
+__device__ __forceinline__ bool attempts(const Args& a) { return (a.place_in | a.place_out) != 0; }
+__device__ __forceinline__ bool in_place(const Args& a, const BlockState& s) { return attempts(a) && !s.place_differs; }
+
+template <typename T> __device__ __forceinline__ const T* peer_in(const Args& a, u32 j) {
+    return reinterpret_cast<const T*>(a.peer[j] + a.place_in - 1);
+}
+template <typename T> __device__ __forceinline__ T* peer_out(const Args& a, u32 j) {
+    return reinterpret_cast<T*>(a.peer[j] + a.place_out - 1);
+}
+
+// This block's share [lo, hi) of [0, n), in whole packs of P elements.
+__device__ __forceinline__ void block_range(u64 n, u64 P, u64* lo, u64* hi) {
+    const u64 per = round_up((n + gridDim.x - 1) / gridDim.x, P);
+    *lo = min64((u64)blockIdx.x * per, n);
+    *hi = min64(*lo + per, n);
+}
+
+// all_reduce in place (in and out in the pool, out may alias in): rank r owns shard r;
+// for each element of it, one thread reads that element of every rank's input (rank
+// order), reduces, and writes the result into every rank's output; then one barrier.
+// No barrier is needed between the reads and the writes: an element index is read and
+// written, on every rank, by that one thread only (reads before its dependent writes), so
+// aliasing in and out is safe. The closing barrier orders every push before each rank's
+// later work, and every read of my buffers before I return.
+template <typename T, typename Op>
+__device__ void ar_in_place(const Args& a, BlockState& s) {
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count, P = Pack<T>::N;
+    const u64 shard = round_up((n + W - 1) / W, P);
+    u64 lo, hi;
+    block_range(shard, P, &lo, &hi);
+    const u64 slo = min64(me * shard + lo, n), shi = min64(me * shard + hi, n);
+    for_packs<T>(
+        slo, shi,
+        [&](Pack<T>& p, u64 i) {
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                load_pack(p, peer_in<T>(a, j), i, shi);
+                reduce_pack<T, Op>(p, acc, j == 0);
+            }
+            finish_pack<T, Op>(p, acc, W);
+        },
+        [&](const Pack<T>& p, u64 i) {
+            for (u32 j0 = 0; j0 < W; j0++) store_pack(p, peer_out<T>(a, (me + j0) % W), i, shi);
+        });
+    barrier(a, &s);
+}
+
+// reduce_scatter in place (in, world * count elements, in the pool): pull shard `rank` of
+// every peer's input, reduce in rank order into my output; barrier (peers are done reading
+// my input).
+template <typename T, typename Op>
+__device__ void rs_in_place(const Args& a, BlockState& s) {
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count, P = Pack<T>::N;
+    T* out = reinterpret_cast<T*>(a.out);
+    u64 lo, hi;
+    block_range(n, P, &lo, &hi);
+    for_packs<T>(
+        lo, hi,
+        [&](Pack<T>& p, u64 i) {
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                load_pack(p, peer_in<T>(a, j) + me * n, i, hi);
+                reduce_pack<T, Op>(p, acc, j == 0);
+            }
+            finish_pack<T, Op>(p, acc, W);
+        },
+        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+    barrier(a, &s);
+}
+
+// all_gather in place (out, world * count bytes, in the pool): push my input into slot
+// `rank` of every rank's output (my own too, unless the input already is that slot, as in
+// FSDP); barrier (every push has landed).
+__device__ void ag_in_place(const Args& a, BlockState& s) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    const bool self_copy = reinterpret_cast<const u8*>(a.out) + me * n != in;
+    u64 lo, hi;
+    block_range(n, 16, &lo, &hi);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+        [&](const Pack<u8>& p, u64 i) {
+            for (u32 j0 = 0; j0 < W; j0++) {
+                const u32 j = (me + j0) % W;
+                if (j != me || self_copy) store_pack(p, peer_out<u8>(a, j) + me * n, i, hi);
+            }
+        });
+    barrier(a, &s);
+}
+
+// broadcast in place (out in the pool): the root pushes its input into every peer's
+// output (and its own, if it is another buffer); barrier.
+__device__ void bc_in_place(const Args& a, BlockState& s) {
+    const u64 n = a.count;
+    if (a.rank == a.root) {
+        const u8* in = reinterpret_cast<const u8*>(a.in);
+        u64 lo, hi;
+        block_range(n, 16, &lo, &hi);
+        for_packs<u8>(
+            lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+            [&](const Pack<u8>& p, u64 i) {
+                for (u32 j = 0; j < a.world; j++) {
+                    if (j != a.rank || a.out != a.in) store_pack(p, peer_out<u8>(a, j), i, hi);
+                }
+            });
+    }
+    barrier(a, &s);
+}
+
+// The start every kernel that may run in place shares (see "In place"): pushes of step 0
+// (`push0`) go before the first barrier unless this rank offered to run in place; after
+// it, either the in-place algorithm runs (`inplace`, then the kernel returns) or the ranks
+// that offered push their step 0 and, if any rank offered, all pass one more barrier.
+// Returns false when the kernel must return (mismatch, abort, or done in place).
+template <typename Push0, typename InPlace>
+__device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 bytes, Push0 push0, InPlace inplace) {
+    const bool offer = attempts(a);
+    if (!offer) push0();
+    if (!barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return false;
+    }
+    note_call(a, bytes, 2);
+    if (in_place(a, s)) {
+        note_in_place(a, bytes);
+        inplace();
+        save_state(a, &s, 0);
+        return false;
+    }
+    if (offer) push0();
+    if (s.any_attempt && !barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return false;
+    }
+    return true;
 }
 
 // all_reduce, two-shot: reduce-scatter then all-gather, both through staging, with ONE
@@ -460,6 +652,24 @@ __device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64
     }
 }
 
+// Phase A of step st: shard j of my input into rank j's RS slot for me.
+template <typename T>
+__device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const T* in = reinterpret_cast<const T*>(a.in);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, a.count);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 slo = lo + j * shard;
+        const u64 shi = min64(slo + shard, hi);
+        T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * shard;
+        for_packs<T>(
+            slo, shi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
+            [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - slo); });
+    }
+}
+
 template <typename T, typename Op>
 __device__ void ar_twoshot(const Args& a) {
     __shared__ BlockState s;
@@ -473,20 +683,18 @@ __device__ void ar_twoshot(const Args& a) {
     const u64 steps = steps_for(a.count, per_step);
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
+    if (!staged_start(
+            a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1); },
+            [&] { ar_in_place<T, Op>(a, s); }))
+        return;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         const u64 lo = st * per_step + blockIdx.x * m;
         const u64 hi = min64(lo + m, a.count);
-        for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (me + j0) % W;
-            const u64 slo = lo + j * shard;
-            const u64 shi = min64(slo + shard, hi);
-            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * shard;
-            for_packs<T>(
-                slo, shi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
-                [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - slo); });
+        if (st > 0) {
+            twoshot_push<T>(a, st, per_step, m, shard, par);
+            BARRIER_OR_RETURN(a, s, steps + 1)
         }
-        BARRIER_OR_RETURN(a, s, steps + 1)
         if (st > 0) {
             const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
             copy_ag<T, Op>(a, st - 1, per_step, m, shard, ag, out);
@@ -553,30 +761,42 @@ __device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_st
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
+template <typename T>
+__device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const T* in = reinterpret_cast<const T*>(a.in);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const T* src = in + j * n;
+        T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m;
+        for_packs<T>(
+            lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
+            [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
+    }
+}
+
 template <typename T, typename Op>
 __device__ void reduce_scatter(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    const u32 W = a.world, me = a.rank;
+    const u32 W = a.world;
     const u64 n = a.count;
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
-    for (u64 st = 0; st < steps; st++) {
+    if (!staged_start(
+            a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1); },
+            [&] { rs_in_place<T, Op>(a, s); }))
+        return;
+    for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        const u64 lo = st * per_step + blockIdx.x * m;
-        const u64 hi = min64(lo + m, n);
-        for (u32 j0 = 1; j0 < W; j0++) {
-            const u32 j = (me + j0) % W;
-            const T* src = in + j * n;
-            T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m;
-            for_packs<T>(
-                lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
-                [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
-        }
-        if (st > 0) rs_reduce_step<T, Op>(a, st - 1, per_step, m, par ^ 1, in, out);
+        rs_push<T>(a, st, per_step, m, par);
+        rs_reduce_step<T, Op>(a, st - 1, per_step, m, par ^ 1, in, out);
         BARRIER_OR_RETURN(a, s, steps)
     }
     rs_reduce_step<T, Op>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out);
@@ -603,6 +823,24 @@ __device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_ste
     }
 }
 
+__device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+        [&](const Pack<u8>& p, u64 i) {
+            store_pack(p, out + me * n, i, hi);
+            for (u32 j0 = 1; j0 < W; j0++) {
+                const u32 j = (me + j0) % W;
+                store_stage(p, stage_of(a, j, par) + slot_of(me, j) * m, i - lo);
+            }
+        });
+}
+
 extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
@@ -611,22 +849,14 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
     const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
-    const u8* in = reinterpret_cast<const u8*>(a.in);
     u8* out = reinterpret_cast<u8*>(a.out);
-    for (u64 st = 0; st < steps; st++) {
+    if (!staged_start(
+            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1); }, [&] { ag_in_place(a, s); }))
+        return;
+    for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        const u64 lo = st * per_step + blockIdx.x * m;
-        const u64 hi = min64(lo + m, n);
-        if (st > 0) copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out);
-        for_packs<u8>(
-            lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
-            [&](const Pack<u8>& p, u64 i) {
-                store_pack(p, out + me * n, i, hi);
-                for (u32 j0 = 1; j0 < W; j0++) {
-                    const u32 j = (me + j0) % W;
-                    store_stage(p, stage_of(a, j, par) + slot_of(me, j) * m, i - lo);
-                }
-            });
+        copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out);
+        ag_push(a, st, per_step, m, par);
         BARRIER_OR_RETURN(a, s, steps)
     }
     copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out);
@@ -635,37 +865,51 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
 
 // broadcast (bytes): the root pushes count bytes of `in` into every peer's staging;
 // barrier; the others copy it into `out`.
+__device__ __forceinline__ void bc_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    if (a.rank != a.root) return;
+    const u64 n = a.count;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+        [&](const Pack<u8>& p, u64 i) {
+            if (out != in) store_pack(p, out, i, hi);
+            for (u32 j = 0; j < a.world; j++) {
+                if (j != a.rank) store_stage(p, stage_of(a, j, par), i - lo);
+            }
+        });
+}
+
+__device__ __forceinline__ void bc_copy(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    if (a.rank == a.root) return;
+    const u64 n = a.count;
+    u8* out = reinterpret_cast<u8*>(a.out);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    const u8* mine = stage_of(a, a.rank, par);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, mine, i - lo); },
+        [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
+}
+
 extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    const u32 W = a.world;
     const u64 n = a.count;
     const u64 m = per_block<u8>(a, 1, n);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
-    const u8* in = reinterpret_cast<const u8*>(a.in);
-    u8* out = reinterpret_cast<u8*>(a.out);
-    for (u64 st = 0; st < steps; st++) {
+    if (!staged_start(
+            a, s, n, [&] { bc_push(a, 0, per_step, m, s.step & 1); }, [&] { bc_in_place(a, s); }))
+        return;
+    bc_copy(a, 0, per_step, m, s.step & 1);
+    for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        const u64 lo = st * per_step + blockIdx.x * m;
-        const u64 hi = min64(lo + m, n);
-        if (a.rank == a.root) {
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
-                [&](const Pack<u8>& p, u64 i) {
-                    if (out != in) store_pack(p, out, i, hi);
-                    for (u32 j = 0; j < W; j++) {
-                        if (j != a.rank) store_stage(p, stage_of(a, j, par), i - lo);
-                    }
-                });
-        }
+        bc_push(a, st, per_step, m, par);
         BARRIER_OR_RETURN(a, s, steps)
-        if (a.rank != a.root) {
-            const u8* mine = stage_of(a, a.rank, par);
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, mine, i - lo); },
-                [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
-        }
+        bc_copy(a, st, per_step, m, par);
     }
     save_state(a, &s, steps);
 }

@@ -23,7 +23,7 @@ def test_kernel_compile_errors_are_exceptions():
 def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
     got = dict(rsccl._rsccl.resolve_options([("cuda_buffer_bytes", "64MiB"), ("cuda_blocks", "16")]))
     assert got["cuda_buffer_bytes"] == 64 << 20 and got["cuda_blocks"] == 16
-    assert got["max_cuda_va_bytes"] == 4 << 30 and got["cuda_warmup"] == 1
+    assert got["max_cuda_va_bytes"] == 16 << 30 and got["cuda_warmup"] == 1 and got["cuda_pool_bytes"] == 0
     with pytest.raises(ValueError, match="cuda_blocks"):
         rsccl._rsccl.resolve_options([("cuda_blocks", "65")])
     monkeypatch.setenv("RSCCL_MAX_CUDA_VA_BYTES", "lots")

@@ -7,10 +7,12 @@ shared memory among ranks of one host (gloo across hosts).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from . import _rsccl
 from ._backend import ProcessGroupRsccl, create
+from ._report import memory_report
 from ._rsccl import GroupAbortedError, PeerFailureError
 from .options import Options
 
@@ -20,7 +22,9 @@ __all__ = [
     "ProcessGroupRsccl",
     "PeerFailureError",
     "GroupAbortedError",
+    "mem_pool",
     "memory_stats",
+    "memory_report",
     "settings_table",
 ]
 
@@ -39,6 +43,16 @@ def memory_stats(group: object | None = None) -> dict:
     """Bytes rsccl reserved and mapped for `group` (default: the world group), and its
     operation counters."""
     return _rsccl_pg(group).memory_stats()
+
+
+def mem_pool(group: object | None = None) -> torch.cuda.MemPool:
+    """The group's symmetric-memory pool (default: the world group) as a
+    torch.cuda.MemPool. Tensors made under ``with torch.cuda.use_mem_pool(rsccl.mem_pool()):``
+    are used in place by the group's collectives when every rank allocated its counterpart
+    at the same offset (same allocations in the same order); otherwise the collective is
+    staged, still correct, and counted in memory_stats. The pool's size is the group's
+    ``cuda_pool_bytes`` (Options or RSCCL_CUDA_POOL_BYTES), mapped at group creation."""
+    return _rsccl_pg(group)._mem_pool()
 
 
 def settings_table() -> str:

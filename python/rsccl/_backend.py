@@ -191,6 +191,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         device = device_for_new_group()
         self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
         self._cuda_device = device if self._comm.has_cuda else None
+        # Fixed at creation (reading memory_stats later synchronizes the device).
+        self._pool_bytes = int(self._comm.memory_stats().get("cuda_pool_bytes", 0)) if self._cuda_device is not None else 0
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
         self._done = DoneWork([])
@@ -199,6 +201,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
         self._group_name = ""
         self._group_desc = ""
+        self._pool: torch.cuda.MemPool | None = None
+        self._allocator: Any = None
         _LIVE.add(self)
 
     # -- identity -------------------------------------------------------------------
@@ -228,6 +232,49 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
+
+    # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
+    def _mem_pool(self) -> torch.cuda.MemPool:
+        """The group's pool as a torch MemPool (one per group): torch's caching allocator
+        takes segments from rsccl's symmetric memory through the two C functions the Rust
+        core exports."""
+        if self._pool is None:
+            if self._cuda_device is None:
+                raise RuntimeError(
+                    "rsccl: this group has no CUDA engine, so no pool: call torch.cuda.set_device(local_rank) "
+                    "before init_process_group/new_group"
+                )
+            alloc_fn, free_fn = self._comm.pool_allocator()
+            self._allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
+            self._pool = torch.cuda.MemPool(self._allocator)
+        return self._pool
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        """Whether allocate_tensor gives pool memory on `device` (FSDP2 asks this)."""
+        device = torch.device(device)
+        return (
+            device.type == "cuda"
+            and self._cuda_device is not None
+            and (device.index if device.index is not None else torch.cuda.current_device()) == self._cuda_device
+            and self._pool_bytes > 0
+        )
+
+    def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of `size` elements from the group's pool: collectives use it in place
+        when every rank allocated its counterpart at the same offset."""
+        with torch.cuda.use_mem_pool(self._mem_pool(), device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+    @property
+    def mem_allocator(self) -> Any:
+        """The pool's torch CUDAAllocator (what torch.cuda.MemPool takes)."""
+        self._mem_pool()
+        return self._allocator
+
+    def _get_backend(self, device: torch.device) -> ProcessGroupRsccl:
+        # rsccl is one ProcessGroup for every device type; torch code that asks for the
+        # device's backend (FSDP2's ProcessGroupAllocMixin) gets the group itself.
+        return self
 
     def shutdown(self) -> None:
         self._comm.shutdown()

@@ -34,6 +34,10 @@ class Options:
     cuda_warmup: int | None = None
     #: 1 (default): blocking CUDA collectives run on the caller's stream; 0: internal stream; RSCCL_CUDA_SYNC_STREAM.
     cuda_sync_stream: int | None = None
+    #: Device memory per rank for rsccl.mem_pool(group), used in place by collectives (0: none); RSCCL_CUDA_POOL_BYTES.
+    cuda_pool_bytes: int | str | None = None
+    #: Message size from which pool tensors are used in place (smaller ones are staged); RSCCL_CUDA_INPLACE_MIN_BYTES.
+    cuda_inplace_min_bytes: int | str | None = None
 
     def items(self) -> list[tuple[str, str]]:
         """The fields that are set, as (name, text) pairs for the Rust core."""

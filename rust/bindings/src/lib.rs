@@ -228,7 +228,20 @@ impl Communicator {
     /// Whether the group has a CUDA engine.
     #[getter]
     fn has_cuda(&self) -> bool {
-        self.0.cuda_stats().is_some()
+        self.0.has_cuda()
+    }
+
+    /// The (alloc, free) C function addresses of this group's pool, for
+    /// torch._C._cuda_customAllocator; raises if the group has no pool.
+    fn pool_allocator(&self) -> PyResult<(usize, usize)> {
+        let engine = self.0.cuda().py()?;
+        let heap = engine.heap().ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err(
+                "rsccl: this group has no pool: create it with rsccl.Options(cuda_pool_bytes=...) or \
+                 RSCCL_CUDA_POOL_BYTES (bytes per rank, mapped at creation)",
+            )
+        })?;
+        rsccl_core::cuda::heap::allocator_fns(heap).py()
     }
 
     /// Launch a CUDA collective (see rsccl_core::cuda::CudaCall for `count`). Returns the
@@ -282,9 +295,10 @@ impl Communicator {
 
     /// Raise the error a CUDA kernel reported (timeout, dead peer, mismatched calls).
     fn cuda_health(&self) -> PyResult<()> {
-        match self.0.cuda_stats() {
-            Some(_) => self.0.cuda().py()?.health().py(),
-            None => Ok(()),
+        if self.0.has_cuda() {
+            self.0.cuda().py()?.health().py()
+        } else {
+            Ok(())
         }
     }
 
@@ -298,7 +312,8 @@ impl Communicator {
         d.set_item("collectives", s.collectives)?;
         d.set_item("p2p_messages", s.p2p_messages)?;
         d.set_item("staged_bytes", s.staged_bytes)?;
-        if let Some(c) = self.0.cuda_stats() {
+        // Reading the kernels' counters synchronizes the device: without the GIL.
+        if let Some(c) = py.detach(|| self.0.cuda_stats()) {
             d.set_item("cuda_device", c.device)?;
             d.set_item("cuda_va_reserved_bytes", c.va_reserved_bytes)?;
             d.set_item("cuda_mapped_own_bytes", c.mapped_own_bytes)?;
@@ -306,6 +321,13 @@ impl Communicator {
             d.set_item("cuda_in_use_bytes", c.in_use_bytes)?;
             d.set_item("cuda_kernel_image_bytes", c.kernel_image_bytes)?;
             d.set_item("cuda_collectives", c.collectives)?;
+            d.set_item("cuda_pool_bytes", c.pool_bytes)?;
+            d.set_item("cuda_pool_allocated_bytes", c.pool_allocated_bytes)?;
+            d.set_item("cuda_pool_peak_bytes", c.pool_peak_bytes)?;
+            d.set_item("cuda_inplace_collectives", c.inplace_collectives)?;
+            d.set_item("cuda_inplace_bytes", c.inplace_bytes)?;
+            d.set_item("cuda_staged_collectives", c.staged_collectives)?;
+            d.set_item("cuda_staged_bytes", c.staged_bytes)?;
         }
         Ok(d)
     }
@@ -401,6 +423,8 @@ fn resolve_options(options: Option<Vec<(String, String)>>) -> PyResult<Vec<(Stri
         ("max_cuda_va_bytes".into(), c.max_cuda_va_bytes as u64),
         ("cuda_warmup".into(), c.cuda_warmup as u64),
         ("cuda_sync_stream".into(), c.cuda_sync_stream as u64),
+        ("cuda_pool_bytes".into(), c.cuda_pool_bytes as u64),
+        ("cuda_inplace_min_bytes".into(), c.cuda_inplace_min_bytes as u64),
     ])
 }
 

@@ -113,12 +113,35 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "max_cuda_va_bytes",
         env: "RSCCL_MAX_CUDA_VA_BYTES",
-        default: 4 * GIB,
+        // Room for a pool of ~3.9 GiB per rank at 4 ranks (or ~1.9 GiB at 8) with the
+        // default buffer; NCCL reserves 281 GiB per GPU on an H200 (docs/memory.md).
+        default: 16 * GIB,
         min: 2 * MIB,
         max: 1 << 40,
         is_size: true,
         help: "cap on the virtual address space one group reserves on a GPU (its own buffer \
-               and every local peer's, mapped); group creation fails if more is needed",
+               and pool and every local peer's, mapped); group creation fails if more is needed",
+    },
+    Setting {
+        field: "cuda_pool_bytes",
+        env: "RSCCL_CUDA_POOL_BYTES",
+        default: 0,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "device memory per rank for rsccl.mem_pool(group): tensors allocated from it \
+               are used in place by collectives (no staging copy); mapped by every local rank \
+               at group creation. 0: no pool",
+    },
+    Setting {
+        field: "cuda_inplace_min_bytes",
+        env: "RSCCL_CUDA_INPLACE_MIN_BYTES",
+        default: MIB,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "pool tensors are used in place from this message size on (smaller messages are \
+               staged: one barrier instead of two)",
     },
     Setting {
         field: "cuda_warmup",
@@ -157,6 +180,8 @@ pub struct Config {
     pub max_cuda_va_bytes: usize,
     pub cuda_warmup: bool,
     pub cuda_sync_stream: bool,
+    pub cuda_pool_bytes: usize,
+    pub cuda_inplace_min_bytes: usize,
 }
 
 impl Default for Config {
@@ -223,18 +248,22 @@ impl Config {
             };
             values.push(v);
         }
+        // By name, so the table's order is free.
+        let v = |field: &str| values[SETTINGS.iter().position(|s| s.field == field).expect("a known setting")];
         let cfg = Config {
-            host_buffer_bytes: values[0] as usize,
-            p2p_buffer_bytes: values[1] as usize,
-            max_region_bytes: values[2] as usize,
-            allreduce_one_shot_max_bytes: values[3] as usize,
-            spin_count: values[4] as u32,
-            cuda_buffer_bytes: values[5] as usize,
-            cuda_blocks: values[6] as u32,
-            cuda_allreduce_one_shot_max_bytes: values[7] as usize,
-            max_cuda_va_bytes: values[8] as usize,
-            cuda_warmup: values[9] != 0,
-            cuda_sync_stream: values[10] != 0,
+            host_buffer_bytes: v("host_buffer_bytes") as usize,
+            p2p_buffer_bytes: v("p2p_buffer_bytes") as usize,
+            max_region_bytes: v("max_region_bytes") as usize,
+            allreduce_one_shot_max_bytes: v("allreduce_one_shot_max_bytes") as usize,
+            spin_count: v("spin_count") as u32,
+            cuda_buffer_bytes: v("cuda_buffer_bytes") as usize,
+            cuda_blocks: v("cuda_blocks") as u32,
+            cuda_allreduce_one_shot_max_bytes: v("cuda_allreduce_one_shot_max_bytes") as usize,
+            max_cuda_va_bytes: v("max_cuda_va_bytes") as usize,
+            cuda_warmup: v("cuda_warmup") != 0,
+            cuda_sync_stream: v("cuda_sync_stream") != 0,
+            cuda_pool_bytes: v("cuda_pool_bytes") as usize,
+            cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
         };
         Ok(cfg)
     }
@@ -257,6 +286,9 @@ impl Config {
             ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
             // The warm-up launches kernels on every rank: a collective.
             ("cuda_warmup", self.cuda_warmup as u64),
+            // Pools map one another's memory, and ranks must agree on when to run in place.
+            ("cuda_pool_bytes", self.cuda_pool_bytes as u64),
+            ("cuda_inplace_min_bytes", self.cuda_inplace_min_bytes as u64),
         ];
         let names = shared
             .iter()
@@ -279,6 +311,21 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_setting_lands_in_its_field() {
+        let env = |k: &str| match k {
+            "RSCCL_CUDA_POOL_BYTES" => Some("1GiB".to_string()),
+            "RSCCL_CUDA_WARMUP" => Some("0".to_string()),
+            "RSCCL_CUDA_INPLACE_MIN_BYTES" => Some("3MiB".to_string()),
+            "RSCCL_CUDA_SYNC_STREAM" => Some("0".to_string()),
+            _ => None,
+        };
+        let c = Config::resolve(&[], &env).unwrap();
+        assert_eq!((c.cuda_pool_bytes, c.cuda_inplace_min_bytes), (1 << 30, 3 << 20));
+        assert!(!c.cuda_warmup && !c.cuda_sync_stream);
+        assert_eq!(c.max_cuda_va_bytes, 16 << 30);
+    }
 
     #[test]
     fn sizes_parse() {

@@ -162,6 +162,11 @@ impl Group {
         })
     }
 
+    pub fn has_cuda(&self) -> bool {
+        self.cuda.lock().is_some()
+    }
+
+    /// Synchronizes the device (see CudaEngine::stats).
     pub fn cuda_stats(&self) -> Option<CudaStats> {
         self.cuda.lock().as_ref().map(|c| c.stats())
     }

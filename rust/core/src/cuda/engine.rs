@@ -24,7 +24,8 @@ use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
-use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, STAGE_OFF, THREADS};
+use super::heap::Heap;
+use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, STAGE_OFF, STATS_OFF, THREADS};
 use super::pool::SymmetricPool;
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
@@ -45,6 +46,8 @@ struct Args {
     timeout_ns: u64,
     desc0: u64,
     desc1: u64,
+    place_in: u64,
+    place_out: u64,
     rank: u32,
     world: u32,
     root: u32,
@@ -156,6 +159,49 @@ pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -
     }
 }
 
+/// The bytes a call moves per rank, as memory_stats counts them and the in-place threshold
+/// compares: the all_reduce / broadcast tensor, the all_gather output, the reduce_scatter
+/// input.
+pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u64 {
+    match kind {
+        CudaKind::AllReduce => count * elem as u64,
+        CudaKind::ReduceScatter => count * (elem * world) as u64,
+        CudaKind::AllGather => count * world as u64,
+        CudaKind::Broadcast => count,
+        CudaKind::Barrier | CudaKind::Invalid => 0,
+    }
+}
+
+/// Which buffers a call offers to use in place, as (place_in, place_out) for the kernel:
+/// offset + 1 of the buffer in the rank's block, 0 for "not offered". `in_pool(ptr, len)`
+/// gives a buffer's offset if it lies inside the pool. A pure function (tested without a
+/// GPU); what it returns may differ between ranks, and the kernels settle it together.
+/// Every rank calls it with the same kind, family and sizes, so calls under the threshold
+/// or of a family without an in-place algorithm (one-shot) offer nothing on every rank.
+pub fn placement(
+    c: &CudaCall,
+    fam: Option<Family>,
+    world: usize,
+    min_bytes: u64,
+    in_pool: &dyn Fn(u64, u64) -> Option<u64>,
+) -> (u64, u64) {
+    let elem = c.dtype.size();
+    let msg = message_bytes(c.kind, c.count, elem, world);
+    if msg == 0 || msg < min_bytes {
+        return (0, 0);
+    }
+    let at = |ptr: u64, len: u64| in_pool(ptr, len).map(|o| o + 1);
+    match c.kind {
+        CudaKind::AllReduce if fam == Some(Family::TwoShot) => match (at(c.inp, msg), at(c.out, msg)) {
+            (Some(i), Some(o)) => (i, o),
+            _ => (0, 0),
+        },
+        CudaKind::ReduceScatter => (at(c.inp, msg).unwrap_or(0), 0),
+        CudaKind::AllGather | CudaKind::Broadcast => (0, at(c.out, msg).unwrap_or(0)),
+        _ => (0, 0),
+    }
+}
+
 /// Staging bytes per CUDA block and parity for a buffer of `buffer_bytes` and `blocks`
 /// blocks: what remains after the control area, split in 2 * blocks, in 256-byte units.
 pub fn stage_per_block(buffer_bytes: usize, blocks: u32) -> usize {
@@ -231,6 +277,13 @@ pub struct CudaStats {
     pub in_use_bytes: u64,
     pub kernel_image_bytes: u64,
     pub collectives: u64,
+    pub pool_bytes: u64,
+    pub pool_allocated_bytes: u64,
+    pub pool_peak_bytes: u64,
+    pub inplace_collectives: u64,
+    pub inplace_bytes: u64,
+    pub staged_collectives: u64,
+    pub staged_bytes: u64,
 }
 
 struct Shared {
@@ -250,7 +303,13 @@ unsafe impl Sync for Shared {}
 pub struct CudaEngine {
     sh: Arc<Shared>,
     /// Freed in Drop only if shutdown drained the GPU work (else deliberately leaked).
-    pool: std::mem::ManuallyDrop<SymmetricPool>,
+    /// The pool's heap holds it too while torch holds pool memory.
+    pool: std::mem::ManuallyDrop<Arc<SymmetricPool>>,
+    heap: Option<Arc<Heap>>,
+    inplace_min: u64,
+    /// The kernels' counters as last read (returned during graph capture): in-place
+    /// collectives and bytes, all collectives and bytes (see STATS_OFF).
+    last_counts: Mutex<[u64; 4]>,
     kernels: std::mem::ManuallyDrop<Kernels>,
     undrained: AtomicBool,
     internal: CUstream,
@@ -361,8 +420,15 @@ impl CudaEngine {
             }
         }
         let kernels = Kernels::load(&dev)?;
-        let pool = SymmetricPool::create(dev.clone(), &mesh, cfg.cuda_buffer_bytes, cfg.max_cuda_va_bytes, deadline)?;
-        let spb = stage_per_block(pool.block, cfg.cuda_blocks);
+        let pool = Arc::new(SymmetricPool::create(
+            dev.clone(),
+            &mesh,
+            cfg.cuda_buffer_bytes,
+            cfg.cuda_pool_bytes,
+            cfg.max_cuda_va_bytes,
+            deadline,
+        )?);
+        let spb = stage_per_block(pool.pool_off, cfg.cuda_blocks);
         if spb < 4096 {
             return Err(Error::Config(format!(
                 "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for cuda_blocks = {}: \
@@ -405,15 +471,38 @@ impl CudaEngine {
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
             desc0: 0,
             desc1: 0,
+            place_in: 0,
+            place_out: 0,
             rank: mesh.local_index() as u32,
             world: n as u32,
             root: 0,
             pad: 0,
         };
+        let heap = (pool.pool_bytes > 0).then(|| Arc::new(Heap::new(pool.clone(), device)));
+        tracing::info!(
+            device,
+            local_ranks = n,
+            va_reserved = pool.reserved_bytes(),
+            mapped_own = pool.block,
+            mapped_peers = pool.block * (n - 1),
+            staging = pool.pool_off,
+            pool = pool.pool_bytes,
+            kernel_image = kernels.cubin_bytes,
+            "rsccl: CUDA engine ready: reserved {} MiB of GPU address space, mapped {} MiB own ({} MiB staging + {} MiB pool) and {} MiB of {} peers",
+            pool.reserved_bytes() >> 20,
+            pool.block >> 20,
+            pool.pool_off >> 20,
+            pool.pool_bytes >> 20,
+            (pool.block * (n - 1)) >> 20,
+            n - 1
+        );
         let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
+            heap,
+            inplace_min: cfg.cuda_inplace_min_bytes as u64,
+            last_counts: Mutex::new([0; 4]),
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
@@ -552,9 +641,11 @@ impl CudaEngine {
     }
 
     fn launch_inner(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        let mut family = None;
         let func = match c.kind {
             CudaKind::AllReduce => {
                 let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
+                family = Some(fam);
                 self.kernels.reduce(fam, c.dtype, c.op)
             }
             CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
@@ -575,6 +666,11 @@ impl CudaEngine {
         if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid) {
             a.desc0 = c.kind.code();
             a.desc1 = 0;
+        }
+        if let Some(heap) = &self.heap {
+            let own = self.pool.block_addr(self.pool.me);
+            let in_pool = |ptr: u64, len: u64| heap.contains(ptr, len).then(|| ptr - own);
+            (a.place_in, a.place_out) = placement(c, family, self.pool.nranks, self.inplace_min, &in_pool);
         }
         let _ctx = self.sh.dev.bind()?;
         let caller = c.stream;
@@ -638,9 +734,40 @@ impl CudaEngine {
         r
     }
 
+    /// The kernels' counters (STATS_OFF): a small device-to-host copy after the device is
+    /// synchronized. They are counted on the GPU so that CUDA graph replays count too.
+    /// While a stream of this engine is being captured into a graph the last values read
+    /// are returned instead (no synchronization is allowed then).
+    fn kernel_counts(&self) -> [u64; 4] {
+        let read = || -> Result<[u64; 4]> {
+            if is_capturing(self.internal as u64)? {
+                return Err(Error::Internal("capturing".into()));
+            }
+            let _ctx = self.sh.dev.bind()?;
+            let mut v = [0u64; 4];
+            // SAFETY: synchronizes this context, then copies 16 bytes of our own block
+            // (mapped for this device) into a local array.
+            unsafe {
+                check(cu::cuCtxSynchronize(), "cuCtxSynchronize")?;
+                check(
+                    cu::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut std::ffi::c_void, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32),
+                    "cuMemcpyDtoH (collective counters)",
+                )?;
+            }
+            Ok(v)
+        };
+        let mut last = self.last_counts.lock();
+        if let Ok(v) = read() {
+            *last = v;
+        }
+        *last
+    }
+
     pub fn stats(&self) -> CudaStats {
         let n = self.pool.nranks as u64;
         let block = self.pool.block as u64;
+        let [inplace_n, inplace_b, total_n, total_b] = self.kernel_counts();
+        let (pool_alloc, pool_peak) = self.heap.as_ref().map(|h| h.usage()).unwrap_or((0, 0));
         CudaStats {
             device: self.sh.dev.ordinal,
             va_reserved_bytes: self.pool.reserved_bytes() as u64,
@@ -649,7 +776,19 @@ impl CudaEngine {
             in_use_bytes: (STAGE_OFF as u64) + 2 * self.blocks as u64 * self.base.stage_per_block,
             kernel_image_bytes: self.kernels.cubin_bytes as u64,
             collectives: self.collectives.load(Ordering::Relaxed),
+            pool_bytes: self.pool.pool_bytes as u64,
+            pool_allocated_bytes: pool_alloc,
+            pool_peak_bytes: pool_peak,
+            inplace_collectives: inplace_n,
+            inplace_bytes: inplace_b,
+            staged_collectives: total_n.saturating_sub(inplace_n),
+            staged_bytes: total_b.saturating_sub(inplace_b),
         }
+    }
+
+    /// The pool behind rsccl.mem_pool(), if the group has one.
+    pub fn heap(&self) -> Option<&Arc<Heap>> {
+        self.heap.as_ref()
     }
 
     /// Let queued kernels finish (up to the group timeout), then stop them and the
@@ -716,6 +855,10 @@ impl Drop for CudaEngine {
             std::mem::ManuallyDrop::drop(&mut self.kernels);
             std::mem::ManuallyDrop::drop(&mut self.pool);
         }
+        // The mapping goes now, or when torch returns the pool's last segment.
+        if let Some(h) = self.heap.take() {
+            h.close();
+        }
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         // SAFETY: every kernel of ours finished (shutdown waited); the stream and events
         // are ours. The pool and module are released after this, by their own Drop.
@@ -748,6 +891,43 @@ mod tests {
     }
 
     #[test]
+    fn placement_offers_only_eligible_pool_buffers() {
+        // A pool at [1000, 1000 + 100 MiB) of a block starting at 0.
+        let pool = |ptr: u64, len: u64| (ptr >= 1000 && ptr + len <= 1000 + (100 << 20)).then_some(ptr);
+        let call = |kind, count, inp, out| CudaCall {
+            kind,
+            dtype: DType::BF16,
+            op: ReduceOp::Sum,
+            root: 0,
+            inp,
+            out,
+            count,
+            stream: 0,
+            asynchronous: false,
+        };
+        let mib = 1u64 << 20;
+        let two = Some(Family::TwoShot);
+        // all_reduce: both buffers in the pool, two-shot, over the threshold.
+        let ar = call(CudaKind::AllReduce, 4 * mib / 2, 2048, 2048);
+        assert_eq!(placement(&ar, two, 4, mib, &pool), (2049, 2049));
+        assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
+        assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
+        assert_eq!(placement(&call(CudaKind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
+        // A buffer that runs past the end of the pool is not in it.
+        assert_eq!(placement(&call(CudaKind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
+        // reduce_scatter offers its input (world x count elements), all_gather and
+        // broadcast their output.
+        let rs = call(CudaKind::ReduceScatter, mib, 4096, 1 << 40);
+        assert_eq!(placement(&rs, None, 4, mib, &pool), (4097, 0));
+        let ag = call(CudaKind::AllGather, mib, 1 << 40, 4096);
+        assert_eq!(placement(&ag, None, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
+        let bc = call(CudaKind::Broadcast, 2 * mib, 8192, 8192);
+        assert_eq!(placement(&bc, None, 2, mib, &pool), (0, 8193));
+        assert_eq!(placement(&call(CudaKind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
+        assert_eq!(message_bytes(CudaKind::ReduceScatter, 10, 2, 4), 80);
+    }
+
+    #[test]
     fn staging_split_fits_the_buffer() {
         for (buf, blocks) in [(32usize << 20, 32u32), (2 << 20, 64), (4 << 20, 1)] {
             let spb = stage_per_block(buf, blocks);
@@ -758,9 +938,11 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_kernel_source() {
-        // 16 peers + 9 u64 fields + 4 u32 fields, as in `struct Args` of the .cu file.
-        assert_eq!(std::mem::size_of::<Args>(), 16 * 8 + 9 * 8 + 16);
-        assert!(super::super::kernels::SOURCE.contains("u64 desc1;"));
+        // 16 peers + 11 u64 fields + 4 u32 fields, as in `struct Args` of the .cu file.
+        assert_eq!(std::mem::size_of::<Args>(), 16 * 8 + 11 * 8 + 16);
+        let src = super::super::kernels::SOURCE;
+        assert!(src.contains("u64 desc1;") && src.contains("u64 place_in;") && src.contains("u64 place_out;"));
+        assert!(src.contains(&format!("#define STAGE_OFF {STAGE_OFF}")) && src.contains(&format!("#define STATS_OFF {STATS_OFF}")));
     }
 
     #[test]

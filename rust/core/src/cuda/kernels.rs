@@ -18,7 +18,10 @@ pub const SOURCE: &str = include_str!("../../../../csrc_kernels/rsccl_kernels.cu
 /// Threads per block of every kernel (the source's __launch_bounds__).
 pub const THREADS: u32 = 512;
 /// Offsets inside a rank's block (the source's layout constants).
-pub const STAGE_OFF: usize = 65536;
+pub const STAGE_OFF: usize = 131072;
+/// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
+/// rank's kernels keep (memory_stats).
+pub const STATS_OFF: usize = 4096;
 pub const MAX_RANKS: usize = 16;
 pub const MAX_BLOCKS: u32 = 64;
 

@@ -4,6 +4,7 @@
 
 pub mod driver;
 pub mod engine;
+pub mod heap;
 pub mod kernels;
 pub mod pool;
 

@@ -34,8 +34,9 @@ pub fn va_needed(nranks: usize, block_bytes: usize, granularity: usize, cap: usi
     if total > cap {
         return Err(Error::Config(format!(
             "the CUDA pool needs {total} bytes of virtual address space ({nranks} local ranks x {block} bytes \
-             of cuda_buffer_bytes rounded to the {granularity}-byte granularity), over the cap \
-             max_cuda_va_bytes = {cap} (RSCCL_MAX_CUDA_VA_BYTES): raise the cap or lower cuda_buffer_bytes"
+             of cuda_buffer_bytes + cuda_pool_bytes, each rounded to the {granularity}-byte granularity), \
+             over the cap max_cuda_va_bytes = {cap} (RSCCL_MAX_CUDA_VA_BYTES): raise the cap or lower \
+             cuda_buffer_bytes / cuda_pool_bytes"
         )));
     }
     Ok((block, total))
@@ -48,6 +49,9 @@ pub struct SymmetricPool {
     pub block: usize,
     pub nranks: usize,
     pub me: usize,
+    /// Where the pool (rsccl.mem_pool) starts inside a block, and its size (0: none).
+    pub pool_off: usize,
+    pub pool_bytes: usize,
     handles: Vec<cu::CUmemGenericAllocationHandle>,
     mapped: Vec<bool>,
     reserved: usize,
@@ -61,7 +65,16 @@ unsafe impl Send for SymmetricPool {}
 unsafe impl Sync for SymmetricPool {}
 
 impl SymmetricPool {
-    pub fn create(dev: Arc<Device>, mesh: &LocalMesh, block_bytes: usize, va_cap: usize, deadline: Instant) -> Result<SymmetricPool> {
+    /// Each block is the staging buffer (`buffer_bytes`) then the pool (`pool_bytes`), each
+    /// rounded up to the allocation granularity.
+    pub fn create(
+        dev: Arc<Device>,
+        mesh: &LocalMesh,
+        buffer_bytes: usize,
+        pool_bytes: usize,
+        va_cap: usize,
+        deadline: Instant,
+    ) -> Result<SymmetricPool> {
         let nranks = mesh.size();
         let me = mesh.local_index();
         let _ctx = dev.bind()?;
@@ -79,13 +92,17 @@ impl SymmetricPool {
             },
             "cuMemGetAllocationGranularity",
         )?;
-        let (block, total) = va_needed(nranks, block_bytes, gran, va_cap)?;
+        let pool_off = round_up(buffer_bytes.max(1), gran);
+        let pool_bytes = round_up(pool_bytes, gran);
+        let (block, total) = va_needed(nranks, pool_off + pool_bytes, gran, va_cap)?;
         let mut pool = SymmetricPool {
             dev: dev.clone(),
             va: 0,
             block,
             nranks,
             me,
+            pool_off,
+            pool_bytes,
             handles: vec![0; nranks],
             mapped: vec![false; nranks],
             reserved: 0,
