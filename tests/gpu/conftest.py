@@ -1,6 +1,8 @@
 """The GPU suite's clusters: one long-lived cluster per world size (RSCCL_GPU_WORLDS, else 2
-and, with 4 GPUs, 4), shared by every test of that size. Only one is alive at a time, so
-that each rank is alone on its GPU (the memory tests read device-wide counters). Every
+and, with 4 GPUs, 4), shared by every test of that size. A module that needs the world
+group created with other settings asks for `gpus.with_options({...})` (rsccl.Options
+fields): a cluster of its own, started on first use. Only one cluster is alive at a time,
+so that each rank is alone on its GPU (the memory tests read device-wide counters). Every
 test module is skipped where fewer than 2 GPUs are visible; `seed` comes from
 tests/conftest.py."""
 
@@ -14,29 +16,37 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_harness import alive, gpu_cluster, gpu_count, selected_worlds
 
 WORLDS = selected_worlds()
-_live: dict = {}
+_live: dict = {}  # (world, options) -> the live cluster; one entry at most
 
 
-def _cluster_for(world: int):
-    c = _live.get(world)
+def _cluster_for(world: int, options: dict | None = None):
+    key = (world, tuple(sorted((options or {}).items())))
+    c = _live.get(key)
     if c is not None and alive(c):
         return c
-    # A cluster killed by a deadline is replaced; another world's cluster is closed first.
-    for w in list(_live):
-        _live.pop(w).close(timeout=60)
-    _live[world] = gpu_cluster(world)
-    return _live[world]
+    # A cluster killed by a deadline is replaced; another world's (or other options')
+    # cluster is closed first.
+    for k in list(_live):
+        _live.pop(k).close(timeout=60)
+    _live[key] = gpu_cluster(world, options=options)
+    return _live[key]
 
 
 class SharedCluster:
-    """A handle on the shared cluster of one world size. pytest caches fixture values, so
-    the handle looks the live cluster up on every call."""
+    """A handle on the shared cluster of one world size (and world-group options). pytest
+    caches fixture values, so the handle looks the live cluster up on every call."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, options: dict | None = None):
         self.world = world
+        self.options = options
+
+    def with_options(self, options: dict) -> "SharedCluster":
+        """The cluster of this world size whose default (world) group is created with
+        `options`, a dict of rsccl.Options fields (values as strings or ints)."""
+        return SharedCluster(self.world, options)
 
     def run(self, fn, *args, **kwargs):
-        return _cluster_for(self.world).run(fn, *args, **kwargs)
+        return _cluster_for(self.world, self.options).run(fn, *args, **kwargs)
 
 
 @pytest.fixture(scope="session", params=WORLDS, ids=[f"{w}gpu" for w in WORLDS])
