@@ -12,6 +12,24 @@ two_shot_all_reduce_, never the multicast variants). With --sweep-one-shot, all_
 also runs on two more rsccl groups whose one-shot threshold is 1 byte (rsccl-2shot) and 1 GiB
 (rsccl-1shot).
 
+In place (unless --no-pool): all_reduce, all_gather_into_tensor and reduce_scatter_tensor at
+the sizes >= 1 MiB also run as "rsccl-pool": the same default rsccl group, on buffers from
+rsccl.mem_pool() (the all_reduce tensor, the all_gather OUTPUT, the reduce_scatter INPUT;
+the other buffer from torch's allocator), allocated in the same order on every rank so that
+their offsets agree, next to "rsccl" (torch's buffers: the staged path) and NCCL. For that
+the default group is created with cuda_pool_bytes = 2 x the largest message + 64 MiB and
+max_cuda_va_bytes = world x (cuda_buffer_bytes + pool) + 1 GiB, at least rsccl's default
+16 GiB (fields given with --rsccl-options are kept; nothing else about the group changes; if
+rsccl refuses these options the group is created without them and the rows are left out).
+
+FSDP2 (--fsdp, the default for --device cuda unless --quick; --no-fsdp skips it): after the
+collectives, a transformer (--fsdp-layers 8, --fsdp-dim 2048, seq 1024, batch 4 per rank,
+bf16 params and float32 reductions) is trained --fsdp-warmup 5 + --fsdp-steps 20 steps with
+fully_shard over a new NCCL group, then over a new rsccl group whose pool
+(--fsdp-pool-bytes, default sized from the model) holds FSDP's communication buffers
+(set_allocate_memory_from_process_group_for_comm(True) on every FSDP module); same seed and
+data for both. Details: rsccl/_bench_fsdp.py.
+
 Message size: the bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor
 OUTPUT = the reduce_scatter_tensor INPUT, per rank, as nccl-tests define it.
 
@@ -36,9 +54,24 @@ Method, per (backend, collective, size):
   before any group (after a CUDA context and the probe tensors exist), after rsccl's init,
   after its first all_reduce, all_gather and reduce_scatter (1 MiB probes), then the same for
   NCCL, then after the symmetric-memory buffer's rendezvous. rsccl.memory_stats() is logged.
+  rsccl's figures include the default group's pool when there are rsccl-pool rows (the
+  Markdown says how much).
+- in place vs staged: every rsccl-pool row is checked against NCCL like the others, and
+  rsccl.memory_stats() is read before and after each of its checks and measurements: the
+  deltas of cuda_inplace_collectives and cuda_staged_collectives give its note, "inplace",
+  "STAGED" or "MIXED", so a fallback to the staged path is visible. The summary gives rsccl
+  eager time / rsccl-pool eager time per size >= 16 MiB (target >= 1.1x).
+- FSDP2 step: CUDA events around each step (forward, backward, optimizer step, zero_grad),
+  slowest rank's mean; per backend torch.cuda.max_memory_reserved() (peak stats reset before
+  its run), device memory in use (mem_get_info; device-wide, so rsccl's whole pool and NCCL's
+  own buffers count, which torch's reserved figure leaves out) and what the run added to it,
+  the final loss (both must agree within 2%), and for rsccl the in-place/staged counts.
+  Targets: step time rsccl <= NCCL, peak reserved rsccl <= NCCL. The section gets 300 s
+  on top of --timeout; a failure there is recorded, and everything else is still written.
 
-Outputs in --out-dir: bench_cuda_w<world>.md per world size (tables, memory, stats),
-bench_cuda.csv (all worlds), bench_cuda.png when matplotlib imports. The last lines printed
+Outputs in --out-dir: bench_cuda_w<world>.md per world size (tables, memory, stats, the
+in-place table, the FSDP2 table), bench_cuda.csv (all worlds; rsccl-pool rows' note column
+says inplace/STAGED), bench_cuda.png when matplotlib imports. The last lines printed
 are a compact summary (one line per size), since only the tail of a GPU run's output may
 come back.
 """
@@ -59,7 +92,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -75,8 +108,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from ._bench_fsdp import (
+    FSDP_ALLOWANCE_S,
+    FsdpConfig,
+    fsdp_markdown,
+    fsdp_problems,
+    fsdp_summary_lines,
+    run_fsdp,
+)
 from ._cuda import mapped_va_bytes
-from .bench import TOLERANCES, bus_factor, human, message_sizes, numels
+from .bench import TOLERANCES, bus_factor, human, message_sizes, numels, parse_bytes
 
 MiB = 1 << 20
 PROBE_BYTES = 1 * MiB  # the first collectives' message, for the memory measurements
@@ -89,11 +130,19 @@ SMALL_PLOT_BYTES = 1 << 20  # the latency panels show sizes up to this (or --gra
 DONE_GRACE_S = 30.0  # after rank 0 wrote its results, how long the ranks may take to exit
 SYMM_BACKENDS = ("symm-1shot", "symm-2shot")
 SWEEP: dict[str, int | str] = {"rsccl-2shot": 1, "rsccl-1shot": "1GiB"}  # cuda_allreduce_one_shot_max_bytes per extra group
-BACKEND_ORDER = ("rsccl", "rsccl-2shot", "rsccl-1shot", "nccl", "symm-1shot", "symm-2shot")
-SHORT = {"rsccl": "rsccl", "rsccl-2shot": "rs-2shot", "rsccl-1shot": "rs-1shot", "nccl": "nccl",
+BACKEND_ORDER = ("rsccl", "rsccl-pool", "rsccl-2shot", "rsccl-1shot", "nccl", "symm-1shot", "symm-2shot")
+SHORT = {"rsccl": "rsccl", "rsccl-pool": "rs-pool", "rsccl-2shot": "rs-2shot", "rsccl-1shot": "rs-1shot", "nccl": "nccl",
          "symm-1shot": "symm1", "symm-2shot": "symm2"}
-COLORS = {"rsccl": "tab:blue", "rsccl-2shot": "tab:purple", "rsccl-1shot": "tab:cyan", "nccl": "tab:orange",
-          "symm-1shot": "tab:green", "symm-2shot": "tab:red"}
+COLORS = {"rsccl": "tab:blue", "rsccl-pool": "tab:brown", "rsccl-2shot": "tab:purple", "rsccl-1shot": "tab:cyan",
+          "nccl": "tab:orange", "symm-1shot": "tab:green", "symm-2shot": "tab:red"}
+# rsccl-pool: the default rsccl group again, on buffers from rsccl.mem_pool() (in place).
+POOL_BACKEND = "rsccl-pool"
+POOL_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+POOL_MIN_BYTES = 1 * MiB  # rsccl-pool rows from this message size on (rsccl's default cuda_inplace_min_bytes)
+POOL_SPEEDUP_MIN_BYTES = 16 * MiB  # the in-place/staged target is read from this size on
+POOL_SPEEDUP_TARGET = 1.1
+POOL_VA_FLOOR = 16 << 30  # rsccl's default max_cuda_va_bytes: the bench never sets a lower cap
+GRANULE = 2 * MiB
 CSV_COLUMNS = ("device", "world_size", "collective", "bytes", "backend", "eager_us", "async_us", "graph_us",
                "algbw_GBps", "busbw_GBps", "vs_nccl", "iters", "check", "note")
 
@@ -116,6 +165,8 @@ class Config:
     sweep_one_shot: bool
     rsccl_options: dict[str, int | str] = field(default_factory=dict)
     timeout_s: float = 300.0
+    pool: bool = True  # rsccl-pool rows (and a pool on the default rsccl group)
+    fsdp: FsdpConfig | None = None  # the FSDP2 section, or None
 
 
 def describe(e: BaseException) -> str:
@@ -128,6 +179,64 @@ def iters_for(nbytes: int, cfg: Config) -> int:
     if cfg.iters:
         return cfg.iters
     return max(ITERS_MIN, min(ITERS_MAX, ITERS_MAX * ITERS_FULL_UP_TO // max(nbytes, 1)))
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def option_bytes(options: dict[str, int | str], key: str, env: str, default: int) -> int | None:
+    """A size setting as rsccl will resolve it (the Options field, else the variable, else the
+    default); None if it does not parse here (rsccl's own parser has the last word)."""
+    raw = options.get(key, os.environ.get(env))
+    if raw is None:
+        return default
+    try:
+        return raw if isinstance(raw, int) else parse_bytes(str(raw).replace(" ", ""))
+    except argparse.ArgumentTypeError:
+        return None
+
+
+def options_text(options: dict[str, int | str]) -> str:
+    return ", ".join(f"{k}={human(v) if isinstance(v, int) else v}" for k, v in options.items())
+
+
+def one_shot_limit(world: int, options: dict[str, int | str]) -> int | None:
+    """The all_reduce size up to which rsccl runs one-shot (staged even on pool buffers: in
+    place applies to two-shot only), as rsccl resolves it (rust/core/src/cuda/engine.rs,
+    auto_one_shot_max); None if the setting does not parse here."""
+    limit = option_bytes(options, "cuda_allreduce_one_shot_max_bytes", "RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES", 0)
+    if limit is None or limit > 0:
+        return limit
+    return 2 * MiB if world <= 2 else (512 << 10 if world <= 4 else 256 << 10)
+
+
+def pool_sizes(cfg: Config) -> list[int]:
+    """The message sizes that get rsccl-pool rows (none without --no-pool's opposite or a pool collective)."""
+    if not cfg.pool or not any(c in POOL_COLLECTIVES for c in cfg.collectives):
+        return []
+    return [s for s in cfg.sizes if s >= POOL_MIN_BYTES]
+
+
+def pool_options(cfg: Config, world: int) -> dict[str, int | str]:
+    """What the bench adds to the default rsccl group's options for the rsccl-pool rows: a pool
+    of 2 x the largest message + 64 MiB (one message-sized buffer is live at a time, plus what
+    torch's caching allocator keeps of earlier sizes), and a VA cap that fits world x (buffer +
+    pool) with a margin, never below rsccl's default. Empty when there are no rsccl-pool rows.
+    Fields the user set with --rsccl-options are left as given."""
+    sizes = pool_sizes(cfg)
+    if not sizes:
+        return {}
+    user = cfg.rsccl_options
+    out: dict[str, int | str] = {}
+    if "cuda_pool_bytes" not in user:
+        out["cuda_pool_bytes"] = round_up(2 * max(sizes) + 64 * MiB, GRANULE)
+    if "max_cuda_va_bytes" not in user:
+        pool = option_bytes({**user, **out}, "cuda_pool_bytes", "RSCCL_CUDA_POOL_BYTES", 0)
+        buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
+        need = world * round_up((pool if pool is not None else 4 << 30) + (buf if buf is not None else 4 << 30), GRANULE)
+        out["max_cuda_va_bytes"] = max(POOL_VA_FLOOR, need + (1 << 30))
+    return out
 
 
 # -- inside a rank ---------------------------------------------------------------------------
@@ -191,13 +300,29 @@ def make_bufs(collective: str, counts: tuple[int, int], dtype: torch.dtype, dev:
     return Bufs(collective, inp, inp if in_place else torch.zeros(counts[1], dtype=dtype, device=dev))
 
 
+def make_pool_bufs(collective: str, counts: tuple[int, int], dtype: torch.dtype, dev: torch.device, pool: Any) -> Bufs:
+    """The buffer rsccl uses in place comes from the pool (all_reduce: the tensor, all_gather:
+    the output, reduce_scatter: the input), the other from torch's allocator as usual. Every
+    rank allocates the same sizes in the same order, so the pool buffers have the same offset
+    on every rank."""
+    pooled = counts[1] if collective == "all_gather_into_tensor" else counts[0]
+    with torch.cuda.use_mem_pool(pool):
+        big = torch.zeros(pooled, dtype=dtype, device=dev)
+    if collective in ("all_reduce", "broadcast"):
+        return Bufs(collective, big, big)
+    if collective == "all_gather_into_tensor":
+        return Bufs(collective, torch.zeros(counts[0], dtype=dtype, device=dev), big)
+    return Bufs(collective, big, torch.zeros(counts[1], dtype=dtype, device=dev))
+
+
 class Backend:
     """A way to run the benchmarked collectives: a process group, or a symmetric-memory op."""
 
-    def __init__(self, name: str, group: Any = None, symm: Any = None):
+    def __init__(self, name: str, group: Any = None, symm: Any = None, pool: Any = None):
         self.name = name
         self.group = group  # None: the default group (rsccl)
         self.symm = symm  # SymmSetup for the symm-* backends
+        self.pool = pool  # rsccl-pool: the default group's rsccl.mem_pool(), where its buffers come from
         self.graph_failed = ""  # why capture failed once (then it is not tried again)
 
     @property
@@ -207,6 +332,8 @@ class Backend:
     def supports(self, collective: str, nbytes: int) -> bool:
         if self.is_symm:
             return collective == "all_reduce" and nbytes <= self.symm.max_bytes
+        if self.pool is not None:
+            return collective in POOL_COLLECTIVES and nbytes >= POOL_MIN_BYTES
         if self.name in SWEEP:
             return collective == "all_reduce"
         return True
@@ -232,6 +359,11 @@ class Backend:
             return lambda: fn().wait()
         return fn
 
+    def bufs(self, collective: str, counts: tuple[int, int], dtype: torch.dtype, dev: torch.device) -> Bufs:
+        if self.pool is not None:
+            return make_pool_bufs(collective, counts, dtype, dev, self.pool)
+        return make_bufs(collective, counts, dtype, dev)
+
     def run_on(self, collective: str, x: torch.Tensor, counts: tuple[int, int], dev: torch.device) -> torch.Tensor:
         """The collective's result on input `x` (for the correctness check)."""
         if self.is_symm:
@@ -240,7 +372,7 @@ class Backend:
             self.call(Bufs(collective, x, x))()
             res = self.symm.out[:n] if self.name == "symm-1shot" else self.symm.buf[:n]
             return res.clone()
-        b = make_bufs(collective, counts, x.dtype, dev)
+        b = self.bufs(collective, counts, x.dtype, dev)
         b.inp.copy_(x)
         self.call(b)()
         return b.out
@@ -407,8 +539,35 @@ class Rank:
             self.rows[key] = {
                 "world_size": self.world, "collective": collective, "bytes": nbytes, "backend": backend,
                 "eager_s": None, "async_s": None, "graph_s": None, "graph_note": "", "iters": 0, "check": "-", "note": "",
+                # rsccl-pool: calls memory_stats() counted in place / staged (None: not counted)
+                "inplace_calls": None, "staged_calls": None,
             }
+            if backend == POOL_BACKEND and collective == "all_reduce":
+                limit = one_shot_limit(self.world, self.cfg.rsccl_options)
+                if limit is not None and nbytes <= limit:
+                    self.rows[key]["one_shot"] = True  # staged by design: in place is two-shot only
         return self.rows[key]
+
+    def path_counts(self) -> tuple[int, int] | None:
+        """(in-place, staged) CUDA collectives of the default rsccl group so far, or None if
+        rsccl.memory_stats() does not report them. Synchronizes the device."""
+        import rsccl
+
+        try:
+            st = rsccl.memory_stats()
+            return int(st["cuda_inplace_collectives"]), int(st["cuda_staged_collectives"])
+        except Exception:  # noqa: BLE001 - the row then says the path is unknown
+            return None
+
+    def add_path(self, row: dict, before: tuple[int, int] | None) -> None:
+        """Add the calls made since `before` (path_counts()) to the row's in-place/staged counts."""
+        after = self.path_counts()
+        if before is None or after is None:
+            row["note"] = row["note"] if "path n/a" in row["note"] else "; ".join(
+                filter(None, (row["note"], "path n/a (memory_stats has no cuda_inplace_collectives)")))
+            return
+        row["inplace_calls"] = (row["inplace_calls"] or 0) + after[0] - before[0]
+        row["staged_calls"] = (row["staged_calls"] or 0) + after[1] - before[1]
 
     # -- setup and memory ---------------------------------------------------------------------
 
@@ -432,9 +591,24 @@ class Rank:
         timeout = timedelta(seconds=cfg.timeout_s)
         store = dist.TCPStore("127.0.0.1", port, self.world, False, timeout=timeout, wait_for_workers=False)
         user: dict[str, Any] = dict(cfg.rsccl_options)
-        opts = Options(**user) if user else None
-        dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
-                                pg_options=opts)
+        # The default group gets a pool for the rsccl-pool rows; nothing else differs from --rsccl-options.
+        extra = pool_options(cfg, self.world)
+        pool_note = "" if pool_sizes(cfg) else (
+            "none (--no-pool)" if not cfg.pool else f"none (no pooled collective, or no size >= {human(POOL_MIN_BYTES)})")
+        try:
+            opts = Options(**{**user, **extra}) if (user or extra) else None
+            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
+                                    pg_options=opts)
+        except Exception as e:  # retried below without the pool, so the rest still runs
+            if not extra:
+                raise
+            pool_note = f"n/a: the default group with {extra} failed: {describe(e)}"
+            print(f"rank {self.rank}: rsccl.bench: {pool_note}; creating it without a pool (no rsccl-pool rows)",
+                  file=sys.stderr, flush=True)
+            extra = {}
+            opts = Options(**user) if user else None
+            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
+                                    pg_options=opts)
         mem.append(snapshot("rsccl: after init"))
         self.log(f"rsccl initialized ({human(mem[-1]['used'] - mem[0]['used'])} more device memory)")
         # The harness's own group (CPU only), before rsccl's first collectives so that their
@@ -442,6 +616,21 @@ class Rank:
         self.gloo = dist.new_group(backend="gloo", timeout=timeout)
         self.agree = Agree(self.gloo)
         mem.append(snapshot("gloo group created"))
+        pool_backend = None
+        if pool_sizes(cfg) and not pool_note:
+            err = ""
+            try:
+                pool_backend = Backend(POOL_BACKEND, pool=rsccl.mem_pool())
+            except Exception as e:  # noqa: BLE001 - agreed and reported; the rows are left out
+                err = f"rsccl.mem_pool(): {describe(e)}"
+            if err := self.agree.first_error(err):
+                pool_backend, pool_note = None, f"n/a: {err}"
+                self.log(f"rsccl-pool rows left out: {err}")
+            else:
+                given = {**user, **extra}
+                pool_note = options_text({k: v for k, v in given.items() if k in ("cuda_pool_bytes", "max_cuda_va_bytes")})
+                pool_note = f"default group with {pool_note or 'the pool from the environment'}"
+                self.log(f"rsccl-pool rows on the default group's pool ({pool_note})")
         rs = Backend("rsccl")
         for what, b in probes.items():
             failed = " (FAILED)" if self.guarded(rs, f"first {what} ({human(PROBE_BYTES)})", rs.call(b)) else ""
@@ -456,7 +645,7 @@ class Rank:
             mem.append(snapshot(f"nccl: after first {what}"))
         self.log("nccl initialized")
         del probes
-        self.backends = [rs]
+        self.backends = [rs] + ([pool_backend] if pool_backend is not None else [])
         if cfg.sweep_one_shot and "all_reduce" in cfg.collectives:
             for name, threshold in SWEEP.items():
                 g = dist.new_group(backend="rsccl", timeout=timeout,
@@ -484,7 +673,7 @@ class Rank:
             "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rsccl": rsccl.__version__,
             "python": platform.python_version(), "memory": mems, "rsccl_memory_stats": all_stats, "symm": symm_note,
-            "backends": [b.name for b in self.backends], "graph_failures": {},
+            "backends": [b.name for b in self.backends], "graph_failures": {}, "pool": pool_note,
         }
         if self.rank == 0:
             print(f"rsccl.memory_stats() per rank: {json.dumps(all_stats)}", flush=True)
@@ -521,7 +710,10 @@ class Rank:
             def run(b: Backend = b, got: list[torch.Tensor] = got) -> None:
                 got.append(b.run_on(collective, x, counts, self.dev))
 
+            before = self.path_counts() if b.pool is not None else None
             err = self.guarded(b, f"{collective} {human(nbytes)} (check)", run)
+            if b.pool is not None:
+                self.add_path(row, before)
             if err:
                 row["check"], row["note"] = "fail", f"check: {err}"
                 continue
@@ -549,24 +741,45 @@ class Rank:
             if not b.supports(collective, nbytes):
                 continue
             row = self.row(collective, nbytes, b.name)
-            sync = b.call(bufs)
+            if b.pool is None:
+                self.eager_one(b, row, bufs, n, what)
+                continue
+            own = self.pool_bufs(b, row, collective, counts, f"{what} (eager)", "eager")
+            if own is not None:
+                before = self.path_counts()
+                self.eager_one(b, row, own, n, what)
+                self.add_path(row, before)
+            del own
 
-            def warm(call: Call = sync) -> None:
-                for _ in range(cfg.warmup):
-                    call()
+    def pool_bufs(self, b: Backend, row: dict, collective: str, counts: tuple[int, int], what: str, key: str) -> Bufs | None:
+        """rsccl-pool's buffers (every rank allocates them, in the same order), or None when that
+        failed on any rank (a full pool: recorded in the row under `key`)."""
+        got: list[Bufs] = []
+        if err := self.guarded(b, f"{what}: pool buffers", lambda: got.append(b.bufs(collective, counts, self.dtype, self.dev))):
+            row["note"] = "; ".join(filter(None, (row["note"], f"{key}: pool buffers: {err}")))
+            return None
+        return got[0]
 
-            if err := self.guarded(b, f"{what} (eager)", warm):
-                row["note"] = "; ".join(filter(None, (row["note"], f"eager: {err}")))
-                continue
-            row["eager_s"] = timed(sync, n, cfg, self.agree)
-            row["iters"] = n * cfg.repeats
-            if b.is_symm:
-                continue
-            calls = b.call(bufs, async_op=True)
-            if err := self.guarded(b, f"{what} (async)", calls):
-                row["note"] = "; ".join(filter(None, (row["note"], f"async: {err}")))
-                continue
-            row["async_s"] = timed(calls, n, cfg, self.agree)
+    def eager_one(self, b: Backend, row: dict, bufs: Bufs, n: int, what: str) -> None:
+        cfg = self.cfg
+        sync = b.call(bufs)
+
+        def warm(call: Call = sync) -> None:
+            for _ in range(cfg.warmup):
+                call()
+
+        if err := self.guarded(b, f"{what} (eager)", warm):
+            row["note"] = "; ".join(filter(None, (row["note"], f"eager: {err}")))
+            return
+        row["eager_s"] = timed(sync, n, cfg, self.agree)
+        row["iters"] = n * cfg.repeats
+        if b.is_symm:
+            return
+        calls = b.call(bufs, async_op=True)
+        if err := self.guarded(b, f"{what} (async)", calls):
+            row["note"] = "; ".join(filter(None, (row["note"], f"async: {err}")))
+            return
+        row["async_s"] = timed(calls, n, cfg, self.agree)
 
     def zero_symm(self) -> None:
         """The check left random data in the symmetric buffer, which two-shot sums in place
@@ -586,7 +799,17 @@ class Rank:
             if b.graph_failed:
                 row["graph_note"] = "fail (capture failed before)"
                 continue
-            t, why = graph_timed(b.call(bufs), self.cfg, self.agree)
+            own, before = bufs, None
+            if b.pool is not None:
+                pooled = self.pool_bufs(b, row, collective, counts, f"{collective} {human(nbytes)} (graph)", "graph")
+                if pooled is None:
+                    row["graph_note"] = "fail (pool buffers)"
+                    continue
+                own, before = pooled, self.path_counts()
+            t, why = graph_timed(b.call(own), self.cfg, self.agree)
+            if b.pool is not None:
+                self.add_path(row, before)
+            del own
             if t is None:
                 b.graph_failed = why
                 row["graph_note"] = "fail"
@@ -616,7 +839,8 @@ class Rank:
                 r = self.rows.get(f"{collective}|{nbytes}|{b.name}")
                 if r:
                     flag = " WRONG" if r["check"] == "WRONG" else (" check FAILED" if r["check"] == "fail" else "")
-                    cells.append(f"{SHORT[b.name]} {time_cell(r, 'eager_s')}{flag}")
+                    path = f" {path_label(r).split(' (')[0]}" if b.pool is not None and path_label(r) else ""
+                    cells.append(f"{SHORT[b.name]} {time_cell(r, 'eager_s')}{path}{flag}")
             self.log(f"{collective:<22} {human(nbytes):>9}: {' | '.join(cells)} us  ({time.perf_counter() - start:.1f} s)")
             self.save()
             torch.cuda.empty_cache()
@@ -626,6 +850,22 @@ class Rank:
                     self.graphs(collective, counts, nbytes)
             self.log("CUDA graph measurements done")
             self.save()
+        if cfg.fsdp is not None:
+            self.fsdp()
+
+    def fsdp(self) -> None:
+        """The FSDP2 section, last (a failure there cannot disturb the measurements above).
+        Its phases are agreed among the ranks; anything else that escapes is recorded too."""
+        torch.cuda.empty_cache()
+        try:
+            run_fsdp(self)
+        except Exception as e:  # noqa: BLE001 - recorded; the results above are already saved
+            print(f"rank {self.rank}: FSDP2 section failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            config = asdict(self.cfg.fsdp) if self.cfg.fsdp is not None else {}
+            fsdp = self.meta.setdefault("fsdp", {"config": config, "runs": {}, "errors": {}})
+            fsdp.setdefault("errors", {})["section"] = describe(e)
+            self.log(f"FSDP2 section FAILED: {describe(e)}")
+        self.save()
 
 
 def rank_main(rank: int, world: int, port: int, cfg: Config, result_path: str) -> None:
@@ -666,7 +906,7 @@ def run_world(world: int, cfg: Config) -> tuple[dict | None, str]:
                               wait_for_workers=False)
         ctx = mp.start_processes(rank_main, args=(world, store.port, cfg, path), nprocs=world, join=False,
                                  start_method="spawn")
-        deadline = time.monotonic() + cfg.timeout_s
+        deadline = time.monotonic() + cfg.timeout_s + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
         done_at: float | None = None
         error = ""
         try:
@@ -719,6 +959,30 @@ def time_cell(r: dict, key: str) -> str:
     if r[key] is not None:
         return fmt(r[key], 1e6)
     return "fail" if f"{key.removesuffix('_s')}:" in r["note"] else "n/a"
+
+
+def path_label(r: dict) -> str:
+    """rsccl-pool rows: how memory_stats() counted their calls ("inplace", "STAGED", "MIXED ...";
+    "staged (one-shot)" for an all_reduce small enough for the one-shot kernel, which rsccl
+    always stages)."""
+    i, s = r.get("inplace_calls"), r.get("staged_calls")
+    if i is None or s is None:
+        return ""
+    if i and not s:
+        return "inplace"
+    if s and not i:
+        return "staged (one-shot)" if r.get("one_shot") else "STAGED"
+    return f"MIXED ({i} inplace, {s} staged)" if i else "NOT COUNTED (0 inplace, 0 staged)"
+
+
+def path_ok(r: dict) -> bool:
+    """The row ran the way rsccl should run it on pool buffers."""
+    return path_label(r) in ("inplace", "staged (one-shot)")
+
+
+def note_of(r: dict) -> str:
+    """The note column: the in-place/staged label first, then what went wrong."""
+    return "; ".join(filter(None, (path_label(r), r["note"])))
 
 
 def failed_rows(rows: list[dict]) -> list[dict]:
@@ -780,7 +1044,17 @@ def memory_table(meta: dict) -> list[str]:
                               f"+{(a['va'] - before_symm['va']) / 2**30:.2f} GiB VA")
     if symm_lines:
         lines += ["", "torch symmetric memory (its buffer included): " + "; ".join(symm_lines)]
+    pools = pool_per_rank(meta)
+    if any(pools):
+        lines += ["", ("rsccl's \"held after init\" includes the default group's pool, made for the rsccl-pool rows "
+                       "(cuda_pool_bytes per rank, from memory_stats(); mapped at creation; --no-pool leaves it out): "
+                       + ", ".join(f"rank {k} {v / MiB:.0f} MiB" for k, v in enumerate(pools)))]
     return lines
+
+
+def pool_per_rank(meta: dict) -> list[int]:
+    """The default rsccl group's pool bytes per rank, as memory_stats() reported them (0: none)."""
+    return [int(st.get("cuda_pool_bytes", 0) or 0) for st in meta.get("rsccl_memory_stats", [])]
 
 
 def memory_summary(world: int, meta: dict) -> str:
@@ -796,10 +1070,12 @@ def memory_summary(world: int, meta: dict) -> str:
                 vals[backend].append(((i["used"] - b["used"]) / MiB, (last["used"] - start["used"]) / MiB,
                                       (i["va"] - b["va"] + last["va"] - start["va"]) / 2**30))
     parts = []
+    pool = max(pool_per_rank(meta), default=0)
     for backend, v in vals.items():
         if v:
-            parts.append(f"{backend} held {max(x[0] for x in v):.0f} MiB, +{max(x[1] for x in v):.0f} MiB at first "
-                         f"collectives, VA {max(x[2] for x in v):.1f} GiB")
+            of_pool = f" (its pool {pool / MiB:.0f} MiB of it)" if backend == "rsccl" and pool else ""
+            parts.append(f"{backend} held {max(x[0] for x in v):.0f} MiB{of_pool}, +{max(x[1] for x in v):.0f} MiB at "
+                         f"first collectives, VA {max(x[2] for x in v):.1f} GiB")
     return f"w{world} memory per rank (max over ranks): " + ("; ".join(parts) if parts else "n/a")
 
 
@@ -821,8 +1097,11 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
         f"busbw from eager (nccl-tests factors); vs nccl = nccl eager time / this eager time; "
         f"check: same random input as nccl (sizes <= {human(cfg.check_max_bytes)}); "
         f"symm-1shot/-2shot: torch.ops.symm_mem.one_shot_all_reduce_out / two_shot_all_reduce_ "
-        f"(sizes <= {human(cfg.symm_max_bytes)})"),
+        f"(sizes <= {human(cfg.symm_max_bytes)}); rsccl-pool: the default rsccl group on buffers from "
+        f"rsccl.mem_pool() (sizes >= {human(POOL_MIN_BYTES)}; note: inplace / STAGED = how memory_stats() "
+        f"counted its calls)"),
         f"- torch symmetric memory: {meta.get('symm', 'n/a')}",
+        f"- rsccl pool (rsccl-pool rows): {meta.get('pool', 'n/a')}",
     ]
 
 
@@ -835,6 +1114,10 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
     if bad:
         out += ["", "**WRONG RESULTS OR FAILURES:**", ""] + [
             f"- {r['backend']} {r['collective']} {human(r['bytes'])}: check {r['check']}; {r['note']}" for r in bad]
+    staged = [r for r in rows if r["backend"] == POOL_BACKEND and not path_ok(r)]
+    if staged:
+        out += ["", "**rsccl-pool rows NOT run in place** (memory_stats counted them otherwise):", ""] + [
+            f"- {r['collective']} {human(r['bytes'])}: {path_label(r) or 'not counted'}" for r in staged]
     for name, why in meta.get("graph_failures", {}).items():
         out += ["", f"CUDA graph capture failed for {name}: {why}"]
     for collective in dict.fromkeys(r["collective"] for r in rows):
@@ -844,7 +1127,7 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
         mine = [r for r in rows if r["collective"] == collective]
         for r in sorted(mine, key=lambda r: (r["bytes"], BACKEND_ORDER.index(r["backend"]))):
             vs = f"{r['vs_nccl']:.2f}x" if r["vs_nccl"] else ""
-            note = r["note"].replace("|", "/").replace("\n", " ")[:300]
+            note = note_of(r).replace("|", "/").replace("\n", " ")[:300]
             out.append(f"| {human(r['bytes'])} | {r['backend']} | {time_cell(r, 'eager_s')} | {time_cell(r, 'async_s')} "
                        f"| {graph_cell(r, cfg)} | {fmt(r['busbw_GBps'], 1, 2)} | {fmt(r['algbw_GBps'], 1, 2)} "
                        f"| {vs} | {r['check']} | {r['iters']} | {note} |")
@@ -861,7 +1144,88 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
         out += ["", "rsccl.memory_stats() (default group):", ""]
         for rank, st in enumerate(meta.get("rsccl_memory_stats", [])):
             out.append(f"- rank {rank}: `{json.dumps(st)}`")
+    out += rendered("in-place table", pool_markdown, rows)
+    out += rendered("FSDP2 section", fsdp_markdown, meta.get("fsdp"), world)
     return "\n".join(out) + "\n"
+
+
+def rendered(what: str, fn: Callable[..., list[str]], *args: Any) -> list[str]:
+    """fn(*args), or one line saying why it could not be drawn: a report never fails the run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return ["", f"({what} could not be rendered: {describe(e)})"]
+
+
+def pool_pairs(rows: list[dict]) -> list[tuple[dict, dict | None, dict | None]]:
+    """(rsccl-pool row, rsccl row, nccl row) per pooled collective and size, in table order."""
+    by = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
+    pool = sorted((r for r in rows if r["backend"] == POOL_BACKEND),
+                  key=lambda r: (POOL_COLLECTIVES.index(r["collective"]) if r["collective"] in POOL_COLLECTIVES else 9,
+                                 r["bytes"]))
+    return [(r, by.get((r["collective"], r["bytes"], "rsccl")), by.get((r["collective"], r["bytes"], "nccl")))
+            for r in pool]
+
+
+def ratio(num: dict | None, den: dict | None, key: str = "eager_s") -> float | None:
+    """num's time / den's time (how many times faster den is), or None."""
+    if not num or not den or not num.get(key) or not den.get(key):
+        return None
+    return num[key] / den[key]
+
+
+def pool_markdown(rows: list[dict]) -> list[str]:
+    pairs = pool_pairs(rows)
+    if not pairs:
+        return []
+    out = ["", "## In place (rsccl-pool) vs staged (rsccl)", "",
+           ("Same default rsccl group, same sizes, eager: rsccl on torch's buffers (staged through rsccl's buffer) and "
+            "rsccl-pool on buffers from rsccl.mem_pool() (the all_reduce tensor, the all_gather output, the "
+            "reduce_scatter input; the other buffer from torch), allocated in the same order on every rank. "
+            "in-place/staged = rsccl us / rsccl-pool us; vs nccl = nccl us / rsccl-pool us; path = what "
+            "rsccl.memory_stats() counted for rsccl-pool's calls (cuda_inplace_collectives / "
+            f"cuda_staged_collectives deltas). Target: in-place/staged >= {POOL_SPEEDUP_TARGET}x from "
+            f"{human(POOL_SPEEDUP_MIN_BYTES)}."), "",
+           ("| collective | size | rsccl us | rsccl-pool us | in-place/staged | nccl us | rsccl-pool vs nccl "
+            "| rsccl-pool busbw GB/s | path (in place / staged calls) |"),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for p, st, nc in pairs:
+        sp, vs = ratio(st, p), ratio(nc, p)
+        label = path_label(p).split(" (")[0] if path_label(p).startswith(("MIXED", "NOT")) else path_label(p)
+        counts = f" ({p['inplace_calls']} / {p['staged_calls']})" if p.get("inplace_calls") is not None else ""
+        out.append(f"| {p['collective']} | {human(p['bytes'])} | {time_cell(st, 'eager_s') if st else 'n/a'} "
+                   f"| {time_cell(p, 'eager_s')} | {f'{sp:.2f}x' if sp else 'n/a'} "
+                   f"| {time_cell(nc, 'eager_s') if nc else 'n/a'} | {f'{vs:.2f}x' if vs else 'n/a'} "
+                   f"| {fmt(p['busbw_GBps'], 1, 1)} | {label or 'n/a'}{counts} |")
+    return out
+
+
+def pool_summary_lines(world: int, rows: list[dict]) -> list[str]:
+    """Per pooled collective: in-place/staged at each size >= 16 MiB, the verdict on the
+    target, and the sizes whose calls were not all counted in place."""
+    lines = []
+    pairs = pool_pairs(rows)
+    for collective in dict.fromkeys(p["collective"] for p, _, _ in pairs):
+        cells, ratios, flags = [], [], []
+        for p, st, nc in (x for x in pairs if x[0]["collective"] == collective):
+            if not path_ok(p):
+                flags.append(f"{human(p['bytes'])} {path_label(p) or 'path n/a'}")
+            if p["bytes"] < POOL_SPEEDUP_MIN_BYTES:
+                continue
+            sp, vs = ratio(st, p), ratio(nc, p)
+            if sp is None:
+                cells.append(f"{human(p['bytes'])} n/a")
+                continue
+            ratios.append(sp)
+            cells.append(f"{human(p['bytes'])} {sp:.2f}x" + (f" ({vs:.2f}x nccl)" if vs else ""))
+        if ratios:
+            worst = min(ratios)
+            verdict = f"min {worst:.2f}x, target >= {POOL_SPEEDUP_TARGET}x {'met' if worst >= POOL_SPEEDUP_TARGET else 'NOT MET'}"
+        else:
+            verdict = f"no size >= {human(POOL_SPEEDUP_MIN_BYTES)} measured"
+        line = f"w{world} in-place/staged {collective[:14]:<14}: " + (" | ".join(cells) + "; " if cells else "") + verdict
+        lines.append(line + ("; NOT IN PLACE: " + ", ".join(flags) if flags else ""))
+    return lines
 
 
 def summary_lines(world: int, rows: list[dict], cfg: Config) -> list[str]:
@@ -890,6 +1254,8 @@ def summary_lines(world: int, rows: list[dict], cfg: Config) -> list[str]:
                 line += f"{r['eager_s'] * 1e6:>8.1f}/{r['busbw_GBps']:>6.1f}"
                 if r["check"] == "WRONG":
                     flags.append(f"{SHORT[b]} WRONG")
+                if b == POOL_BACKEND and not path_ok(r):
+                    flags.append(f"{SHORT[b]} {path_label(r).split(' ')[0] or 'path n/a'}")
             if graph_backends:
                 line += " |       " + "".join(
                     f"{graph_cell(by[(nbytes, b)], cfg) if (nbytes, b) in by else '':>7}" for b in graph_backends)
@@ -909,7 +1275,7 @@ def write_csv(path: Path, rows: list[dict], header: str) -> None:
             w.writerow([
                 "cuda", r["world_size"], r["collective"], r["bytes"], r["backend"], eager, async_, graph,
                 fmt(r["algbw_GBps"], 1, 4), fmt(r["busbw_GBps"], 1, 4),
-                f"{r['vs_nccl']:.3f}" if r["vs_nccl"] else "", r["iters"], r["check"], r["note"],
+                f"{r['vs_nccl']:.3f}" if r["vs_nccl"] else "", r["iters"], r["check"], note_of(r),
             ])
 
 
@@ -991,11 +1357,20 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         iters=args.iters, warmup=args.warmup, repeats=args.repeats, seed=seed, graph=not args.no_graph,
         graph_max_bytes=args.graph_max_bytes, check_max_bytes=args.check_max_bytes, symm_max_bytes=args.symm_max_bytes,
         sweep_one_shot=args.sweep_one_shot, rsccl_options=dict(args.rsccl_options), timeout_s=args.timeout,
+        pool=not args.no_pool,
+        fsdp=FsdpConfig(layers=args.fsdp_layers, dim=args.fsdp_dim, steps=args.fsdp_steps, warmup=args.fsdp_warmup,
+                        pool_bytes=args.fsdp_pool_bytes or 0) if args.fsdp else None,
     )
     command = "python -m rsccl.bench " + shlex.join(argv)
     print(f"rsccl.bench: device cuda ({gpus} GPUs visible), world sizes {worlds}, {cfg.dtype}, "
           f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, collectives {','.join(cfg.collectives)}, seed {seed}, "
           f"rsccl options {cfg.rsccl_options or 'defaults'}{', one-shot sweep' if cfg.sweep_one_shot else ''}", flush=True)
+    pooled = pool_sizes(cfg)
+    print(f"rsccl-pool rows: {f'{human(pooled[0])}..{human(pooled[-1])}' if pooled else 'none'}"
+          + "".join(f"; w{w} default group adds {options_text(pool_options(cfg, w)) or 'nothing (given in --rsccl-options)'}"
+                    for w in worlds if pooled)
+          + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
+          + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else ""), flush=True)
     print("message size = all_reduce tensor bytes = all_gather_into_tensor OUTPUT bytes = "
           "reduce_scatter_tensor INPUT bytes (per rank)", flush=True)
     start = time.perf_counter()
@@ -1003,6 +1378,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     all_rows: list[dict] = []
     summaries: list[str] = []
     failed: list[str] = []
+    problems: list[str] = []
     for world in worlds:
         print(f"\n== world size {world}", flush=True)
         results, error = run_world(world, cfg)
@@ -1018,8 +1394,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"wrote {md_path}", flush=True)
         all_rows += rows
         summaries += summary_lines(world, rows, cfg)
+        summaries += rendered("in-place summary", pool_summary_lines, world, rows)
         if meta:
             summaries.append(memory_summary(world, meta))
+            summaries += rendered("FSDP2 summary", fsdp_summary_lines, world, meta.get("fsdp"))
+            problems += rendered("FSDP2 verdict", fsdp_problems, world, meta.get("fsdp"))
         if error:
             summaries.append(f"w{world} INCOMPLETE: {error}")
     header = (f"# date={datetime.now().astimezone().isoformat(timespec='seconds')} host={platform.node()} "
@@ -1038,14 +1417,17 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"note: plotting failed: {describe(e)}", flush=True)
     wrong = failed_rows(all_rows)
     print("\n== summary: eager us per call / busbw GB/s; graph us for sizes <= "
-          f"{human(cfg.graph_max_bytes)}; n/a = not run; WRONG = differs from nccl", flush=True)
+          f"{human(cfg.graph_max_bytes)}; n/a = not run; WRONG = differs from nccl; in-place/staged = rsccl eager "
+          "time / rsccl-pool eager time", flush=True)
     for line in summaries:
         print(line, flush=True)
     for r in wrong:
         print(f"{'WRONG' if r['check'] == 'WRONG' else 'FAILED'}: w{r['world_size']} {r['backend']} {r['collective']} "
               f"{human(r['bytes'])}: {r['note']}", flush=True)
     print(f"total time {time.perf_counter() - start:.0f} s; results in {args.out}", flush=True)
+    for line in problems:
+        print(f"FAILED: {line.strip()}", flush=True)
     if failed:
         print("FAILED: " + "; ".join(failed), flush=True)
-    return 1 if (failed or wrong) else 0
+    return 1 if (failed or wrong or problems) else 0
 

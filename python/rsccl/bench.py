@@ -3,6 +3,7 @@ with gloo (--device cpu) or with NCCL and torch's symmetric memory (--device cud
 
     python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out-dir bench-results/]
     python -m rsccl.bench --device cuda [--quick] [--sweep-one-shot] [--rsccl-options KEY=VAL,...]
+                                        [--no-pool] [--no-fsdp] [--fsdp-steps N]
 
 --device cuda is described in rsccl/_bench_cuda.py; what follows is --device cpu.
 
@@ -195,7 +196,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--symm-max-bytes", type=parse_bytes, default="64MiB",
                    help="largest all_reduce on torch symmetric memory; default: %(default)s")
     g.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds one world size may take before its ranks are stopped; default: %(default)s")
+                   help="seconds one world size may take before its ranks are stopped (the FSDP2 section gets "
+                        "300 s more); default: %(default)s")
+    g.add_argument("--no-pool", action="store_true",
+                   help="skip the rsccl-pool rows (the same collectives in place on buffers from rsccl.mem_pool()); "
+                        "the default rsccl group is then created without a pool")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2 training steps over rsccl (FSDP's buffers from its pool) and over NCCL; "
+                        "default: on for --device cuda, off with --quick")
+    g.add_argument("--fsdp-steps", type=int, default=20, help="timed FSDP2 steps per backend; default: %(default)s")
+    g.add_argument("--fsdp-warmup", type=int, default=5,
+                   help="untimed FSDP2 steps before them; default: %(default)s")
+    g.add_argument("--fsdp-layers", type=int, default=8, help="transformer layers of the FSDP2 model; default: %(default)s")
+    g.add_argument("--fsdp-dim", type=int, default=2048,
+                   help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
+    g.add_argument("--fsdp-pool-bytes", type=parse_bytes, default=None,
+                   help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model")
     args = p.parse_args(argv)
     defaults = DEVICE_DEFAULTS[args.device]
     for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
@@ -207,9 +223,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.min_bytes = min(args.min_bytes, args.max_bytes)
     if args.device == "cpu":
         cuda_only = [flag for flag, used in (("--rsccl-options", args.rsccl_options), ("--sweep-one-shot", args.sweep_one_shot),
-                                             ("--no-graph", args.no_graph)) if used]
+                                             ("--no-graph", args.no_graph), ("--no-pool", args.no_pool),
+                                             ("--fsdp", args.fsdp)) if used]
         if cuda_only:
             p.error(f"{', '.join(cuda_only)}: only with --device cuda")
+    if args.fsdp is None:
+        args.fsdp = args.device == "cuda" and not args.quick
+    if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1:
+        p.error("--fsdp-steps and --fsdp-layers must be at least 1, --fsdp-warmup at least 0")
+    if args.fsdp_dim < 64 or args.fsdp_dim % 64:
+        p.error(f"--fsdp-dim {args.fsdp_dim}: give a multiple of 64 (attention heads of 64 or 128)")
     if args.min_bytes > args.max_bytes:
         p.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if (args.iters is not None and args.iters < 1) or args.warmup < 0 or args.repeats < 1:

@@ -1,0 +1,527 @@
+"""The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/_bench_cuda.py, "What
+runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
+(FSDP's communication buffers from the group's pool, in place) and over an NCCL group, in
+the benchmark's rank processes, after the collective measurements.
+
+Per backend: a group of its own is created (new_group, so that what the library allocates
+at creation and at first use counts in that backend's figures), the same seeded model is
+sharded over DeviceMesh.from_group(group, "cuda") with MixedPrecisionPolicy(bfloat16 params,
+float32 reductions), and trained --fsdp-warmup untimed then --fsdp-steps timed steps on
+the same data. NCCL runs first, rsccl second (the second run starts with what the first
+left behind, see fsdp_markdown). Each step of each phase is agreed among the ranks (over
+the harness's gloo group), so a failure is recorded for that backend and the other still
+runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+MiB = 1 << 20
+FSDP_ALLOWANCE_S = 300.0  # added to --timeout for a world size that runs this section
+GROUP_TIMEOUT_S = 120.0  # the section's own groups: a hang ends within this
+LOSS_RTOL = 0.02  # final losses of the two backends (same weights, same data) must agree this well
+RUN_ORDER = ("nccl", "rsccl")
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """What the section runs; picklable, it travels to the ranks inside the bench's Config."""
+
+    layers: int = 8
+    dim: int = 2048
+    seq: int = 1024
+    batch: int = 4  # per rank
+    vocab: int = 8192
+    ffn_mult: int = 4
+    steps: int = 20
+    warmup: int = 5
+    lr: float = 3e-4
+    pool_bytes: int = 0  # cuda_pool_bytes of the rsccl group; 0: pool_bytes_for()
+
+    @property
+    def head_dim(self) -> int:
+        return 128 if self.dim % 128 == 0 else 64
+
+    @property
+    def heads(self) -> int:
+        return self.dim // self.head_dim
+
+    def layer_params(self) -> int:
+        """qkv, out projection, MLP up and down (no biases), two LayerNorms."""
+        return (4 + 2 * self.ffn_mult) * self.dim**2 + 4 * self.dim
+
+    def root_params(self) -> int:
+        """What the root FSDP module owns: embedding, output head, final LayerNorm."""
+        return 2 * self.vocab * self.dim + 2 * self.dim
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, d_model {self.dim}, {self.heads} heads, FFN {self.ffn_mult * self.dim}, "
+                f"vocab {self.vocab}, seq {self.seq}, batch {self.batch} per rank, "
+                f"{self.params() / 1e6:.0f}M parameters")
+
+
+def pool_bytes_for(fc: FsdpConfig, world: int) -> int:
+    """cuda_pool_bytes for the rsccl FSDP group: what FSDP2 takes from it at once, x 1.25.
+    FSDP2 allocates there (ProcessGroupAllocMixin) the all-gather outputs (bf16; the root's
+    stays unsharded from forward to backward, up to ~3 layers' are in flight) and the
+    reduce-scatter inputs (float32; two in flight) and outputs, and the float32 gradient
+    shards are views of those outputs, so all of them live there until zero_grad."""
+    if fc.pool_bytes:
+        return fc.pool_bytes
+    unit = max(fc.layer_params(), fc.root_params())
+    need = (4 * fc.params() // world  # gradient shards
+            + 2 * fc.root_params() + 3 * 2 * fc.layer_params()  # all-gather outputs
+            + 2 * 4 * unit  # reduce-scatter inputs
+            + 256 * MiB)
+    return -(-int(need * 1.25) // (2 * MiB)) * (2 * MiB)
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, fc: FsdpConfig):
+        super().__init__()
+        d = fc.dim
+        self.heads = fc.heads
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.norm2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, fc.ffn_mult * d, bias=False)
+        self.down = nn.Linear(fc.ffn_mult * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+
+
+class Transformer(nn.Module):
+    def __init__(self, fc: FsdpConfig):
+        super().__init__()
+        self.embed = nn.Embedding(fc.vocab, fc.dim)
+        self.layers = nn.ModuleList(Block(fc) for _ in range(fc.layers))
+        self.norm = nn.LayerNorm(fc.dim)
+        self.head = nn.Linear(fc.dim, fc.vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def loss_of(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# -- inside a rank ------------------------------------------------------------------------------
+
+
+class PhaseError(RuntimeError):
+    """A phase failed on some rank; every rank raises it with the same message."""
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def used_bytes(dev: torch.device) -> int:
+    """Device memory in use, device-wide (total - free), or 0 off CUDA."""
+    if dev.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free
+
+
+def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
+    """fn() on every rank, then the device synchronized; if it raised on any rank, every rank
+    raises PhaseError naming the first failing rank (its traceback goes to its stderr)."""
+    from ._bench_cuda import describe
+
+    result, err = None, ""
+    try:
+        result = fn()
+        sync(r.dev)
+    except Exception as e:  # noqa: BLE001 - agreed below, recorded by the caller
+        err = describe(e)
+        print(f"rank {r.rank}: FSDP2 {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    errs = r.agree.gather(err)
+    bad = [(k, e) for k, e in enumerate(errs) if e]
+    if bad:
+        # The cause, rather than the other ranks' timeouts waiting for the rank that failed.
+        echoes = ("TimeoutError", "PeerFailureError", "GroupAbortedError", "DistBackendError")
+        k, msg = next(((k, m) for k, m in bad if not m.startswith(echoes)), bad[0])
+        more = f" ({len(bad)} ranks failed)" if len(bad) > 1 else ""
+        raise PhaseError(f"{what}: rank {k}: {msg}{more}")
+    return result
+
+
+def rsccl_options(r: Any, pool: int) -> dict[str, Any]:
+    """The rsccl FSDP group's options: --rsccl-options, the pool, a VA cap that fits it."""
+    from ._bench_cuda import GRANULE, POOL_VA_FLOOR, option_bytes, round_up
+
+    user = dict(r.cfg.rsccl_options)
+    buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
+    need = r.world * round_up(pool + (buf if buf is not None else 4 << 30), GRANULE)
+    return {**user, "cuda_pool_bytes": pool, "max_cuda_va_bytes": max(POOL_VA_FLOOR, need + (1 << 30))}
+
+
+def new_group(r: Any, backend: str, pool: int) -> Any:
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=min(GROUP_TIMEOUT_S, r.cfg.timeout_s))
+    if backend == "rsccl":
+        from rsccl import Options
+
+        return dist.new_group(backend="rsccl", timeout=timeout, pg_options=Options(**rsccl_options(r, pool)))
+    if r.dev.type == "cuda":
+        return dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
+    return dist.new_group(backend="gloo", timeout=timeout)  # the CPU dry run of this module
+
+
+def rsccl_counts(group: Any) -> dict[str, int]:
+    """The rsccl group's in-place/staged counters and pool figures ({} if memory_stats() fails:
+    they are only reported). Synchronizes the device."""
+    import rsccl
+
+    try:
+        st = rsccl.memory_stats(group)
+    except Exception as e:  # noqa: BLE001
+        print(f"rsccl.memory_stats(FSDP2 group) failed: {e!r}", file=sys.stderr, flush=True)
+        return {}
+    keys = ("cuda_inplace_collectives", "cuda_staged_collectives", "cuda_pool_bytes", "cuda_pool_peak_bytes")
+    return {k: int(st[k]) for k in keys if k in st}
+
+
+def train_one(r: Any, backend: str, master: Transformer, ids: torch.Tensor, targets: torch.Tensor, pool: int) -> dict:
+    """One backend's run on this rank: its figures (this rank's), or PhaseError."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    fc: FsdpConfig = r.cfg.fsdp
+    dev = r.dev
+    cuda = dev.type == "cuda"
+    out: dict[str, Any] = {}
+    gc.collect()
+    sync(dev)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        out["reserved_start"] = torch.cuda.memory_reserved(dev)
+    out["used_start"] = used_bytes(dev)
+    group = phase(r, "group creation", lambda: new_group(r, backend, pool))
+    out["used_after_group"] = used_bytes(dev)
+    state: dict[str, Any] = {}
+
+    def shard() -> None:
+        model = copy.deepcopy(master)
+        mesh = DeviceMesh.from_group(group, dev.type)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        if backend == "rsccl":
+            # The setting is per FSDP module (its own parameter group): every one gets it.
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_allocate_memory_from_process_group_for_comm(True)
+            try:
+                state["pool_alloc"] = bool(group._get_backend(dev).supports_tensor_alloc(dev))
+            except Exception:  # noqa: BLE001 - only reported; FSDP's own call decides
+                state["pool_alloc"] = None
+        state["model"] = model
+        state["opt"] = torch.optim.AdamW(model.parameters(), lr=fc.lr, foreach=True)
+
+    phase(r, "fully_shard", shard)
+    out["pool_alloc"] = state.get("pool_alloc")
+    model, opt = state["model"], state["opt"]
+
+    def step() -> torch.Tensor:
+        loss = loss_of(model, ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    before = rsccl_counts(group) if backend == "rsccl" else {}
+    phase(r, f"{fc.warmup} warm-up steps", lambda: [step() for _ in range(fc.warmup)])
+    out["used_after_warmup"] = used_bytes(dev)
+    r.agree.barrier()
+
+    def timed() -> tuple[list[float], float, list[float]]:
+        losses = []
+        if cuda:
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(fc.steps)]
+            for start, end in evs:
+                start.record()
+                losses.append(step())
+                end.record()
+            torch.cuda.synchronize(dev)
+            per_step = [s.elapsed_time(e) for s, e in evs]
+            total = evs[0][0].elapsed_time(evs[-1][1])
+        else:
+            per_step, t0 = [], time.perf_counter()
+            for _ in range(fc.steps):
+                t = time.perf_counter()
+                losses.append(step())
+                per_step.append((time.perf_counter() - t) * 1e3)
+            total = (time.perf_counter() - t0) * 1e3
+        return per_step, total, torch.stack(losses).float().cpu().tolist()
+
+    per_step, total, losses = phase(r, f"{fc.steps} timed steps", timed)
+    out.update(step_ms=per_step, mean_ms=total / fc.steps, losses=losses, used_after_steps=used_bytes(dev))
+    if cuda:
+        out["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
+        out["reserved_end"] = torch.cuda.memory_reserved(dev)
+    if backend == "rsccl":
+        after = rsccl_counts(group)
+        for k in ("cuda_inplace_collectives", "cuda_staged_collectives"):
+            if k in before and k in after:
+                out[k.removeprefix("cuda_")] = after[k] - before[k]
+        out["pool_bytes"] = after.get("cuda_pool_bytes")
+        out["pool_peak_bytes"] = after.get("cuda_pool_peak_bytes")
+    state.clear()
+    model = opt = None  # the model, its gradients and optimizer state go before the next run
+    gc.collect()
+    sync(dev)
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def combine(per_rank: list[dict]) -> dict:
+    """The ranks' figures as one row: times and memory of the worst rank, losses averaged."""
+    def mx(key: str) -> Any:
+        vals = [p[key] for p in per_rank if p.get(key) is not None]
+        return max(vals) if vals else None
+
+    steps = [max(col) for col in zip(*(p["step_ms"] for p in per_rank))]
+    used_peak = [max(p["used_after_warmup"], p["used_after_steps"]) for p in per_rank]
+    row = {
+        "mean_ms": mx("mean_ms"), "step_min_ms": min(steps), "step_max_ms": max(steps),
+        "median_ms": sorted(steps)[len(steps) // 2],
+        "peak_reserved": mx("peak_reserved"), "reserved_start": mx("reserved_start"),
+        "used_peak": max(used_peak), "used_start": mx("used_start"),
+        "used_added": max(u - p["used_start"] for u, p in zip(used_peak, per_rank)),
+        "group_init": max(p["used_after_group"] - p["used_start"] for p in per_rank),
+        "loss_first": sum(p["losses"][0] for p in per_rank) / len(per_rank),
+        "loss_final": sum(p["losses"][-1] for p in per_rank) / len(per_rank),
+        "pool_alloc": per_rank[0].get("pool_alloc"),
+        "inplace": per_rank[0].get("inplace_collectives"), "staged": per_rank[0].get("staged_collectives"),
+        "pool_bytes": per_rank[0].get("pool_bytes"), "pool_peak_bytes": mx("pool_peak_bytes"),
+        "ranks": len(per_rank),
+    }
+    # Every rank counts the same collectives; say so if they did not agree.
+    counts = {(p.get("inplace_collectives"), p.get("staged_collectives")) for p in per_rank}
+    if len(counts) > 1:
+        row["counts_per_rank"] = sorted(counts, key=str)
+    return row
+
+
+def run_fsdp(r: Any) -> None:
+    """The section, on every rank: results in r.meta["fsdp"] (rank 0's are saved)."""
+    fc: FsdpConfig = r.cfg.fsdp
+    pool = pool_bytes_for(fc, r.world)
+    res: dict[str, Any] = {"config": asdict(fc), "describe": fc.describe(), "pool_bytes": pool, "runs": {},
+                           "errors": {}, "order": list(RUN_ORDER)}
+    r.meta["fsdp"] = res
+    r.log(f"FSDP2: {fc.describe()}; rsccl group pool {pool / MiB:.0f} MiB")
+    dev = r.dev
+    holder: dict[str, Any] = {}
+
+    def prepare() -> None:
+        # The same weights for both backends (and on every rank: fully_shard keeps each rank's
+        # shard of its own copy), built on the GPU, kept on the CPU.
+        torch.manual_seed(r.cfg.seed)
+        with torch.device(dev):
+            master = Transformer(fc)
+        holder["master"] = master.to("cpu")
+        gen = torch.Generator(device=dev).manual_seed(r.cfg.seed * 1009 + r.rank + 7)
+        holder["ids"] = torch.randint(0, fc.vocab, (fc.batch, fc.seq), generator=gen, device=dev)
+        holder["targets"] = torch.randint(0, fc.vocab, (fc.batch, fc.seq), generator=gen, device=dev)
+        # Load the kernels and make the math libraries' handles and workspaces now, so that
+        # neither backend's run pays for them: one layer, unsharded, forward and backward.
+        with torch.device(dev):
+            warm = Transformer(replace(fc, layers=1)).to(torch.bfloat16)
+        for _ in range(2):
+            loss_of(warm, holder["ids"], holder["targets"]).backward()
+        del warm
+
+    try:
+        phase(r, "model", prepare)
+    except PhaseError as e:
+        res["errors"]["setup"] = str(e)
+        r.log(f"FSDP2 FAILED before training: {e}")
+        return
+    for backend in RUN_ORDER:
+        start = time.perf_counter()
+        try:
+            mine = train_one(r, backend, holder["master"], holder["ids"], holder["targets"], pool)
+            res["runs"][backend] = combine(r.agree.gather(mine))
+            row = res["runs"][backend]
+            r.log(f"FSDP2 {backend}: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, "
+                  f"device used {mib(row['used_peak'])} MiB, final loss {row['loss_final']:.4f}, in place / staged "
+                  f"{calls_text(row)} ({time.perf_counter() - start:.1f} s)")
+        except PhaseError as e:
+            res["errors"][backend] = str(e)
+            r.log(f"FSDP2 {backend} FAILED: {e}")
+        r.save()
+
+
+# -- in the parent ------------------------------------------------------------------------------
+
+
+def mib(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / MiB:.0f}"
+
+
+def ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def loss_check(runs: dict) -> tuple[bool | None, str]:
+    """(agree, text) for the final losses of the two backends; (None, ...) if one is missing."""
+    a, b = runs.get("rsccl"), runs.get("nccl")
+    if not (a and b):
+        return None, "n/a"
+    la, lb = a["loss_final"], b["loss_final"]
+    ok = math.isfinite(la) and math.isfinite(lb) and abs(la - lb) <= LOSS_RTOL * max(abs(lb), 1e-6)
+    return ok, f"rsccl {la:.4f} / nccl {lb:.4f} ({'ok' if ok else 'DIFFER'}: within {LOSS_RTOL:.0%} required)"
+
+
+def calls_text(row: dict) -> str:
+    i, s = row.get("inplace"), row.get("staged")
+    if i is None or s is None:
+        return "n/a"
+    flag = "" if s == 0 and i > 0 else (" STAGED" if i == 0 else " MIXED")
+    return f"{i} / {s}{flag}"
+
+
+def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
+    """The FSDP2 section of bench_cuda_w<world>.md (empty if it did not run)."""
+    if not fsdp:
+        return []
+    c = fsdp.get("config", {})
+    out = ["", "## FSDP2 training steps: rsccl (pool buffers, in place) vs NCCL", "",
+           (f"- model: {fsdp.get('describe', '?')}; float32 master weights, MixedPrecisionPolicy(param_dtype=bfloat16, "
+            "reduce_dtype=float32), fully_shard on every layer and on the root, AdamW; DeviceMesh.from_group(group, "
+            "\"cuda\") over a group created for this section (rsccl: `new_group(backend=\"rsccl\")` with "
+            f"cuda_pool_bytes {mib(fsdp.get('pool_bytes'))} MiB and "
+            "`set_allocate_memory_from_process_group_for_comm(True)` on every FSDP module, so FSDP's all-gather "
+            "outputs and reduce-scatter buffers, and with them its float32 gradient shards, come from rsccl's pool; "
+            "NCCL: `new_group(backend=\"nccl\")`, FSDP's default buffers)"),
+           (f"- same seed, same weights, same data per rank for both; {c.get('warmup', '?')} warm-up steps, then "
+            f"{c.get('steps', '?')} timed ones; step time: CUDA events around each step on the compute stream, a "
+            "rank's mean = first start to last end / steps, the slowest rank's reported; min / max over steps of "
+            "the slowest rank at each step; final loss: the last timed step's, averaged over ranks"),
+           (f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))}; before each: gc, torch.cuda.empty_cache(), "
+            "torch.cuda.reset_peak_memory_stats(); one unsharded layer ran forward and backward before both "
+            "(kernels, math-library handles)"),
+           ("- memory, max over ranks: *peak reserved* = torch.cuda.max_memory_reserved() over the run (what torch's "
+            "caching allocator held, including the segments it took from rsccl's pool; it does not count the rest "
+            "of the pool, which rsccl maps at group creation outside torch's allocator, nor NCCL's own buffers, "
+            "which NCCL allocates itself, partly at its first collective); *reserved at start*: what torch already "
+            "held when the run began (the benchmark's earlier buffers included); *device used* = total - free from "
+            "torch.cuda.mem_get_info() after the warm-up and after the timed steps, the larger (device-wide: "
+            "everything the process holds, both libraries' memory, rsccl's whole pool and the benchmark's earlier "
+            "groups included); *added* = device used minus device used at the run's start: the backend's group, "
+            "model, optimizer state, activations and library buffers, the fair comparison of the two; *group "
+            "creation* = what creating the group took"),
+           ""]
+    runs, errors = fsdp.get("runs", {}), fsdp.get("errors", {})
+    for what, why in errors.items():
+        out += [f"**FSDP2 {what} FAILED: {why}**", ""]
+    if runs:
+        out += [("| backend | step ms (mean, slowest rank) | per step min / max | peak reserved MiB | reserved at "
+                 "start MiB | device used MiB | added MiB | group creation MiB | first / final loss | collectives in "
+                 "place / staged | pool MiB (capacity / peak) |"),
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in fsdp.get("order", RUN_ORDER):
+            row = runs.get(name)
+            if not row:
+                continue
+            pool = f"{mib(row['pool_bytes'])} / {mib(row['pool_peak_bytes'])}" if name == "rsccl" else "-"
+            out.append(
+                f"| {name} | {ms(row['mean_ms'])} | {ms(row['step_min_ms'])} / {ms(row['step_max_ms'])} "
+                f"| {mib(row['peak_reserved'])} | {mib(row['reserved_start'])} | {mib(row['used_peak'])} "
+                f"| {mib(row['used_added'])} | {mib(row['group_init'])} | {row['loss_first']:.4f} / {row['loss_final']:.4f} "
+                f"| {calls_text(row) if name == 'rsccl' else '-'} | {pool} |")
+        rs = runs.get("rsccl")
+        if rs and rs.get("pool_alloc") is False:
+            out += ["", ("**rsccl's group did not offer pool allocation (supports_tensor_alloc False): FSDP used "
+                         "torch's allocator**")]
+        if rs and rs.get("counts_per_rank"):
+            out += ["", f"In-place / staged counts differ between ranks: {rs['counts_per_rank']}"]
+        out += ["", "Verdicts: " + "; ".join(verdicts(runs))]
+    return out
+
+
+def verdicts(runs: dict) -> list[str]:
+    rs, nc = runs.get("rsccl"), runs.get("nccl")
+    if not (rs and nc):
+        return [f"{name} n/a (did not finish)" if not row else
+                f"{name} only: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
+                f"memory added {mib(row['used_added'])} MiB, final loss {row['loss_final']:.4f}"
+                for name, row in (("rsccl", rs), ("nccl", nc))]
+    out = []
+    ratio = nc["mean_ms"] / rs["mean_ms"] if rs["mean_ms"] else float("nan")
+    out.append(f"step time rsccl {rs['mean_ms']:.2f} ms / nccl {nc['mean_ms']:.2f} ms = nccl/rsccl {ratio:.2f}x, "
+               f"target rsccl <= nccl: {'met' if rs['mean_ms'] <= nc['mean_ms'] else 'NOT MET'}")
+    if rs["peak_reserved"] is not None and nc["peak_reserved"] is not None:
+        out.append(f"peak reserved rsccl {mib(rs['peak_reserved'])} / nccl {mib(nc['peak_reserved'])} MiB, target "
+                   f"rsccl <= nccl: {'met' if rs['peak_reserved'] <= nc['peak_reserved'] else 'NOT MET'}")
+    out.append(f"device memory added by the run rsccl {mib(rs['used_added'])} / nccl {mib(nc['used_added'])} MiB")
+    out.append("final loss " + loss_check(runs)[1])
+    return out
+
+
+def fsdp_summary_lines(world: int, fsdp: dict | None) -> list[str]:
+    if not fsdp:
+        return []
+    c = fsdp.get("config", {})
+    head = (f"w{world} fsdp2 ({c.get('layers', '?')} layers, d {c.get('dim', '?')}, seq {c.get('seq', '?')} x batch "
+            f"{c.get('batch', '?')}, {c.get('steps', '?')} steps)")
+    lines = [f"{head}: " + "; ".join(verdicts(fsdp.get("runs", {})))]
+    rs = fsdp.get("runs", {}).get("rsccl")
+    if rs:
+        lines.append(f"w{world} fsdp2 rsccl: collectives in place / staged {calls_text(rs)}; pool "
+                     f"{mib(rs['pool_bytes'])} MiB, peak used {mib(rs['pool_peak_bytes'])} MiB; device used peak "
+                     f"{mib(rs['used_peak'])} MiB (nccl run: "
+                     f"{mib(fsdp['runs']['nccl']['used_peak']) if 'nccl' in fsdp.get('runs', {}) else 'n/a'} MiB)")
+    for what, why in fsdp.get("errors", {}).items():
+        lines.append(f"w{world} fsdp2 {what} FAILED: {why}")
+    return lines
+
+
+def fsdp_problems(world: int, fsdp: dict | None) -> list[str]:
+    """What makes the run's exit status non-zero: a failed phase, losses that disagree."""
+    if not fsdp:
+        return []
+    out = [f"w{world} FSDP2 {what}: {why}" for what, why in fsdp.get("errors", {}).items()]
+    ok, text = loss_check(fsdp.get("runs", {}))
+    if ok is False:
+        out.append(f"w{world} FSDP2 final losses differ: {text}")
+    return out
