@@ -8,8 +8,11 @@ Two settings, nothing else changes in the training code:
    variable RSCCL_CUDA_POOL_BYTES). It is allocated at init_process_group and mapped by
    every local rank, next to rsccl's staging buffer. Size it for the communication
    buffers alive at once (with FSDP2: about two layers' all-gather outputs in the
-   parameter dtype and two layers' reduce-scatter inputs in the reduce dtype), with room
-   to spare: torch's caching allocator keeps the blocks it took from a pool, per stream.
+   parameter dtype and two layers' reduce-scatter inputs in the reduce dtype, plus the
+   gradient shards, which FSDP2 keeps in its reduce-scatter outputs: parameters x 4 bytes
+   / world size with float32 reductions), with room to spare: torch's caching allocator
+   keeps the blocks it took from a pool, per stream. A pool that runs out makes rsccl
+   fall back to torch's allocator (with a warning), not fail.
 
 2. FSDP2 takes its communication buffers from the group:
    `module.set_allocate_memory_from_process_group_for_comm(True)` on every module that

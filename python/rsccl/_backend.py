@@ -10,6 +10,7 @@ of waiting for the rank that failed. Groups whose ranks span hosts delegate to g
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -191,8 +192,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         device = device_for_new_group()
         self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
         self._cuda_device = device if self._comm.has_cuda else None
-        # Fixed at creation (reading memory_stats later synchronizes the device).
-        self._pool_bytes = int(self._comm.memory_stats().get("cuda_pool_bytes", 0)) if self._cuda_device is not None else 0
+        self._pool_bytes = int(self._comm.cuda_pool_bytes)
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
         self._done = DoneWork([])
@@ -202,6 +202,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._pool: torch.cuda.MemPool | None = None
+        self._pool_full_warned = False
         self._allocator: Any = None
         _LIVE.add(self)
 
@@ -261,8 +262,21 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of `size` elements from the group's pool: collectives use it in place
-        when every rank allocated its counterpart at the same offset."""
-        with torch.cuda.use_mem_pool(self._mem_pool(), device):
+        when every rank allocated its counterpart at the same offset. When the pool is full
+        the tensor comes from torch's allocator instead (the collectives using it are then
+        staged, still correct), with one warning per group: FSDP2 keeps gradient shards in
+        these buffers, and training must not stop because the pool was sized tight."""
+        try:
+            with torch.cuda.use_mem_pool(self._mem_pool(), device):
+                return torch.empty(size, dtype=dtype, device=device)
+        except torch.OutOfMemoryError:
+            if not self._pool_full_warned:
+                self._pool_full_warned = True
+                warnings.warn(
+                    f"rsccl: rank {self.rank()}: the group's pool ({self._pool_bytes} bytes, cuda_pool_bytes) is full; "
+                    "allocate_tensor falls back to torch's allocator (those collectives are staged)",
+                    stacklevel=2,
+                )
             return torch.empty(size, dtype=dtype, device=device)
 
     @property
@@ -270,6 +284,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         """The pool's torch CUDAAllocator (what torch.cuda.MemPool takes)."""
         self._mem_pool()
         return self._allocator
+
+    # torch asks the device's backend whether it can split (init_process_group(device_id=),
+    # split_group): rsccl groups are made with new_group.
+    supports_splitting = False
 
     def _get_backend(self, device: torch.device) -> ProcessGroupRsccl:
         # rsccl is one ProcessGroup for every device type; torch code that asks for the

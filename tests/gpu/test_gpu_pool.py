@@ -648,6 +648,25 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
     assert full * CHUNK <= allocated_full <= SMALL_POOL_BYTES and peak_full == allocated_full, f"full: allocated {allocated_full}, peak {peak_full}"
     # The group still works after the failed allocation.
     _check_inplace_all_reduce(ctx, seed, g, held[-1], "all_reduce in a full pool, after OutOfMemoryError")
+    # FSDP2's path (allocate_tensor) does not fail on a full pool: it warns once and falls
+    # back to torch's allocator; a collective on that tensor is staged and right.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spill = g.allocate_tensor(CHUNK // 4, dtype=torch.float32, device=ctx.device)
+        spill2 = g.allocate_tensor(CHUNK // 4, dtype=torch.float32, device=ctx.device)
+    full_warnings = [w for w in caught if "pool" in str(w.message) and "full" in str(w.message)]
+    assert len(full_warnings) == 1, f"allocate_tensor on a full pool: expected one 'pool is full' warning, got {[str(w.message) for w in caught]}"
+    stats = rsccl.memory_stats(g)
+    assert _stat(stats, "cuda_pool_allocated_bytes") == allocated_full, "the fallback must not take pool memory"
+    x = rand(seed, ctx.rank, spill.numel(), spill.dtype, salt="spill")
+    spill.copy_(x)
+    counter = _Counter(g)
+    got = counter.run("all_reduce on allocate_tensor's fallback tensor", False, spill.numel() * 4, lambda: (dist.all_reduce(spill, group=g), _take(spill))[1])
+    check_reduction(got, gather_inputs(ctx, x), "SUM", "all_reduce on allocate_tensor's fallback tensor")
+    counter.check()
+    del spill, spill2
 
     # Freed tensors go back to torch's MemPool (which keeps the blocks, so rsccl's
     # allocated figure need not fall); the same sizes are handed out again.

@@ -231,6 +231,15 @@ impl Communicator {
         self.0.has_cuda()
     }
 
+    /// Bytes of this group's pool per rank (0: none); reads nothing from the device.
+    #[getter]
+    fn cuda_pool_bytes(&self) -> PyResult<u64> {
+        if !self.0.has_cuda() {
+            return Ok(0);
+        }
+        Ok(self.0.cuda().py()?.pool_bytes() as u64)
+    }
+
     /// The (alloc, free) C function addresses of this group's pool, for
     /// torch._C._cuda_customAllocator; raises if the group has no pool.
     fn pool_allocator(&self) -> PyResult<(usize, usize)> {
@@ -312,7 +321,7 @@ impl Communicator {
         d.set_item("collectives", s.collectives)?;
         d.set_item("p2p_messages", s.p2p_messages)?;
         d.set_item("staged_bytes", s.staged_bytes)?;
-        // Reading the kernels' counters synchronizes the device: without the GIL.
+        // Reading the kernels' counters waits for the group's kernels: without the GIL.
         if let Some(c) = py.detach(|| self.0.cuda_stats()) {
             d.set_item("cuda_device", c.device)?;
             d.set_item("cuda_va_reserved_bytes", c.va_reserved_bytes)?;

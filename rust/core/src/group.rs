@@ -166,9 +166,12 @@ impl Group {
         self.cuda.lock().is_some()
     }
 
-    /// Synchronizes the device (see CudaEngine::stats).
+    /// Waits for the group's queued kernels (see CudaEngine::stats).
     pub fn cuda_stats(&self) -> Option<CudaStats> {
-        self.cuda.lock().as_ref().map(|c| c.stats())
+        // Not under the lock: reading the counters waits for the group's kernels, and
+        // shutdown needs this lock to stop them.
+        let engine = self.cuda.lock().clone();
+        engine.map(|c| c.stats())
     }
 
     /// Stop the engine and release its region and sockets. Idempotent.

@@ -222,6 +222,8 @@ impl HostWords {
     // u32 index 0: the error code; bytes 32..48: this rank's descriptor; bytes 64..320: peers'
     // descriptors (report_mismatch in the kernel source); the abort word lives apart.
     const ABORT: usize = 512;
+    /// u64 index of 4 words the collective counters are copied into (bytes 3072..3104).
+    const COUNTS: usize = 384;
 
     fn new() -> Result<HostWords> {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -245,6 +247,12 @@ impl HostWords {
     fn read64(&self, i: usize) -> u64 {
         // SAFETY: i < 512 keeps it inside the 4 KiB page; volatile because the GPU writes it.
         unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
+    }
+
+    /// Where the collective counters are copied (see COUNTS).
+    fn counts_ptr(&self) -> *mut std::ffi::c_void {
+        // SAFETY: COUNTS + 4 u64 = 3104 bytes, inside the 4 KiB page.
+        unsafe { (self.host as *mut u64).add(Self::COUNTS) as *mut std::ffi::c_void }
     }
 
     fn write(&self, i: usize, v: u32) {
@@ -734,27 +742,61 @@ impl CudaEngine {
         r
     }
 
-    /// The kernels' counters (STATS_OFF): a small device-to-host copy after the device is
-    /// synchronized. They are counted on the GPU so that CUDA graph replays count too.
-    /// While a stream of this engine is being captured into a graph the last values read
-    /// are returned instead (no synchronization is allowed then).
+    /// The kernels' counters (STATS_OFF), counted on the GPU so that CUDA graph replays
+    /// count too. Read with an asynchronous copy into the pinned page, on the internal
+    /// stream ordered after the last launch (so after every kernel of the group), then
+    /// polled: no device-wide synchronization, so other work and other threads' graph
+    /// captures are left alone. While the internal stream or the last launch's stream is
+    /// being captured the last values read are returned instead.
     fn kernel_counts(&self) -> [u64; 4] {
         let read = || -> Result<[u64; 4]> {
-            if is_capturing(self.internal as u64)? {
-                return Err(Error::Internal("capturing".into()));
-            }
             let _ctx = self.sh.dev.bind()?;
-            let mut v = [0u64; 4];
-            // SAFETY: synchronizes this context, then copies 16 bytes of our own block
-            // (mapped for this device) into a local array.
-            unsafe {
-                check(cu::cuCtxSynchronize(), "cuCtxSynchronize")?;
-                check(
-                    cu::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut std::ffi::c_void, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32),
-                    "cuMemcpyDtoH (collective counters)",
-                )?;
-            }
-            Ok(v)
+            let internal = self.internal as u64;
+            // An error (the legacy stream during a global-mode capture) counts as capturing.
+            let capturing = |s: u64| is_capturing(s).unwrap_or(true);
+            let ev = {
+                let mut o = self.order.lock();
+                if capturing(internal) {
+                    return Err(Error::Internal("capturing".into()));
+                }
+                if let Some(last) = o.last_stream.filter(|&l| l != internal) {
+                    if capturing(last) {
+                        return Err(Error::Internal("capturing".into()));
+                    }
+                    self.join(&mut o, last, internal)?;
+                }
+                let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+                let dst = self.sh.words.counts_ptr();
+                // SAFETY: copies 32 bytes of our own block (mapped for this device) into the
+                // pinned page (32 free bytes at COUNTS), on our live stream; the event is ours.
+                let r = unsafe {
+                    check(
+                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal),
+                        "cuMemcpyDtoHAsync (collective counters)",
+                    )
+                    .and_then(|_| check(cu::cuEventRecord(ev, self.internal), "cuEventRecord"))
+                };
+                if let Err(e) = r {
+                    o.free_events.push(ev);
+                    return Err(e);
+                }
+                ev
+            };
+            let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            let done = loop {
+                // SAFETY: valid event.
+                match unsafe { cu::cuEventQuery(ev) } {
+                    cu::CUresult::CUDA_SUCCESS => break Ok(()),
+                    cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_micros(20))
+                    }
+                    cu::CUresult::CUDA_ERROR_NOT_READY => break Err(Error::Timeout("reading the collective counters".into())),
+                    e => break check(e, "cuEventQuery"),
+                }
+            };
+            self.order.lock().free_events.push(ev);
+            done?;
+            Ok(std::array::from_fn(|i| self.sh.words.read64(HostWords::COUNTS + i)))
         };
         let mut last = self.last_counts.lock();
         if let Ok(v) = read() {
@@ -784,6 +826,11 @@ impl CudaEngine {
             staged_collectives: total_n.saturating_sub(inplace_n),
             staged_bytes: total_b.saturating_sub(inplace_b),
         }
+    }
+
+    /// Bytes of the pool per rank (0: none), without reading the device.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool.pool_bytes
     }
 
     /// The pool behind rsccl.mem_pool(), if the group has one.

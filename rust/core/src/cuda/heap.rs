@@ -99,39 +99,56 @@ pub struct Heap {
     /// Address of the pool's first byte in this process (inside the rank's own block).
     pub start: u64,
     pub device: i32,
-    ranges: Mutex<Ranges>,
+    capacity: u64,
+    /// Allocations and whether the group is gone, under one lock: an allocation and the
+    /// group's closing cannot interleave (no pointer handed out into an unmapped range).
+    state: Mutex<HeapState>,
     /// Keeps the block mapped while the group lives or torch holds allocations.
     mapping: Mutex<Option<Arc<SymmetricPool>>>,
-    closed: Mutex<bool>,
+}
+
+struct HeapState {
+    ranges: Ranges,
+    closed: bool,
 }
 
 impl Heap {
     pub fn new(mapping: Arc<SymmetricPool>, device: i32) -> Heap {
         let start = mapping.block_addr(mapping.me) + mapping.pool_off as u64;
-        let size = mapping.pool_bytes as u64;
-        Heap { start, device, ranges: Mutex::new(Ranges::new(size)), mapping: Mutex::new(Some(mapping)), closed: Mutex::new(false) }
+        let ranges = Ranges::new(mapping.pool_bytes as u64);
+        Heap {
+            start,
+            device,
+            capacity: ranges.capacity(),
+            state: Mutex::new(HeapState { ranges, closed: false }),
+            mapping: Mutex::new(Some(mapping)),
+        }
     }
 
     pub fn capacity(&self) -> u64 {
-        self.ranges.lock().capacity()
+        self.capacity
     }
 
     /// (bytes handed out now, most ever handed out at once).
     pub fn usage(&self) -> (u64, u64) {
-        let r = self.ranges.lock();
-        (r.allocated, r.peak)
+        let st = self.state.lock();
+        (st.ranges.allocated, st.ranges.peak)
     }
 
     /// Whether [ptr, ptr + len) lies inside this pool.
     pub fn contains(&self, ptr: u64, len: u64) -> bool {
-        ptr >= self.start && ptr.checked_add(len).is_some_and(|end| end <= self.start + self.capacity())
+        ptr >= self.start && ptr.checked_add(len).is_some_and(|end| end <= self.start + self.capacity)
     }
 
     fn alloc(&self, size: u64, device: i32) -> *mut c_void {
-        if device != self.device || *self.closed.lock() {
+        if device != self.device {
             return std::ptr::null_mut();
         }
-        match self.ranges.lock().alloc(size) {
+        let mut st = self.state.lock();
+        if st.closed {
+            return std::ptr::null_mut();
+        }
+        match st.ranges.alloc(size) {
             Some(off) => (self.start + off) as *mut c_void,
             None => std::ptr::null_mut(),
         }
@@ -142,43 +159,50 @@ impl Heap {
         if ptr < self.start {
             return false;
         }
-        let (known, empty) = {
-            let mut r = self.ranges.lock();
-            (r.free(ptr - self.start), r.live_count() == 0)
+        let (known, last) = {
+            let mut st = self.state.lock();
+            let known = st.ranges.free(ptr - self.start);
+            (known, known && st.closed && st.ranges.live_count() == 0)
         };
-        if known && empty && *self.closed.lock() {
+        if last {
             self.release();
         }
         known
     }
 
-    /// The group is going away: unmap now if torch holds nothing, else at the last free.
+    /// The group is going away: unmap now if torch holds nothing, else at the last free
+    /// (meanwhile only this rank's own block stays mapped: the peers' blocks, which hold
+    /// their GPUs' memory, are let go now).
     pub fn close(self: &Arc<Self>) {
-        *self.closed.lock() = true;
-        if self.ranges.lock().live_count() == 0 {
+        let empty = {
+            let mut st = self.state.lock();
+            st.closed = true;
+            st.ranges.live_count() == 0
+        };
+        if empty {
             self.release();
         } else {
+            if let Some(m) = self.mapping.lock().as_ref() {
+                m.release_peers();
+            }
             tracing::info!("rsccl: a group's pool still has tensors: its memory stays mapped until torch frees them");
         }
     }
 
+    /// Unmap. The slot keeps the (closed) heap: torch may still hold this pool's allocator,
+    /// and its allocations must keep failing rather than reach another group's pool.
     fn release(&self) {
         let pool = self.mapping.lock().take();
         drop(pool);
-        let mut slots = SLOTS.lock();
-        for s in slots.iter_mut() {
-            if s.as_ref().is_some_and(|h| std::ptr::eq(Arc::as_ptr(h), self)) {
-                *s = None;
-            }
-        }
     }
 }
 
 // ---------------------------------------------------------------------------------------
 // The C functions torch calls. torch's allocator passes no context, so each pool gets a
-// slot with its own alloc function; free finds the pool by address.
+// slot with its own alloc function; free finds the pool by address. A slot is never given
+// to another pool (a closed heap stays in it), so a process can create SLOT_COUNT pools.
 
-const SLOT_COUNT: usize = 8;
+const SLOT_COUNT: usize = 32;
 static SLOTS: Mutex<[Option<Arc<Heap>>; SLOT_COUNT]> = parking_lot::const_mutex([const { None }; SLOT_COUNT]);
 
 fn slot_alloc(slot: usize, size: isize, device: i32) -> *mut c_void {
@@ -201,7 +225,12 @@ macro_rules! alloc_fns {
         const ALLOC_FNS: [extern "C" fn(isize, i32, *mut c_void) -> *mut c_void; SLOT_COUNT] = [$($name),*];
     };
 }
-alloc_fns!(alloc0 = 0, alloc1 = 1, alloc2 = 2, alloc3 = 3, alloc4 = 4, alloc5 = 5, alloc6 = 6, alloc7 = 7);
+alloc_fns!(
+    alloc0 = 0, alloc1 = 1, alloc2 = 2, alloc3 = 3, alloc4 = 4, alloc5 = 5, alloc6 = 6, alloc7 = 7,
+    alloc8 = 8, alloc9 = 9, alloc10 = 10, alloc11 = 11, alloc12 = 12, alloc13 = 13, alloc14 = 14, alloc15 = 15,
+    alloc16 = 16, alloc17 = 17, alloc18 = 18, alloc19 = 19, alloc20 = 20, alloc21 = 21, alloc22 = 22, alloc23 = 23,
+    alloc24 = 24, alloc25 = 25, alloc26 = 26, alloc27 = 27, alloc28 = 28, alloc29 = 29, alloc30 = 30, alloc31 = 31
+);
 
 extern "C" fn pool_free(ptr: *mut c_void, _size: usize, _device: i32, _stream: *mut c_void) {
     let _ = std::panic::catch_unwind(|| {
@@ -220,7 +249,7 @@ pub fn allocator_fns(heap: &Arc<Heap>) -> Result<(usize, usize)> {
         Some(i) => i,
         None => {
             let i = slots.iter().position(|s| s.is_none()).ok_or_else(|| {
-                Error::Config(format!("at most {SLOT_COUNT} rsccl pools can be in use in one process; destroy a group with a pool first"))
+                Error::Config(format!("at most {SLOT_COUNT} groups with a pool can call rsccl.mem_pool() in one process"))
             })?;
             slots[i] = Some(heap.clone());
             i

@@ -52,8 +52,9 @@ pub struct SymmetricPool {
     /// Where the pool (rsccl.mem_pool) starts inside a block, and its size (0: none).
     pub pool_off: usize,
     pub pool_bytes: usize,
-    handles: Vec<cu::CUmemGenericAllocationHandle>,
-    mapped: Vec<bool>,
+    /// Per block: its handle (0: none) and whether it is mapped; behind a lock so the
+    /// peers' blocks can be let go early (release_peers) while this rank's stays.
+    blocks: parking_lot::Mutex<Vec<(cu::CUmemGenericAllocationHandle, bool)>>,
     reserved: usize,
     access_set: bool,
 }
@@ -103,15 +104,14 @@ impl SymmetricPool {
             me,
             pool_off,
             pool_bytes,
-            handles: vec![0; nranks],
-            mapped: vec![false; nranks],
+            blocks: parking_lot::Mutex::new(vec![(0, false); nranks]),
             reserved: 0,
             access_set: false,
         };
         let mut own: cu::CUmemGenericAllocationHandle = 0;
         // SAFETY: out-pointer to a local; prop is initialized; size is a granularity multiple.
         check(unsafe { cu::cuMemCreate(&mut own, block, &prop, 0) }, "cuMemCreate (the rank's CUDA buffer)")?;
-        pool.handles[me] = own;
+        pool.blocks.get_mut()[me].0 = own;
         let mut va: cu::CUdeviceptr = 0;
         // SAFETY: reserves `total` bytes of VA (no memory), aligned to the granularity.
         check(unsafe { cu::cuMemAddressReserve(&mut va, total, gran, 0, 0) }, "cuMemAddressReserve")?;
@@ -170,7 +170,7 @@ impl SymmetricPool {
             // SAFETY: we own `raw` (taken from the OwnedFd above).
             unsafe { libc::close(raw) };
             check(r, &format!("cuMemImportFromShareableHandle (local rank {j}'s buffer)"))?;
-            pool.handles[j] = h;
+            pool.blocks.get_mut()[j].0 = h;
             pool.map(j, h)?;
         }
         let desc = cu::CUmemAccessDesc {
@@ -186,7 +186,7 @@ impl SymmetricPool {
     fn map(&mut self, j: usize, h: cu::CUmemGenericAllocationHandle) -> Result<()> {
         // SAFETY: maps a whole allocation of `block` bytes into our reserved range.
         check(unsafe { cu::cuMemMap(self.block_addr(j), self.block, 0, h, 0) }, "cuMemMap")?;
-        self.mapped[j] = true;
+        self.blocks.get_mut()[j].1 = true;
         if j == self.me {
             let desc = cu::CUmemAccessDesc {
                 location: cu::CUmemLocation { type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: self.dev.ordinal },
@@ -205,6 +205,32 @@ impl SymmetricPool {
     pub fn reserved_bytes(&self) -> usize {
         self.reserved
     }
+
+    /// Unmap and release the peers' blocks, keeping this rank's: once the group's kernels
+    /// are done, only this rank's pool tensors (still held by torch) need a mapping.
+    pub fn release_peers(&self) {
+        let Ok(_ctx) = self.dev.bind() else { return };
+        let mut blocks = self.blocks.lock();
+        for (j, b) in blocks.iter_mut().enumerate() {
+            if j != self.me {
+                self.unmap_release(j, b);
+            }
+        }
+    }
+
+    fn unmap_release(&self, j: usize, b: &mut (cu::CUmemGenericAllocationHandle, bool)) {
+        if b.1 {
+            // SAFETY: block j was mapped by `map`, and no kernel of the group runs any more
+            // (callers: Drop, and release_peers after the engine drained).
+            unsafe { cu::cuMemUnmap(self.block_addr(j), self.block) };
+            b.1 = false;
+        }
+        if b.0 != 0 {
+            // SAFETY: releases the handle created or imported in `create`, once.
+            unsafe { cu::cuMemRelease(b.0) };
+            b.0 = 0;
+        }
+    }
 }
 
 impl Drop for SymmetricPool {
@@ -212,16 +238,9 @@ impl Drop for SymmetricPool {
         let Ok(_ctx) = self.dev.bind() else { return };
         // Unmap and release every block; the physical memory of a peer's block goes when
         // the last process holding it releases it, so order between ranks does not matter.
-        for j in 0..self.nranks {
-            if self.mapped[j] {
-                // SAFETY: this block was mapped by `map` and no kernel runs (the engine
-                // synchronized its streams before dropping the pool).
-                unsafe { cu::cuMemUnmap(self.block_addr(j), self.block) };
-            }
-            if self.handles[j] != 0 {
-                // SAFETY: releases the handle created or imported in `create`.
-                unsafe { cu::cuMemRelease(self.handles[j]) };
-            }
+        let mut blocks = std::mem::take(self.blocks.get_mut());
+        for (j, b) in blocks.iter_mut().enumerate() {
+            self.unmap_release(j, b);
         }
         if self.reserved > 0 {
             // SAFETY: frees the range reserved in `create`, now unmapped.
