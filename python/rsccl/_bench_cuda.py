@@ -116,8 +116,10 @@ from ._bench_fsdp import (
     fsdp_summary_lines,
     run_fsdp,
 )
+from . import _rsccl
 from ._cuda import mapped_va_bytes
-from .bench import TOLERANCES, bus_factor, human, message_sizes, numels, parse_bytes
+from .bench import TOLERANCES, bus_factor, human, message_sizes, numels
+from .options import as_items
 
 MiB = 1 << 20
 PROBE_BYTES = 1 * MiB  # the first collectives' message, for the memory measurements
@@ -185,15 +187,13 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def option_bytes(options: dict[str, int | str], key: str, env: str, default: int) -> int | None:
-    """A size setting as rsccl will resolve it (the Options field, else the variable, else the
-    default); None if it does not parse here (rsccl's own parser has the last word)."""
-    raw = options.get(key, os.environ.get(env))
-    if raw is None:
-        return default
+def resolved(options: dict[str, int | str]) -> dict[str, int] | None:
+    """Every setting as rsccl resolves it (the Options field, else the RSCCL_* variable, else
+    the default; rsccl's own parser), or None where rsccl would refuse the options (the
+    group's creation then fails and says why)."""
     try:
-        return raw if isinstance(raw, int) else parse_bytes(str(raw).replace(" ", ""))
-    except argparse.ArgumentTypeError:
+        return dict(_rsccl.resolve_options(as_items(options)))
+    except ValueError:
         return None
 
 
@@ -204,11 +204,11 @@ def options_text(options: dict[str, int | str]) -> str:
 def one_shot_limit(world: int, options: dict[str, int | str]) -> int | None:
     """The all_reduce size up to which rsccl runs one-shot (staged even on pool buffers: in
     place applies to two-shot only), as rsccl resolves it (rust/core/src/cuda/engine.rs,
-    auto_one_shot_max); None if the setting does not parse here."""
-    limit = option_bytes(options, "cuda_allreduce_one_shot_max_bytes", "RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES", 0)
-    if limit is None or limit > 0:
-        return limit
-    return 2 * MiB if world <= 2 else (512 << 10 if world <= 4 else 256 << 10)
+    auto_one_shot_max); None where rsccl would refuse the options."""
+    r = resolved(options)
+    if r is None:
+        return None
+    return r["cuda_allreduce_one_shot_max_bytes"] or _rsccl.cuda_auto_one_shot_max(world)
 
 
 def pool_sizes(cfg: Config) -> list[int]:
@@ -232,9 +232,11 @@ def pool_options(cfg: Config, world: int) -> dict[str, int | str]:
     if "cuda_pool_bytes" not in user:
         out["cuda_pool_bytes"] = round_up(2 * max(sizes) + 64 * MiB, GRANULE)
     if "max_cuda_va_bytes" not in user:
-        pool = option_bytes({**user, **out}, "cuda_pool_bytes", "RSCCL_CUDA_POOL_BYTES", 0)
-        buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
-        need = world * round_up((pool if pool is not None else 4 << 30) + (buf if buf is not None else 4 << 30), GRANULE)
+        r = resolved({**user, **out})
+        # Options rsccl would refuse: assume 4 GiB for what cannot be read (creation fails anyway).
+        pool = r["cuda_pool_bytes"] if r else int(out.get("cuda_pool_bytes", 4 << 30))
+        buf = r["cuda_buffer_bytes"] if r else 4 << 30
+        need = world * round_up(pool + buf, GRANULE)
         out["max_cuda_va_bytes"] = max(POOL_VA_FLOOR, need + (1 << 30))
     return out
 

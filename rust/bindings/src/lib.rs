@@ -419,22 +419,15 @@ fn settings() -> Vec<(&'static str, &'static str, u64, bool, String)> {
 #[pyfunction]
 #[pyo3(signature = (options=None))]
 fn resolve_options(options: Option<Vec<(String, String)>>) -> PyResult<Vec<(String, u64)>> {
-    let c = Config::from_env(&options.unwrap_or_default()).py()?;
-    Ok(vec![
-        ("host_buffer_bytes".into(), c.host_buffer_bytes as u64),
-        ("p2p_buffer_bytes".into(), c.p2p_buffer_bytes as u64),
-        ("max_region_bytes".into(), c.max_region_bytes as u64),
-        ("allreduce_one_shot_max_bytes".into(), c.allreduce_one_shot_max_bytes as u64),
-        ("spin_count".into(), c.spin_count as u64),
-        ("cuda_buffer_bytes".into(), c.cuda_buffer_bytes as u64),
-        ("cuda_blocks".into(), c.cuda_blocks as u64),
-        ("cuda_allreduce_one_shot_max_bytes".into(), c.cuda_allreduce_one_shot_max_bytes as u64),
-        ("max_cuda_va_bytes".into(), c.max_cuda_va_bytes as u64),
-        ("cuda_warmup".into(), c.cuda_warmup as u64),
-        ("cuda_sync_stream".into(), c.cuda_sync_stream as u64),
-        ("cuda_pool_bytes".into(), c.cuda_pool_bytes as u64),
-        ("cuda_inplace_min_bytes".into(), c.cuda_inplace_min_bytes as u64),
-    ])
+    let values = Config::resolve_values(&options.unwrap_or_default(), &|k| std::env::var(k).ok()).py()?;
+    Ok(values.into_iter().map(|(f, v)| (f.to_string(), v)).collect())
+}
+
+/// The CUDA all_reduce one-shot limit rsccl picks for `local_ranks` when
+/// cuda_allreduce_one_shot_max_bytes is 0 (what the bench needs to label its rows).
+#[pyfunction]
+fn cuda_auto_one_shot_max(local_ranks: usize) -> usize {
+    rsccl_core::cuda::engine::auto_one_shot_max(local_ranks)
 }
 
 /// Diagnostics go to stderr through tracing; RSCCL_LOG sets the level (error, warn, info,
@@ -458,6 +451,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_auto_one_shot_max, m)?)?;
     m.add_function(wrap_pyfunction!(finish_completions, m)?)?;
     m.add("PeerFailureError", m.py().get_type::<errors::PeerFailureError>())?;
     m.add("GroupAbortedError", m.py().get_type::<errors::GroupAbortedError>())?;

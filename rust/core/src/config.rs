@@ -227,8 +227,9 @@ fn parse_value(s: &Setting, raw: &str, source: &str) -> Result<u64> {
 }
 
 impl Config {
-    /// `overrides` are (Options field, value) pairs; `env` looks up a variable.
-    pub fn resolve(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+    /// Every setting's value, checked, in the table's order, by field: from `overrides`
+    /// ((Options field, value) pairs), else `env` (looks up a variable), else the default.
+    pub fn resolve_values(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(&'static str, u64)>> {
         for (k, _) in overrides {
             if !SETTINGS.iter().any(|s| s.field == k) {
                 return Err(Error::Config(format!(
@@ -246,10 +247,16 @@ impl Config {
             } else {
                 s.default
             };
-            values.push(v);
+            values.push((s.field, v));
         }
+        Ok(values)
+    }
+
+    /// `overrides` are (Options field, value) pairs; `env` looks up a variable.
+    pub fn resolve(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let values = Config::resolve_values(overrides, env)?;
         // By name, so the table's order is free.
-        let v = |field: &str| values[SETTINGS.iter().position(|s| s.field == field).expect("a known setting")];
+        let v = |field: &str| values.iter().find(|(f, _)| *f == field).expect("a known setting").1;
         let cfg = Config {
             host_buffer_bytes: v("host_buffer_bytes") as usize,
             p2p_buffer_bytes: v("p2p_buffer_bytes") as usize,
