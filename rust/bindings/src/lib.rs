@@ -275,6 +275,9 @@ impl Communicator {
             "all_gather" => CudaKind::AllGather,
             "broadcast" => CudaKind::Broadcast,
             "barrier" => CudaKind::Barrier,
+            "gather" => CudaKind::Gather,
+            "scatter" => CudaKind::Scatter,
+            "reduce" => CudaKind::Reduce,
             other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown CUDA collective {other:?}"))),
         };
         let dtype = DType::from_name(dtype).py()?;
