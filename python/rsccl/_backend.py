@@ -461,7 +461,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             i = inp.contiguous()
             flat, post = i, None
             if self.rank() == root:
-                outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ")
+                outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor)
                 for o in outs:
                     self._cuda_check(o, "gather output", None)
                 flat = torch.empty(self.size() * i.numel(), dtype=i.dtype, device=i.device)
@@ -478,7 +478,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             copy_back = None if o is out else (lambda: out.copy_(o))
             flat = o
             if self.rank() == root:
-                ins = _rank_list(input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ")
+                ins = _rank_list(input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor)
                 for x in ins:
                     self._cuda_check(x, "scatter input", None)
                 flat = _flat_cat(ins)
