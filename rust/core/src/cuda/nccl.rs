@@ -19,6 +19,62 @@ pub const MIN_VERSION: i32 = 22800;
 type GetVersion = unsafe extern "C" fn(*mut c_int) -> nc::ncclResult_t;
 type GetUniqueId = unsafe extern "C" fn(*mut nc::ncclUniqueId) -> nc::ncclResult_t;
 type GetErrorString = unsafe extern "C" fn(nc::ncclResult_t) -> *const c_char;
+type CommInitRankConfig =
+    unsafe extern "C" fn(*mut nc::ncclComm_t, c_int, nc::ncclUniqueId, c_int, *mut nc::ncclConfig_t) -> nc::ncclResult_t;
+type CommOp = unsafe extern "C" fn(nc::ncclComm_t) -> nc::ncclResult_t;
+type CommGetAsyncError = unsafe extern "C" fn(nc::ncclComm_t, *mut nc::ncclResult_t) -> nc::ncclResult_t;
+type GroupOp = unsafe extern "C" fn() -> nc::ncclResult_t;
+type AllReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    nc::ncclRedOp_t,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type AllGather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, nc::ncclDataType_t, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+type Rooted = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    c_int,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type RootedReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    nc::ncclRedOp_t,
+    c_int,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type SendFn = unsafe extern "C" fn(*const c_void, usize, nc::ncclDataType_t, c_int, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+type RecvFn = unsafe extern "C" fn(*mut c_void, usize, nc::ncclDataType_t, c_int, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+
+/// The functions of a communicator's life and its operations.
+#[derive(Clone, Copy)]
+pub struct Fns {
+    pub comm_init_rank_config: CommInitRankConfig,
+    pub comm_finalize: CommOp,
+    pub comm_destroy: CommOp,
+    pub comm_abort: CommOp,
+    pub comm_get_async_error: CommGetAsyncError,
+    pub group_start: GroupOp,
+    pub group_end: GroupOp,
+    pub all_reduce: AllReduce,
+    pub all_gather: AllGather,
+    pub reduce_scatter: AllReduce,
+    pub broadcast: Rooted,
+    pub reduce: RootedReduce,
+    pub send: SendFn,
+    pub recv: RecvFn,
+}
 
 /// The loaded library and the functions rsccl calls.
 pub struct Nccl {
@@ -26,6 +82,7 @@ pub struct Nccl {
     pub version: i32,
     get_unique_id: GetUniqueId,
     get_error_string: GetErrorString,
+    pub fns: Fns,
 }
 
 // SAFETY: function pointers into a library that stays loaded for the process's life.
@@ -81,6 +138,25 @@ pub fn load(path: &str) -> Result<&'static Nccl> {
             symbol::<GetErrorString>(handle, "ncclGetErrorString", path)?,
         )
     };
+    // SAFETY: as above; each type spells the function's nccl.h signature.
+    let fns = unsafe {
+        Fns {
+            comm_init_rank_config: symbol(handle, "ncclCommInitRankConfig", path)?,
+            comm_finalize: symbol(handle, "ncclCommFinalize", path)?,
+            comm_destroy: symbol(handle, "ncclCommDestroy", path)?,
+            comm_abort: symbol(handle, "ncclCommAbort", path)?,
+            comm_get_async_error: symbol(handle, "ncclCommGetAsyncError", path)?,
+            group_start: symbol(handle, "ncclGroupStart", path)?,
+            group_end: symbol(handle, "ncclGroupEnd", path)?,
+            all_reduce: symbol(handle, "ncclAllReduce", path)?,
+            all_gather: symbol(handle, "ncclAllGather", path)?,
+            reduce_scatter: symbol(handle, "ncclReduceScatter", path)?,
+            broadcast: symbol(handle, "ncclBroadcast", path)?,
+            reduce: symbol(handle, "ncclReduce", path)?,
+            send: symbol(handle, "ncclSend", path)?,
+            recv: symbol(handle, "ncclRecv", path)?,
+        }
+    };
     let mut version = 0;
     // SAFETY: out-pointer to a local.
     let r = unsafe { get_version(&mut version) };
@@ -94,12 +170,147 @@ pub fn load(path: &str) -> Result<&'static Nccl> {
             version_text(MIN_VERSION)
         )));
     }
-    Ok(NCCL.get_or_init(|| Nccl { path: path.to_string(), version, get_unique_id, get_error_string }))
+    Ok(NCCL.get_or_init(|| Nccl { path: path.to_string(), version, get_unique_id, get_error_string, fns }))
 }
 
 /// "2.28.9" for 22809 (NCCL_VERSION_CODE for versions >= 2.9: major*10000 + minor*100 + patch).
 pub fn version_text(code: i32) -> String {
     format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+}
+
+/// ncclConfig_t as NCCL_CONFIG_INITIALIZER sets it (every field "undefined", NCCL picks),
+/// for the library's version, with rsccl's bounds: blocking init, at most `max_ctas` CTAs
+/// (channels), and a name in NCCL's logs.
+pub fn config(version: i32, max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
+    const UNDEF_INT: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT
+    nc::ncclConfig_t {
+        size: std::mem::size_of::<nc::ncclConfig_t>(),
+        magic: 0xcafebeef,
+        version: version as u32,
+        blocking: 1,
+        cgaClusterSize: UNDEF_INT,
+        minCTAs: UNDEF_INT,
+        maxCTAs: max_ctas.unwrap_or(UNDEF_INT),
+        netName: std::ptr::null(),
+        splitShare: UNDEF_INT,
+        trafficClass: UNDEF_INT,
+        commName: name,
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+    }
+}
+
+/// NCCL's type for an rsccl dtype (None: NCCL has no such type).
+pub fn nccl_dtype(d: crate::dtype::DType) -> Option<nc::ncclDataType_t> {
+    use crate::dtype::DType as D;
+    use nc::ncclDataType_t as N;
+    Some(match d {
+        D::I8 => N::ncclInt8,
+        D::U8 | D::Bool => N::ncclUint8,
+        D::I32 => N::ncclInt32,
+        D::I64 => N::ncclInt64,
+        D::F16 => N::ncclFloat16,
+        D::F32 => N::ncclFloat32,
+        D::F64 => N::ncclFloat64,
+        D::BF16 => N::ncclBfloat16,
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    })
+}
+
+/// NCCL's op for an rsccl reduction (None: NCCL has none; bitwise ops).
+pub fn nccl_op(o: crate::dtype::ReduceOp) -> Option<nc::ncclRedOp_t> {
+    use crate::dtype::ReduceOp as R;
+    use nc::ncclRedOp_t as N;
+    Some(match o {
+        R::Sum => N::ncclSum,
+        R::Product => N::ncclProd,
+        R::Max => N::ncclMax,
+        R::Min => N::ncclMin,
+        R::Avg => N::ncclAvg,
+        _ => return None,
+    })
+}
+
+/// One NCCL communicator (rank `rank` of `nranks`), created blocking and destroyed (or
+/// aborted) with the group. Work on it goes to the caller's streams: the engine orders
+/// and tracks it like its own kernels.
+pub struct NcclComm {
+    nccl: &'static Nccl,
+    comm: nc::ncclComm_t,
+    pub rank: usize,
+    pub nranks: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time (the engine
+// serializes launches under its lock).
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl NcclComm {
+    /// ncclCommInitRankConfig on the current CUDA context (the caller binds the group's
+    /// device). Every rank calls it with the same id; it returns when all have joined.
+    pub fn init(nccl: &'static Nccl, id: &[u8; 128], rank: usize, nranks: usize, max_ctas: Option<i32>, name: &CStr) -> Result<NcclComm> {
+        // SAFETY: zeroed is a valid ncclUniqueId; filled from the bytes below.
+        let mut uid: nc::ncclUniqueId = unsafe { std::mem::zeroed() };
+        for (d, s) in uid.internal.iter_mut().zip(id.iter()) {
+            *d = *s as c_char;
+        }
+        let mut cfg = config(nccl.version, max_ctas, name.as_ptr());
+        let mut comm: nc::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; cfg lives across the call (NCCL copies it).
+        nccl.check(
+            unsafe { (nccl.fns.comm_init_rank_config)(&mut comm, nranks as c_int, uid, rank as c_int, &mut cfg) },
+            "ncclCommInitRankConfig",
+        )?;
+        Ok(NcclComm { nccl, comm, rank, nranks })
+    }
+
+    pub fn raw(&self) -> nc::ncclComm_t {
+        self.comm
+    }
+
+    pub fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
+        self.nccl.check(r, what)
+    }
+
+    /// The communicator's asynchronous error (a failed peer, a network error), if any.
+    pub fn async_error(&self) -> Result<()> {
+        let mut r = nc::ncclResult_t::ncclSuccess;
+        // SAFETY: valid communicator; out-pointer to a local.
+        self.check(unsafe { (self.nccl.fns.comm_get_async_error)(self.comm, &mut r) }, "ncclCommGetAsyncError")?;
+        if r == nc::ncclResult_t::ncclSuccess || r == nc::ncclResult_t::ncclInProgress {
+            return Ok(());
+        }
+        self.check(r, "an NCCL operation")
+    }
+
+    /// Stop every operation in flight and free the communicator (after a failure).
+    pub fn abort(mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: valid communicator, used by no one after this.
+            unsafe { (self.nccl.fns.comm_abort)(self.comm) };
+            self.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        // SAFETY: valid communicator; its operations were waited for by the engine.
+        unsafe {
+            (self.nccl.fns.comm_finalize)(self.comm);
+            (self.nccl.fns.comm_destroy)(self.comm);
+        }
+    }
 }
 
 impl Nccl {
@@ -157,6 +368,18 @@ pub fn choose_cross_host(kind: super::CudaKind, bytes: u64, ranks_per_host: &[us
 mod tests {
     use super::*;
     use crate::cuda::CudaKind;
+
+    #[test]
+    fn config_is_the_initializer_with_our_bounds() {
+        let c = config(22809, Some(8), std::ptr::null());
+        assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
+        assert_eq!((c.magic, c.version, c.blocking, c.maxCTAs, c.minCTAs), (0xcafebeef, 22809, 1, 8, i32::MIN));
+        assert_eq!(config(22809, None, std::ptr::null()).maxCTAs, i32::MIN);
+        use crate::dtype::{DType, ReduceOp};
+        assert_eq!(nccl_dtype(DType::BF16), Some(nc::ncclDataType_t::ncclBfloat16));
+        assert_eq!(nccl_op(ReduceOp::Avg), Some(nc::ncclRedOp_t::ncclAvg));
+        assert_eq!(nccl_op(ReduceOp::BAnd), None);
+    }
 
     #[test]
     fn versions_read_as_text() {
