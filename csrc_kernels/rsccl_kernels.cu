@@ -914,6 +914,149 @@ extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
     save_state(a, &s, steps);
 }
 
+// gather (bytes): `in` holds count bytes on every rank, `out` world * count on the root.
+// Each step, block b: the root copies its own piece into its slot of the output; every
+// other rank pushes its piece into its slot of the root's staging; barrier; the root
+// copies the slots into the output. Reuse: a rank writes parity p's slot again at step
+// s + 2, after barrier(s + 1), which needs the root's signal given after its copy of s.
+extern "C" __global__ void __launch_bounds__(512) rs_gather(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank, R = a.root;
+    const u64 n = a.count;
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        if (me == R) {
+            if (out + R * n != in) {
+                for_packs<u8>(
+                    lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+                    [&](const Pack<u8>& p, u64 i) { store_pack(p, out + R * n, i, hi); });
+            }
+        } else {
+            u8* dst = stage_of(a, R, par) + slot_of(me, R) * m;
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        if (me == R) {
+            const u8* mine = stage_of(a, R, par);
+            for (u32 j0 = 1; j0 < W; j0++) {
+                const u32 j = (R + j0) % W;
+                const u8* src = mine + slot_of(j, R) * m;
+                for_packs<u8>(
+                    lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, src, i - lo); },
+                    [&](const Pack<u8>& p, u64 i) { store_pack(p, out + j * n, i, hi); });
+            }
+        }
+    }
+    save_state(a, &s, steps);
+    note_call(a, (u64)W * n, 2);
+}
+
+// scatter (bytes): `in` holds world * count bytes on the root, `out` count on every rank.
+// Each step, block b: the root pushes piece j of its input into rank j's staging (and
+// copies its own piece into its output); barrier; the others copy it into their output.
+// Reuse as for broadcast: the root writes parity p again at step s + 2, after barrier(s + 1),
+// which needs every rank's signal given after its copy of step s.
+extern "C" __global__ void __launch_bounds__(512) rs_scatter(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank, R = a.root;
+    const u64 n = a.count;
+    const u64 m = per_block<u8>(a, 1, n);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        if (me == R) {
+            for (u32 j0 = 0; j0 < W; j0++) {
+                const u32 j = (R + j0) % W;
+                const u8* src = in + j * n;
+                if (j == R) {
+                    if (src != out) {
+                        for_packs<u8>(
+                            lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                            [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
+                    }
+                } else {
+                    u8* dst = stage_of(a, j, par);
+                    for_packs<u8>(
+                        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                        [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
+                }
+            }
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        if (me != R) {
+            const u8* mine = stage_of(a, me, par);
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, mine, i - lo); },
+                [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
+        }
+    }
+    save_state(a, &s, steps);
+    note_call(a, (u64)W * n, 2);
+}
+
+// reduce to a root: `in` holds count elements on every rank, `out` the result on the
+// root (it may alias in; other ranks' out is not written). Each step, block b: every rank
+// but the root pushes its piece into its slot of the root's staging; barrier; the root
+// reduces in rank order (its own input for itself) into its output. Reuse as for gather.
+template <typename T, typename Op>
+__device__ void reduce_root(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank, R = a.root;
+    const u64 n = a.count;
+    const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, n);
+        if (me != R) {
+            T* dst = reinterpret_cast<T*>(stage_of(a, R, par)) + slot_of(me, R) * m;
+            for_packs<T>(
+                lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, hi); },
+                [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+        if (me == R) {
+            const T* mine = reinterpret_cast<const T*>(stage_of(a, R, par));
+            for_packs<T>(
+                lo, hi,
+                [&](Pack<T>& p, u64 i) {
+                    A acc[Pack<T>::N];
+                    for (u32 j = 0; j < W; j++) {
+                        if (j == R) load_pack(p, in, i, hi);
+                        else load_stage(p, mine + slot_of(j, R) * m, i - lo);
+                        reduce_pack<T, Op>(p, acc, j == 0);
+                    }
+                    finish_pack<T, Op>(p, acc, W);
+                },
+                [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+        }
+    }
+    save_state(a, &s, steps);
+    note_call(a, n * sizeof(T), 2);
+}
+
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
 extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
     __shared__ BlockState s;
@@ -948,3 +1091,4 @@ extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
 RS_TYPES(ar_oneshot)
 RS_TYPES(ar_twoshot)
 RS_TYPES(reduce_scatter)
+RS_TYPES(reduce_root)

@@ -1,6 +1,10 @@
 """The CUDA engine's parts that need no GPU: the kernels compile (NVRTC, sm_90), the
 settings parse, and a group made without CUDA says why it cannot run CUDA tensors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -36,3 +40,29 @@ def test_no_cuda_engine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the GPU suite covers it")
     assert _cuda.device_for_new_group() is None
+
+
+
+def test_nccl_loads_from_torchs_package():
+    """The NCCL engine's first step, without a GPU: rsccl opens torch's libnccl.so.2 (a name
+    cudarc's loader does not try), reads its version and makes a unique id."""
+    path = _cuda.nccl_library_path()
+    assert path is not None and os.path.basename(path).startswith("libnccl.so."), path
+    version, uid = rsccl._rsccl.nccl_probe(path)
+    major, minor, patch = torch.cuda.nccl.version()
+    assert version == major * 10000 + minor * 100 + patch, (version, torch.cuda.nccl.version())
+    assert len(uid) == 128 and any(uid), uid
+    assert rsccl._rsccl.nccl_probe(path)[1] != uid, "two unique ids must differ"
+
+
+def test_nccl_bad_path_is_an_exception():
+    # NCCL is loaded once per process: a fresh interpreter tries the bad path first.
+    code = (
+        "import rsccl\n"
+        "try:\n"
+        "    rsccl._rsccl.nccl_probe('/nonexistent/libnccl.so.2')\n"
+        "except RuntimeError as e:\n"
+        "    print('raised:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "raised: " in r.stdout and "cannot load NCCL from /nonexistent/libnccl.so.2" in r.stdout, (r.stdout, r.stderr)

@@ -72,7 +72,8 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise ArgumentError(
             f"{what} is on {t.device}; on CUDA tensors this rsccl release runs all_reduce, all_gather, "
-            "reduce_scatter, broadcast and barrier (the other collectives come in a later release)",
+            "reduce_scatter, broadcast, reduce, gather, scatter and barrier (the other collectives come in a "
+            "later release)",
             "type",
         )
     if t.is_sparse or t.layout != torch.strided:
@@ -439,6 +440,52 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._cuda("broadcast", prepare, opts, [t])
 
+    def _cuda_root(self, what: str, root: int) -> None:
+        if not 0 <= root < self.size():
+            raise ArgumentError(f"{what}: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
+
+    def _cuda_reduce(self, t: torch.Tensor, root: int, op: str, opts: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(t, "reduce", op)
+            self._cuda_root("reduce", root)
+            c = t if t.is_contiguous() else t.contiguous()
+            post = None if c is t or self.rank() != root else (lambda: t.copy_(c))
+            return c.data_ptr(), c.data_ptr(), c.numel(), _dtype(c), op, root, (t, c), post
+
+        return self._cuda("reduce", prepare, opts, [t])
+
+    def _cuda_gather(self, output_tensors: Any, inp: torch.Tensor, root: int, opts: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(inp, "gather input", None)
+            self._cuda_root("gather", root)
+            i = inp.contiguous()
+            flat, post = i, None
+            if self.rank() == root:
+                outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor)
+                for o in outs:
+                    self._cuda_check(o, "gather output", None)
+                flat = torch.empty(self.size() * i.numel(), dtype=i.dtype, device=i.device)
+                post = _scatter_back(flat, outs)
+            return i.data_ptr(), flat.data_ptr(), i.numel() * i.element_size(), "uint8", "SUM", root, (inp, i, flat), post
+
+        return self._cuda("gather", prepare, opts, output_tensors)
+
+    def _cuda_scatter(self, out: torch.Tensor, input_tensors: Any, root: int, opts: Any) -> Any:
+        def prepare() -> tuple:
+            self._cuda_check(out, "scatter output", None)
+            self._cuda_root("scatter", root)
+            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            copy_back = None if o is out else (lambda: out.copy_(o))
+            flat = o
+            if self.rank() == root:
+                ins = _rank_list(input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor)
+                for x in ins:
+                    self._cuda_check(x, "scatter input", None)
+                flat = _flat_cat(ins)
+            return flat.data_ptr(), o.data_ptr(), o.numel() * o.element_size(), "uint8", "SUM", root, (out, o, flat), copy_back
+
+        return self._cuda("scatter", prepare, opts, [out])
+
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -491,6 +538,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+            return self._cuda_reduce(tensors[0], root, op, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "reduce"))
@@ -736,6 +785,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
+        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+            return self._cuda_gather(output_tensors, input_tensors[0], root, opts)
 
         def prepare() -> _Plan:
             inp = _one(input_tensors, "gather input").contiguous()
@@ -751,6 +802,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
+        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+            return self._cuda_scatter(output_tensors[0], input_tensors, root, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(output_tensors, "scatter output"), copy_in=False)

@@ -52,6 +52,19 @@ def load_nvrtc() -> None:
     _NVRTC_LOADED = True
 
 
+def nccl_library_path() -> str | None:
+    """The libnccl.so.2 of torch's nvidia-nccl package (what torch itself uses), or None."""
+    try:
+        import nvidia  # torch's CUDA wheels
+
+        for base in nvidia.__path__:
+            for path in sorted(glob.glob(os.path.join(base, "nccl", "lib", "libnccl.so.*"))):
+                return path
+    except ImportError:
+        pass
+    return None
+
+
 def device_for_new_group() -> int | None:
     """The GPU a new group's CUDA engine uses: the current device, if the process has
     initialized CUDA (torch.cuda.set_device does); else None (a CPU-only job on a GPU

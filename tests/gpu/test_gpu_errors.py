@@ -70,9 +70,7 @@ def body_unsupported(ctx, seed: int) -> dict[str, str]:
     x = rand(seed, ctx.rank, 4 * w, torch.float32)
     calls = {
         "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=g),
-        "reduce": lambda: dist.reduce(x.clone(), dst=0, group=g),
-        "gather": lambda: dist.gather(x, [torch.empty_like(x) for _ in range(w)] if ctx.rank == 0 else None, dst=0, group=g),
-        "scatter": lambda: dist.scatter(torch.empty_like(x), list(x.chunk(w)) if ctx.rank == 0 else None, src=0, group=g),
+        "all_to_all": lambda: dist.all_to_all(list(torch.empty_like(x).chunk(w)), list(x.chunk(w)), group=g),
     }
     results = {}
     for name, call in calls.items():

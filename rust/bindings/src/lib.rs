@@ -275,6 +275,9 @@ impl Communicator {
             "all_gather" => CudaKind::AllGather,
             "broadcast" => CudaKind::Broadcast,
             "barrier" => CudaKind::Barrier,
+            "gather" => CudaKind::Gather,
+            "scatter" => CudaKind::Scatter,
+            "reduce" => CudaKind::Reduce,
             other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown CUDA collective {other:?}"))),
         };
         let dtype = DType::from_name(dtype).py()?;
@@ -402,6 +405,15 @@ fn cache_kernels(py: Python<'_>, arch: &str) -> PyResult<Option<String>> {
     .map(|p| p.map(|p| p.display().to_string()))
 }
 
+/// Load NCCL from `path` (torch's libnccl.so.2) and return (version code, a fresh unique id):
+/// the first step of the NCCL engine, checkable without a GPU.
+#[pyfunction]
+fn nccl_probe<'py>(py: Python<'py>, path: &str) -> PyResult<(i32, Bound<'py, pyo3::types::PyBytes>)> {
+    let n = rsccl_core::cuda::nccl::load(path).py()?;
+    let id = py.detach(|| n.unique_id()).py()?;
+    Ok((n.version, pyo3::types::PyBytes::new(py, &id)))
+}
+
 /// At interpreter exit: wait (GIL released, at most `timeout_s`) for completion callbacks
 /// in flight, then stop calling into Python. Returns whether the pool went quiet.
 #[pyfunction]
@@ -449,6 +461,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CudaEvent>()?;
     m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_probe, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_auto_one_shot_max, m)?)?;

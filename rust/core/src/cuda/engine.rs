@@ -67,6 +67,10 @@ pub enum CudaKind {
     AllGather,
     Broadcast,
     Barrier,
+    /// Rooted: count is bytes per rank (gather, scatter) or elements (reduce).
+    Gather,
+    Scatter,
+    Reduce,
     /// This rank's arguments were invalid: it takes part in the first barrier only, so
     /// every peer learns of it (descriptor mismatch) instead of waiting.
     Invalid,
@@ -81,12 +85,25 @@ impl CudaKind {
             CudaKind::Broadcast => 4,
             CudaKind::Barrier => 5,
             CudaKind::Invalid => 6,
+            CudaKind::Gather => 7,
+            CudaKind::Scatter => 8,
+            CudaKind::Reduce => 9,
         }
     }
 
     fn from_code(c: u64) -> Option<CudaKind> {
-        [CudaKind::AllReduce, CudaKind::ReduceScatter, CudaKind::AllGather, CudaKind::Broadcast, CudaKind::Barrier, CudaKind::Invalid]
-            .into_iter()
+        [
+            CudaKind::AllReduce,
+            CudaKind::ReduceScatter,
+            CudaKind::AllGather,
+            CudaKind::Broadcast,
+            CudaKind::Barrier,
+            CudaKind::Invalid,
+            CudaKind::Gather,
+            CudaKind::Scatter,
+            CudaKind::Reduce,
+        ]
+        .into_iter()
             .find(|k| k.code() == c)
     }
 
@@ -98,6 +115,9 @@ impl CudaKind {
             CudaKind::Broadcast => "broadcast",
             CudaKind::Barrier => "barrier",
             CudaKind::Invalid => "an invalid call",
+            CudaKind::Gather => "gather",
+            CudaKind::Scatter => "scatter",
+            CudaKind::Reduce => "reduce",
         }
     }
 }
@@ -128,7 +148,10 @@ fn describe(d0: u64, d1: u64) -> String {
     let root = (d0 >> 32) as u32;
     match kind {
         "all_reduce" | "reduce_scatter" => format!("{kind} {dtype}[{d1}] {op}"),
+        "reduce" => format!("{kind} {dtype}[{d1}] {op} to local rank {root}"),
         "broadcast" => format!("{kind} of {d1} bytes from local rank {root}"),
+        "gather" => format!("{kind} of {d1} bytes per rank to local rank {root}"),
+        "scatter" => format!("{kind} of {d1} bytes per rank from local rank {root}"),
         _ => format!("{kind} of {d1} bytes per rank"),
     }
 }
@@ -166,8 +189,9 @@ pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u
     match kind {
         CudaKind::AllReduce => count * elem as u64,
         CudaKind::ReduceScatter => count * (elem * world) as u64,
-        CudaKind::AllGather => count * world as u64,
+        CudaKind::AllGather | CudaKind::Gather | CudaKind::Scatter => count * world as u64,
         CudaKind::Broadcast => count,
+        CudaKind::Reduce => count * elem as u64,
         CudaKind::Barrier | CudaKind::Invalid => 0,
     }
 }
@@ -552,6 +576,9 @@ impl CudaEngine {
             call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0),
             call(CudaKind::ReduceScatter, DType::BF16, ReduceOp::Sum, 0),
             call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Gather, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Scatter, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Reduce, DType::BF16, ReduceOp::Sum, 0),
         ] {
             self.launch(&c)?;
         }
@@ -659,6 +686,9 @@ impl CudaEngine {
             CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
             CudaKind::AllGather => Some(self.kernels.all_gather),
             CudaKind::Broadcast => Some(self.kernels.broadcast),
+            CudaKind::Gather => Some(self.kernels.gather),
+            CudaKind::Scatter => Some(self.kernels.scatter),
+            CudaKind::Reduce => self.kernels.reduce(Family::Reduce, c.dtype, c.op),
             CudaKind::Barrier | CudaKind::Invalid => Some(self.kernels.barrier),
         }
         .ok_or_else(|| {
@@ -997,6 +1027,10 @@ mod tests {
         let d0 = CudaKind::AllReduce.code() | ((DType::BF16 as u64) << 8) | ((ReduceOp::Max as u64) << 16);
         assert_eq!(describe(d0, 1000), "all_reduce bfloat16[1000] MAX");
         assert_eq!(describe(CudaKind::Invalid.code(), 0), "an invalid call");
+        let r = CudaKind::Reduce.code() | ((DType::F32 as u64) << 8) | ((ReduceOp::Sum as u64) << 16) | (2u64 << 32);
+        assert_eq!(describe(r, 7), "reduce float32[7] SUM to local rank 2");
+        assert_eq!(describe(CudaKind::Gather.code() | (1u64 << 32), 64), "gather of 64 bytes per rank to local rank 1");
+        assert_eq!(message_bytes(CudaKind::Scatter, 64, 1, 4), 256);
     }
 }
 

@@ -31,7 +31,11 @@ pub enum Family {
     OneShot,
     TwoShot,
     ReduceScatter,
+    /// reduce to a root
+    Reduce,
 }
+
+pub const FAMILIES: [Family; 4] = [Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce];
 
 impl Family {
     fn prefix(self) -> &'static str {
@@ -39,6 +43,7 @@ impl Family {
             Family::OneShot => "rs_ar_oneshot",
             Family::TwoShot => "rs_ar_twoshot",
             Family::ReduceScatter => "rs_reduce_scatter",
+            Family::Reduce => "rs_reduce_root",
         }
     }
 }
@@ -206,6 +211,8 @@ pub struct Kernels {
     reduce: HashMap<(Family, DType, ReduceOp), CUfunction>,
     pub all_gather: CUfunction,
     pub broadcast: CUfunction,
+    pub gather: CUfunction,
+    pub scatter: CUfunction,
     pub barrier: CUfunction,
     pub cubin_bytes: usize,
 }
@@ -242,7 +249,7 @@ impl Kernels {
             Ok(f)
         };
         let mut reduce = HashMap::new();
-        for fam in [Family::OneShot, Family::TwoShot, Family::ReduceScatter] {
+        for fam in FAMILIES {
             for d in REDUCE_DTYPES {
                 for o in REDUCE_OPS {
                     let name = kernel_name(fam, d, o).expect("a supported combination");
@@ -251,8 +258,9 @@ impl Kernels {
             }
         }
         let (all_gather, broadcast, barrier) = (get("rs_all_gather")?, get("rs_broadcast")?, get("rs_barrier")?);
+        let (gather, scatter) = (get("rs_gather")?, get("rs_scatter")?);
         loaded.0 = std::ptr::null_mut(); // `Kernels` owns the module from here
-        Ok(Kernels { module, reduce, all_gather, broadcast, barrier, cubin_bytes: cubin.len() })
+        Ok(Kernels { module, reduce, all_gather, broadcast, gather, scatter, barrier, cubin_bytes: cubin.len() })
     }
 
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
@@ -273,13 +281,16 @@ mod tests {
 
     #[test]
     fn every_supported_combination_has_a_name() {
-        for f in [Family::OneShot, Family::TwoShot, Family::ReduceScatter] {
+        for f in FAMILIES {
             for d in REDUCE_DTYPES {
                 for o in REDUCE_OPS {
                     let n = kernel_name(f, d, o).unwrap();
                     assert!(SOURCE.contains(&format!("RS_TYPES({})", &f.prefix()[3..])), "{n}");
                 }
             }
+        }
+        for plain in ["rs_all_gather", "rs_broadcast", "rs_gather", "rs_scatter", "rs_barrier"] {
+            assert!(SOURCE.contains(&format!("void __launch_bounds__(512) {plain}(const Args a)")), "{plain}");
         }
         assert!(kernel_name(Family::OneShot, DType::F64, ReduceOp::Sum).is_none());
         assert!(kernel_name(Family::OneShot, DType::F32, ReduceOp::BAnd).is_none());

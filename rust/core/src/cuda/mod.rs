@@ -6,6 +6,7 @@ pub mod driver;
 pub mod engine;
 pub mod heap;
 pub mod kernels;
+pub mod nccl;
 pub mod pool;
 
 pub use engine::{CudaCall, CudaEngine, CudaEvent, CudaKind, CudaStats};

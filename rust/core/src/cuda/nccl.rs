@@ -1,0 +1,402 @@
+//! NCCL, for CUDA groups that span hosts (the NCCL engine of issue 5; work in progress).
+//!
+//! torch's nvidia-nccl package ships `libnccl.so.2`, a name cudarc's loader does not try
+//! (it tries libnccl.so and libnccl.so.<CUDA major>), so rsccl opens the library itself,
+//! by the path the Python layer finds, and resolves the functions it calls. The types
+//! (ncclUniqueId, ncclConfig_t, ...) are cudarc's bindings for NCCL 2.28, the version torch
+//! 2.11 ships; the library's version is checked against that at load.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+use cudarc::nccl::sys as nc;
+
+use crate::error::{Error, Result};
+
+/// The oldest NCCL whose ncclConfig_t matches the bindings (ncclConfig_v22800).
+pub const MIN_VERSION: i32 = 22800;
+
+type GetVersion = unsafe extern "C" fn(*mut c_int) -> nc::ncclResult_t;
+type GetUniqueId = unsafe extern "C" fn(*mut nc::ncclUniqueId) -> nc::ncclResult_t;
+type GetErrorString = unsafe extern "C" fn(nc::ncclResult_t) -> *const c_char;
+type CommInitRankConfig =
+    unsafe extern "C" fn(*mut nc::ncclComm_t, c_int, nc::ncclUniqueId, c_int, *mut nc::ncclConfig_t) -> nc::ncclResult_t;
+type CommOp = unsafe extern "C" fn(nc::ncclComm_t) -> nc::ncclResult_t;
+type CommGetAsyncError = unsafe extern "C" fn(nc::ncclComm_t, *mut nc::ncclResult_t) -> nc::ncclResult_t;
+type GroupOp = unsafe extern "C" fn() -> nc::ncclResult_t;
+type AllReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    nc::ncclRedOp_t,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type AllGather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, nc::ncclDataType_t, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+type Rooted = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    c_int,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type RootedReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nc::ncclDataType_t,
+    nc::ncclRedOp_t,
+    c_int,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> nc::ncclResult_t;
+type SendFn = unsafe extern "C" fn(*const c_void, usize, nc::ncclDataType_t, c_int, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+type RecvFn = unsafe extern "C" fn(*mut c_void, usize, nc::ncclDataType_t, c_int, nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t;
+
+/// The functions of a communicator's life and its operations.
+#[derive(Clone, Copy)]
+pub struct Fns {
+    pub comm_init_rank_config: CommInitRankConfig,
+    pub comm_finalize: CommOp,
+    pub comm_destroy: CommOp,
+    pub comm_abort: CommOp,
+    pub comm_get_async_error: CommGetAsyncError,
+    pub group_start: GroupOp,
+    pub group_end: GroupOp,
+    pub all_reduce: AllReduce,
+    pub all_gather: AllGather,
+    pub reduce_scatter: AllReduce,
+    pub broadcast: Rooted,
+    pub reduce: RootedReduce,
+    pub send: SendFn,
+    pub recv: RecvFn,
+}
+
+/// The loaded library and the functions rsccl calls.
+pub struct Nccl {
+    pub path: String,
+    pub version: i32,
+    get_unique_id: GetUniqueId,
+    get_error_string: GetErrorString,
+    pub fns: Fns,
+}
+
+// SAFETY: function pointers into a library that stays loaded for the process's life.
+unsafe impl Send for Nccl {}
+// SAFETY: as above; no state.
+unsafe impl Sync for Nccl {}
+
+static NCCL: OnceLock<Nccl> = OnceLock::new();
+
+fn dl_error() -> String {
+    // SAFETY: dlerror returns a thread-local message or null.
+    let p = unsafe { libc::dlerror() };
+    if p.is_null() {
+        "unknown error".into()
+    } else {
+        // SAFETY: a NUL-terminated string owned by libc, copied right away.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Resolve `name` in `handle` as a function of type `F` (a fn pointer type).
+///
+/// # Safety
+/// `F` must be the function's true C signature.
+unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &str, path: &str) -> Result<F> {
+    let c = CString::new(name).unwrap();
+    // SAFETY: handle is a live dlopen handle; the name is NUL-terminated.
+    let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
+    if p.is_null() {
+        return Err(Error::Cuda(format!("{path} has no {name}: {}", dl_error())));
+    }
+    // SAFETY: F is a function pointer type of pointer size (caller's contract).
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+/// Load NCCL from `path` (once per process; a later call with another path gets the first
+/// library) and check its version.
+pub fn load(path: &str) -> Result<&'static Nccl> {
+    if let Some(n) = NCCL.get() {
+        return Ok(n);
+    }
+    let c = CString::new(path).map_err(|_| Error::InvalidArgument(format!("NCCL path {path:?} has a NUL")))?;
+    // SAFETY: dlopen of a path; the handle is never closed (the functions are kept).
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err(Error::Cuda(format!("cannot load NCCL from {path}: {}", dl_error())));
+    }
+    // SAFETY: the signatures are NCCL's (nccl.h of 2.28, as cudarc binds it).
+    let (get_version, get_unique_id, get_error_string) = unsafe {
+        (
+            symbol::<GetVersion>(handle, "ncclGetVersion", path)?,
+            symbol::<GetUniqueId>(handle, "ncclGetUniqueId", path)?,
+            symbol::<GetErrorString>(handle, "ncclGetErrorString", path)?,
+        )
+    };
+    // SAFETY: as above; each type spells the function's nccl.h signature.
+    let fns = unsafe {
+        Fns {
+            comm_init_rank_config: symbol(handle, "ncclCommInitRankConfig", path)?,
+            comm_finalize: symbol(handle, "ncclCommFinalize", path)?,
+            comm_destroy: symbol(handle, "ncclCommDestroy", path)?,
+            comm_abort: symbol(handle, "ncclCommAbort", path)?,
+            comm_get_async_error: symbol(handle, "ncclCommGetAsyncError", path)?,
+            group_start: symbol(handle, "ncclGroupStart", path)?,
+            group_end: symbol(handle, "ncclGroupEnd", path)?,
+            all_reduce: symbol(handle, "ncclAllReduce", path)?,
+            all_gather: symbol(handle, "ncclAllGather", path)?,
+            reduce_scatter: symbol(handle, "ncclReduceScatter", path)?,
+            broadcast: symbol(handle, "ncclBroadcast", path)?,
+            reduce: symbol(handle, "ncclReduce", path)?,
+            send: symbol(handle, "ncclSend", path)?,
+            recv: symbol(handle, "ncclRecv", path)?,
+        }
+    };
+    let mut version = 0;
+    // SAFETY: out-pointer to a local.
+    let r = unsafe { get_version(&mut version) };
+    if r != nc::ncclResult_t::ncclSuccess {
+        return Err(Error::Cuda(format!("ncclGetVersion failed ({r:?})")));
+    }
+    if version < MIN_VERSION {
+        return Err(Error::Cuda(format!(
+            "{path} is NCCL {}, rsccl's NCCL engine needs {} or later (the version torch 2.11 ships)",
+            version_text(version),
+            version_text(MIN_VERSION)
+        )));
+    }
+    Ok(NCCL.get_or_init(|| Nccl { path: path.to_string(), version, get_unique_id, get_error_string, fns }))
+}
+
+/// "2.28.9" for 22809 (NCCL_VERSION_CODE for versions >= 2.9: major*10000 + minor*100 + patch).
+pub fn version_text(code: i32) -> String {
+    format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+}
+
+/// ncclConfig_t as NCCL_CONFIG_INITIALIZER sets it (every field "undefined", NCCL picks),
+/// for the library's version, with rsccl's bounds: blocking init, at most `max_ctas` CTAs
+/// (channels), and a name in NCCL's logs.
+pub fn config(version: i32, max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
+    const UNDEF_INT: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT
+    nc::ncclConfig_t {
+        size: std::mem::size_of::<nc::ncclConfig_t>(),
+        magic: 0xcafebeef,
+        version: version as u32,
+        blocking: 1,
+        cgaClusterSize: UNDEF_INT,
+        minCTAs: UNDEF_INT,
+        maxCTAs: max_ctas.unwrap_or(UNDEF_INT),
+        netName: std::ptr::null(),
+        splitShare: UNDEF_INT,
+        trafficClass: UNDEF_INT,
+        commName: name,
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+    }
+}
+
+/// NCCL's type for an rsccl dtype (None: NCCL has no such type).
+pub fn nccl_dtype(d: crate::dtype::DType) -> Option<nc::ncclDataType_t> {
+    use crate::dtype::DType as D;
+    use nc::ncclDataType_t as N;
+    Some(match d {
+        D::I8 => N::ncclInt8,
+        D::U8 | D::Bool => N::ncclUint8,
+        D::I32 => N::ncclInt32,
+        D::I64 => N::ncclInt64,
+        D::F16 => N::ncclFloat16,
+        D::F32 => N::ncclFloat32,
+        D::F64 => N::ncclFloat64,
+        D::BF16 => N::ncclBfloat16,
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    })
+}
+
+/// NCCL's op for an rsccl reduction (None: NCCL has none; bitwise ops).
+pub fn nccl_op(o: crate::dtype::ReduceOp) -> Option<nc::ncclRedOp_t> {
+    use crate::dtype::ReduceOp as R;
+    use nc::ncclRedOp_t as N;
+    Some(match o {
+        R::Sum => N::ncclSum,
+        R::Product => N::ncclProd,
+        R::Max => N::ncclMax,
+        R::Min => N::ncclMin,
+        R::Avg => N::ncclAvg,
+        _ => return None,
+    })
+}
+
+/// One NCCL communicator (rank `rank` of `nranks`), created blocking and destroyed (or
+/// aborted) with the group. Work on it goes to the caller's streams: the engine orders
+/// and tracks it like its own kernels.
+pub struct NcclComm {
+    nccl: &'static Nccl,
+    comm: nc::ncclComm_t,
+    pub rank: usize,
+    pub nranks: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time (the engine
+// serializes launches under its lock).
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl NcclComm {
+    /// ncclCommInitRankConfig on the current CUDA context (the caller binds the group's
+    /// device). Every rank calls it with the same id; it returns when all have joined.
+    pub fn init(nccl: &'static Nccl, id: &[u8; 128], rank: usize, nranks: usize, max_ctas: Option<i32>, name: &CStr) -> Result<NcclComm> {
+        // SAFETY: zeroed is a valid ncclUniqueId; filled from the bytes below.
+        let mut uid: nc::ncclUniqueId = unsafe { std::mem::zeroed() };
+        for (d, s) in uid.internal.iter_mut().zip(id.iter()) {
+            *d = *s as c_char;
+        }
+        let mut cfg = config(nccl.version, max_ctas, name.as_ptr());
+        let mut comm: nc::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; cfg lives across the call (NCCL copies it).
+        nccl.check(
+            unsafe { (nccl.fns.comm_init_rank_config)(&mut comm, nranks as c_int, uid, rank as c_int, &mut cfg) },
+            "ncclCommInitRankConfig",
+        )?;
+        Ok(NcclComm { nccl, comm, rank, nranks })
+    }
+
+    pub fn raw(&self) -> nc::ncclComm_t {
+        self.comm
+    }
+
+    pub fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
+        self.nccl.check(r, what)
+    }
+
+    /// The communicator's asynchronous error (a failed peer, a network error), if any.
+    pub fn async_error(&self) -> Result<()> {
+        let mut r = nc::ncclResult_t::ncclSuccess;
+        // SAFETY: valid communicator; out-pointer to a local.
+        self.check(unsafe { (self.nccl.fns.comm_get_async_error)(self.comm, &mut r) }, "ncclCommGetAsyncError")?;
+        if r == nc::ncclResult_t::ncclSuccess || r == nc::ncclResult_t::ncclInProgress {
+            return Ok(());
+        }
+        self.check(r, "an NCCL operation")
+    }
+
+    /// Stop every operation in flight and free the communicator (after a failure).
+    pub fn abort(mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: valid communicator, used by no one after this.
+            unsafe { (self.nccl.fns.comm_abort)(self.comm) };
+            self.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        // SAFETY: valid communicator; its operations were waited for by the engine.
+        unsafe {
+            (self.nccl.fns.comm_finalize)(self.comm);
+            (self.nccl.fns.comm_destroy)(self.comm);
+        }
+    }
+}
+
+impl Nccl {
+    fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
+        if r == nc::ncclResult_t::ncclSuccess {
+            return Ok(());
+        }
+        // SAFETY: returns a static string.
+        let s = unsafe { CStr::from_ptr((self.get_error_string)(r)) }.to_string_lossy().into_owned();
+        Err(Error::Cuda(format!("{what} failed: {s}")))
+    }
+
+    /// A new unique id (what rank 0 publishes through the store for ncclCommInitRank).
+    pub fn unique_id(&self) -> Result<[u8; 128]> {
+        // SAFETY: zeroed is a valid ncclUniqueId (a byte array).
+        let mut id: nc::ncclUniqueId = unsafe { std::mem::zeroed() };
+        // SAFETY: out-pointer to a local.
+        self.check(unsafe { (self.get_unique_id)(&mut id) }, "ncclGetUniqueId")?;
+        let mut out = [0u8; 128];
+        for (o, i) in out.iter_mut().zip(id.internal.iter()) {
+            *o = *i as u8;
+        }
+        Ok(out)
+    }
+}
+
+/// How a CUDA collective of a group that spans hosts runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrossHost {
+    /// One NCCL collective over every rank.
+    Flat,
+    /// rsccl's kernels inside each host, NCCL across hosts among ranks of the same local
+    /// index, rsccl's kernels again (all_reduce: reduce-scatter, all_reduce, all_gather).
+    Hierarchical,
+}
+
+/// The choice between flat NCCL and the hierarchical path: a pure function of the
+/// collective, its message bytes and the topology. Hierarchical needs every host to have
+/// the same number (>= 2) of ranks, applies to all_reduce, all_gather and reduce_scatter,
+/// and pays off only for messages large enough that the host-local phases' extra launches
+/// and barriers are small against the bytes moved (`min_bytes`).
+pub fn choose_cross_host(kind: super::CudaKind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
+    use super::CudaKind as K;
+    let hosts = ranks_per_host.len();
+    let even = ranks_per_host.windows(2).all(|w| w[0] == w[1]);
+    let eligible = matches!(kind, K::AllReduce | K::AllGather | K::ReduceScatter);
+    if hosts >= 2 && even && ranks_per_host[0] >= 2 && eligible && bytes >= min_bytes {
+        CrossHost::Hierarchical
+    } else {
+        CrossHost::Flat
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::CudaKind;
+
+    #[test]
+    fn config_is_the_initializer_with_our_bounds() {
+        let c = config(22809, Some(8), std::ptr::null());
+        assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
+        assert_eq!((c.magic, c.version, c.blocking, c.maxCTAs, c.minCTAs), (0xcafebeef, 22809, 1, 8, i32::MIN));
+        assert_eq!(config(22809, None, std::ptr::null()).maxCTAs, i32::MIN);
+        use crate::dtype::{DType, ReduceOp};
+        assert_eq!(nccl_dtype(DType::BF16), Some(nc::ncclDataType_t::ncclBfloat16));
+        assert_eq!(nccl_op(ReduceOp::Avg), Some(nc::ncclRedOp_t::ncclAvg));
+        assert_eq!(nccl_op(ReduceOp::BAnd), None);
+    }
+
+    #[test]
+    fn versions_read_as_text() {
+        assert_eq!(version_text(22809), "2.28.9");
+        assert_eq!(version_text(MIN_VERSION), "2.28.0");
+    }
+
+    #[test]
+    fn hierarchical_only_where_it_can_pay() {
+        let mib = 1u64 << 20;
+        let two_by_two = [2usize, 2];
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(CudaKind::AllGather, mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, mib - 1, &two_by_two, mib), CrossHost::Flat, "small");
+        assert_eq!(choose_cross_host(CudaKind::Broadcast, 16 * mib, &two_by_two, mib), CrossHost::Flat, "not eligible");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[1, 1, 1, 1], mib), CrossHost::Flat, "one GPU per host");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[2, 3], mib), CrossHost::Flat, "uneven hosts");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[4], mib), CrossHost::Flat, "one host");
+    }
+}

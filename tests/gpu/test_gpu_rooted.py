@@ -1,0 +1,190 @@
+"""Rooted CUDA collectives (reduce, gather, scatter) on 2 and 4 GPUs: every dtype (and op,
+for reduce), every root, sizes from 1 element through odd counts to multi-step messages,
+on the default group and on the small-buffer group (pipelined through staging), against
+NCCL on the same random input and, for reduce, a float64/int64 reference. Also async Works,
+a non-contiguous tensor, a CUDA graph, and a rank that passes another root."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_harness import needs_gpus, rsccl_group
+from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand
+
+pytestmark = needs_gpus
+
+# 1 element; 7 x 2 bytes (not a multiple of 16); 100_003 (odd); 1.5 Mi + 3 elements: 3 to
+# 12 MiB by dtype, several steps of the small-buffer group's staging.
+SIZES = [1, 7, 100_003, 1_572_867]
+CONFIGS = ["default", "small-buffer"]
+
+
+def body_reduce(ctx, seed: int, config: str, sizes: list[int]) -> int:
+    g = rsccl_group(ctx, config)
+    checks = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in sizes if op == "SUM" else sizes[:3]:
+                for root in range(ctx.world):
+                    what = f"reduce {op} {dtype} n={n} root={root} world={ctx.world} group={config}"
+                    x = rand(seed, ctx.rank, n, dtype, op, salt=what)
+                    xs = gather_inputs(ctx, x)
+                    ours = x.clone()
+                    dist.reduce(ours, dst=root, op=RED[op], group=g)
+                    theirs = x.clone()
+                    nccl_ok = nccl_result(dist.reduce, theirs, dst=root, op=RED[op], group=ctx.nccl)
+                    if ctx.rank == root:
+                        check_reduction(ours, xs, op, what)
+                        if nccl_ok:
+                            check_vs_nccl(ours, theirs, op, what, ctx.world)
+                    else:
+                        # Not the root: NCCL leaves the input as it was, so does rsccl.
+                        assert_equal(ours, x, f"{what}: a non-root rank's tensor changed")
+                    checks += 1
+    torch.cuda.synchronize()
+    return checks
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_reduce(gpus, seed, config):
+    checks = gpus.run(body_reduce, seed, config, SIZES, timeout=300)
+    assert min(checks) > 0
+
+
+def body_gather_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
+    g = rsccl_group(ctx, config)
+    w, me = ctx.world, ctx.rank
+    for dtype in DTYPES:
+        for n in sizes:
+            for root in range(w):
+                what = f"gather {dtype} n={n} root={root} world={w} group={config}"
+                x = rand(seed, me, n, dtype, salt=what)
+                ours = [torch.full_like(x, 3) for _ in range(w)] if me == root else None
+                theirs = [torch.empty_like(x) for _ in range(w)] if me == root else None
+                dist.gather(x, ours, dst=root, group=g)
+                dist.gather(x, theirs, dst=root, group=ctx.nccl)
+                if me == root:
+                    for j in range(w):
+                        assert_equal(ours[j], theirs[j], f"{what}: slot {j}")
+
+                what = f"scatter {dtype} n={n} root={root} world={w} group={config}"
+                chunks = [rand(seed, j, n, dtype, salt=what) for j in range(w)] if me == root else None
+                ours = torch.full((n,), 3, dtype=dtype, device=ctx.device)
+                theirs = torch.empty_like(ours)
+                dist.scatter(ours, chunks, src=root, group=g)
+                dist.scatter(theirs, chunks, src=root, group=ctx.nccl)
+                assert_equal(ours, theirs, what)
+                assert_equal(ours, rand(seed, me, n, dtype, salt=what), f"{what}: not this rank's chunk")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gather_scatter(gpus, seed, config):
+    gpus.run(body_gather_scatter, seed, config, SIZES, timeout=300)
+
+
+def body_rooted_async_views_graph(ctx, seed: int) -> None:
+    """Async Works waited on a side stream, a non-contiguous tensor, and the three rooted
+    collectives captured in one CUDA graph and replayed on fresh data."""
+    w, me, n = ctx.world, ctx.rank, 65_537
+    root = w - 1
+    # async, on a side stream, waited on the current stream
+    x = rand(seed, me, n, torch.float32, salt="async reduce")
+    xs = gather_inputs(ctx, x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ours = x.clone()
+        work = dist.reduce(ours, dst=root, async_op=True)
+    work.wait()
+    if me == root:
+        check_reduction(ours, xs, "SUM", "async reduce on a side stream")
+    outs = [torch.empty_like(x) for _ in range(w)] if me == root else None
+    dist.gather(x, outs, dst=root, async_op=True).wait()
+    if me == root:
+        for j in range(w):
+            assert_equal(outs[j], xs[j].to(x.dtype), f"async gather slot {j}")
+    # non-contiguous: every other element of a 2n buffer
+    big = rand(seed, me, 2 * n, torch.bfloat16, salt="strided")
+    view = big[::2]
+    ref = view.clone()
+    dist.reduce(view, dst=0)
+    dist.reduce(ref, dst=0, group=ctx.nccl)
+    if me == 0:
+        check_vs_nccl(view, ref, "SUM", "reduce of a strided view", w)
+    else:
+        assert_equal(big, rand(seed, me, 2 * n, torch.bfloat16, salt="strided"), "a non-root's strided tensor changed")
+    out = torch.empty(n, dtype=torch.bfloat16, device=ctx.device)[::1]
+    dist.scatter(out, [c.contiguous() for c in rand(seed, 0, w * n, torch.bfloat16, salt="scatter").chunk(w)] if me == 0 else None, src=0)
+    assert_equal(out, rand(seed, 0, w * n, torch.bfloat16, salt="scatter").chunk(w)[me], "scatter into a fresh tensor")
+    # CUDA graph: reduce, gather, scatter captured once, replayed on fresh data
+    a = torch.zeros(n, dtype=torch.float32, device=ctx.device)
+    gout = [torch.zeros(n, dtype=torch.float32, device=ctx.device) for _ in range(w)] if me == root else None
+    sin = [torch.zeros(n, dtype=torch.float32, device=ctx.device) for _ in range(w)] if me == root else None
+    sout = torch.zeros(n, dtype=torch.float32, device=ctx.device)
+    gin = torch.zeros(n, dtype=torch.float32, device=ctx.device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture, as torch recommends
+        dist.reduce(a, dst=root)
+        dist.gather(gin, gout, dst=root)
+        dist.scatter(sout, sin, src=root)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        dist.reduce(a, dst=root)
+        dist.gather(gin, gout, dst=root)
+        dist.scatter(sout, sin, src=root)
+    for rep in range(4):
+        what = f"graph replay {rep}"
+        xa = rand(seed, me, n, torch.float32, salt=what + "a")
+        xg = rand(seed, me, n, torch.float32, salt=what + "g")
+        a.copy_(xa)
+        gin.copy_(xg)
+        if me == root:
+            for j in range(w):
+                sin[j].copy_(rand(seed, j, n, torch.float32, salt=what + "s"))
+        graph.replay()
+        torch.cuda.synchronize()
+        xas = gather_inputs(ctx, xa)
+        xgs = gather_inputs(ctx, xg)
+        if me == root:
+            check_reduction(a, xas, "SUM", f"{what}: reduce")
+            for j in range(w):
+                assert_equal(gout[j], xgs[j].to(torch.float32), f"{what}: gather slot {j}")
+        assert_equal(sout, rand(seed, me, n, torch.float32, salt=what + "s"), f"{what}: scatter")
+    torch.cuda.synchronize()
+
+
+def test_rooted_async_views_and_graph(gpus, seed):
+    gpus.run(body_rooted_async_views_graph, seed, timeout=180)
+
+
+def body_root_mismatch(ctx, seed: int) -> str:
+    """Rank 1 passes another root: every rank raises, naming the ranks, and the group
+    still works after."""
+    g = dist.new_group(backend="rsccl")
+    x = rand(seed, ctx.rank, 1000, torch.float32, salt="mismatch")
+    err = "no error"
+    try:
+        dist.reduce(x.clone(), dst=1 if ctx.rank == 1 else 0, group=g)
+        torch.cuda.synchronize()
+        dist.barrier(group=g)
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        err = f"{type(e).__name__}: {e}"
+    xs = gather_inputs(ctx, x)
+    y = x.clone()
+    dist.reduce(y, dst=0, group=g)
+    if ctx.rank == 0:
+        check_reduction(y, xs, "SUM", "reduce after a mismatch")
+    dist.destroy_process_group(g)
+    return err
+
+
+def test_root_mismatch_raises_on_every_rank(gpus, seed):
+    errs = gpus.run(body_root_mismatch, seed, timeout=120)
+    for rank, e in enumerate(errs):
+        assert e != "no error", f"rank {rank} did not raise when rank 1 passed another root"
+        assert "reduce" in e and "rank" in e, f"rank {rank}: {e}"
