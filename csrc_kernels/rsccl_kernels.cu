@@ -10,11 +10,18 @@
 //   [STATS_OFF, +32)          {in-place collectives, bytes, all collectives, bytes} u64:
 //                             this rank's kernels count them (memory_stats)
 //   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
+//   [POISON_OFF, +4)          1 + the local index of a peer whose kernel failed (timeout,
+//                             send/recv size mismatch) and stopped the group; 0 = none
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
 //                             the half picked by the barrier epoch's parity
+//   [P2P_OFF, +32 KiB)        send/recv signals and counters (see "Point to point")
+//   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
+//                             send sizes then receive sizes, MAX_RANKS u64 each
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
+//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
+//                             parity, `chunk` bytes (see "Point to point")
 //   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
 //                             host (rust/core/src/cuda/heap.rs), used in place
 // Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
@@ -57,9 +64,44 @@
 //   In-place algorithms start after the first barrier (every peer's kernel has started,
 //   so its buffers hold the caller's data and are no longer used by its earlier work) and
 //   end with a barrier (no peer reads or writes my buffers after my kernel ends).
-// Bounded waits: a spin that outlasts `timeout_ns`, or sees the host's abort word set,
-//   records an error in host-mapped memory and the whole kernel returns; the GPU is never
-//   left spinning. The group is unusable afterwards (the host poisons it).
+// Bounded waits: a spin that outlasts `timeout_ns`, sees the host's abort word set, or
+//   finds its block's poison word set, records an error in host-mapped memory and the
+//   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards
+//   (the host poisons it). A rank whose wait timed out (or that saw a send/recv size
+//   mismatch) also writes its index into every peer's poison word, so the peers' waits
+//   stop at once instead of each running into its own timeout. The poison word is only
+//   ever set, never cleared: the group is over.
+// Point to point (send/recv, rs_send / rs_recv): not a collective of the group. Each
+//   (peer, direction) has its own host stream, so a rank's sends to j run concurrently
+//   with its receives from j and with its collectives; the kernels touch none of the
+//   collectives' state (flags, counters, descriptors, staging). A message of n bytes goes
+//   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
+//   of step s); each (block, sender, receiver) has a sequence number q, counted by both
+//   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
+//   both agree without host round trips and under graph replay. Step q:
+//     sender:   wait until ack[b][receiver] (its own block) >= q - 2 (the receiver has
+//               emptied the inbox slot of parity q & 1, last used by step q - 2); copy the
+//               chunk into the receiver's inbox slot (sender, b, q & 1) and the message size
+//               into size[b][sender][q & 1] (receiver's block); bar.sync; thread 0 issues
+//               st.release.sys of q into ready[b][sender] (receiver's block).
+//     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
+//               >= q; bar.sync; the block checks the size and copies the slot out; bar.sync;
+//               thread 0 issues st.release.sys of q into ack[b][receiver] (sender's block).
+//   Ordering: as in the barrier: bar.sync orders every thread's accesses of the step before
+//   thread 0's release (cumulative), the acquire synchronizes with it at system scope, and
+//   the following bar.sync extends that to the block. The receiver's reads of a slot
+//   happen before its ack, which happens before the sender's next write of that slot.
+//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
+//   block completes without its receiver, as small NCCL sends do; a larger one waits for
+//   it (bounded by the timeout). A receiver that finds a size other than its own records a
+//   fatal error and poisons its peers: the sender's later waits stop too.
+// all_to_all (rs_all_to_all): before its first signal every rank writes its send and
+//   receive sizes into its own table (half = first barrier's epoch parity); after that
+//   barrier every rank reads every rank's table, so all ranks check all pairs alike (a
+//   pair that disagrees stops every rank, with the same report, counters in step) and
+//   agree on the largest chunk, which sets the step size. A rank rewrites a table half
+//   only at a first barrier two epochs later, after every peer passed the barrier after
+//   its reads.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -75,7 +117,10 @@ typedef long long i64;
 #define CTR_OFF 8192
 #define DESC_OFF 16384
 #define DESC_WORDS 4
-#define STAGE_OFF 131072
+#define POISON_OFF (STATS_OFF + 256)
+#define P2P_OFF 131072
+#define A2A_OFF 163840
+#define STAGE_OFF 262144
 
 // Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
 // mismatch into the first u32, a timeout or abort into the second, so that neither kind
@@ -83,6 +128,9 @@ typedef long long i64;
 #define ERR_TIMEOUT 1u
 #define ERR_ABORTED 2u
 #define ERR_MISMATCH 3u
+#define ERR_PEER 4u       // a peer failed and poisoned the group (peer = that rank)
+#define ERR_P2P_SIZE 5u   // recv: the sender's size differs (sizes at err_host + 384)
+#define ERR_A2A 6u        // all_to_all splits disagree (pair and sizes at err_host + 32)
 
 struct Args {
     u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here
@@ -232,6 +280,52 @@ __device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
     asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Why a wait must stop now, or 0: the host's abort word, a peer's poison word (`*who` is
+// then that peer), or the timeout. Polled every 256 spins.
+__device__ __forceinline__ u32 stop_reason(const Args& a, u64 start, u32* who) {
+    if (ld_volatile_host(a.abort_host) != 0) return ERR_ABORTED;
+    const u32 p = ld_volatile_host(a.peer[a.rank] + POISON_OFF);
+    if (p != 0) {
+        *who = (p - 1) & 0xffff;
+        return ERR_PEER;
+    }
+    if (global_ns() - start > a.timeout_ns) return ERR_TIMEOUT;
+    return 0;
+}
+
+// A wait failed (or a fatal mismatch): record it for the host (the fatal word: never
+// cleared) and, unless it came from the host or a peer already, poison every peer so their
+// waits stop too (see "Bounded waits"). Any thread may call it; racing writers store
+// codes of the same failure.
+__device__ void fail(const Args& a, u32 why, u32 peer) {
+    st_volatile_host(a.err_host + 4, (why << 16) | peer);
+    if (why == ERR_TIMEOUT || why == ERR_P2P_SIZE) {
+        for (u32 j = 0; j < a.world; j++) {
+            if (j != a.rank) st_volatile_host(a.peer[j] + POISON_OFF, 1 + a.rank);
+        }
+    }
+    __threadfence_system();
+}
+
+// Spin (one thread) until *p >= e (wrap-safe), bounded as above. False: it failed and
+// reported why (`peer` is the rank waited for).
+__device__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
+    if ((i32)(ld_acquire_sys(p) - e) >= 0) return true;
+    const u64 start = global_ns();
+    u32 spins = 0;
+    while ((i32)(ld_acquire_sys(p) - e) < 0) {
+        if ((++spins & 255) == 0) {
+            u32 who = peer;
+            const u32 why = stop_reason(a, start, &who);
+            if (why) {
+                fail(a, why, who);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 __device__ __forceinline__ void load_state(const Args& a, BlockState* s) {
     if (threadIdx.x == 0) {
         const u32* c = reinterpret_cast<const u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
@@ -293,24 +387,7 @@ __device__ bool barrier(const Args& a, BlockState* s) {
         // Signal rank t: the release publishes this block's stores of the step (ordered
         // before it by the bar.sync above; release is cumulative), see the file comment.
         st_release_sys(flag_ptr(a.peer[t], blockIdx.x, a.rank), e);
-        const u32* mine = flag_ptr(a.peer[a.rank], blockIdx.x, t);
-        if ((i32)(ld_acquire_sys(mine) - e) < 0) {
-            const u64 start = global_ns();
-            u32 spins = 0;
-            while ((i32)(ld_acquire_sys(mine) - e) < 0) {
-                if ((++spins & 255) == 0) {
-                    u32 why = 0;
-                    if (ld_volatile_host(a.abort_host) != 0) why = ERR_ABORTED;
-                    else if (global_ns() - start > a.timeout_ns) why = ERR_TIMEOUT;
-                    if (why) {
-                        st_volatile_host(a.err_host + 4, (why << 16) | t);
-                        __threadfence_system();
-                        s->abort = 1;
-                        break;
-                    }
-                }
-            }
-        }
+        if (!wait_geq(a, flag_ptr(a.peer[a.rank], blockIdx.x, t), e, t)) s->abort = 1;
     }
     if (first && t < a.world && !s->abort) {
         const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, t);
@@ -1055,6 +1132,240 @@ __device__ void reduce_root(const Args& a) {
     }
     save_state(a, &s, steps);
     note_call(a, n * sizeof(T), 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// all_to_all (bytes; see "all_to_all" in the file comment). Rank me's chunk for peer j is
+// send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
+// Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:
+// block b moves bytes [s * G * m + b * m, + m) of every chunk at step s, through its slot
+// of the receiver's staging (world - 1 slots of m bytes), and copies the slots it received
+// at step s - 1 while step s's pushes travel:
+//   barrier(tables) | push(0) barrier | copy(0) push(1) barrier | ... | copy(last)
+// Reuse: as in all_gather (a slot of parity p is rewritten at step s + 2, after a barrier
+// that needs the receiver's signal given after its copy of step s); the first push of a
+// kernel follows the table barrier, which every peer passed after its previous kernel.
+struct A2aArgs {
+    Args a;
+    u64 send[MAX_RANKS];
+    u64 send_n[MAX_RANKS];
+    u64 recv[MAX_RANKS];
+    u64 recv_n[MAX_RANKS];
+};
+
+__device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_block) {
+    return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
+}
+
+__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par) {
+    const Args& a = x.a;
+    const u32 W = a.world, me = a.rank;
+    for (u32 j0 = 0; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 n = x.send_n[j];
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
+        const u8* src = reinterpret_cast<const u8*>(x.send[j]);
+        if (j == me) {
+            u8* dst = reinterpret_cast<u8*>(x.recv[me]);
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
+        } else {
+            u8* dst = stage_of(a, j, par) + slot_of(me, j) * m;
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
+        }
+    }
+}
+
+__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par) {
+    const Args& a = x.a;
+    const u32 W = a.world, me = a.rank;
+    const u8* mine = stage_of(a, me, par);
+    for (u32 i0 = 1; i0 < W; i0++) {
+        const u32 i = (me + i0) % W;
+        const u64 n = x.recv_n[i];
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
+        const u8* src = mine + slot_of(i, me) * m;
+        u8* dst = reinterpret_cast<u8*>(x.recv[i]);
+        for_packs<u8>(
+            lo, hi, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
+            [&](const Pack<u8>& p, u64 i2) { store_pack(p, dst, i2, hi); });
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x) {
+    const Args& a = x.a;
+    __shared__ BlockState s;
+    __shared__ unsigned long long s_max;
+    __shared__ u32 s_bad;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank, t = threadIdx.x;
+    if (t < W) {
+        u64* mine = a2a_table(a.peer[me], s.epoch + 1, blockIdx.x);
+        mine[t] = x.send_n[t];
+        mine[MAX_RANKS + t] = x.recv_n[t];
+    }
+    if (t == 0) {
+        s_max = 0;
+        s_bad = 0xffffffffu;
+    }
+    // The barrier's first __syncthreads orders the table stores before the signal.
+    if (!barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return;
+    }
+    // Every rank checks every pair (i sends to j what j expects from i) and finds the
+    // largest chunk; the lowest bad pair is reported, so every rank reports the same one.
+    for (u32 k = t; k < W * W; k += blockDim.x) {
+        const u32 i = k / W, j = k % W;
+        const u64 sent = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
+        const u64 expected = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
+        if (sent != expected) atomicMin(&s_bad, k);
+        atomicMax(&s_max, (unsigned long long)sent);
+    }
+    __syncthreads();
+    if (s_bad != 0xffffffffu) {
+        if (t == 0 && blockIdx.x == 0) {
+            const u32 i = s_bad / W, j = s_bad % W;
+            volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+            h[4] = i;
+            h[5] = j;
+            h[6] = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
+            h[7] = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
+            __threadfence_system();
+            st_volatile_host(a.err_host, (ERR_A2A << 16) | i);
+            __threadfence_system();
+        }
+        save_state(a, &s, 1);
+        return;
+    }
+    const u64 biggest = s_max;
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, biggest);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(biggest, per_step);
+    u64 total = 0;
+    for (u32 j = 0; j < W; j++) total += x.send_n[j];
+    note_call(a, total, 2);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1);
+        a2a_push(x, st, per_step, m, par);
+        BARRIER_OR_RETURN(a, s, steps)
+    }
+    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1);
+    save_state(a, &s, steps);
+}
+
+// ---------------------------------------------------------------------------------------
+// Point to point (see "Point to point" in the file comment). `a.root` is the peer's local
+// index, `a.count` the message's bytes.
+struct P2pArgs {
+    Args a;
+    u64 inbox_off;   // the inbox's offset in a block
+    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
+};
+
+#define P2P_READY 0   // [block][sender] in the receiver's block
+#define P2P_ACK 1     // [block][receiver] in the sender's block
+#define P2P_SEND 2    // [block][receiver]: this rank's send steps (own block)
+#define P2P_RECV 3    // [block][sender]: this rank's receive steps (own block)
+
+__device__ __forceinline__ u32* p2p_word(u64 block_base, u32 area, u32 cuda_block, u32 j) {
+    return reinterpret_cast<u32*>(block_base + P2P_OFF + area * 4096) + cuda_block * MAX_RANKS + j;
+}
+// The size the sender wrote for parity `par` (receiver's block).
+__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 par) {
+    return reinterpret_cast<u64*>(block_base + P2P_OFF + 4 * 4096) + (cuda_block * MAX_RANKS + sender) * 2 + par;
+}
+__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 par) {
+    const u64 slot = (u64)slot_of(sender, receiver);
+    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
+}
+
+extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
+    const Args& a = x.a;
+    __shared__ u32 seq, ok;
+    const u32 r = a.root, me = a.rank, b = blockIdx.x;
+    const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    if (threadIdx.x == 0) {
+        seq = *p2p_word(a.peer[me], P2P_SEND, b, r);
+        ok = 1;
+    }
+    __syncthreads();
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 q = seq + (u32)st + 1, par = q & 1;
+        if (threadIdx.x == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
+        __syncthreads();
+        if (!ok) return;  // fatal: counters are not saved
+        const u64 lo = st * per_step + b * C;
+        const u64 hi = min64(lo + C, n);
+        u8* dst = p2p_slot(x, r, me, par);
+        if (lo < hi) {
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
+        }
+        if (threadIdx.x == 0) *p2p_size(a.peer[r], b, me, par) = n;
+        __syncthreads();
+        // Publishes the chunk and the size (bar.sync above; release is cumulative).
+        if (threadIdx.x == 0) st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
+    }
+    if (threadIdx.x == 0) *p2p_word(a.peer[me], P2P_SEND, b, r) = seq + (u32)steps;
+}
+
+extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
+    const Args& a = x.a;
+    __shared__ u32 seq, ok;
+    __shared__ u64 got;
+    const u32 src = a.root, me = a.rank, b = blockIdx.x;
+    const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    if (threadIdx.x == 0) {
+        seq = *p2p_word(a.peer[me], P2P_RECV, b, src);
+        ok = 1;
+    }
+    __syncthreads();
+    u8* out = reinterpret_cast<u8*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 q = seq + (u32)st + 1, par = q & 1;
+        if (threadIdx.x == 0) {
+            if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
+                ok = 0;
+            } else {
+                got = *p2p_size(a.peer[me], b, src, par);
+                if (got != n) {
+                    volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+                    h[48] = got;
+                    h[49] = n;
+                    __threadfence_system();
+                    fail(a, ERR_P2P_SIZE, src);
+                    ok = 0;
+                }
+            }
+        }
+        __syncthreads();
+        if (!ok) return;
+        const u64 lo = st * per_step + b * C;
+        const u64 hi = min64(lo + C, n);
+        const u8* slot = p2p_slot(x, me, src, par);
+        if (lo < hi) {
+            for_packs<u8>(
+                lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },
+                [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
+        }
+        __syncthreads();
+        // The slot was read (bar.sync above): the sender may refill it.
+        if (threadIdx.x == 0) st_release_sys(p2p_word(a.peer[src], P2P_ACK, b, me), q);
+    }
+    if (threadIdx.x == 0) *p2p_word(a.peer[me], P2P_RECV, b, src) = seq + (u32)steps;
 }
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rsccl_core::collective::{Buf, Collective, Kind};
 use rsccl_core::config::{Config, SETTINGS};
-use rsccl_core::cuda::{CudaCall, CudaKind};
+use rsccl_core::cuda::{AllToAll, CudaCall, CudaKind};
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::engine::P2p;
 use rsccl_core::group::Group;
@@ -285,6 +285,39 @@ impl Communicator {
         let call = CudaCall { kind, dtype, op, root, inp, out, count, stream, asynchronous };
         let engine = self.0.cuda().py()?;
         Ok(engine.launch(&call).py()?.map(CudaEvent))
+    }
+
+    /// Launch one CUDA all_to_all: per peer (group rank order), the chunk this rank sends
+    /// (address, bytes) and where the chunk from that peer lands (address, bytes). Returns
+    /// the end event of an asynchronous call, None for a blocking one.
+    #[pyo3(signature = (send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous))]
+    fn cuda_all_to_all(
+        &self,
+        send_ptrs: Vec<u64>,
+        send_bytes: Vec<u64>,
+        recv_ptrs: Vec<u64>,
+        recv_bytes: Vec<u64>,
+        stream: u64,
+        asynchronous: bool,
+    ) -> PyResult<Option<CudaEvent>> {
+        let engine = self.0.cuda().py()?;
+        // Single-host groups: a group rank is its local index (local ranks ascend).
+        let x = AllToAll { send: send_ptrs, send_bytes, recv: recv_ptrs, recv_bytes };
+        Ok(engine.launch_all_to_all(&x, stream, asynchronous).py()?.map(CudaEvent))
+    }
+
+    /// Launch one CUDA send (`send`) or recv of `nbytes` at `ptr` with group rank `peer`,
+    /// on that (peer, direction)'s own stream, after the caller's `stream`.
+    #[pyo3(signature = (send, ptr, nbytes, peer, stream, asynchronous))]
+    fn cuda_p2p(&self, send: bool, ptr: u64, nbytes: u64, peer: usize, stream: u64, asynchronous: bool) -> PyResult<Option<CudaEvent>> {
+        let engine = self.0.cuda().py()?;
+        let local = self.0.topo.local_ranks().iter().position(|&r| r == peer).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "rsccl: CUDA {} rank {peer}: not a rank of this host in this group",
+                if send { "send to" } else { "recv from" }
+            ))
+        })?;
+        Ok(engine.launch_p2p(send, ptr, nbytes, local, stream, asynchronous).py()?.map(CudaEvent))
     }
 
     /// This rank's arguments to a CUDA collective were invalid: take part in its first

@@ -144,6 +144,28 @@ pub const SETTINGS: &[Setting] = &[
                staged: one barrier instead of two)",
     },
     Setting {
+        field: "cuda_p2p_bytes",
+        env: "RSCCL_CUDA_P2P_BYTES",
+        default: 16 * MIB,
+        min: MIB,
+        max: GIB,
+        is_size: true,
+        help: "device memory per rank for CUDA send/recv: an inbox split among the local peers \
+               (per peer, CUDA block and two parities), mapped by every local rank; messages \
+               are pipelined through it, and a send of at most two chunks per block completes \
+               without waiting for its receiver",
+    },
+    Setting {
+        field: "cuda_p2p_blocks",
+        env: "RSCCL_CUDA_P2P_BLOCKS",
+        default: 32,
+        min: 1,
+        max: 64,
+        is_size: false,
+        help: "CUDA blocks (of 512 threads) of every send/recv kernel; each (peer, direction) \
+               runs on its own stream, so several run at once",
+    },
+    Setting {
         field: "cuda_warmup",
         env: "RSCCL_CUDA_WARMUP",
         default: 1,
@@ -182,6 +204,8 @@ pub struct Config {
     pub cuda_sync_stream: bool,
     pub cuda_pool_bytes: usize,
     pub cuda_inplace_min_bytes: usize,
+    pub cuda_p2p_bytes: usize,
+    pub cuda_p2p_blocks: u32,
 }
 
 impl Default for Config {
@@ -271,6 +295,8 @@ impl Config {
             cuda_sync_stream: v("cuda_sync_stream") != 0,
             cuda_pool_bytes: v("cuda_pool_bytes") as usize,
             cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
+            cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
+            cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
         };
         Ok(cfg)
     }
@@ -296,6 +322,9 @@ impl Config {
             // Pools map one another's memory, and ranks must agree on when to run in place.
             ("cuda_pool_bytes", self.cuda_pool_bytes as u64),
             ("cuda_inplace_min_bytes", self.cuda_inplace_min_bytes as u64),
+            // The inbox layout (peer slots x blocks x chunk) must be the same on every rank.
+            ("cuda_p2p_bytes", self.cuda_p2p_bytes as u64),
+            ("cuda_p2p_blocks", self.cuda_p2p_blocks as u64),
         ];
         let names = shared
             .iter()

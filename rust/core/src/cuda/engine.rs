@@ -54,9 +54,56 @@ struct Args {
     pad: u32,
 }
 
+/// The all_to_all kernel's argument block (the source's `struct A2aArgs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct A2aArgs {
+    a: Args,
+    send: [u64; MAX_RANKS],
+    send_n: [u64; MAX_RANKS],
+    recv: [u64; MAX_RANKS],
+    recv_n: [u64; MAX_RANKS],
+}
+
+/// The send/recv kernels' argument block (the source's `struct P2pArgs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct P2pArgs {
+    a: Args,
+    inbox_off: u64,
+    chunk: u64,
+}
+
 const ERR_TIMEOUT: u32 = 1;
 const ERR_ABORTED: u32 = 2;
 const ERR_MISMATCH: u32 = 3;
+const ERR_PEER: u32 = 4;
+const ERR_P2P_SIZE: u32 = 5;
+const ERR_A2A: u32 = 6;
+
+/// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
+/// where the chunk from that peer lands (address, bytes).
+#[derive(Debug, Clone, Default)]
+pub struct AllToAll {
+    pub send: Vec<u64>,
+    pub send_bytes: Vec<u64>,
+    pub recv: Vec<u64>,
+    pub recv_bytes: Vec<u64>,
+}
+
+/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (see "Point to
+/// point" in the kernel source), or why the settings leave too little.
+pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
+    let slots = local_ranks.saturating_sub(1).max(1);
+    let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;
+    if chunk < 4096 {
+        return Err(Error::Config(format!(
+            "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {slots} peers x \
+             cuda_p2p_blocks = {blocks} x 2: raise cuda_p2p_bytes or lower cuda_p2p_blocks"
+        )));
+    }
+    Ok(chunk)
+}
 
 /// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
 /// broadcast, which move bytes).
@@ -71,6 +118,11 @@ pub enum CudaKind {
     Gather,
     Scatter,
     Reduce,
+    /// Bytes per peer in the AllToAll passed along (count is unused).
+    AllToAll,
+    /// Point to point with `root` (a local index): count is bytes.
+    Send,
+    Recv,
     /// This rank's arguments were invalid: it takes part in the first barrier only, so
     /// every peer learns of it (descriptor mismatch) instead of waiting.
     Invalid,
@@ -88,6 +140,9 @@ impl CudaKind {
             CudaKind::Gather => 7,
             CudaKind::Scatter => 8,
             CudaKind::Reduce => 9,
+            CudaKind::AllToAll => 10,
+            CudaKind::Send => 11,
+            CudaKind::Recv => 12,
         }
     }
 
@@ -102,6 +157,9 @@ impl CudaKind {
             CudaKind::Gather,
             CudaKind::Scatter,
             CudaKind::Reduce,
+            CudaKind::AllToAll,
+            CudaKind::Send,
+            CudaKind::Recv,
         ]
         .into_iter()
             .find(|k| k.code() == c)
@@ -118,6 +176,9 @@ impl CudaKind {
             CudaKind::Gather => "gather",
             CudaKind::Scatter => "scatter",
             CudaKind::Reduce => "reduce",
+            CudaKind::AllToAll => "all_to_all",
+            CudaKind::Send => "send",
+            CudaKind::Recv => "recv",
         }
     }
 }
@@ -140,7 +201,7 @@ pub struct CudaCall {
 
 fn describe(d0: u64, d1: u64) -> String {
     let kind = CudaKind::from_code(d0 & 0xff).map(|k| k.name()).unwrap_or("an unknown call");
-    if kind == "barrier" || kind == "an invalid call" {
+    if kind == "barrier" || kind == "an invalid call" || kind == "all_to_all" {
         return kind.to_string();
     }
     let dtype = DType::from_code(((d0 >> 8) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
@@ -192,7 +253,8 @@ pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u
         CudaKind::AllGather | CudaKind::Gather | CudaKind::Scatter => count * world as u64,
         CudaKind::Broadcast => count,
         CudaKind::Reduce => count * elem as u64,
-        CudaKind::Barrier | CudaKind::Invalid => 0,
+        CudaKind::Send | CudaKind::Recv => count,
+        CudaKind::AllToAll | CudaKind::Barrier | CudaKind::Invalid => 0,
     }
 }
 
@@ -354,6 +416,13 @@ pub struct CudaEngine {
     collectives: std::sync::atomic::AtomicU64,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     timeout: Duration,
+    /// send/recv: a stream per (peer, direction), index 2 * peer + (1 for recv); null for
+    /// this rank itself.
+    p2p_streams: Vec<CUstream>,
+    inbox_off: u64,
+    chunk: u64,
+    p2p_blocks: u32,
+    p2p_bytes: usize,
 }
 
 // SAFETY: the raw handles (stream, events) are driver objects usable from any thread; all
@@ -452,15 +521,19 @@ impl CudaEngine {
             }
         }
         let kernels = Kernels::load(&dev)?;
+        // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
+        // send/recv inbox (cuda_p2p_bytes), then the pool.
+        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, cfg.cuda_p2p_blocks)?;
+        let inbox_off = cfg.cuda_buffer_bytes.div_ceil(4096) * 4096;
         let pool = Arc::new(SymmetricPool::create(
             dev.clone(),
             &mesh,
-            cfg.cuda_buffer_bytes,
+            inbox_off + cfg.cuda_p2p_bytes,
             cfg.cuda_pool_bytes,
             cfg.max_cuda_va_bytes,
             deadline,
         )?);
-        let spb = stage_per_block(pool.pool_off, cfg.cuda_blocks);
+        let spb = stage_per_block(cfg.cuda_buffer_bytes, cfg.cuda_blocks);
         if spb < 4096 {
             return Err(Error::Config(format!(
                 "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for cuda_blocks = {}: \
@@ -487,6 +560,28 @@ impl CudaEngine {
             // SAFETY: as above.
             free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
             return Err(err);
+        }
+        // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
+        let mut p2p_streams: Vec<CUstream> = vec![std::ptr::null_mut(); 2 * n];
+        for (k, st) in p2p_streams.iter_mut().enumerate() {
+            if k / 2 == mesh.local_index() {
+                continue;
+            }
+            // SAFETY: out-pointer into the vector; a non-blocking stream.
+            let r = check(unsafe { cu::cuStreamCreate(st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (send/recv)");
+            if let Err(err) = r {
+                // SAFETY: streams and events created above, used by nothing yet.
+                unsafe {
+                    p2p_streams.iter().filter(|s| !s.is_null()).for_each(|&s| {
+                        cu::cuStreamDestroy_v2(s);
+                    });
+                    free_events.into_iter().for_each(|e| {
+                        cu::cuEventDestroy_v2(e);
+                    });
+                    cu::cuStreamDestroy_v2(internal);
+                }
+                return Err(err);
+            }
         }
         let mut peer = [0u64; MAX_RANKS];
         for (j, p) in peer.iter_mut().enumerate().take(n) {
@@ -547,6 +642,11 @@ impl CudaEngine {
             collectives: Default::default(),
             watchdog: Mutex::new(None),
             timeout,
+            p2p_streams,
+            inbox_off: inbox_off as u64,
+            chunk: chunk as u64,
+            p2p_blocks: cfg.cuda_p2p_blocks,
+            p2p_bytes: cfg.cuda_p2p_bytes,
         });
         drop(_ctx);
         let wd = {
@@ -582,6 +682,15 @@ impl CudaEngine {
         ] {
             self.launch(&c)?;
         }
+        let n = self.pool.nranks;
+        let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
+        self.launch_all_to_all(&none, stream, false)?;
+        // An empty send to every peer and recv from every peer: one step each, so the
+        // pairs' sequence numbers stay in step; each on its own stream (no waits between).
+        for peer in (0..n).filter(|&p| p != self.pool.me) {
+            self.launch_p2p(true, 0, 0, peer, stream, false)?;
+            self.launch_p2p(false, 0, 0, peer, stream, false)?;
+        }
         let _ctx = self.sh.dev.bind()?;
         // SAFETY: the internal stream is live.
         check(unsafe { cu::cuStreamSynchronize(self.internal) }, "cuStreamSynchronize (warm-up)")?;
@@ -611,10 +720,20 @@ impl CudaEngine {
         let me = self.local_ranks[self.pool.me];
         let err = match kind {
             ERR_TIMEOUT => Error::Timeout(format!(
-                "a CUDA collective on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
+                "a CUDA collective or send/recv on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
                 self.timeout.as_secs_f64()
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
+            ERR_PEER => Error::Aborted(format!(
+                "rank {grank} stopped the group after an error there (a timeout, or a send/recv size mismatch): \
+                 see rank {grank}'s error"
+            )),
+            ERR_P2P_SIZE => Error::Mismatch(format!(
+                "recv on rank {me}: rank {grank} sent {} bytes, rank {me} expected {} bytes; the group is unusable \
+                 (send/recv sizes must match)",
+                self.sh.words.read64(48),
+                self.sh.words.read64(49)
+            )),
             _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
         };
         Err(self.poison(err))
@@ -627,7 +746,7 @@ impl CudaEngine {
         if code == 0 {
             return Ok(());
         }
-        if code >> 16 != ERR_MISMATCH {
+        if code >> 16 != ERR_MISMATCH && code >> 16 != ERR_A2A {
             return Err(self.poison(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
         }
         let peer = (code & 0xffff) as usize;
@@ -642,6 +761,18 @@ impl CudaEngine {
         check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
         self.fatal()?;
         self.sh.words.write(HostWords::ERR, 0);
+        if code >> 16 == ERR_A2A {
+            // Every rank checked every pair and reports the same lowest bad pair (i, j).
+            let w = |i: usize| self.sh.words.read64(i);
+            let g = |l: u64| self.local_ranks.get(l as usize).copied().unwrap_or(l as usize);
+            return Err(Error::Mismatch(format!(
+                "all_to_all: rank {} sends {} bytes to rank {}, which expects {} bytes from it (split sizes must agree)",
+                g(w(4)),
+                w(6),
+                g(w(5)),
+                w(7)
+            )));
+        }
         let (mine, theirs) = self.descriptors(peer)?;
         Err(Error::Mismatch(format!(
             "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
@@ -663,7 +794,90 @@ impl CudaEngine {
         // (the GPU reports it asynchronously), so every rank must still launch the same
         // kernels for the group to stay in step.
         self.fatal()?;
-        let ev = self.launch_inner(c)?;
+        let ev = self.launch_inner(c, None)?;
+        self.checked(ev)
+    }
+
+    /// Launch one all_to_all (see `AllToAll`; every list has one entry per local rank).
+    pub fn launch_all_to_all(self: &Arc<Self>, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        let n = self.pool.nranks;
+        if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
+            return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
+        }
+        self.fatal()?;
+        let c = CudaCall {
+            kind: CudaKind::AllToAll,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            inp: 0,
+            out: 0,
+            count: 0,
+            stream,
+            asynchronous,
+        };
+        let ev = self.launch_inner(&c, Some(x))?;
+        self.checked(ev)
+    }
+
+    /// Launch one send (`send`) or recv of `bytes` at `ptr` with local rank `peer`, on that
+    /// (peer, direction)'s own stream, after the work queued on the caller's `stream`.
+    /// Returns the end event of an asynchronous call; a blocking one makes `stream` wait.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_p2p(self: &Arc<Self>, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        let (n, me) = (self.pool.nranks, self.pool.me);
+        let what = if send { "send to" } else { "recv from" };
+        if peer >= n || peer == me {
+            return Err(Error::InvalidArgument(format!("CUDA {what} local rank {peer}: not a peer of local rank {me} in a group of {n}")));
+        }
+        self.fatal()?;
+        let kind = if send { CudaKind::Send } else { CudaKind::Recv };
+        let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
+        if send {
+            x.a.inp = ptr;
+        } else {
+            x.a.out = ptr;
+        }
+        x.a.count = bytes;
+        x.a.root = peer as u32;
+        x.a.desc0 = kind.code();
+        let func = if send { self.kernels.send } else { self.kernels.recv };
+        let target = self.p2p_streams[2 * peer + (!send) as usize] as u64;
+        let ev = {
+            let _ctx = self.sh.dev.bind()?;
+            let mut o = self.order.lock();
+            if self.sh.stop.load(Ordering::Acquire) {
+                return Err(Error::Aborted("the group was destroyed".into()));
+            }
+            self.join(&mut o, stream, target)?;
+            let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
+            // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
+            // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
+            check(
+                unsafe {
+                    cu::cuLaunchKernel(func, self.p2p_blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+                },
+                &format!("launching rsccl's CUDA {}", kind.name()),
+            )?;
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            // SAFETY: valid event and stream.
+            check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
+            if asynchronous {
+                Some(CudaEvent { ev, engine: Arc::downgrade(self), dev: self.sh.dev.clone() })
+            } else {
+                // SAFETY: valid event and caller stream; the wait captures the record.
+                let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev, 0) }, "cuStreamWaitEvent");
+                o.free_events.push(ev);
+                r?;
+                None
+            }
+        };
+        self.checked(ev)
+    }
+
+    /// After a launch: raise an error a kernel reported, once the launched work is done
+    /// with the caller's tensors.
+    fn checked(&self, ev: Option<CudaEvent>) -> Result<Option<CudaEvent>> {
         if let Err(e) = self.health() {
             // The caller drops its tensors when this raises: the kernel must be done
             // with them first (an error stops it at its next wait, so this is short).
@@ -675,7 +889,7 @@ impl CudaEngine {
         Ok(ev)
     }
 
-    fn launch_inner(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+    fn launch_inner(self: &Arc<Self>, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
         let mut family = None;
         let func = match c.kind {
             CudaKind::AllReduce => {
@@ -689,6 +903,10 @@ impl CudaEngine {
             CudaKind::Gather => Some(self.kernels.gather),
             CudaKind::Scatter => Some(self.kernels.scatter),
             CudaKind::Reduce => self.kernels.reduce(Family::Reduce, c.dtype, c.op),
+            CudaKind::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
+            CudaKind::AllToAll | CudaKind::Send | CudaKind::Recv => {
+                return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())))
+            }
             CudaKind::Barrier | CudaKind::Invalid => Some(self.kernels.barrier),
         }
         .ok_or_else(|| {
@@ -701,10 +919,18 @@ impl CudaEngine {
         a.root = c.root as u32;
         a.desc0 = c.kind.code() | ((c.dtype as u64) << 8) | ((c.op as u64) << 16) | ((c.root as u64) << 32);
         a.desc1 = c.count;
-        if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid) {
+        if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll) {
             a.desc0 = c.kind.code();
             a.desc1 = 0;
         }
+        let mut tail = a2a.map(|x| {
+            let mut t = A2aArgs { a, send: [0; MAX_RANKS], send_n: [0; MAX_RANKS], recv: [0; MAX_RANKS], recv_n: [0; MAX_RANKS] };
+            t.send[..x.send.len()].copy_from_slice(&x.send);
+            t.send_n[..x.send_bytes.len()].copy_from_slice(&x.send_bytes);
+            t.recv[..x.recv.len()].copy_from_slice(&x.recv);
+            t.recv_n[..x.recv_bytes.len()].copy_from_slice(&x.recv_bytes);
+            t
+        });
         if let Some(heap) = &self.heap {
             let own = self.pool.block_addr(self.pool.me);
             let in_pool = |ptr: u64, len: u64| heap.contains(ptr, len).then(|| ptr - own);
@@ -732,9 +958,13 @@ impl CudaEngine {
                 self.join(&mut o, last, target)?;
             }
         }
-        let mut arg_ptr = &mut a as *mut Args as *mut std::ffi::c_void;
-        // SAFETY: `func` takes one `Args` by value (same layout as the source's struct);
-        // `arg_ptr` points at it for the call; the grid matches every kernel's launch bounds.
+        let mut arg_ptr = match tail.as_mut() {
+            Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
+            None => &mut a as *mut Args as *mut std::ffi::c_void,
+        };
+        // SAFETY: `func` takes one `Args` (or, for all_to_all, one `A2aArgs`) by value, same
+        // layout as the source's struct; `arg_ptr` points at it for the call; the grid
+        // matches every kernel's launch bounds.
         check(
             unsafe {
                 cu::cuLaunchKernel(func, self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
@@ -845,7 +1075,7 @@ impl CudaEngine {
             va_reserved_bytes: self.pool.reserved_bytes() as u64,
             mapped_own_bytes: block,
             mapped_peer_bytes: block * (n - 1),
-            in_use_bytes: (STAGE_OFF as u64) + 2 * self.blocks as u64 * self.base.stage_per_block,
+            in_use_bytes: (STAGE_OFF as u64) + 2 * self.blocks as u64 * self.base.stage_per_block + self.p2p_bytes as u64,
             kernel_image_bytes: self.kernels.cubin_bytes as u64,
             collectives: self.collectives.load(Ordering::Relaxed),
             pool_bytes: self.pool.pool_bytes as u64,
@@ -883,6 +1113,7 @@ impl CudaEngine {
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         let o = self.order.lock();
         let mut pending = vec![self.internal as u64];
+        pending.extend(self.p2p_streams.iter().filter(|s| !s.is_null()).map(|&s| s as u64));
         if let Some(last) = o.last_stream.filter(|&l| l != self.internal as u64) {
             pending.push(last);
         }
@@ -945,6 +1176,10 @@ impl Drop for CudaEngine {
                 cu::cuEventDestroy_v2(ev);
             }
             cu::cuStreamDestroy_v2(self.internal);
+            for &st in self.p2p_streams.iter().filter(|s| !s.is_null()) {
+                cu::cuStreamSynchronize(st);
+                cu::cuStreamDestroy_v2(st);
+            }
         }
     }
 }
@@ -1020,6 +1255,48 @@ mod tests {
         let src = super::super::kernels::SOURCE;
         assert!(src.contains("u64 desc1;") && src.contains("u64 place_in;") && src.contains("u64 place_out;"));
         assert!(src.contains(&format!("#define STAGE_OFF {STAGE_OFF}")) && src.contains(&format!("#define STATS_OFF {STATS_OFF}")));
+        // The all_to_all and send/recv blocks: Args then their own fields.
+        assert_eq!(std::mem::size_of::<A2aArgs>(), std::mem::size_of::<Args>() + 4 * MAX_RANKS * 8);
+        assert_eq!(std::mem::size_of::<P2pArgs>(), std::mem::size_of::<Args>() + 16);
+        assert!(src.contains("struct A2aArgs {\n    Args a;\n    u64 send[MAX_RANKS];\n    u64 send_n[MAX_RANKS];\n    u64 recv[MAX_RANKS];\n    u64 recv_n[MAX_RANKS];"));
+        assert!(src.contains("struct P2pArgs {\n    Args a;\n    u64 inbox_off;"));
+    }
+
+    #[test]
+    fn control_areas_do_not_overlap() {
+        // The block's control areas as the kernel source defines them, in order, each with
+        // its size: flags, stats (+ poison word), counters, descriptors, send/recv, tables.
+        let src = super::super::kernels::SOURCE;
+        let def = |name: &str| -> usize {
+            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line.split_whitespace().nth(2).unwrap().parse().expect(name)
+        };
+        let (max_blocks, max_ranks) = (MAX_BLOCKS as usize, MAX_RANKS);
+        let areas = [
+            (0, max_blocks * max_ranks * 4),
+            (STATS_OFF, 256 + 4),
+            (def("CTR_OFF"), max_blocks * 8),
+            (def("DESC_OFF"), 2 * max_blocks * max_ranks * def("DESC_WORDS") * 8),
+            (def("P2P_OFF"), 4 * 4096 + max_blocks * max_ranks * 2 * 8),
+            (def("A2A_OFF"), 2 * max_blocks * 2 * max_ranks * 8),
+        ];
+        for w in areas.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{:?} overlaps {:?}", w[0], w[1]);
+        }
+        let last = areas[areas.len() - 1];
+        assert!(last.0 + last.1 <= STAGE_OFF);
+        assert!(src.contains("#define POISON_OFF (STATS_OFF + 256)"));
+    }
+
+    #[test]
+    fn p2p_inbox_split() {
+        // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
+        assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), (16 << 20) / (3 * 64) & !255);
+        assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
+        // One rank: one slot, never divided by zero.
+        assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
+        let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
+        assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
     }
 
     #[test]

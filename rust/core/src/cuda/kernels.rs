@@ -18,7 +18,7 @@ pub const SOURCE: &str = include_str!("../../../../csrc_kernels/rsccl_kernels.cu
 /// Threads per block of every kernel (the source's __launch_bounds__).
 pub const THREADS: u32 = 512;
 /// Offsets inside a rank's block (the source's layout constants).
-pub const STAGE_OFF: usize = 131072;
+pub const STAGE_OFF: usize = 262144;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = 4096;
@@ -213,6 +213,9 @@ pub struct Kernels {
     pub broadcast: CUfunction,
     pub gather: CUfunction,
     pub scatter: CUfunction,
+    pub all_to_all: CUfunction,
+    pub send: CUfunction,
+    pub recv: CUfunction,
     pub barrier: CUfunction,
     pub cubin_bytes: usize,
 }
@@ -259,8 +262,9 @@ impl Kernels {
         }
         let (all_gather, broadcast, barrier) = (get("rs_all_gather")?, get("rs_broadcast")?, get("rs_barrier")?);
         let (gather, scatter) = (get("rs_gather")?, get("rs_scatter")?);
+        let (all_to_all, send, recv) = (get("rs_all_to_all")?, get("rs_send")?, get("rs_recv")?);
         loaded.0 = std::ptr::null_mut(); // `Kernels` owns the module from here
-        Ok(Kernels { module, reduce, all_gather, broadcast, gather, scatter, barrier, cubin_bytes: cubin.len() })
+        Ok(Kernels { module, reduce, all_gather, broadcast, gather, scatter, all_to_all, send, recv, barrier, cubin_bytes: cubin.len() })
     }
 
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
@@ -291,6 +295,10 @@ mod tests {
         }
         for plain in ["rs_all_gather", "rs_broadcast", "rs_gather", "rs_scatter", "rs_barrier"] {
             assert!(SOURCE.contains(&format!("void __launch_bounds__(512) {plain}(const Args a)")), "{plain}");
+        }
+        assert!(SOURCE.contains("void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)"));
+        for p2p in ["rs_send", "rs_recv"] {
+            assert!(SOURCE.contains(&format!("void __launch_bounds__(512) {p2p}(const P2pArgs x)")), "{p2p}");
         }
         assert!(kernel_name(Family::OneShot, DType::F64, ReduceOp::Sum).is_none());
         assert!(kernel_name(Family::OneShot, DType::F32, ReduceOp::BAnd).is_none());

@@ -9,4 +9,4 @@ pub mod kernels;
 pub mod nccl;
 pub mod pool;
 
-pub use engine::{CudaCall, CudaEngine, CudaEvent, CudaKind, CudaStats};
+pub use engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, CudaStats};
