@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,8 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
         raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}", "type")
     if t.device.type != "cpu":
         raise ArgumentError(
-            f"{what} is on {t.device}; on CUDA tensors this rsccl release runs all_reduce, all_gather, "
-            "reduce_scatter, broadcast, reduce, gather, scatter and barrier (the other collectives come in a "
-            "later release)",
+            f"{what} is on {t.device}; rsccl takes CPU tensors, or CUDA tensors on the group's GPU "
+            "(every tensor of one call on the same device)",
             "type",
         )
     if t.is_sparse or t.layout != torch.strided:
@@ -135,6 +134,63 @@ def _cuda_buffers(inp: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, t
     return i, o, lambda: out.copy_(o)
 
 
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
+    """Bytes per peer of an all_to_all_single buffer: `splits` counts rows (dim 0) per peer,
+    and an empty list splits the rows evenly. `what` starts the error message."""
+    rows = t.shape[0] if t.dim() > 0 else t.numel()
+    row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    if not splits:
+        if rows % n:
+            raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
+        splits = [rows // n] * n
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ArgumentError(f"{what} split sizes {list(splits)} do not divide its {rows} rows among {n} ranks")
+    return [s * row_bytes for s in splits]
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may overlap (same storage): an all_to_all must not read what it
+    writes, so such an input is copied first."""
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# Coalesced all_gather moves the bytes of inputs of any dtypes in one launch. One rank's
+# block holds every input back to back, each starting 16-byte aligned, so that each input's
+# slice of the gathered result can be viewed as its dtype again.
+_ALIGN = 16
+
+
+def _gather_layout(inputs: list[torch.Tensor]) -> tuple[list[int], int]:
+    """(byte offset of each input in a rank's block, the block's bytes)."""
+    offsets, total = [], 0
+    for i in inputs:
+        offsets.append(total)
+        total += (i.numel() * i.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, total
+
+
+def _pack_bytes(inputs: list[torch.Tensor], offsets: list[int], total: int) -> torch.Tensor:
+    """This rank's block: every input's bytes at its offset (padding left uninitialized)."""
+    device = inputs[0].device if inputs else None
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    dsts = [flat[o : o + i.numel() * i.element_size()].view(i.dtype).view(i.shape) for o, i in zip(offsets, inputs)]
+    if dsts:
+        torch._foreach_copy_(dsts, list(inputs))
+    return flat
+
+
+def _gathered(flat_out: torch.Tensor, world: int, offsets: list[int], total: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per input k, a (world, numel_k) view of the gathered blocks: row r is rank r's input k."""
+    rows = flat_out.view(world, total)
+    return [rows[:, o : o + i.numel() * i.element_size()].view(i.dtype) for o, i in zip(offsets, inputs)]
+
+
+def _reduce_scatter_pack(inputs: list[torch.Tensor], out_numels: list[int], world: int) -> torch.Tensor:
+    """One reduce_scatter input for many: rank block r is every input's block r, back to
+    back, so the reduced block of rank r splits into its outputs in order."""
+    return torch.cat([i.reshape(world, m) for i, m in zip(inputs, out_numels)], dim=1).view(-1)
+
+
 def _raiser(e: ArgumentError) -> Callable[[], tuple]:
     def prepare() -> tuple:
         raise e
@@ -174,6 +230,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def _offsets(sizes: list[int]) -> list[int]:
+    """Start of each piece of buffers laid out back to back."""
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
 def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
     def post() -> None:
         for p in posts:
@@ -205,6 +270,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._pool: torch.cuda.MemPool | None = None
         self._pool_full_warned = False
         self._allocator: Any = None
+        # Works of the coalesced calls made between _start_coalescing and _end_coalescing.
+        self._coalesced: list[Any] | None = None
         _LIVE.add(self)
 
     # -- identity -------------------------------------------------------------------
@@ -486,6 +553,301 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._cuda("scatter", prepare, opts, [out])
 
+    def _on_cuda(self, t: Any) -> bool:
+        """Whether a call whose (first) tensor is `t` takes the CUDA engine's path."""
+        return bool(getattr(t, "is_cuda", False)) and self._gloo is None
+
+    def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:
+        """The Work of a launched CUDA operation: done (copies back made) when blocking (no
+        event), else a CudaWork holding `keep` until a stream is ordered after it."""
+        if ev is None:
+            if post is not None:
+                post()
+            return DoneWork(result)
+        w = CudaWork(self, device, ev, result, keep, post, stream)
+        self._pending.add(w)
+        return w
+
+    def _cuda_raise(self, e: ArgumentError, invalid_launches: int) -> NoReturn:
+        """Report this rank's bad arguments: take part in as many launches as a healthy rank
+        makes for this call, as "invalid", so the peers raise instead of waiting; then raise."""
+        if self._cuda_device is not None:
+            device_err = None
+            for _ in range(invalid_launches):
+                try:
+                    self._comm.cuda_invalid(raw_stream(self._cuda_device))
+                except Exception as err:  # noqa: BLE001 - this rank's own error is the one to raise
+                    device_err = device_err or err
+            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from device_err
+        raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
+
+    def _cuda_launches(self, kind: str, prepare: Callable[[], tuple], launches: int, opts: Any, result: Any) -> Any:
+        """Check and launch a call that runs as `launches` CUDA collectives of one kind (one
+        per dtype of a coalesced list). `prepare` returns ([(inp, out, count, dtype, op,
+        root), ...], keep, post). Every rank makes every launch even when one fails (the
+        ranks stay in step), and the first error is raised after the last launch."""
+        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
+        stream = raw_stream(device)
+        try:
+            calls, keep, post = prepare()
+        except ArgumentError as e:
+            self._cuda_raise(e, max(launches, 1))
+        asynchronous = opts is None or opts.asyncOp is not False
+        ev, first = None, None
+        for c in calls:
+            try:
+                # Launches on one stream finish in order: the last event covers them all.
+                ev = self._comm.cuda_collective(kind, *c, stream, asynchronous)
+            except Exception as err:  # noqa: BLE001 - raised below, after the other launches
+                first = first or err
+        if first is not None:
+            if ev is not None:
+                ev.synchronize()  # the buffers in `keep` go when this raises
+            raise first
+        return self._cuda_finish(ev, device, stream, result, keep, post)
+
+    def _cuda_all_to_all(self, prepare: Callable[[], tuple], opts: Any, result: Any) -> Any:
+        """Check and launch one CUDA all_to_all. `prepare` returns (send_ptrs, send_bytes,
+        recv_ptrs, recv_bytes, keep, post), lists indexed by peer."""
+        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
+        stream = raw_stream(device)
+        try:
+            send_ptrs, send_bytes, recv_ptrs, recv_bytes, keep, post = prepare()
+            me = self.rank()
+            if send_bytes[me] != recv_bytes[me]:
+                raise ArgumentError(
+                    f"all_to_all: rank {me} sends itself {send_bytes[me]} bytes but expects {recv_bytes[me]} bytes "
+                    "from itself (its input and output splits disagree at its own rank)"
+                )
+        except ArgumentError as e:
+            self._cuda_raise(e, 1)
+        asynchronous = opts is None or opts.asyncOp is not False
+        ev = self._comm.cuda_all_to_all(send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous)
+        return self._cuda_finish(ev, device, stream, result, keep, post)
+
+    def _cuda_alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any) -> Any:
+        def prepare() -> tuple:
+            me, n = self.rank(), self.size()
+            _check_cuda_tensor(output, "all_to_all_single output")
+            self._cuda_check(input, "all_to_all_single input", None)
+            self._cuda_check(output, "all_to_all_single output", None)
+            if output.dtype != input.dtype:
+                raise ArgumentError(f"all_to_all_single: rank {me} passed output {output.dtype} for input {input.dtype}", "type")
+            send = _split_bytes(input, list(in_splits), n, f"all_to_all_single: rank {me}'s input")
+            recv = _split_bytes(output, list(out_splits), n, f"all_to_all_single: rank {me}'s output")
+            i = input.contiguous()
+            if i is input and _shares_storage(input, output):
+                i = input.clone()  # in place: the kernels must not read what they write
+            o = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype, device=output.device)
+            post = None if o is output else (lambda: output.copy_(o))
+            send_ptrs = [i.data_ptr() + off for off in _offsets(send)]
+            recv_ptrs = [o.data_ptr() + off for off in _offsets(recv)]
+            return send_ptrs, send, recv_ptrs, recv, (input, output, i, o), post
+
+        return self._cuda_all_to_all(prepare, opts, [output])
+
+    def _cuda_alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any) -> Any:
+        def prepare() -> tuple:
+            me, n = self.rank(), self.size()
+            if len(output_tensors) != n or len(input_tensors) != n:
+                raise ArgumentError(
+                    f"all_to_all: rank {me} passed {len(input_tensors)} input and {len(output_tensors)} output tensors; "
+                    f"expected group size {n} of each"
+                )
+            ins = [_check_cuda_tensor(t, "all_to_all input") for t in input_tensors]
+            outs = [_check_cuda_tensor(t, "all_to_all output") for t in output_tensors]
+            for t in ins + outs:
+                self._cuda_check(t, "all_to_all", None)
+            dts = {t.dtype for t in ins + outs}
+            if len(dts) != 1:
+                raise ArgumentError(f"all_to_all: rank {me} passed tensors of several dtypes {sorted(map(str, dts))}; give one dtype", "type")
+            # Each tensor is used where it is: no flattening. An input that shares storage with
+            # an output (in place) or is not contiguous is copied; a non-contiguous output gets a
+            # contiguous stand-in, copied back after.
+            written = {o.untyped_storage().data_ptr() for o in outs if o.numel()}
+            bufs_in = []
+            for t in ins:
+                c = t.contiguous()
+                if c is t and t.numel() and t.untyped_storage().data_ptr() in written:
+                    c = t.clone()
+                bufs_in.append(c)
+            bufs_out, posts = [], []
+            for t in outs:
+                if t.is_contiguous():
+                    bufs_out.append(t)
+                else:
+                    o = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                    bufs_out.append(o)
+                    posts.append(lambda t=t, o=o: t.copy_(o))
+            send = [c.numel() * c.element_size() for c in bufs_in]
+            recv = [c.numel() * c.element_size() for c in bufs_out]
+            post = _chain(*posts) if posts else None
+            return [c.data_ptr() for c in bufs_in], send, [c.data_ptr() for c in bufs_out], recv, (ins, outs, bufs_in, bufs_out), post
+
+        return self._cuda_all_to_all(prepare, opts, output_tensors)
+
+    def _cuda_allreduce_coalesced(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Any:
+        # One launch per dtype (in order of first appearance): a count every rank of a valid
+        # program agrees on, taken before any check so a rank with a bad tensor counts the same.
+        dtypes = list(dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)))
+
+        def prepare() -> tuple:
+            ts = [_check_cuda_tensor(t, "all_reduce_coalesced") for t in tensors]
+            for t in ts:
+                self._cuda_check(t, "all_reduce_coalesced", op)
+            calls, keep, dsts, srcs = [], [], [], []
+            for dt in dtypes:
+                group = [t for t in ts if t.dtype == dt]
+                if len(group) == 1 and group[0].is_contiguous():
+                    flat = group[0]  # reduced in place
+                else:
+                    flat = torch.cat([t.reshape(-1) for t in group])
+                    off = 0
+                    for t in group:
+                        dsts.append(t)
+                        srcs.append(flat[off : off + t.numel()].view(t.shape))
+                        off += t.numel()
+                calls.append((flat.data_ptr(), flat.data_ptr(), flat.numel(), _dtype(flat), op, 0))
+                keep.append(flat)
+            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
+            return calls, (ts, keep), post
+
+        return self._cuda_launches("all_reduce", prepare, len(dtypes), opts, list(tensors))
+
+    def _cuda_gather_bytes(self, what: str, inputs: list[torch.Tensor], outputs: list[Any], opts: Any, result: Any) -> Any:
+        """All-gather many inputs of any dtypes in ONE launch, moving bytes (see
+        _gather_layout). `outputs[k]` receives input k of every rank: a tensor of world x
+        numel_k elements, rank-major (all_gather_into_tensor), or a list of one tensor per
+        rank (all_gather_coalesced)."""
+        def prepare() -> tuple:
+            me, n = self.rank(), self.size()
+            if len(outputs) != len(inputs):
+                raise ArgumentError(f"{what}: rank {me} passed {len(outputs)} outputs for {len(inputs)} inputs")
+            ins = [_check_cuda_tensor(t, f"{what} input") for t in inputs]
+            for i in ins:
+                self._cuda_check(i, f"{what} input", None)
+            for k, (o, i) in enumerate(zip(outputs, ins)):
+                per_rank = list(o) if isinstance(o, (list, tuple)) else None
+                for x in per_rank if per_rank is not None else [o]:
+                    _check_cuda_tensor(x, f"{what} output")
+                    self._cuda_check(x, f"{what} output", None)
+                    if x.dtype != i.dtype:
+                        raise ArgumentError(f"{what} #{k}: rank {me} passed output {x.dtype} for input {i.dtype}", "type")
+                if per_rank is not None and (len(per_rank) != n or any(x.numel() != i.numel() for x in per_rank)):
+                    raise ArgumentError(f"{what} #{k}: rank {me} must pass {n} outputs of {i.numel()} elements (one per rank)")
+                if per_rank is None and o.numel() != n * i.numel():
+                    raise ArgumentError(
+                        f"{what} #{k}: rank {me} passed an output of {o.numel()} elements for an input of {i.numel()} "
+                        f"(the output holds group size {n} inputs)"
+                    )
+            offsets, total = _gather_layout(ins)
+            flat_in = _pack_bytes(ins, offsets, total)
+            flat_out = torch.empty(n * total, dtype=torch.uint8, device=flat_in.device)
+
+            def post() -> None:
+                dsts, srcs = [], []
+                for o, rows in zip(outputs, _gathered(flat_out, n, offsets, total, ins)):
+                    if isinstance(o, (list, tuple)):
+                        dsts += list(o)
+                        srcs += [rows[r].view(x.shape) for r, x in enumerate(o)]
+                    elif o.is_contiguous():
+                        dsts.append(o.view(n, rows.shape[1]))
+                        srcs.append(rows)
+                    else:
+                        dsts.append(o)
+                        srcs.append(rows.reshape(o.shape))  # rank-major, as o's element order
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+
+            return [(flat_in.data_ptr(), flat_out.data_ptr(), total, "uint8", "SUM", 0)], (ins, outputs, flat_in, flat_out), post
+
+        return self._cuda_launches("all_gather", prepare, 1, opts, result)
+
+    def _cuda_reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str, opts: Any) -> Any:
+        # One launch per dtype, counted from the inputs (see _cuda_allreduce_coalesced).
+        dtypes = list(dict.fromkeys(t.dtype for t in inputs if isinstance(t, torch.Tensor)))
+
+        def prepare() -> tuple:
+            me, n = self.rank(), self.size()
+            if len(outputs) != len(inputs):
+                raise ArgumentError(f"reduce_scatter_tensor_coalesced: rank {me} passed {len(outputs)} outputs for {len(inputs)} inputs")
+            for k, (o, i) in enumerate(zip(outputs, inputs)):
+                _check_cuda_tensor(o, "reduce_scatter_tensor_coalesced output")
+                _check_cuda_tensor(i, "reduce_scatter_tensor_coalesced input")
+                self._cuda_check(i, "reduce_scatter_tensor_coalesced input", op)
+                self._cuda_check(o, "reduce_scatter_tensor_coalesced output", op)
+                if o.dtype != i.dtype or i.numel() != n * o.numel():
+                    raise ArgumentError(
+                        f"reduce_scatter_tensor_coalesced #{k}: rank {me} passed input {i.dtype}[{i.numel()}] for output "
+                        f"{o.dtype}[{o.numel()}] (the input must hold group size {n} outputs)"
+                    )
+            calls, keep, dsts, srcs = [], [], [], []
+            for dt in dtypes:
+                pairs = [(o, i) for o, i in zip(outputs, inputs) if i.dtype == dt]
+                if len(pairs) == 1 and pairs[0][0].is_contiguous():
+                    o, i = pairs[0]
+                    flat_in, flat_out = i.contiguous(), o
+                else:
+                    flat_in = _reduce_scatter_pack([i for _, i in pairs], [o.numel() for o, _ in pairs], n)
+                    flat_out = torch.empty(sum(o.numel() for o, _ in pairs), dtype=dt, device=flat_in.device)
+                    off = 0
+                    for o, _ in pairs:
+                        dsts.append(o)
+                        srcs.append(flat_out[off : off + o.numel()].view(o.shape))
+                        off += o.numel()
+                calls.append((flat_in.data_ptr(), flat_out.data_ptr(), flat_out.numel(), _dtype(flat_out), op, 0))
+                keep.append((flat_in, flat_out))
+            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
+            return calls, (inputs, outputs, keep), post
+
+        return self._cuda_launches("reduce_scatter", prepare, len(dtypes), opts, list(outputs))
+
+    def _cuda_p2p(self, tensors: list[torch.Tensor], peer: int, send: bool) -> Any:
+        """One send or recv on the CUDA engine. Each (peer, direction) has its own internal
+        stream, so a send to j and a recv from j progress together; sends to one peer match
+        that peer's recvs in order. Always asynchronous (torch passes no asyncOp here: a
+        blocking dist.send/recv waits on the Work, which orders the caller's stream)."""
+        what = "send" if send else "recv"
+        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
+        stream = raw_stream(device)
+        try:
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+                raise ArgumentError(f"{what}: rank {self.rank()} passed {len(tensors) if isinstance(tensors, (list, tuple)) else 'a non-list'}; give one tensor")
+            t = _check_cuda_tensor(tensors[0], what)
+            self._cuda_check(t, what, None)
+            if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
+                raise ArgumentError(
+                    f"{what}: rank {self.rank()} passed peer {peer}; give another rank of this group of {self.size()} "
+                    "(rsccl does not send to itself)"
+                )
+        except ArgumentError as e:
+            # Only this rank and its peer are involved: raise here; a peer left waiting for
+            # the message times out after the group's timeout.
+            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
+        if send:
+            c, post = t.contiguous(), None
+        else:
+            c = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            post = None if c is t else (lambda: t.copy_(c))
+        ev = self._comm.cuda_p2p(send, c.data_ptr(), c.numel() * c.element_size(), peer, stream, True)
+        return self._cuda_finish(ev, device, stream, [t], (t, c), post)
+
+    # -- torch's _coalescing_manager(group, device) ---------------------------------------
+    def _start_coalescing(self, device: torch.device) -> None:
+        """The manager records the collectives of its block, then makes one coalesced call
+        (allreduce_coalesced and friends) and asks _end_coalescing for its Work."""
+        self._coalesced = []
+
+    def _end_coalescing(self, device: torch.device) -> Any:
+        works, self._coalesced = self._coalesced or [], None
+        return works[-1] if works else DoneWork([])
+
+    def _noted(self, work: Any) -> Any:
+        """`work`, kept for _end_coalescing when inside _start_coalescing."""
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -507,6 +869,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if tensors and self._on_cuda(tensors[0]):
+            return self._noted(self._cuda_allreduce_coalesced(list(tensors), op, opts))
         # Ops per dtype present: a count every rank of a valid program agrees on.
         dtypes = list(dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)))
 
@@ -522,7 +886,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 posts.append(_scatter_back(flat, group))
             return _Plan(submits, tensors, keep, _chain(*posts))
 
-        return self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes), opts=opts)
+        return self._noted(self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes), opts=opts))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -620,6 +984,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return _Plan([submit], None, (flat_in, flat_out), post)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
+        if inputs and self._on_cuda(inputs[0]):
+            if len(inputs) == 1 and len(outputs) == 1 and isinstance(outputs[0], torch.Tensor):
+                return self._noted(self._cuda_all_gather(outputs[0], inputs[0], opts, list(outputs)))
+            return self._noted(self._cuda_gather_bytes("all_gather_into_tensor_coalesced", list(inputs), list(outputs), opts, list(outputs)))
+
         def prepare() -> _Plan:
             if len(outputs) != len(inputs):
                 raise ArgumentError(f"all_gather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
@@ -643,9 +1012,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             plan.post, plan.result = post, outputs
             return plan
 
-        return self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare, opts=opts)
+        return self._noted(self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare, opts=opts))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> RsWork:
+        if input_list and self._on_cuda(input_list[0]):
+            n = self.size()
+            if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
+                e = ArgumentError(f"all_gather_coalesced: rank {self.rank()} must pass {n} output lists of {len(input_list)} tensors")
+                return self._cuda_launches("all_gather", _raiser(e), 1, opts, None)
+            per_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
+            return self._cuda_gather_bytes("all_gather_coalesced", list(input_list), per_input, opts, output_lists)
+
         def prepare() -> _Plan:
             n = self.size()
             if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
@@ -700,6 +1077,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if inputs and self._on_cuda(inputs[0]):
+            return self._noted(self._cuda_reduce_scatter_coalesced(list(outputs), list(inputs), op, opts))
         # From the inputs only, so a rank whose output is wrong still counts the same ops.
         one_dtype = len({getattr(t, "dtype", None) for t in inputs}) <= 1
 
@@ -726,31 +1105,20 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
         n_ops = 1 if one_dtype else len(inputs)
-        return self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts)
+        return self._noted(self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
+        if self._on_cuda(input):
+            return self._cuda_alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
         def prepare() -> _Plan:
             out = _check_tensor(output, "all_to_all output")
             inp = _check_tensor(input, "all_to_all input").contiguous()
             if out.dtype != inp.dtype:
                 raise ArgumentError(f"all_to_all: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
             n = self.size()
-
-            def split_bytes(t: torch.Tensor, splits: list[int], what: str) -> list[int]:
-                rows = t.shape[0] if t.dim() > 0 else t.numel()
-                row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
-                if not splits:
-                    if rows % n:
-                        raise ArgumentError(f"all_to_all: {what} has {rows} rows, not divisible by group size {n}")
-                    splits = [rows // n] * n
-                if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-                    raise ArgumentError(
-                        f"all_to_all: {what} split sizes {list(splits)} do not divide its {rows} rows among {n} ranks"
-                    )
-                return [s * row_bytes for s in splits]
-
-            send = split_bytes(inp, list(input_split_sizes), "input")
-            recv = split_bytes(out, list(output_split_sizes), "output")
+            send = _split_bytes(inp, list(input_split_sizes), n, "all_to_all: input")
+            recv = _split_bytes(out, list(output_split_sizes), n, "all_to_all: output")
             s = _Staged(out, copy_in=False)
             submit = lambda b: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv, blocking=b)
             return _Plan([submit], [output], (inp, s), s.post)
@@ -765,6 +1133,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
+        if input_tensors and self._on_cuda(input_tensors[0]):
+            return self._cuda_alltoall(list(output_tensors), list(input_tensors), opts)
+
         def prepare() -> _Plan:
             n = self.size()
             if len(output_tensors) != n or len(input_tensors) != n:
@@ -844,11 +1215,28 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         s = _Staged(t, copy_in=False)
         return RsWork([self._comm.recv(_buf(s.buf), _dtype(s.buf), peer, tag)], tensors, s, s.post)
 
+    # torch calls these for dist.send/recv/isend/irecv, and batch_isend_irecv calls
+    # isend/irecv one by one for a ProcessGroup subclass. On CUDA tensors the tag is ignored,
+    # as NCCL ignores it: messages between two ranks match in order.
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> RsWork:
+        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0]):
+            return self._cuda_p2p(tensors, dstRank, True)
         return self._p2p(tensors, dstRank, tag, True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> RsWork:
+        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0]):
+            return self._cuda_p2p(tensors, srcRank, False)
         return self._p2p(tensors, srcRank, tag, False)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RsWork:
+        """dist.recv/irecv without a source: gloo's for a group across hosts; rsccl's own
+        engines match every message by its sender."""
+        if self._gloo is not None:
+            return self._gloo.recv_anysource(tensors, tag)
+        raise TypeError(
+            f"rsccl: rank {self.rank()}: recv from any source (dist.recv/irecv without src) is not supported; "
+            "pass the sender's rank as src"
+        )
 
 
 def create(dist_backend_opts: Any, pg_options: object) -> ProcessGroupRsccl:

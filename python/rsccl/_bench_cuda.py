@@ -30,8 +30,16 @@ fully_shard over a new NCCL group, then over a new rsccl group whose pool
 (set_allocate_memory_from_process_group_for_comm(True) on every FSDP module); same seed and
 data for both. Details: rsccl/_bench_fsdp.py.
 
+all_to_all_single (even splits) runs from --min-bytes to 256 MiB per rank; send_recv (rank 0
+sends with dist.send, rank 1 receives with dist.recv, the other ranks idle; async: isend/
+irecv + wait) at 1 MiB, 16 MiB and 256 MiB. Both on the default rsccl group and on NCCL, as
+the other collectives; their targets (all_to_all_single busbw >= NCCL's from 16 MiB, eager
+latency <= 0.5x NCCL's up to 256 KiB, send_recv >= 340 GB/s at 256 MiB) get their own
+lines in the summary and a "Targets" section in the Markdown.
+
 Message size: the bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor
-OUTPUT = the reduce_scatter_tensor INPUT, per rank, as nccl-tests define it.
+OUTPUT = the reduce_scatter_tensor INPUT = the all_to_all_single input = the message sent,
+per rank, as nccl-tests define it.
 
 Method, per (backend, collective, size):
 - check (sizes <= --check-max-bytes): the collective on the same seeded random data, on
@@ -47,8 +55,8 @@ Method, per (backend, collective, size):
   one torch.cuda.CUDAGraph (capture_error_mode="thread_local"), replay it 5 times per repeat,
   timed with events, per call. A capture that fails on any rank is recorded as "fail" (the
   reason in the log), and that backend is not captured again.
-- busbw from the eager time: all_reduce 2(n-1)/n * bytes / t; all_gather, reduce_scatter
-  (n-1)/n * bytes / t; broadcast bytes / t.
+- busbw from the eager time: all_reduce 2(n-1)/n * bytes / t; all_gather, reduce_scatter,
+  all_to_all (n-1)/n * bytes / t; broadcast and send_recv bytes / t.
 - memory per rank: device memory used (total - free from torch.cuda.mem_get_info, after
   torch.cuda.synchronize(); device-wide) and mapped virtual address space (/proc/self/maps),
   before any group (after a CUDA context and the probe tensors exist), after rsccl's init,
@@ -145,6 +153,17 @@ POOL_SPEEDUP_MIN_BYTES = 16 * MiB  # the in-place/staged target is read from thi
 POOL_SPEEDUP_TARGET = 1.1
 POOL_VA_FLOOR = 16 << 30  # rsccl's default max_cuda_va_bytes: the bench never sets a lower cap
 GRANULE = 2 * MiB
+# all_to_all_single and send/recv: the sizes they run at, and their targets.
+A2A = "all_to_all_single"
+P2P = "send_recv"
+A2A_MAX_BYTES = 256 * MiB
+P2P_SIZES = (1 * MiB, 16 * MiB, 256 * MiB)
+A2A_BUSBW_FROM_BYTES = 16 * MiB  # target: rsccl busbw >= NCCL's from here on
+A2A_LATENCY_UP_TO_BYTES = 256 * 1024  # target: rsccl eager latency <= A2A_LATENCY_TARGET x NCCL's up to here
+A2A_LATENCY_TARGET = 0.5
+P2P_TARGET_BYTES = 256 * MiB
+P2P_TARGET_GBPS = 340.0  # ~0.91 x the 373 GB/s P2P copy of an NV18 H200 pair (DESIGN.md)
+EXACT_COLLECTIVES = ("all_gather_into_tensor", "broadcast", A2A, P2P)  # data movement: checked bit for bit
 CSV_COLUMNS = ("device", "world_size", "collective", "bytes", "backend", "eager_us", "async_us", "graph_us",
                "algbw_GBps", "busbw_GBps", "vs_nccl", "iters", "check", "note")
 
@@ -349,12 +368,21 @@ class Backend:
                 return lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", name, out)
             return lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name)
         g, inp, out = self.group, b.inp, b.out
+        if b.collective == P2P:
+            me = dist.get_rank()
+            if me > 1:
+                return lambda: None  # only ranks 0 and 1 take part
+            if me == 0:
+                return (lambda: dist.isend(inp, dst=1, group=g).wait()) if async_op else (lambda: dist.send(inp, dst=1, group=g))
+            return (lambda: dist.irecv(out, src=0, group=g).wait()) if async_op else (lambda: dist.recv(out, src=0, group=g))
         if b.collective == "all_reduce":
             fn: Call = lambda: dist.all_reduce(inp, group=g, async_op=async_op)
         elif b.collective == "broadcast":
             fn = lambda: dist.broadcast(inp, src=0, group=g, async_op=async_op)
         elif b.collective == "all_gather_into_tensor":
             fn = lambda: dist.all_gather_into_tensor(out, inp, group=g, async_op=async_op)
+        elif b.collective == A2A:
+            fn = lambda: dist.all_to_all_single(out, inp, group=g, async_op=async_op)
         else:
             fn = lambda: dist.reduce_scatter_tensor(out, inp, group=g, async_op=async_op)
         if async_op:
@@ -502,11 +530,11 @@ def graph_timed(call: Call, cfg: Config, agree: Agree) -> tuple[float | None, st
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, collective: str, dtype: str, world: int) -> tuple[bool, float]:
-    """(matches, max |difference|). Gathers and broadcast move bytes: exact. Reductions may
+    """(matches, max |difference|). Gathers, broadcast, all_to_all and send/recv move bytes: exact. Reductions may
     add in another order (and round once or at every step): TOLERANCES, atol scaled by world."""
     diff = (got.float() - ref.float()).abs()
     worst = diff.max().item() if diff.numel() else 0.0
-    if collective in ("all_gather_into_tensor", "broadcast"):
+    if collective in EXACT_COLLECTIVES:
         return bool(torch.equal(got, ref)), worst
     rtol, atol = TOLERANCES[dtype]
     ok = bool(torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol * world / 2))
@@ -826,7 +854,12 @@ class Rank:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         cases: list[tuple[str, tuple[int, int], int]] = []
         for collective in cfg.collectives:
-            for size in cfg.sizes:
+            sizes = cfg.sizes
+            if collective == A2A:
+                sizes = tuple(x for x in cfg.sizes if x <= A2A_MAX_BYTES)
+            elif collective == P2P:
+                sizes = tuple(x for x in P2P_SIZES if cfg.sizes[0] <= x <= cfg.sizes[-1])
+            for size in sizes:
                 counts = numels(collective, size, self.world, elem)
                 if counts is not None:
                     nbytes = (counts[1] if collective == "all_gather_into_tensor" else counts[0]) * elem
@@ -1092,7 +1125,8 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
         + " ".join(f"{k}={v}" for k, v in GPU_ENV.items())
         + "".join(f" {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RSCCL_")),
         (f"- message size = bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor OUTPUT = "
-        f"the reduce_scatter_tensor INPUT, per rank; dtype {cfg.dtype}; seed {cfg.seed}"),
+        f"the reduce_scatter_tensor INPUT = the all_to_all_single input (even splits) = the message rank 0 sends "
+        f"rank 1 (send_recv), per rank; dtype {cfg.dtype}; seed {cfg.seed}"),
         (f"- eager: CUDA events around N back-to-back blocking calls after {cfg.warmup} warm-up calls, slowest rank, "
         f"median of {cfg.repeats}, per call; async: async_op=True + wait() per call; graph: {GRAPH_CALLS} calls "
         f"captured in one CUDA graph, {GRAPH_REPLAYS} replays per repeat (sizes <= {human(cfg.graph_max_bytes)}); "
@@ -1146,6 +1180,9 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
         out += ["", "rsccl.memory_stats() (default group):", ""]
         for rank, st in enumerate(meta.get("rsccl_memory_stats", [])):
             out.append(f"- rank {rank}: `{json.dumps(st)}`")
+    targets = rendered("targets", target_lines, world, rows)
+    if targets:
+        out += ["", "## Targets (all_to_all_single, send/recv)", ""] + [f"- {t.split(' target ', 1)[-1]}" for t in targets]
     out += rendered("in-place table", pool_markdown, rows)
     out += rendered("FSDP2 section", fsdp_markdown, meta.get("fsdp"), world)
     return "\n".join(out) + "\n"
@@ -1227,6 +1264,45 @@ def pool_summary_lines(world: int, rows: list[dict]) -> list[str]:
             verdict = f"no size >= {human(POOL_SPEEDUP_MIN_BYTES)} measured"
         line = f"w{world} in-place/staged {collective[:14]:<14}: " + (" | ".join(cells) + "; " if cells else "") + verdict
         lines.append(line + ("; NOT IN PLACE: " + ", ".join(flags) if flags else ""))
+    return lines
+
+
+def target_lines(world: int, rows: list[dict]) -> list[str]:
+    """One line per target of all_to_all_single and send/recv: the figure at each size it
+    applies to, and whether it is met (n/a where a size was not measured)."""
+    by = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
+    a2a = sorted({r["bytes"] for r in rows if r["collective"] == A2A})
+    lines = []
+
+    def line(what: str, cells: list[str], values: list[float], ok: Callable[[float], bool], worst: Callable[..., float]) -> str:
+        if not values:
+            return f"w{world} target {what}: no size measured"
+        w = worst(values)
+        return f"w{world} target {what}: {' | '.join(cells)}; worst {w:.2f}x, {'met' if ok(w) else 'NOT MET'}"
+
+    if a2a:
+        cells, values = [], []
+        for nb in (x for x in a2a if x >= A2A_BUSBW_FROM_BYTES):
+            r = ratio(by.get((A2A, nb, "nccl")), by.get((A2A, nb, "rsccl")))  # rsccl busbw / nccl busbw
+            cells.append(f"{human(nb)} {f'{r:.2f}x' if r else 'n/a'}")
+            values += [r] if r else []
+        lines.append(line(f"{A2A} busbw >= nccl from {human(A2A_BUSBW_FROM_BYTES)}", cells, values, lambda v: v >= 1.0, min))
+        cells, values = [], []
+        for nb in (x for x in a2a if x <= A2A_LATENCY_UP_TO_BYTES):
+            r = ratio(by.get((A2A, nb, "rsccl")), by.get((A2A, nb, "nccl")))  # rsccl time / nccl time
+            cells.append(f"{human(nb)} {f'{r:.2f}x' if r else 'n/a'}")
+            values += [r] if r else []
+        lines.append(line(f"{A2A} eager latency <= {A2A_LATENCY_TARGET}x nccl up to {human(A2A_LATENCY_UP_TO_BYTES)}",
+                          cells, values, lambda v: v <= A2A_LATENCY_TARGET, max))
+    if any(r["collective"] == P2P for r in rows):
+        rs, nc = by.get((P2P, P2P_TARGET_BYTES, "rsccl")), by.get((P2P, P2P_TARGET_BYTES, "nccl"))
+        got = rs["algbw_GBps"] if rs else None
+        head = f"w{world} target {P2P} {human(P2P_TARGET_BYTES)} >= {P2P_TARGET_GBPS:.0f} GB/s (rank 0 -> 1): "
+        if got is None:
+            lines.append(head + "not measured")
+        else:
+            theirs = f" (nccl {nc['algbw_GBps']:.0f} GB/s)" if nc and nc["algbw_GBps"] else ""
+            lines.append(head + f"{got:.0f} GB/s{theirs}, {'met' if got >= P2P_TARGET_GBPS else 'NOT MET'}")
     return lines
 
 
@@ -1374,7 +1450,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
           + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
           + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else ""), flush=True)
     print("message size = all_reduce tensor bytes = all_gather_into_tensor OUTPUT bytes = "
-          "reduce_scatter_tensor INPUT bytes (per rank)", flush=True)
+          "reduce_scatter_tensor INPUT bytes = all_to_all_single input bytes = send_recv message bytes (per rank)",
+          flush=True)
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     all_rows: list[dict] = []
@@ -1396,6 +1473,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"wrote {md_path}", flush=True)
         all_rows += rows
         summaries += summary_lines(world, rows, cfg)
+        summaries += rendered("targets", target_lines, world, rows)
         summaries += rendered("in-place summary", pool_summary_lines, world, rows)
         if meta:
             summaries.append(memory_summary(world, meta))

@@ -52,6 +52,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+# Benchmarked on CUDA only: all_to_all_single (even splits) and send_recv (rank 0 -> rank 1).
+CUDA_ONLY_COLLECTIVES = ("all_to_all_single", "send_recv")
 BACKENDS = ("rsccl", "gloo")
 # (rtol, atol) for the rsccl-vs-gloo check; the two may sum in a different order.
 TOLERANCES = {
@@ -112,9 +114,10 @@ def parse_world_sizes(text: str) -> list[int]:
 
 def parse_collectives(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in COLLECTIVES]
+    known = COLLECTIVES + CUDA_ONLY_COLLECTIVES
+    unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown collective(s) {unknown}; choose from {','.join(COLLECTIVES)}")
+        raise argparse.ArgumentTypeError(f"unknown collective(s) {unknown}; choose from {','.join(known)}")
     return names
 
 
@@ -122,7 +125,7 @@ def parse_collectives(text: str) -> tuple[str, ...]:
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"collectives": COLLECTIVES, "min_bytes": 4, "max_bytes": 64 << 20, "warmup": 2, "dtype": "float32"},
     "cuda": {
-        "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
+        "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor") + CUDA_ONLY_COLLECTIVES,
         "min_bytes": 1 << 10, "max_bytes": 1 << 30, "warmup": 20, "dtype": "bfloat16",
     },
 }
@@ -225,6 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         cuda_only = [flag for flag, used in (("--rsccl-options", args.rsccl_options), ("--sweep-one-shot", args.sweep_one_shot),
                                              ("--no-graph", args.no_graph), ("--no-pool", args.no_pool),
                                              ("--fsdp", args.fsdp)) if used]
+        cuda_only += [c for c in args.collectives if c in CUDA_ONLY_COLLECTIVES]
         if cuda_only:
             p.error(f"{', '.join(cuda_only)}: only with --device cuda")
     if args.fsdp is None:
@@ -259,7 +263,7 @@ def numels(collective: str, nbytes: int, world: int, elem: int) -> tuple[int, in
     """(input, output) element counts for a per-rank message of `nbytes`, or None when it
     holds too few elements. Sizes that do not split evenly among ranks are rounded down."""
     n = nbytes // elem
-    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
         n -= n % world
     if n == 0:
         return None
@@ -425,9 +429,9 @@ def run_world(world: int, cfg: Config) -> list[dict]:
 def bus_factor(collective: str, world: int) -> float:
     if collective == "all_reduce":
         return 2 * (world - 1) / world
-    if collective == "broadcast":
+    if collective in ("broadcast", "send_recv"):
         return 1.0
-    return (world - 1) / world
+    return (world - 1) / world  # all_gather, reduce_scatter, all_to_all
 
 
 def add_bandwidth(row: dict) -> dict:

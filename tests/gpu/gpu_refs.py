@@ -164,3 +164,45 @@ def assert_same_on_all_ranks(ctx, t: torch.Tensor, what: str) -> None:
         if not torch.equal(rows[r], rows[0]):
             n = (rows[r] != rows[0]).sum().item()
             raise AssertionError(f"{what}: rank {r}'s result differs from rank 0's in {n} bytes (must be bitwise identical)")
+
+
+# dtypes that data movement (all_to_all, send/recv, gathers) must carry bit for bit.
+MOVE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8,
+               torch.uint8, torch.bool, torch.complex64]
+
+
+def rand_any(seed: int, rank: int, n: int, dtype: torch.dtype, salt: str = "", device=None) -> torch.Tensor:
+    """`rand` for every dtype of MOVE_DTYPES: bool, uint8 and complex included. Any rank can
+    make any other rank's input (same seed, rank and salt), which is how the data-movement
+    tests build their exact reference without a collective."""
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=device).manual_seed((seed * 1_000_003 + rank * 7919 + zlib.crc32(salt.encode())) % (1 << 63))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, device=device).bool()
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (n,), generator=g, device=device).to(torch.uint8)
+    if dtype.is_complex:
+        return torch.randn(n, generator=g, device=device, dtype=dtype)
+    return rand(seed, rank, n, dtype, salt=salt, device=device)
+
+
+class Failures:
+    """Checks that record instead of raising, for bodies that mix rsccl and NCCL calls: a rank
+    that raised before an NCCL call would leave its peers waiting there forever, so every
+    rank makes every call, and `done()` raises once, at the end, with everything that failed."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def run(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs), or None (recorded) if it raised."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - recorded, raised by done()
+            self.items.append(f"{what}: {type(e).__name__}: {e}")
+            return None
+
+    def done(self) -> None:
+        if self.items:
+            more = f"\n... and {len(self.items) - 20} more" if len(self.items) > 20 else ""
+            raise AssertionError(f"{len(self.items)} checks failed:\n" + "\n".join(self.items[:20]) + more)

@@ -1,7 +1,7 @@
 """Errors on CUDA tensors: ranks that disagree raise on every rank, naming the rank, and the
-group works afterwards; collectives this release does not run on CUDA raise rather than
-hang; a killed rank makes the survivors raise within the group's timeout and leaves their
-GPUs usable (no kernel left spinning on a dead peer)."""
+group works afterwards; what rsccl does not run on CUDA (recv from any source) raises
+rather than hangs; a killed rank makes the survivors raise within the group's timeout and
+leaves their GPUs usable (no kernel left spinning on a dead peer)."""
 
 from __future__ import annotations
 
@@ -64,13 +64,13 @@ def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
 
 
 def body_unsupported(ctx, seed: int) -> dict[str, str]:
-    """CUDA collectives outside this release: each must raise on every rank."""
+    """What rsccl does not run on CUDA tensors in a single-host group: only recv from any
+    source (every standard collective and send/recv run). It must raise at once, on the
+    calling rank alone (a recv involves nobody else), and leave the group working."""
     g = _own_group()
-    w = ctx.world
-    x = rand(seed, ctx.rank, 4 * w, torch.float32)
+    x = rand(seed, ctx.rank, 4 * ctx.world, torch.float32)
     calls = {
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x, group=g),
-        "all_to_all": lambda: dist.all_to_all(list(torch.empty_like(x).chunk(w)), list(x.chunk(w)), group=g),
+        "recv_anysource": lambda: dist.recv(torch.empty_like(x), group=g),
     }
     results = {}
     for name, call in calls.items():
@@ -85,12 +85,12 @@ def body_unsupported(ctx, seed: int) -> dict[str, str]:
     return results
 
 
-def test_unsupported_cuda_collectives_raise(gpus, seed):
+def test_unsupported_cuda_calls_raise(gpus, seed):
     results = gpus.run(body_unsupported, seed, timeout=120)
     for rank, per_call in enumerate(results):
         for name, outcome in per_call.items():
-            assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; this release must raise"
-            assert "cuda" in outcome.lower(), f"rank {rank}: {name}'s error does not say that CUDA tensors are the problem: {outcome}"
+            assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; rsccl must raise"
+            assert outcome.startswith("TypeError") and "src" in outcome, f"rank {rank}: {name}'s error does not say what to pass: {outcome}"
 
 
 KILL_TIMEOUT = 20.0  # the fresh cluster's group timeout

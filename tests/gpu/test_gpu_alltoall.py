@@ -1,0 +1,282 @@
+"""all_to_all_single and all_to_all on CUDA tensors, 2 and 4 GPUs: every dtype (bool, uint8,
+float64 and complex included), even and uneven splits (random, with zeros; MoE-like: a few
+large chunks among small ones), from 0 elements and 1 element per chunk to 64 MiB per rank,
+on the default group and on the small-buffer group. Results are compared bit for bit with an
+exact reference: every rank makes every other rank's input itself (same seed), so it knows
+what it must receive; NCCL runs the same calls for a few cases. Also non-contiguous and
+in-place buffers, the list form, an async Work waited on another stream, a CUDA graph
+replayed on fresh data, splits that disagree across ranks and a rank whose splits do not add
+up (every rank raises, the group works after)."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_harness import needs_gpus, rsccl_group
+from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any
+
+pytestmark = needs_gpus
+
+CONFIGS = ["default", "small-buffer"]
+COLS = 3  # elements per row: split sizes count rows, and 3 x 2 bytes is not a multiple of 16
+MiB = 1 << 20
+
+
+def split_matrix(seed: int, salt: str, world: int, kind: str, rows: int) -> list[list[int]]:
+    """S[i][j] = rows rank i sends to rank j, the same on every rank (a CPU generator seeded
+    by the case). even: `rows` each; uneven: random in [0, rows] with some zeros; moe: every
+    chunk small, except a few of `rows` rows (the "popular experts")."""
+    rng = random.Random(f"{seed}/{salt}")
+    if kind == "even":
+        return [[rows] * world for _ in range(world)]
+    if kind == "uneven":
+        return [[0 if rng.random() < 0.25 else rng.randint(0, rows) for _ in range(world)] for _ in range(world)]
+    if kind == "moe":
+        s = [[rng.randint(0, 8) for _ in range(world)] for _ in range(world)]
+        for _ in range(world):
+            s[rng.randrange(world)][rng.randrange(world)] = rows
+        return s
+    raise AssertionError(kind)
+
+
+def inputs_of(seed: int, salt: str, s: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank's input (rows x COLS), made here: rank i's row block j goes to rank j."""
+    return [rand_any(seed, i, sum(s[i]) * COLS, dtype, salt=salt).view(-1, COLS) for i in range(len(s))]
+
+
+def expected(xs: list[torch.Tensor], s: list[list[int]], me: int) -> torch.Tensor:
+    """What rank `me` receives: rank i's block `me`, for i in rank order."""
+    parts = []
+    for i, x in enumerate(xs):
+        start = sum(s[i][:me])
+        parts.append(x[start : start + s[i][me]])
+    return torch.cat(parts)
+
+
+def body_all_to_all_single(ctx, seed: int, config: str, cases: list[tuple[str, int]], dtypes: list[torch.dtype]) -> int:
+    g = rsccl_group(ctx, config)
+    w, me = ctx.world, ctx.rank
+    f = Failures()
+    checks = 0
+    for dtype in dtypes:
+        for kind, rows in cases:
+            what = f"all_to_all_single {kind} rows={rows} {dtype} world={w} group={config}"
+            s = split_matrix(seed, what, w, kind, rows)
+            xs = inputs_of(seed, what, s, dtype)
+            x = xs[me]
+            out = torch.full((sum(s[i][me] for i in range(w)), COLS), 7, dtype=torch.int8, device=ctx.device).to(dtype)
+            in_splits = None if kind == "even" else s[me]
+            out_splits = None if kind == "even" else [s[i][me] for i in range(w)]
+            failed = len(f.items)
+            f.run(what, dist.all_to_all_single, out, x, out_splits, in_splits, group=g)
+            if len(f.items) > failed:
+                continue
+            f.run(what, assert_equal, out, expected(xs, s, me), what)
+            checks += 1
+    torch.cuda.synchronize()
+    f.done()
+    return checks
+
+
+# (split kind, rows per chunk): 0 rows everywhere; 1 row; odd; ~1 MiB of float32 per chunk.
+CASES = [("even", 0), ("even", 1), ("even", 1023), ("uneven", 37), ("uneven", 30_001), ("moe", 90_001)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_all_to_all_single(gpus, seed, config):
+    checks = gpus.run(body_all_to_all_single, seed, config, CASES, MOVE_DTYPES, timeout=300)
+    assert min(checks) == len(CASES) * len(MOVE_DTYPES)
+
+
+def body_large_and_nccl(ctx, seed: int) -> None:
+    """64 MiB per rank (float32, even and MoE-like) against the reference, and the same calls
+    on NCCL: every rank makes every NCCL call, whatever rsccl did."""
+    w, me = ctx.world, ctx.rank
+    f = Failures()
+    rows = (64 * MiB // 4 // COLS) // w
+    for kind, dtype in (("even", torch.float32), ("moe", torch.bfloat16), ("uneven", torch.int64)):
+        what = f"large all_to_all_single {kind} {dtype} world={w}"
+        s = split_matrix(seed, what, w, kind, rows if kind != "uneven" else 100_000)
+        xs = inputs_of(seed, what, s, dtype)
+        x = xs[me]
+        n_out = sum(s[i][me] for i in range(w))
+        splits = (None, None) if kind == "even" else ([s[i][me] for i in range(w)], s[me])
+        ours = torch.zeros(n_out, COLS, dtype=dtype, device=ctx.device)
+        f.run(what, dist.all_to_all_single, ours, x, *splits)
+        theirs = torch.zeros_like(ours)
+        dist.all_to_all_single(theirs, x, *splits, group=ctx.nccl)
+        f.run(f"{what} vs NCCL", assert_equal, ours, theirs, f"{what} vs NCCL")
+        f.run(f"{what} vs reference", assert_equal, ours, expected(xs, s, me), what)
+        del xs, x, ours, theirs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    f.done()
+
+
+def test_large_against_nccl(gpus, seed):
+    gpus.run(body_large_and_nccl, seed, timeout=240)
+
+
+def body_views_list_async(ctx, seed: int) -> None:
+    """Non-contiguous input and output, in place (output is input), the list form (one
+    tensor per peer, of its own size, one of them non-contiguous), and an async Work issued
+    on a side stream whose input is written there behind a GPU sleep, waited on the current
+    stream."""
+    w, me = ctx.world, ctx.rank
+    f = Failures()
+    what = "all_to_all_single on strided views"
+    s = split_matrix(seed, what, w, "uneven", 500)
+    xs = inputs_of(seed, what, s, torch.bfloat16)
+    wide_in = torch.zeros(sum(s[me]), 2 * COLS, dtype=torch.bfloat16, device=ctx.device)
+    wide_in[:, ::2] = xs[me]
+    n_out = sum(s[i][me] for i in range(w))
+    wide_out = torch.full((n_out, 2 * COLS), 5, dtype=torch.bfloat16, device=ctx.device)
+    view_in, view_out = wide_in[:, ::2], wide_out[:, ::2]
+    assert not view_in.is_contiguous() and not view_out.is_contiguous()
+    f.run(what, dist.all_to_all_single, view_out, view_in, [s[i][me] for i in range(w)], s[me])
+    f.run(what, assert_equal, view_out, expected(xs, s, me), what)
+    f.run(what, assert_equal, wide_out[:, 1::2], torch.full((n_out, COLS), 5, dtype=torch.bfloat16, device=ctx.device), f"{what}: elements between the view's changed")
+
+    what = "all_to_all_single in place"
+    s = split_matrix(seed, what, w, "even", 4097)
+    xs = inputs_of(seed, what, s, torch.float32)
+    x = xs[me].clone()
+    f.run(what, dist.all_to_all_single, x, x)
+    f.run(what, assert_equal, x, expected(xs, s, me), what)
+
+    what = "all_to_all (list)"
+    s = split_matrix(seed, what, w, "uneven", 3000)
+    xs = inputs_of(seed, what, s, torch.int32)
+    ins = list(xs[me].split(s[me]))
+    outs = [torch.empty(s[i][me], COLS, dtype=torch.int32, device=ctx.device) for i in range(w)]
+    strided_home = torch.zeros(COLS, s[w - 1][me], dtype=torch.int32, device=ctx.device)
+    outs[w - 1] = strided_home.t()  # the last peer's block lands in a transposed view
+    f.run(what, dist.all_to_all, outs, ins)
+    want = expected(xs, s, me).split([s[i][me] for i in range(w)])
+    for i in range(w):
+        f.run(what, assert_equal, outs[i], want[i], f"{what}: block from rank {i}")
+
+    what = "async all_to_all_single on a side stream"
+    s = split_matrix(seed, what, w, "moe", 200_000)
+    xs = inputs_of(seed, what, s, torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.zeros_like(xs[me])
+        torch.cuda._sleep(50_000_000)  # ~25 ms: a collective that does not wait for this stream reads zeros
+        x.copy_(xs[me])
+        out = torch.zeros(sum(s[i][me] for i in range(w)), COLS, dtype=torch.float16, device=ctx.device)
+        work = f.run(what, dist.all_to_all_single, out, x, [s[i][me] for i in range(w)], s[me], async_op=True)
+    if work is not None:
+        f.run(what, work.wait)
+        got = out.clone()  # on the current stream: ordered after the collective by wait() alone
+        torch.cuda.synchronize()
+        f.run(what, assert_equal, got, expected(xs, s, me), what)
+    torch.cuda.synchronize()
+    f.done()
+
+
+def test_views_in_place_list_and_async(gpus, seed):
+    gpus.run(body_views_list_async, seed, timeout=120)
+
+
+def body_graph(ctx, seed: int) -> None:
+    """all_to_all_single (uneven) and all_to_all captured in one CUDA graph, replayed on fresh data."""
+    w, me = ctx.world, ctx.rank
+    f = Failures()
+    s = split_matrix(seed, "graph", w, "uneven", 20_000)
+    x = torch.zeros(sum(s[me]), COLS, dtype=torch.float32, device=ctx.device)
+    out = torch.zeros(sum(s[i][me] for i in range(w)), COLS, dtype=torch.float32, device=ctx.device)
+    lst_in = [torch.zeros(100 + i, dtype=torch.int64, device=ctx.device) for i in range(w)]
+    lst_out = [torch.zeros(100 + me, dtype=torch.int64, device=ctx.device) for _ in range(w)]
+    out_splits, in_splits = [s[i][me] for i in range(w)], s[me]
+
+    def calls() -> None:
+        dist.all_to_all_single(out, x, out_splits, in_splits)
+        dist.all_to_all(lst_out, lst_in)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        f.run("warm-up", calls)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    if not f.items:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            calls()
+        for rep in range(3):
+            what = f"graph replay {rep}"
+            xs = inputs_of(seed, what, s, torch.float32)
+            x.copy_(xs[me])
+            for i in range(w):
+                lst_in[i].copy_(rand_any(seed, me, 100 + i, torch.int64, salt=f"{what} to {i}"))
+            graph.replay()
+            torch.cuda.synchronize()
+            f.run(what, assert_equal, out, expected(xs, s, me), f"{what}: all_to_all_single")
+            for i in range(w):
+                f.run(what, assert_equal, lst_out[i], rand_any(seed, i, 100 + me, torch.int64, salt=f"{what} to {me}"), f"{what}: all_to_all from rank {i}")
+    torch.cuda.synchronize()
+    f.done()
+
+
+def test_cuda_graph(gpus, seed):
+    gpus.run(body_graph, seed, timeout=120)
+
+
+def _own_group():
+    return dist.new_group(backend="rsccl", timeout=timedelta(seconds=15))
+
+
+def _still_works(ctx, g, seed: int) -> str:
+    """'' if an uneven all_to_all_single on `g` gives the right result, else why not."""
+    s = split_matrix(seed, "after the error", ctx.world, "uneven", 1000)
+    xs = inputs_of(seed, "after the error", s, torch.float32)
+    out = torch.empty(sum(s[i][ctx.rank] for i in range(ctx.world)), COLS, device=ctx.device)
+    try:
+        dist.all_to_all_single(out, xs[ctx.rank], [s[i][ctx.rank] for i in range(ctx.world)], s[ctx.rank], group=g)
+        assert_equal(out, expected(xs, s, ctx.rank), "all_to_all_single on the group after the error")
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def body_errors(ctx, seed: int, case: str) -> tuple[str, str, str]:
+    """case "disagree": rank 1 expects 3 rows (12 bytes of float32) from rank 0, which sends
+    it 2 (8 bytes); every rank's own splits add up. case "bad-splits": rank 1's input split
+    sizes do not add up to its rows. Every rank must raise; the group works after."""
+    g = _own_group()
+    w, me = ctx.world, ctx.rank
+    x = rand_any(seed, me, 2 * w, torch.float32, salt=case)
+    in_splits, out_splits = [2] * w, [2] * w
+    if me == 1 and case == "disagree":
+        out_splits[0] = 3
+    if me == 1 and case == "bad-splits":
+        in_splits[0] = 3
+    out = torch.empty(sum(out_splits), device=ctx.device)
+    try:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=g)
+        # A disagreement found on the GPU may be raised at the group's next call.
+        dist.barrier(group=g)
+        result = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        result = (type(e).__name__, str(e))
+    after = _still_works(ctx, g, seed)
+    dist.destroy_process_group(g)
+    return (*result, after)
+
+
+@pytest.mark.parametrize("case", ["disagree", "bad-splits"])
+def test_errors_raise_on_every_rank(gpus, seed, case):
+    results = gpus.run(body_errors, seed, case, timeout=120)
+    for rank, (kind, msg, after) in enumerate(results):
+        assert kind in ("ValueError", "TypeError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        assert "rank 1" in msg, f"rank {rank}'s message does not name rank 1: {msg}"
+        if case == "disagree":
+            # The ranks that disagree, and what each passed (in bytes: 2 rows vs 3 rows of float32).
+            assert "rank 0" in msg and "8" in msg and "12" in msg, f"rank {rank}: {msg}"
+        assert after == "", f"rank {rank}: the group does not work after the error: {after}"
