@@ -379,9 +379,13 @@ impl NcclEngine {
         drop(ctx);
         let result = Self::build(nccl, dev.clone(), topo, store, nonce, listener, cfg, timeout, deadline, hierarchical, internal, scratch, warm, &names);
         let _ctx = dev.bind()?;
-        // SAFETY: the warm-up finished (build synchronized, or failed before launching, or
-        // aborted its communicators); the buffer is ours.
-        unsafe { cu::cuMemFree_v2(warm) };
+        // SAFETY: the warm-up finished (build waited for it), or failed before launching,
+        // or aborted its communicators, which ends their kernels: the stream drains, then
+        // the buffer (ours) is free of users.
+        unsafe {
+            cu::cuStreamSynchronize(internal);
+            cu::cuMemFree_v2(warm);
+        }
         match result {
             Ok((sh, nccl_bytes)) => {
                 let engine = Arc::new(NcclEngine {
@@ -418,7 +422,6 @@ impl NcclEngine {
             Err(e) => {
                 // SAFETY: nothing runs on them any more (see above).
                 unsafe {
-                    cu::cuStreamSynchronize(internal);
                     cu::cuMemFree_v2(scratch);
                     cu::cuStreamDestroy_v2(internal);
                 }
@@ -513,6 +516,8 @@ impl NcclEngine {
         if let Some(e) = self.sh.poisoned.lock().clone() {
             return Err(e);
         }
+        // Querying the launches' events needs the device's context on this thread.
+        let _ctx = self.sh.dev.bind()?;
         if let Some(e) = self.sh.find_failure() {
             return Err(self.sh.fail(e));
         }
@@ -661,6 +666,9 @@ impl NcclEngine {
     fn enqueue_rooted_p2p(&self, c: &CudaCall, stream: u64) -> Result<()> {
         let comm = &self.sh.flat;
         let raw = comm.raw();
+        if raw.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
         let f = comm.fns();
         let s = stream as nc::cudaStream_t;
         let n = c.count as usize;
@@ -764,8 +772,9 @@ impl NcclEngine {
         if let Some(h) = self.watchdog.lock().take() {
             let _ = h.join();
         }
-        let mut healthy = sh.poisoned.lock().is_none() && sh.find_failure().is_none();
-        if let Ok(_ctx) = sh.dev.bind() {
+        let ctx = sh.dev.bind();
+        let mut healthy = ctx.is_ok() && sh.poisoned.lock().is_none() && sh.find_failure().is_none();
+        if ctx.is_ok() {
             let last = sh.order.lock().last_stream;
             let mut streams = vec![self.internal as u64];
             streams.extend(last.filter(|&l| l != self.internal as u64));
