@@ -320,18 +320,26 @@ impl NcclComm {
     }
 }
 
-impl Drop for NcclComm {
-    fn drop(&mut self) {
+impl NcclComm {
+    /// Finalize and destroy the communicator (its operations finished: the engine waited
+    /// for them, or aborts instead). Idempotent; later calls on it fail with "aborted".
+    pub fn close(&self) {
         let comm = self.comm.swap(std::ptr::null_mut(), AtomicOrdering::AcqRel);
         if comm.is_null() {
             return;
         }
-        // SAFETY: a live communicator; its operations were waited for by the engine (which
-        // aborts instead when they could not be).
+        // SAFETY: a live communicator, taken out of `self` above, so freed once; its
+        // operations were waited for by the caller.
         unsafe {
             (self.nccl.fns.comm_finalize)(comm as nc::ncclComm_t);
             (self.nccl.fns.comm_destroy)(comm as nc::ncclComm_t);
         }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 

@@ -516,6 +516,9 @@ impl NcclEngine {
         if let Some(e) = self.sh.poisoned.lock().clone() {
             return Err(e);
         }
+        if self.sh.stop.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed".into()));
+        }
         // Querying the launches' events needs the device's context on this thread.
         let _ctx = self.sh.dev.bind()?;
         if let Some(e) = self.sh.find_failure() {
@@ -799,12 +802,15 @@ impl NcclEngine {
                 unsafe { cu::cuEventDestroy_v2(ev) };
             }
         }
-        if !healthy {
+        if healthy {
+            // Launches are refused from here on (stop), and the queued work finished.
+            for (_, c) in sh.comms() {
+                c.close();
+            }
+        } else {
             tracing::warn!(rank = sh.rank, "rsccl: aborting the group's NCCL communicators at shutdown (the group failed or its work did not finish)");
             sh.abort_comms();
         }
-        // Healthy communicators are finalized and destroyed when Shared drops (NcclComm's
-        // Drop), after the last event that refers to this engine is gone.
         if let Some(l) = &sh.local {
             l.shutdown();
         }
