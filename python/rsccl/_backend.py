@@ -4,7 +4,9 @@ Each collective method turns torch's arguments into contiguous buffers, submits 
 more engine operations through the Rust Communicator, and returns an RsWork that copies
 results back where torch expects them. Argument errors found on one rank are submitted
 too (``Communicator.invalid``), so every rank of the group raises the same error instead
-of waiting for the rank that failed. Groups whose ranks span hosts delegate to gloo.
+of waiting for the rank that failed. Groups whose ranks span hosts delegate CPU tensors to
+gloo; their CUDA tensors take the same CUDA paths as on one host, which the Rust core runs
+on NCCL (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ._cuda import (
     CudaWork,
     Pending,
     device_for_new_group,
+    nccl_library_path,
     raw_stream,
 )
 from ._work import DoneWork, RsWork
@@ -191,8 +194,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._timeout = timeout
         self._options = pg_options
         device = device_for_new_group()
-        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
+        # A group whose ranks span hosts runs its CUDA collectives on NCCL (torch's library).
+        nccl_path = nccl_library_path() if device is not None else None
+        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path)
         self._cuda_device = device if self._comm.has_cuda else None
+        # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
+        self._cuda_engine = self._comm.cuda_engine
         self._pool_bytes = int(self._comm.cuda_pool_bytes)
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
@@ -229,11 +236,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     @property
     def engine(self) -> str:
-        """"host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts)."""
+        """"host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
+        tensors go through gloo, CUDA tensors through NCCL)."""
         return self._comm.engine
 
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
+
+    def _cuda_ok(self, t: Any) -> bool:
+        """Whether `t` goes to the CUDA engine: a CUDA tensor, in a group on one host, or
+        in a group across hosts that has the NCCL engine (else gloo takes it)."""
+        return getattr(t, "is_cuda", False) and (self._gloo is None or self._cuda_engine == "nccl")
 
     # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
     def _mem_pool(self) -> torch.cuda.MemPool:
@@ -489,7 +502,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             t = tensors[0]
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
             name = _FAST_ALLREDUCE.get((t.dtype, op))
@@ -526,7 +539,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             return self._cuda_broadcast(tensors[0], root, opts)
 
         def prepare() -> _Plan:
@@ -538,7 +551,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             return self._cuda_reduce(tensors[0], root, op, opts)
 
         def prepare() -> _Plan:
@@ -557,7 +570,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return (lambda b: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp), blocking=b)), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
-        if getattr(input, "is_cuda", False) and self._gloo is None:
+        if self._cuda_ok(input):
             return self._cuda_all_gather(output, input, opts, [output])
         def prepare() -> _Plan:
             submit, keep, post = self._all_gather_one(output, input)
@@ -568,7 +581,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(input_tensors) == 1 and self._cuda_ok(input_tensors[0]):
             inp = input_tensors[0]
             try:
                 outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input", check=_check_cuda_tensor)
@@ -666,7 +679,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if getattr(input, "is_cuda", False) and self._gloo is None:
+        if self._cuda_ok(input):
             return self._cuda_reduce_scatter(output, input, op, opts, [output])
 
         def prepare() -> _Plan:
@@ -679,7 +692,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(output_tensors) == 1 and self._cuda_ok(output_tensors[0]):
             out = output_tensors[0]
             try:
                 ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output", check=_check_cuda_tensor)
@@ -785,7 +798,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(input_tensors) == 1 and self._cuda_ok(input_tensors[0]):
             return self._cuda_gather(output_tensors, input_tensors[0], root, opts)
 
         def prepare() -> _Plan:
@@ -802,7 +815,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(output_tensors) == 1 and self._cuda_ok(output_tensors[0]):
             return self._cuda_scatter(output_tensors[0], input_tensors, root, opts)
 
         def prepare() -> _Plan:
@@ -817,7 +830,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def barrier(self, opts: Any = None) -> RsWork:
-        if self._cuda_device is not None and self._gloo is None:
+        if self._cuda_device is not None:
             # Like NCCL's barrier: every GPU reaches a device barrier, and this CPU waits
             # for its own, so all ranks' earlier work is done and every rank got here.
             stream = raw_stream(self._cuda_device)
@@ -831,6 +844,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> RsWork:
         what = "send" if send else "recv"
         if self._gloo is not None:
+            if any(getattr(t, "is_cuda", False) for t in tensors):
+                raise TypeError(f"rsccl: {what} of CUDA tensors in a group that spans hosts is not supported yet (gloo cannot, and rsccl's NCCL engine runs collectives only)")
             return getattr(self._gloo, what)(tensors, peer, tag)
         try:
             t = _one(tensors, what)
