@@ -36,6 +36,21 @@ def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
     assert "RSCCL_CUDA_BUFFER_BYTES" in rsccl.settings_table()
 
 
+def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
+    """The NCCL engine's bounds (groups that span hosts): channels per communicator and
+    the size from which all_reduce runs hierarchically."""
+    got = dict(rsccl._rsccl.resolve_options([]))
+    assert got["nccl_max_ctas"] == 16 and got["nccl_hierarchical_min_bytes"] == 16 << 20
+    got = dict(rsccl._rsccl.resolve_options(rsccl.Options(nccl_max_ctas=0, nccl_hierarchical_min_bytes="1MiB").items()))
+    assert got["nccl_max_ctas"] == 0 and got["nccl_hierarchical_min_bytes"] == 1 << 20
+    with pytest.raises(ValueError, match="nccl_max_ctas"):
+        rsccl._rsccl.resolve_options([("nccl_max_ctas", "65")])
+    monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_MIN_BYTES", "big")
+    with pytest.raises(ValueError, match="RSCCL_NCCL_HIERARCHICAL_MIN_BYTES"):
+        rsccl._rsccl.resolve_options([])
+    assert "RSCCL_NCCL_MAX_CTAS" in rsccl.settings_table()
+
+
 def test_no_cuda_engine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the GPU suite covers it")

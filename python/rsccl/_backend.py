@@ -4,7 +4,9 @@ Each collective method turns torch's arguments into contiguous buffers, submits 
 more engine operations through the Rust Communicator, and returns an RsWork that copies
 results back where torch expects them. Argument errors found on one rank are submitted
 too (``Communicator.invalid``), so every rank of the group raises the same error instead
-of waiting for the rank that failed. Groups whose ranks span hosts delegate to gloo.
+of waiting for the rank that failed. Groups whose ranks span hosts delegate CPU tensors to
+gloo; their CUDA tensors take the same CUDA paths as on one host, which the Rust core runs
+on NCCL (docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ._cuda import (
     CudaWork,
     Pending,
     device_for_new_group,
+    nccl_library_path,
     raw_stream,
 )
 from ._work import DoneWork, RsWork
@@ -256,8 +259,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._timeout = timeout
         self._options = pg_options
         device = device_for_new_group()
-        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device)
+        # A group whose ranks span hosts runs its CUDA collectives on NCCL (torch's library).
+        nccl_path = nccl_library_path() if device is not None else None
+        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path)
         self._cuda_device = device if self._comm.has_cuda else None
+        # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
+        self._cuda_engine = self._comm.cuda_engine
         self._pool_bytes = int(self._comm.cuda_pool_bytes)
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
@@ -296,11 +303,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     @property
     def engine(self) -> str:
-        """"host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts)."""
+        """"host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
+        tensors go through gloo, CUDA tensors through NCCL)."""
         return self._comm.engine
 
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
+
+    def _cuda_ok(self, t: Any) -> bool:
+        """Whether `t` goes to the CUDA engine: a CUDA tensor, in a group on one host, or
+        in a group across hosts that has the NCCL engine (else gloo takes it)."""
+        return getattr(t, "is_cuda", False) and (self._gloo is None or self._cuda_engine == "nccl")
 
     # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
     def _mem_pool(self) -> torch.cuda.MemPool:
@@ -553,9 +566,18 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._cuda("scatter", prepare, opts, [out])
 
-    def _on_cuda(self, t: Any) -> bool:
-        """Whether a call whose (first) tensor is `t` takes the CUDA engine's path."""
-        return bool(getattr(t, "is_cuda", False)) and self._gloo is None
+    def _on_cuda(self, t: Any, what: str) -> bool:
+        """Whether all_to_all or send/recv whose (first) tensor is `t` takes the CUDA
+        engine's path (rsccl's kernels: a group on one host). A group across hosts has
+        them on neither NCCL nor gloo for CUDA tensors yet: a clear TypeError."""
+        if not getattr(t, "is_cuda", False):
+            return False
+        if self._gloo is None:
+            return True
+        raise TypeError(
+            f"rsccl: {what} on CUDA tensors in a group that spans hosts is not supported yet "
+            "(the NCCL engine runs the other collectives); use a group of one host's ranks, or CPU tensors"
+        )
 
     def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:
         """The Work of a launched CUDA operation: done (copies back made) when blocking (no
@@ -851,7 +873,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             t = tensors[0]
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
             name = _FAST_ALLREDUCE.get((t.dtype, op))
@@ -869,7 +891,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if tensors and self._on_cuda(tensors[0]):
+        if tensors and self._cuda_ok(tensors[0]):
             return self._noted(self._cuda_allreduce_coalesced(list(tensors), op, opts))
         # Ops per dtype present: a count every rank of a valid program agrees on.
         dtypes = list(dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)))
@@ -890,7 +912,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             return self._cuda_broadcast(tensors[0], root, opts)
 
         def prepare() -> _Plan:
@@ -902,7 +924,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(tensors) == 1 and getattr(tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             return self._cuda_reduce(tensors[0], root, op, opts)
 
         def prepare() -> _Plan:
@@ -921,7 +943,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return (lambda b: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp), blocking=b)), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
-        if getattr(input, "is_cuda", False) and self._gloo is None:
+        if self._cuda_ok(input):
             return self._cuda_all_gather(output, input, opts, [output])
         def prepare() -> _Plan:
             submit, keep, post = self._all_gather_one(output, input)
@@ -932,7 +954,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(input_tensors) == 1 and self._cuda_ok(input_tensors[0]):
             inp = input_tensors[0]
             try:
                 outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input", check=_check_cuda_tensor)
@@ -984,7 +1006,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return _Plan([submit], None, (flat_in, flat_out), post)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
-        if inputs and self._on_cuda(inputs[0]):
+        if inputs and self._cuda_ok(inputs[0]):
             if len(inputs) == 1 and len(outputs) == 1 and isinstance(outputs[0], torch.Tensor):
                 return self._noted(self._cuda_all_gather(outputs[0], inputs[0], opts, list(outputs)))
             return self._noted(self._cuda_gather_bytes("all_gather_into_tensor_coalesced", list(inputs), list(outputs), opts, list(outputs)))
@@ -1015,7 +1037,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._noted(self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare, opts=opts))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> RsWork:
-        if input_list and self._on_cuda(input_list[0]):
+        if input_list and self._cuda_ok(input_list[0]):
             n = self.size()
             if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
                 e = ArgumentError(f"all_gather_coalesced: rank {self.rank()} must pass {n} output lists of {len(input_list)} tensors")
@@ -1043,7 +1065,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if getattr(input, "is_cuda", False) and self._gloo is None:
+        if self._cuda_ok(input):
             return self._cuda_reduce_scatter(output, input, op, opts, [output])
 
         def prepare() -> _Plan:
@@ -1056,7 +1078,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(output_tensors) == 1 and self._cuda_ok(output_tensors[0]):
             out = output_tensors[0]
             try:
                 ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output", check=_check_cuda_tensor)
@@ -1077,7 +1099,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
-        if inputs and self._on_cuda(inputs[0]):
+        if inputs and self._cuda_ok(inputs[0]):
             return self._noted(self._cuda_reduce_scatter_coalesced(list(outputs), list(inputs), op, opts))
         # From the inputs only, so a rank whose output is wrong still counts the same ops.
         one_dtype = len({getattr(t, "dtype", None) for t in inputs}) <= 1
@@ -1108,7 +1130,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._noted(self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
-        if self._on_cuda(input):
+        if self._on_cuda(input, "all_to_all_single"):
             return self._cuda_alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
         def prepare() -> _Plan:
@@ -1133,7 +1155,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        if input_tensors and self._on_cuda(input_tensors[0]):
+        if input_tensors and self._on_cuda(input_tensors[0], "all_to_all"):
             return self._cuda_alltoall(list(output_tensors), list(input_tensors), opts)
 
         def prepare() -> _Plan:
@@ -1156,7 +1178,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(input_tensors) == 1 and getattr(input_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(input_tensors) == 1 and self._cuda_ok(input_tensors[0]):
             return self._cuda_gather(output_tensors, input_tensors[0], root, opts)
 
         def prepare() -> _Plan:
@@ -1173,7 +1195,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        if len(output_tensors) == 1 and getattr(output_tensors[0], "is_cuda", False) and self._gloo is None:
+        if len(output_tensors) == 1 and self._cuda_ok(output_tensors[0]):
             return self._cuda_scatter(output_tensors[0], input_tensors, root, opts)
 
         def prepare() -> _Plan:
@@ -1188,7 +1210,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def barrier(self, opts: Any = None) -> RsWork:
-        if self._cuda_device is not None and self._gloo is None:
+        if self._cuda_device is not None:
             # Like NCCL's barrier: every GPU reaches a device barrier, and this CPU waits
             # for its own, so all ranks' earlier work is done and every rank got here.
             stream = raw_stream(self._cuda_device)
@@ -1202,6 +1224,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> RsWork:
         what = "send" if send else "recv"
         if self._gloo is not None:
+            if any(getattr(t, "is_cuda", False) for t in tensors):
+                raise TypeError(f"rsccl: {what} of CUDA tensors in a group that spans hosts is not supported yet (gloo cannot, and rsccl's NCCL engine runs collectives only)")
             return getattr(self._gloo, what)(tensors, peer, tag)
         try:
             t = _one(tensors, what)
@@ -1219,12 +1243,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     # isend/irecv one by one for a ProcessGroup subclass. On CUDA tensors the tag is ignored,
     # as NCCL ignores it: messages between two ranks match in order.
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> RsWork:
-        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0]):
+        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0], "send"):
             return self._cuda_p2p(tensors, dstRank, True)
         return self._p2p(tensors, dstRank, tag, True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> RsWork:
-        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0]):
+        if isinstance(tensors, (list, tuple)) and tensors and self._on_cuda(tensors[0], "recv"):
             return self._cuda_p2p(tensors, srcRank, False)
         return self._p2p(tensors, srcRank, tag, False)
 

@@ -38,6 +38,10 @@ class Options:
     cuda_pool_bytes: int | str | None = None
     #: Message size from which pool tensors are used in place (smaller ones are staged); RSCCL_CUDA_INPLACE_MIN_BYTES.
     cuda_inplace_min_bytes: int | str | None = None
+    #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
+    nccl_max_ctas: int | None = None
+    #: CUDA all_reduce size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.
+    nccl_hierarchical_min_bytes: int | str | None = None
 
     def items(self) -> list[tuple[str, str]]:
         """The fields that are set, as (name, text) pairs for the Rust core."""

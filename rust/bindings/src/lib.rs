@@ -85,8 +85,11 @@ struct Communicator(Group);
 #[pymethods]
 impl Communicator {
     /// Rendezvous through `store` and build everything the group needs (blocks, GIL released).
+    /// `nccl_path`: torch's libnccl.so.2, loaded if given (a group that spans hosts runs
+    /// its CUDA collectives on it).
     #[new]
-    #[pyo3(signature = (store, rank, size, timeout_s, options=None, cuda_device=None))]
+    #[pyo3(signature = (store, rank, size, timeout_s, options=None, cuda_device=None, nccl_path=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         store: Py<PyAny>,
@@ -95,8 +98,12 @@ impl Communicator {
         timeout_s: f64,
         options: Option<Vec<(String, String)>>,
         cuda_device: Option<i32>,
+        nccl_path: Option<String>,
     ) -> PyResult<Self> {
         let cfg = Config::from_env(&options.unwrap_or_default()).py()?;
+        if let Some(p) = &nccl_path {
+            rsccl_core::cuda::nccl::load(p).py()?;
+        }
         let timeout = Duration::from_secs_f64(timeout_s.max(0.001));
         let store = store::PyStore(store);
         let g = py.detach(move || Group::create(&store, rank, size, timeout, cfg, cuda_device)).py()?;
@@ -225,19 +232,22 @@ impl Communicator {
         Ok(Work(self.0.submit_p2p(op, None).py()?))
     }
 
-    /// Whether the group has a CUDA engine.
+    /// Whether the group has a CUDA engine (rsccl's or, across hosts, NCCL).
     #[getter]
     fn has_cuda(&self) -> bool {
         self.0.has_cuda()
     }
 
+    /// "rsccl" (one host: rsccl's kernels), "nccl" (across hosts), or None (no CUDA).
+    #[getter]
+    fn cuda_engine(&self) -> Option<&'static str> {
+        self.0.cuda_engine_name()
+    }
+
     /// Bytes of this group's pool per rank (0: none); reads nothing from the device.
     #[getter]
-    fn cuda_pool_bytes(&self) -> PyResult<u64> {
-        if !self.0.has_cuda() {
-            return Ok(0);
-        }
-        Ok(self.0.cuda().py()?.pool_bytes() as u64)
+    fn cuda_pool_bytes(&self) -> u64 {
+        self.0.cuda().map(|c| c.pool_bytes() as u64).unwrap_or(0)
     }
 
     /// The (alloc, free) C function addresses of this group's pool, for
@@ -283,8 +293,7 @@ impl Communicator {
         let dtype = DType::from_name(dtype).py()?;
         let op = ReduceOp::from_name(op).py()?;
         let call = CudaCall { kind, dtype, op, root, inp, out, count, stream, asynchronous };
-        let engine = self.0.cuda().py()?;
-        Ok(engine.launch(&call).py()?.map(CudaEvent))
+        Ok(self.0.cuda_launch(&call).py()?.map(CudaEvent))
     }
 
     /// Launch one CUDA all_to_all: per peer (group rank order), the chunk this rank sends
@@ -300,6 +309,11 @@ impl Communicator {
         stream: u64,
         asynchronous: bool,
     ) -> PyResult<Option<CudaEvent>> {
+        if self.0.topo.hosts.len() > 1 {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "rsccl: CUDA all_to_all and send/recv run on one host's ranks only (this group spans hosts)",
+            ));
+        }
         let engine = self.0.cuda().py()?;
         // Single-host groups: a group rank is its local index (local ranks ascend).
         let x = AllToAll { send: send_ptrs, send_bytes, recv: recv_ptrs, recv_bytes };
@@ -310,6 +324,11 @@ impl Communicator {
     /// on that (peer, direction)'s own stream, after the caller's `stream`.
     #[pyo3(signature = (send, ptr, nbytes, peer, stream, asynchronous))]
     fn cuda_p2p(&self, send: bool, ptr: u64, nbytes: u64, peer: usize, stream: u64, asynchronous: bool) -> PyResult<Option<CudaEvent>> {
+        if self.0.topo.hosts.len() > 1 {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "rsccl: CUDA all_to_all and send/recv run on one host's ranks only (this group spans hosts)",
+            ));
+        }
         let engine = self.0.cuda().py()?;
         let local = self.0.topo.local_ranks().iter().position(|&r| r == peer).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!(
@@ -321,30 +340,16 @@ impl Communicator {
     }
 
     /// This rank's arguments to a CUDA collective were invalid: take part in its first
-    /// barrier only, so the other ranks report the mismatch instead of waiting.
+    /// barrier only, so the other ranks report the mismatch instead of waiting (a group
+    /// that spans hosts is aborted instead: NCCL cannot skip a collective).
     fn cuda_invalid(&self, stream: u64) -> PyResult<()> {
-        let engine = self.0.cuda().py()?;
-        let call = CudaCall {
-            kind: CudaKind::Invalid,
-            dtype: DType::U8,
-            op: ReduceOp::Sum,
-            root: 0,
-            inp: 0,
-            out: 0,
-            count: 0,
-            stream,
-            asynchronous: false,
-        };
-        engine.launch(&call).py().map(|_| ())
+        self.0.cuda_invalid(stream).py()
     }
 
-    /// Raise the error a CUDA kernel reported (timeout, dead peer, mismatched calls).
+    /// Raise the error a CUDA kernel reported (timeout, dead peer, mismatched calls) or
+    /// that made the NCCL engine abort the group.
     fn cuda_health(&self) -> PyResult<()> {
-        if self.0.has_cuda() {
-            self.0.cuda().py()?.health().py()
-        } else {
-            Ok(())
-        }
+        self.0.cuda_health().py()
     }
 
     /// Bytes reserved and mapped for this group, and traffic counters.
@@ -373,6 +378,13 @@ impl Communicator {
             d.set_item("cuda_inplace_bytes", c.inplace_bytes)?;
             d.set_item("cuda_staged_collectives", c.staged_collectives)?;
             d.set_item("cuda_staged_bytes", c.staged_bytes)?;
+        }
+        if let Some(n) = self.0.nccl_stats() {
+            d.set_item("cuda_device", n.device)?;
+            d.set_item("nccl_bytes", n.nccl_bytes)?;
+            d.set_item("nccl_communicators", n.communicators)?;
+            d.set_item("nccl_collectives", n.collectives)?;
+            d.set_item("nccl_hierarchical_collectives", n.hierarchical_collectives)?;
         }
         Ok(d)
     }
@@ -413,7 +425,7 @@ impl CudaEvent {
         self.0.wait_on(stream).py()
     }
 
-    /// Block (GIL released) until the collective finished.
+    /// Block (GIL released) until the collective finished, at most the group timeout.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.0.synchronize()).py()
     }

@@ -186,6 +186,35 @@ pub const SETTINGS: &[Setting] = &[
         help: "1: a blocking CUDA collective (async_op=False) runs on the caller's current \
                stream; 0: on the group's internal stream, ordered with events",
     },
+    Setting {
+        field: "nccl_max_ctas",
+        env: "RSCCL_NCCL_MAX_CTAS",
+        // NCCL's own default on H100/H200 goes up to 32 channels per communicator (64
+        // with NVLS, off here); a group that spans hosts has two communicators per rank
+        // (flat and cross), and every channel holds buffers (NCCL_BUFFSIZE per peer and
+        // protocol), so rsccl halves NCCL's count. Not measured yet: a bound on memory, not
+        // a tuned value.
+        default: 16,
+        min: 0,
+        max: 64,
+        is_size: false,
+        help: "most CTAs (channels) of each NCCL communicator of a group that spans hosts \
+               (ncclConfig_t.maxCTAs); fewer channels hold fewer buffers. 0: NCCL's default",
+    },
+    Setting {
+        field: "nccl_hierarchical_min_bytes",
+        env: "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES",
+        // A guess to be measured: under a few MiB the two host-local kernels and their
+        // barriers cost more than the cross-host bytes they save.
+        default: 16 * MIB,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "CUDA all_reduce of a group that spans hosts, with the same number (>= 2) of \
+               GPUs on every host, runs hierarchically from this size on (rsccl's \
+               reduce-scatter inside each host, NCCL across hosts, rsccl's all-gather); \
+               smaller messages run as one flat NCCL all_reduce",
+    },
 ];
 
 /// Resolved configuration of one group.
@@ -206,6 +235,9 @@ pub struct Config {
     pub cuda_inplace_min_bytes: usize,
     pub cuda_p2p_bytes: usize,
     pub cuda_p2p_blocks: u32,
+    /// None: NCCL's default (the setting's 0).
+    pub nccl_max_ctas: Option<i32>,
+    pub nccl_hierarchical_min_bytes: u64,
 }
 
 impl Default for Config {
@@ -297,6 +329,8 @@ impl Config {
             cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
             cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
             cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
+            nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
+            nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),
         };
         Ok(cfg)
     }
@@ -325,6 +359,10 @@ impl Config {
             // The inbox layout (peer slots x blocks x chunk) must be the same on every rank.
             ("cuda_p2p_bytes", self.cuda_p2p_bytes as u64),
             ("cuda_p2p_blocks", self.cuda_p2p_blocks as u64),
+            // Communicators must be created alike, and every rank must take the same path
+            // (flat or hierarchical) for the same call.
+            ("nccl_max_ctas", self.nccl_max_ctas.unwrap_or(0) as u64),
+            ("nccl_hierarchical_min_bytes", self.nccl_hierarchical_min_bytes),
         ];
         let names = shared
             .iter()
@@ -361,6 +399,23 @@ mod tests {
         assert_eq!((c.cuda_pool_bytes, c.cuda_inplace_min_bytes), (1 << 30, 3 << 20));
         assert!(!c.cuda_warmup && !c.cuda_sync_stream);
         assert_eq!(c.max_cuda_va_bytes, 16 << 30);
+    }
+
+    #[test]
+    fn nccl_settings_resolve() {
+        let d = Config::default();
+        assert_eq!((d.nccl_max_ctas, d.nccl_hierarchical_min_bytes), (Some(16), 16 << 20));
+        let env = |k: &str| match k {
+            "RSCCL_NCCL_MAX_CTAS" => Some("0".to_string()),
+            "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES" => Some("1MiB".to_string()),
+            _ => None,
+        };
+        let c = Config::resolve(&[], &env).unwrap();
+        assert_eq!((c.nccl_max_ctas, c.nccl_hierarchical_min_bytes), (None, 1 << 20), "0 is NCCL's default");
+        let e = Config::resolve(&[("nccl_max_ctas".into(), "65".into())], &|_| None).unwrap_err().to_string();
+        assert!(e.contains("nccl_max_ctas") && e.contains("out of range"), "{e}");
+        let (_, names) = d.layout_settings();
+        assert!(names.iter().any(|(f, _)| *f == "nccl_hierarchical_min_bytes"), "every rank must take the same path");
     }
 
     #[test]

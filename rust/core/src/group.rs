@@ -11,7 +11,8 @@ use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, RankInfo, Store, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
-use crate::cuda::{CudaEngine, CudaStats};
+use crate::cuda::nccl::Nccl;
+use crate::cuda::{CudaCall, CudaEngine, CudaEvent, CudaStats, NcclEngine, NcclStats};
 use crate::engine::host::HostEngine;
 use crate::engine::{Engine, MemoryStats, P2p};
 use crate::error::{Error, Result};
@@ -23,7 +24,8 @@ pub enum EngineKind {
     /// rsccl's shared-memory engine: all ranks on one host.
     Host,
     /// Ranks span hosts: CPU tensors go through gloo, created by the Python layer from
-    /// the same store.
+    /// the same store; CUDA tensors through the NCCL engine (when the group was created
+    /// with a device).
     Gloo,
 }
 
@@ -53,8 +55,17 @@ pub struct Group {
     /// Taken out at shutdown, so the region and sockets are released then, not whenever
     /// Python drops the last reference to the group.
     engine: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
-    /// The CUDA engine, when the group was created with a device on one host.
-    cuda: parking_lot::Mutex<Option<Arc<CudaEngine>>>,
+    /// The CUDA engine, when the group was created with a device.
+    cuda: parking_lot::Mutex<Option<CudaSide>>,
+}
+
+/// Which engine runs a group's CUDA collectives.
+#[derive(Clone)]
+enum CudaSide {
+    /// All ranks on one host: rsccl's kernels.
+    Local(Arc<CudaEngine>),
+    /// Ranks span hosts: NCCL (and rsccl's kernels inside each host, hierarchically).
+    Nccl(Arc<NcclEngine>),
 }
 
 impl Group {
@@ -88,7 +99,20 @@ impl Group {
         let (kind, why) = choose_engine(&topo);
         let mut cuda = None;
         let engine: Option<Arc<dyn Engine>> = match kind {
-            EngineKind::Gloo => None,
+            EngineKind::Gloo => {
+                if let Some(d) = cuda_device {
+                    let nccl = Nccl::get().ok_or_else(|| {
+                        Error::Cuda(
+                            "this group spans hosts and has CUDA, so it needs NCCL, which was not loaded: torch's \
+                             libnccl.so.2 (the nvidia-nccl package) was not found"
+                                .into(),
+                        )
+                    })?;
+                    let e = NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline)?;
+                    cuda = Some(CudaSide::Nccl(e));
+                }
+                None
+            }
             EngineKind::Host => {
                 let ranks = topo.local_ranks().to_vec();
                 let me = topo.local_index();
@@ -98,7 +122,7 @@ impl Group {
                 // The CUDA set-up talks over the mesh, so it runs before the host engine
                 // starts watching the mesh for peers that leave.
                 if let Some(d) = cuda_device {
-                    cuda = Some(CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline)?);
+                    cuda = Some(CudaSide::Local(CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline)?));
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
                 Some(Arc::new(HostEngine::start(region, layout, cfg.clone(), me, mesh, pids)?))
@@ -144,16 +168,17 @@ impl Group {
         self.engine.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
     }
 
-    /// The CUDA engine, or why there is none.
-    pub fn cuda(&self) -> Result<Arc<CudaEngine>> {
+    fn cuda_side(&self) -> Result<CudaSide> {
         if let Some(c) = &*self.cuda.lock() {
             return Ok(c.clone());
         }
         Err(match self.kind {
-            EngineKind::Gloo => Error::InvalidArgument(
-                "CUDA tensors in a group that spans hosts need the NCCL engine, which this release does not have yet".into(),
-            ),
             EngineKind::Host if self.engine.lock().is_none() => Error::Aborted("the group was destroyed".into()),
+            EngineKind::Gloo => Error::InvalidArgument(
+                "this group spans hosts and has no CUDA engine: CUDA was not initialized when it was created. Call \
+                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
+                    .into(),
+            ),
             EngineKind::Host => Error::InvalidArgument(
                 "this group has no CUDA engine: CUDA was not initialized when it was created. Call \
                  torch.cuda.set_device(local_rank) before init_process_group/new_group"
@@ -162,23 +187,101 @@ impl Group {
         })
     }
 
+    /// rsccl's CUDA engine of this host (the pool lives there), or why there is none. A
+    /// group that spans hosts has one only where every host has the same number >= 2 of
+    /// its GPUs (it runs the host-local phases of hierarchical collectives).
+    pub fn cuda(&self) -> Result<Arc<CudaEngine>> {
+        match self.cuda_side()? {
+            CudaSide::Local(c) => Ok(c),
+            CudaSide::Nccl(n) => n.local().cloned().ok_or_else(|| {
+                Error::InvalidArgument(
+                    "this group spans hosts with unequal or single GPUs per host: its CUDA collectives run on NCCL \
+                     alone, and it has no rsccl CUDA engine (nor pool) on this host"
+                        .into(),
+                )
+            }),
+        }
+    }
+
+    /// Launch a CUDA collective on whichever engine the group has.
+    pub fn cuda_launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        match self.cuda_side()? {
+            CudaSide::Local(e) => e.launch(c),
+            CudaSide::Nccl(n) => n.launch(c),
+        }
+    }
+
+    /// This rank's arguments to a CUDA collective were invalid (see CudaKind::Invalid and
+    /// NcclEngine::invalid): let the peers know instead of leaving them waiting.
+    pub fn cuda_invalid(&self, stream: u64) -> Result<()> {
+        match self.cuda_side()? {
+            CudaSide::Local(e) => {
+                let call = CudaCall {
+                    kind: crate::cuda::CudaKind::Invalid,
+                    dtype: crate::dtype::DType::U8,
+                    op: crate::dtype::ReduceOp::Sum,
+                    root: 0,
+                    inp: 0,
+                    out: 0,
+                    count: 0,
+                    stream,
+                    asynchronous: false,
+                };
+                e.launch(&call).map(|_| ())
+            }
+            CudaSide::Nccl(n) => n.invalid(),
+        }
+    }
+
+    /// Raise the error that made the group's CUDA side unusable, or a reported mismatch.
+    /// Ok for a group without CUDA.
+    pub fn cuda_health(&self) -> Result<()> {
+        match self.cuda.lock().clone() {
+            Some(CudaSide::Local(e)) => e.health(),
+            Some(CudaSide::Nccl(n)) => n.health(),
+            None => Ok(()),
+        }
+    }
+
     pub fn has_cuda(&self) -> bool {
         self.cuda.lock().is_some()
     }
 
-    /// Waits for the group's queued kernels (see CudaEngine::stats).
+    /// "rsccl" (rsccl's kernels), "nccl" (the group spans hosts), or None (no CUDA).
+    pub fn cuda_engine_name(&self) -> Option<&'static str> {
+        self.cuda.lock().as_ref().map(|c| match c {
+            CudaSide::Local(_) => "rsccl",
+            CudaSide::Nccl(_) => "nccl",
+        })
+    }
+
+    /// Waits for the group's queued kernels (see CudaEngine::stats). A group that spans
+    /// hosts reports its host-local rsccl engine, if it has one.
     pub fn cuda_stats(&self) -> Option<CudaStats> {
         // Not under the lock: reading the counters waits for the group's kernels, and
         // shutdown needs this lock to stop them.
-        let engine = self.cuda.lock().clone();
-        engine.map(|c| c.stats())
+        let side = self.cuda.lock().clone();
+        match side? {
+            CudaSide::Local(c) => Some(c.stats()),
+            CudaSide::Nccl(n) => n.local().map(|c| c.stats()),
+        }
+    }
+
+    /// The NCCL engine's counters (groups that span hosts, with CUDA).
+    pub fn nccl_stats(&self) -> Option<NcclStats> {
+        match self.cuda.lock().clone()? {
+            CudaSide::Nccl(n) => Some(n.stats()),
+            CudaSide::Local(_) => None,
+        }
     }
 
     /// Stop the engine and release its region and sockets. Idempotent.
     pub fn shutdown(&self) {
         let cuda = self.cuda.lock().take();
-        if let Some(c) = cuda {
-            c.shutdown();
+        match cuda {
+            Some(CudaSide::Local(c)) => c.shutdown(),
+            Some(CudaSide::Nccl(n)) => n.shutdown(),
+            None => {}
         }
         let engine = self.engine.lock().take();
         if let Some(e) = engine {

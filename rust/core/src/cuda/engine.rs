@@ -431,12 +431,23 @@ unsafe impl Send for CudaEngine {}
 // SAFETY: as above.
 unsafe impl Sync for CudaEngine {}
 
-/// An event that marks the end of an asynchronous collective; goes back to the engine's
-/// pool when dropped.
+/// The engine an event came from: where it goes back when dropped, and what a wait on it
+/// that ran past the group timeout means for the group.
+pub trait EventHome: Send + Sync {
+    fn recycle(&self, ev: CUevent);
+    /// A CPU wait for this engine's collective gave up after the group timeout: the error
+    /// to raise (the engine may abort the group, as the NCCL engine does).
+    fn wait_timed_out(&self) -> Error;
+}
+
+/// An event that marks the end of an asynchronous collective (of rsccl's CUDA engine or
+/// the NCCL engine); goes back to its engine's pool when dropped.
 pub struct CudaEvent {
     ev: CUevent,
-    engine: std::sync::Weak<CudaEngine>,
+    home: std::sync::Weak<dyn EventHome>,
     dev: Arc<Device>,
+    /// Bound of a CPU wait (the group timeout).
+    timeout: Duration,
 }
 
 // SAFETY: an event handle may be used from any thread.
@@ -445,6 +456,10 @@ unsafe impl Send for CudaEvent {}
 unsafe impl Sync for CudaEvent {}
 
 impl CudaEvent {
+    pub(crate) fn new(ev: CUevent, home: std::sync::Weak<dyn EventHome>, dev: Arc<Device>, timeout: Duration) -> CudaEvent {
+        CudaEvent { ev, home, dev, timeout }
+    }
+
     /// Whether the collective has finished on the GPU.
     pub fn query(&self) -> Result<bool> {
         let _ctx = self.dev.bind()?;
@@ -464,18 +479,39 @@ impl CudaEvent {
         check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, self.ev, 0) }, "cuStreamWaitEvent")
     }
 
-    /// Block the CPU until the collective finished.
+    /// Block the CPU until the collective finished, at most the group timeout (polling,
+    /// not cuEventSynchronize, so a collective that never ends cannot hang the caller).
     pub fn synchronize(&self) -> Result<()> {
         let _ctx = self.dev.bind()?;
-        // SAFETY: valid event handle.
-        check(unsafe { cu::cuEventSynchronize(self.ev) }, "cuEventSynchronize")
+        let deadline = Instant::now() + self.timeout;
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: valid event handle.
+            match unsafe { cu::cuEventQuery(self.ev) } {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_micros(500));
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY => {
+                    return Err(match self.home.upgrade() {
+                        Some(h) => h.wait_timed_out(),
+                        None => Error::Timeout(format!(
+                            "a CUDA collective did not finish within the group timeout ({:.1} s)",
+                            self.timeout.as_secs_f64()
+                        )),
+                    })
+                }
+                e => return check(e, "cuEventQuery"),
+            }
+        }
     }
 }
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        match self.engine.upgrade() {
-            Some(e) => e.order.lock().free_events.push(self.ev),
+        match self.home.upgrade() {
+            Some(e) => e.recycle(self.ev),
             None => {
                 if let Ok(_ctx) = self.dev.bind() {
                     // SAFETY: the engine is gone, so this event is ours alone.
@@ -483,6 +519,22 @@ impl Drop for CudaEvent {
                 }
             }
         }
+    }
+}
+
+impl EventHome for CudaEngine {
+    fn recycle(&self, ev: CUevent) {
+        self.order.lock().free_events.push(ev);
+    }
+
+    fn wait_timed_out(&self) -> Error {
+        // rsccl's kernels time out by themselves and say so (health); the CPU wait also
+        // covers work of others queued before the collective, so this alone does not
+        // make the group unusable.
+        Error::Timeout(format!(
+            "a CUDA collective did not finish within the group timeout ({:.1} s)",
+            self.timeout.as_secs_f64()
+        ))
     }
 }
 
@@ -739,6 +791,28 @@ impl CudaEngine {
         Err(self.poison(err))
     }
 
+    /// The error that made the group unusable, if any (a mismatch, which leaves the group
+    /// usable, is not one; see `health`).
+    pub fn check_fatal(&self) -> Result<()> {
+        self.fatal()
+    }
+
+    /// Make the group unusable with `err` and stop this rank's queued kernels (the NCCL
+    /// engine calls this when a communicator across hosts failed). Returns the first error.
+    pub fn abort_with(&self, err: Error) -> Error {
+        self.poison(err)
+    }
+
+    /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
+    pub fn supports_reduce_scatter(&self, dtype: DType, op: ReduceOp) -> bool {
+        self.kernels.reduce(Family::ReduceScatter, dtype, op).is_some()
+    }
+
+    /// The number of local ranks (GPUs of this host in the group).
+    pub fn local_size(&self) -> usize {
+        self.pool.nranks
+    }
+
     /// Raise the error that made the group unusable, or a mismatch the kernels reported.
     pub fn health(&self) -> Result<()> {
         self.fatal()?;
@@ -863,7 +937,10 @@ impl CudaEngine {
             // SAFETY: valid event and stream.
             check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
             if asynchronous {
-                Some(CudaEvent { ev, engine: Arc::downgrade(self), dev: self.sh.dev.clone() })
+                {
+                let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
+                Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout))
+            }
             } else {
                 // SAFETY: valid event and caller stream; the wait captures the record.
                 let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev, 0) }, "cuStreamWaitEvent");
@@ -980,7 +1057,8 @@ impl CudaEngine {
         // SAFETY: valid event and stream.
         check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
         if c.asynchronous {
-            return Ok(Some(CudaEvent { ev, engine: Arc::downgrade(self), dev: self.sh.dev.clone() }));
+            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<CudaEngine>;
+            return Ok(Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout)));
         }
         // SAFETY: valid event and caller stream; the wait captures the event's current
         // state, so the event can be reused right away.

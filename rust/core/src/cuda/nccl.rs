@@ -1,4 +1,5 @@
-//! NCCL, for CUDA groups that span hosts (the NCCL engine of issue 5; work in progress).
+//! NCCL, for CUDA groups that span hosts: the library, its communicators, and the choice
+//! between flat and hierarchical collectives (the engine itself is nccl_engine.rs).
 //!
 //! torch's nvidia-nccl package ships `libnccl.so.2`, a name cudarc's loader does not try
 //! (it tries libnccl.so and libnccl.so.<CUDA major>), so rsccl opens the library itself,
@@ -7,6 +8,7 @@
 //! 2.11 ships; the library's version is checked against that at load.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicPtr, Ordering as AtomicOrdering};
 use std::sync::OnceLock;
 
 use cudarc::nccl::sys as nc;
@@ -108,7 +110,7 @@ fn dl_error() -> String {
 /// # Safety
 /// `F` must be the function's true C signature.
 unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &str, path: &str) -> Result<F> {
-    let c = CString::new(name).unwrap();
+    let c = CString::new(name).map_err(|_| Error::Internal(format!("symbol name {name:?} has a NUL")))?;
     // SAFETY: handle is a live dlopen handle; the name is NUL-terminated.
     let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
     if p.is_null() {
@@ -179,14 +181,18 @@ pub fn version_text(code: i32) -> String {
 }
 
 /// ncclConfig_t as NCCL_CONFIG_INITIALIZER sets it (every field "undefined", NCCL picks),
-/// for the library's version, with rsccl's bounds: blocking init, at most `max_ctas` CTAs
-/// (channels), and a name in NCCL's logs.
-pub fn config(version: i32, max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
+/// with rsccl's bounds: blocking init, at most `max_ctas` CTAs (channels), and a name in
+/// NCCL's logs.
+///
+/// `version` says which fields the struct has, so it is the version of the layout these
+/// bindings declare (ncclConfig_v22800), never the loaded library's: a newer library
+/// told "2.31" would read fields past the end of this struct (2.31 added nine).
+pub fn config(max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
     const UNDEF_INT: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT
     nc::ncclConfig_t {
         size: std::mem::size_of::<nc::ncclConfig_t>(),
         magic: 0xcafebeef,
-        version: version as u32,
+        version: MIN_VERSION as u32,
         blocking: 1,
         cgaClusterSize: UNDEF_INT,
         minCTAs: UNDEF_INT,
@@ -239,15 +245,19 @@ pub fn nccl_op(o: crate::dtype::ReduceOp) -> Option<nc::ncclRedOp_t> {
 /// One NCCL communicator (rank `rank` of `nranks`), created blocking and destroyed (or
 /// aborted) with the group. Work on it goes to the caller's streams: the engine orders
 /// and tracks it like its own kernels.
+///
+/// The handle is an atomic pointer so that `abort` (from the NCCL engine's watchdog) and
+/// `Drop` each free it at most once, whichever comes first.
 pub struct NcclComm {
     nccl: &'static Nccl,
-    comm: nc::ncclComm_t,
+    comm: AtomicPtr<c_void>,
     pub rank: usize,
     pub nranks: usize,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time (the engine
-// serializes launches under its lock).
+// serializes launches under its lock); ncclCommGetAsyncError and ncclCommAbort are meant
+// to be called from another thread than the one launching.
 unsafe impl Send for NcclComm {}
 // SAFETY: as above.
 unsafe impl Sync for NcclComm {}
@@ -261,18 +271,23 @@ impl NcclComm {
         for (d, s) in uid.internal.iter_mut().zip(id.iter()) {
             *d = *s as c_char;
         }
-        let mut cfg = config(nccl.version, max_ctas, name.as_ptr());
+        let mut cfg = config(max_ctas, name.as_ptr());
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; cfg lives across the call (NCCL copies it).
         nccl.check(
             unsafe { (nccl.fns.comm_init_rank_config)(&mut comm, nranks as c_int, uid, rank as c_int, &mut cfg) },
             "ncclCommInitRankConfig",
         )?;
-        Ok(NcclComm { nccl, comm, rank, nranks })
+        Ok(NcclComm { nccl, comm: AtomicPtr::new(comm as *mut c_void), rank, nranks })
     }
 
+    /// The handle (null once aborted or destroyed).
     pub fn raw(&self) -> nc::ncclComm_t {
-        self.comm
+        self.comm.load(AtomicOrdering::Acquire) as nc::ncclComm_t
+    }
+
+    pub fn fns(&self) -> &'static Fns {
+        &self.nccl.fns
     }
 
     pub fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
@@ -281,9 +296,13 @@ impl NcclComm {
 
     /// The communicator's asynchronous error (a failed peer, a network error), if any.
     pub fn async_error(&self) -> Result<()> {
+        let comm = self.raw();
+        if comm.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
         let mut r = nc::ncclResult_t::ncclSuccess;
-        // SAFETY: valid communicator; out-pointer to a local.
-        self.check(unsafe { (self.nccl.fns.comm_get_async_error)(self.comm, &mut r) }, "ncclCommGetAsyncError")?;
+        // SAFETY: a live communicator (null after abort, checked above); out-pointer to a local.
+        self.check(unsafe { (self.nccl.fns.comm_get_async_error)(comm, &mut r) }, "ncclCommGetAsyncError")?;
         if r == nc::ncclResult_t::ncclSuccess || r == nc::ncclResult_t::ncclInProgress {
             return Ok(());
         }
@@ -291,36 +310,57 @@ impl NcclComm {
     }
 
     /// Stop every operation in flight and free the communicator (after a failure).
-    pub fn abort(mut self) {
-        if !self.comm.is_null() {
-            // SAFETY: valid communicator, used by no one after this.
-            unsafe { (self.nccl.fns.comm_abort)(self.comm) };
-            self.comm = std::ptr::null_mut();
+    /// Idempotent; later calls on it fail with "aborted".
+    pub fn abort(&self) {
+        let comm = self.comm.swap(std::ptr::null_mut(), AtomicOrdering::AcqRel);
+        if !comm.is_null() {
+            // SAFETY: a live communicator, taken out of `self` above, so freed once.
+            unsafe { (self.nccl.fns.comm_abort)(comm as nc::ncclComm_t) };
+        }
+    }
+}
+
+impl NcclComm {
+    /// Finalize and destroy the communicator (its operations finished: the engine waited
+    /// for them, or aborts instead). Idempotent; later calls on it fail with "aborted".
+    pub fn close(&self) {
+        let comm = self.comm.swap(std::ptr::null_mut(), AtomicOrdering::AcqRel);
+        if comm.is_null() {
+            return;
+        }
+        // SAFETY: a live communicator, taken out of `self` above, so freed once; its
+        // operations were waited for by the caller.
+        unsafe {
+            (self.nccl.fns.comm_finalize)(comm as nc::ncclComm_t);
+            (self.nccl.fns.comm_destroy)(comm as nc::ncclComm_t);
         }
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if self.comm.is_null() {
-            return;
-        }
-        // SAFETY: valid communicator; its operations were waited for by the engine.
-        unsafe {
-            (self.nccl.fns.comm_finalize)(self.comm);
-            (self.nccl.fns.comm_destroy)(self.comm);
-        }
+        self.close();
     }
 }
 
 impl Nccl {
-    fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
+    pub fn check(&self, r: nc::ncclResult_t, what: &str) -> Result<()> {
         if r == nc::ncclResult_t::ncclSuccess {
             return Ok(());
         }
         // SAFETY: returns a static string.
         let s = unsafe { CStr::from_ptr((self.get_error_string)(r)) }.to_string_lossy().into_owned();
-        Err(Error::Cuda(format!("{what} failed: {s}")))
+        let msg = format!("{what} failed: {s} ({r:?})");
+        // A remote or system error is a peer (or the network) failing, not a CUDA problem.
+        Err(match r {
+            nc::ncclResult_t::ncclRemoteError | nc::ncclResult_t::ncclSystemError => Error::PeerFailure(msg),
+            _ => Error::Cuda(msg),
+        })
+    }
+
+    /// The loaded library, if `load` succeeded before.
+    pub fn get() -> Option<&'static Nccl> {
+        NCCL.get()
     }
 
     /// A new unique id (what rank 0 publishes through the store for ncclCommInitRank).
@@ -371,10 +411,13 @@ mod tests {
 
     #[test]
     fn config_is_the_initializer_with_our_bounds() {
-        let c = config(22809, Some(8), std::ptr::null());
+        let c = config(Some(8), std::ptr::null());
+        // ncclConfig_v22800: size_t, 2 u32, 4 int, netName, 2 int, commName, 6 int (nccl.h 2.28).
         assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
-        assert_eq!((c.magic, c.version, c.blocking, c.maxCTAs, c.minCTAs), (0xcafebeef, 22809, 1, 8, i32::MIN));
-        assert_eq!(config(22809, None, std::ptr::null()).maxCTAs, i32::MIN);
+        assert_eq!(c.size, 8 + 2 * 4 + 4 * 4 + 8 + 2 * 4 + 8 + 6 * 4);
+        assert_eq!((c.magic, c.version, c.blocking, c.maxCTAs, c.minCTAs), (0xcafebeef, 22800, 1, 8, i32::MIN));
+        assert_eq!(config(None, std::ptr::null()).maxCTAs, i32::MIN);
+        assert_eq!(std::mem::size_of::<nc::ncclUniqueId>(), 128);
         use crate::dtype::{DType, ReduceOp};
         assert_eq!(nccl_dtype(DType::BF16), Some(nc::ncclDataType_t::ncclBfloat16));
         assert_eq!(nccl_op(ReduceOp::Avg), Some(nc::ncclRedOp_t::ncclAvg));
