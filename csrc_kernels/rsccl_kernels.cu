@@ -486,6 +486,27 @@ __device__ __forceinline__ void note_in_place(const Args& a, u64 bytes) { note_c
 // all UNROLL loads are issued before the first store, so each thread keeps several 16-byte
 // requests in flight (the compiler cannot hoist loads above stores that may alias).
 #define UNROLL 4
+// for_packs over the block's threads [t0, t0 + nt) only (`tid` = threadIdx.x - t0), so two
+// thread groups of a block can move different data at once.
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void for_packs_by(u64 lo, u64 hi, u32 tid, u32 nt, Load load, Store store) {
+    const u64 P = Pack<T>::N;
+    const u64 stride = (u64)nt * P;
+    for (u64 base = lo + tid * P; base < hi; base += stride * UNROLL) {
+        Pack<T> p[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) load(p[u], i);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) store(p[u], i);
+        }
+    }
+}
+
 template <typename T, typename Load, typename Store>
 __device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store) {
     const u64 P = Pack<T>::N;
@@ -1157,7 +1178,7 @@ __device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_bl
     return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
 }
 
-__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par) {
+__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
     for (u32 j0 = 0; j0 < W; j0++) {
@@ -1169,19 +1190,19 @@ __device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step,
         const u8* src = reinterpret_cast<const u8*>(x.send[j]);
         if (j == me) {
             u8* dst = reinterpret_cast<u8*>(x.recv[me]);
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
         } else {
             u8* dst = stage_of(a, j, par) + slot_of(me, j) * m;
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
         }
     }
 }
 
-__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par) {
+__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
     const u8* mine = stage_of(a, me, par);
@@ -1193,8 +1214,8 @@ __device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step,
         const u64 hi = min64(lo + m, n);
         const u8* src = mine + slot_of(i, me) * m;
         u8* dst = reinterpret_cast<u8*>(x.recv[i]);
-        for_packs<u8>(
-            lo, hi, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
+        for_packs_by<u8>(
+            lo, hi, tid, nt, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
             [&](const Pack<u8>& p, u64 i2) { store_pack(p, dst, i2, hi); });
     }
 }
@@ -1252,13 +1273,20 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
     u64 total = 0;
     for (u32 j = 0; j < W; j++) total += x.send_n[j];
     note_call(a, total, 2);
+    // Each step, half the threads push step st over NVLink while the other half copy
+    // step st - 1 out of local staging (different slots: parities differ), so the copy
+    // costs no step time; the barrier's bar.sync joins both halves before the signal.
+    const u32 half = blockDim.x / 2, t2 = t - (t < half ? 0 : half);
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1);
-        a2a_push(x, st, per_step, m, par);
+        if (t >= half) {
+            if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
+        } else {
+            a2a_push(x, st, per_step, m, par, t2, half);
+        }
         BARRIER_OR_RETURN(a, s, steps)
     }
-    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1);
+    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
     save_state(a, &s, steps);
 }
 

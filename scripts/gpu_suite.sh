@@ -61,7 +61,7 @@ if [[ -n "${GPU_TESTS:-}" ]]; then
         selection=(tests/gpu -k "$GPU_TESTS")
     fi
 fi
-python3 -m pytest "${selection[@]}" -q -x --timeout 300 -p no:cacheprovider -rfEs --durations=15 2>&1 |
+python3 -m pytest "${selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs --durations=15 2>&1 |
     tee "$RESULTS/gpu_tests.log"
 tests_rc=$?
 

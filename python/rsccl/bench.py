@@ -215,6 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
     g.add_argument("--fsdp-pool-bytes", type=parse_bytes, default=None,
                    help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model")
+    g.add_argument("--hier", action="store_true",
+                   help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
+                        "flat all_reduce on rsccl's NCCL engine against torch's NCCL, written to hier.md")
     args = p.parse_args(argv)
     defaults = DEVICE_DEFAULTS[args.device]
     for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
@@ -521,6 +524,14 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and args.hier:
+        from . import _bench_hier
+
+        table, ok = _bench_hier.run(4, 2, timeout=args.timeout)
+        print(table, flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hier.md").write_text(table)
+        return 0 if ok else 1
     if args.device == "cuda":
         from . import _bench_cuda
 

@@ -258,13 +258,15 @@ def body_errors(ctx, seed: int, case: str) -> tuple[str, str, str]:
     if me == 1 and case == "bad-splits":
         in_splits[0] = 3
     out = torch.empty(sum(out_splits), device=ctx.device)
-    try:
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=g)
-        # A disagreement found on the GPU may be raised at the group's next call.
-        dist.barrier(group=g)
-        result = ("no error", "")
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        result = (type(e).__name__, str(e))
+    # Every rank makes the same calls whatever raised: a rank with bad arguments raises at
+    # once, the others when the GPU reports it (here, or at the group's next call).
+    errors = []
+    for call in (lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=g), lambda: dist.barrier(group=g)):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the parent inspects it
+            errors.append(e)
+    result = (type(errors[0]).__name__, str(errors[0])) if errors else ("no error", "")
     after = _still_works(ctx, g, seed)
     dist.destroy_process_group(g)
     return (*result, after)

@@ -198,15 +198,21 @@ def body_bad_output(ctx, seed: int) -> tuple[str, str]:
     me, w = ctx.rank, ctx.world
     ins = [rand(seed, me, n, torch.float32, salt=f"bad output {n}") for n in (10, 20)]
     outs = [torch.zeros(w * 10, device=ctx.device), torch.zeros(w * 20 - (1 if me == 1 else 0), device=ctx.device)]
-    try:
+    def block() -> None:
         with dist._coalescing_manager(group=g, async_ops=True) as cm:
             for o, i in zip(outs, ins):
                 dist.all_gather_into_tensor(o, i, group=g)
         cm.wait()
-        dist.barrier(group=g)  # a disagreement found on the GPU may be raised at the next call
-        result = ("no error", "")
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        result = (type(e).__name__, str(e))
+
+    # Every rank makes the same calls whatever raised: the bad rank raises at once, the
+    # others when the GPU reports it (here, or at the next call, the barrier).
+    errors = []
+    for call in (block, lambda: dist.barrier(group=g)):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the parent inspects it
+            errors.append(e)
+    result = (type(errors[0]).__name__, str(errors[0])) if errors else ("no error", "")
     x = rand(seed, me, 1001, torch.float32, salt="after")
     out = torch.zeros(w * 1001, device=ctx.device)
     dist.all_gather_into_tensor(out, x, group=g)
