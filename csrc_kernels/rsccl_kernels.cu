@@ -79,17 +79,21 @@
 //   of step s); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
 //   both agree without host round trips and under graph replay. Step q:
-//     sender:   wait until ack[b][receiver] (its own block) >= q - 2 (the receiver has
-//               emptied the inbox slot of parity q & 1, last used by step q - 2); copy the
-//               chunk into the receiver's inbox slot (sender, b, q & 1) and the message size
-//               into size[b][sender][q & 1] (receiver's block); bar.sync; thread 0 issues
-//               st.release.sys of q into ready[b][sender] (receiver's block).
+//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
+//               receiver has emptied the inbox slot of parity q & 1, last used by step
+//               q - 2); the data warps copy the chunk into the receiver's inbox slot
+//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
+//               size[b][sender][q & 1] and issues st.release.sys of q into
+//               ready[b][sender] (both in the receiver's block).
 //     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
-//               >= q; bar.sync; the block checks the size and copies the slot out; bar.sync;
-//               thread 0 issues st.release.sys of q into ack[b][receiver] (sender's block).
-//   Ordering: as in the barrier: bar.sync orders every thread's accesses of the step before
-//   thread 0's release (cumulative), the acquire synchronizes with it at system scope, and
-//   the following bar.sync extends that to the block. The receiver's reads of a slot
+//               >= q and checks the size; a block barrier; the data warps copy the slot
+//               out; a block barrier; thread 0 issues st.release.sys of q into
+//               ack[b][receiver] (sender's block).
+//   (Warp 0 signals and the other warps copy, with named barriers: see rs_send.)
+//   Ordering: as in the barrier: the block barrier orders every thread's accesses of the
+//   step before thread 0's release (cumulative), the acquire synchronizes with it at
+//   system scope, and the following block barrier extends that to the data warps. The
+//   receiver's reads of a slot
 //   happen before its ack, which happens before the sender's next write of that slot.
 //   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
 //   block completes without its receiver, as small NCCL sends do; a larger one waits for
@@ -1316,84 +1320,138 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
     return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
 }
 
+// Warp 0 of a send/recv block signals, the other warps move data, so the slow part of a
+// step's signal (the system-scope release waits until the chunk's NVLink stores are
+// performed) overlaps the next chunk's copy. Two named barriers of the whole block pass
+// each step between them: FREE (warp 0 arrives, the data warps wait: step s may start, or
+// `ok` = 0: stop) and DONE (the data warps arrive after their copy of step s, warp 0
+// waits). bar.arrive / bar.sync order memory like bar.sync: the data warps' stores of a
+// step happen before warp 0's release of it (cumulative), and warp 0's acquire of a
+// signal happens before the data warps' accesses after FREE. Warp 0 lets the data warps
+// start step s + 1 before it releases step s; a FREE and a DONE are never in flight twice.
+#define BAR_FREE 1
+#define BAR_DONE 2
+__device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
+__device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
+
 extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    const u32 r = a.root, me = a.rank, b = blockIdx.x;
+    const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
-    if (threadIdx.x == 0) {
+    if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_SEND, b, r);
         ok = 1;
     }
     __syncthreads();
-    const u8* in = reinterpret_cast<const u8*>(a.in);
-    for (u64 st = 0; st < steps; st++) {
-        const u32 q = seq + (u32)st + 1, par = q & 1;
-        if (threadIdx.x == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
-        __syncthreads();
+    if (t < 32) {
+        // Step s may start once the receiver emptied its slot (ack >= q - 2).
+        auto open = [&](u64 st) {
+            const u32 q = seq + (u32)st + 1;
+            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
+            __syncwarp();
+            bar_arrive(BAR_FREE);
+        };
+        open(0);
         if (!ok) return;  // fatal: counters are not saved
+        for (u64 st = 0; st < steps; st++) {
+            const u32 q = seq + (u32)st + 1, par = q & 1;
+            bar_sync(BAR_DONE);
+            const bool more = st + 1 < steps;
+            if (more) open(st + 1);
+            if (t == 0) {
+                *p2p_size(a.peer[r], b, me, par) = n;
+                // Publishes the chunk (DONE, cumulative) and the size.
+                st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
+            }
+            if (more && !ok) return;
+        }
+        if (t == 0) *p2p_word(a.peer[me], P2P_SEND, b, r) = seq + (u32)steps;
+        return;
+    }
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    const u32 tid = t - 32, nt = blockDim.x - 32;
+    for (u64 st = 0; st < steps; st++) {
+        bar_sync(BAR_FREE);
+        if (!ok) return;
+        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
         u8* dst = p2p_slot(x, r, me, par);
         if (lo < hi) {
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
         }
-        if (threadIdx.x == 0) *p2p_size(a.peer[r], b, me, par) = n;
-        __syncthreads();
-        // Publishes the chunk and the size (bar.sync above; release is cumulative).
-        if (threadIdx.x == 0) st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
+        bar_arrive(BAR_DONE);
     }
-    if (threadIdx.x == 0) *p2p_word(a.peer[me], P2P_SEND, b, r) = seq + (u32)steps;
 }
 
 extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    __shared__ u64 got;
-    const u32 src = a.root, me = a.rank, b = blockIdx.x;
+    const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
-    if (threadIdx.x == 0) {
+    if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_RECV, b, src);
         ok = 1;
     }
     __syncthreads();
-    u8* out = reinterpret_cast<u8*>(a.out);
-    for (u64 st = 0; st < steps; st++) {
-        const u32 q = seq + (u32)st + 1, par = q & 1;
-        if (threadIdx.x == 0) {
-            if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
-                ok = 0;
-            } else {
-                got = *p2p_size(a.peer[me], b, src, par);
-                if (got != n) {
-                    volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
-                    h[48] = got;
-                    h[49] = n;
-                    __threadfence_system();
-                    fail(a, ERR_P2P_SIZE, src);
+    if (t < 32) {
+        // Step s may be copied once the sender signalled it, with this rank's size.
+        auto arrived = [&](u64 st) {
+            const u32 q = seq + (u32)st + 1, par = q & 1;
+            if (t == 0) {
+                if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
                     ok = 0;
+                } else {
+                    const u64 got = *p2p_size(a.peer[me], b, src, par);
+                    if (got != n) {
+                        volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+                        h[48] = got;
+                        h[49] = n;
+                        __threadfence_system();
+                        fail(a, ERR_P2P_SIZE, src);
+                        ok = 0;
+                    }
                 }
             }
-        }
-        __syncthreads();
+            __syncwarp();
+            bar_arrive(BAR_FREE);
+        };
+        arrived(0);
         if (!ok) return;
+        for (u64 st = 0; st < steps; st++) {
+            const u32 q = seq + (u32)st + 1;
+            bar_sync(BAR_DONE);
+            // The slot was read (DONE): the sender may refill it.
+            if (t == 0) st_release_sys(p2p_word(a.peer[src], P2P_ACK, b, me), q);
+            if (st + 1 < steps) {
+                arrived(st + 1);
+                if (!ok) return;
+            }
+        }
+        if (t == 0) *p2p_word(a.peer[me], P2P_RECV, b, src) = seq + (u32)steps;
+        return;
+    }
+    u8* out = reinterpret_cast<u8*>(a.out);
+    const u32 tid = t - 32, nt = blockDim.x - 32;
+    for (u64 st = 0; st < steps; st++) {
+        bar_sync(BAR_FREE);
+        if (!ok) return;
+        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
         const u8* slot = p2p_slot(x, me, src, par);
         if (lo < hi) {
-            for_packs<u8>(
-                lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },
                 [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
         }
-        __syncthreads();
-        // The slot was read (bar.sync above): the sender may refill it.
-        if (threadIdx.x == 0) st_release_sys(p2p_word(a.peer[src], P2P_ACK, b, me), q);
+        bar_arrive(BAR_DONE);
     }
-    if (threadIdx.x == 0) *p2p_word(a.peer[me], P2P_RECV, b, src) = seq + (u32)steps;
 }
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
