@@ -307,13 +307,6 @@ def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float):
     return error, time.monotonic() - t0
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect (2026-11-21, nvidia-h200-x4): with rank 1 SIGKILLed, rank 3 (its cross-host peer in the "
-    "hierarchical path) logged the NCCL watchdog's abort at the 20 s timeout but did not return within 150 s; "
-    "ranks 0 and 2 did. Likely an NCCL kernel of the aborted cross communicator still running under "
-    "torch.cuda.synchronize(). Kept running so a fix shows as XPASS.",
-)
 def test_killed_rank_fails_the_survivors(seed):
     worlds = [w for w in selected_worlds() if w <= gpu_count()]
     if not worlds:

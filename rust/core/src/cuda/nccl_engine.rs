@@ -223,11 +223,19 @@ impl Shared {
     /// Abort every communicator (their kernels end). A launch still inside an NCCL call
     /// holds the order lock: it gets a moment to return, then the abort goes ahead anyway,
     /// since an NCCL call blocked on a dead peer returns only once aborted.
+    ///
+    /// The communicators are aborted at once, each on its own thread: NCCL's abort of one
+    /// may wait for GPU work that only the abort of another ends. On 4 H200s as 2 emulated
+    /// hosts, with a rank killed, its cross-host peer never returned after the aborts when
+    /// they ran one after the other (flat first); a kernel of the cross communicator, stuck
+    /// on the dead peer, holding up the flat communicator's abort is the suspected cause.
     fn abort_comms(&self) {
         let guard = self.order.try_lock_for(Duration::from_secs(2));
-        for (_, c) in self.comms() {
-            c.abort();
-        }
+        std::thread::scope(|s| {
+            for (_, c) in self.comms() {
+                s.spawn(move || c.abort());
+            }
+        });
         drop(guard);
     }
 }
