@@ -472,6 +472,20 @@ __device__ __forceinline__ void finish_pack(Pack<T>& p, const typename Acc<T>::t
     for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
 }
 
+// Pack i of the reduction, in rank order, of rank `own`'s input `in` (valid below `hi`) and
+// the other ranks' staging slots (`slots` + slot_of(j, own) * width, at i - lo): every rank
+// that reduces an element adds the same values in the same order, so gets the same bits.
+template <typename T, typename Op>
+__device__ __forceinline__ void reduce_staged(Pack<T>& p, const T* in, const T* slots, u32 own, u32 W, u64 width, u64 i, u64 lo, u64 hi) {
+    typename Acc<T>::type acc[Pack<T>::N];
+    for (u32 j = 0; j < W; j++) {
+        if (j == own) load_pack(p, in, i, hi);
+        else load_stage(p, slots + slot_of(j, own) * width, i - lo);
+        reduce_pack<T, Op>(p, acc, j == 0);
+    }
+    finish_pack<T, Op>(p, acc, W);
+}
+
 // Count a collective of `bytes` (memory_stats) once it passed its first barrier (calls
 // that mismatched are not counted, nor empty ones: the warm-up): slots 2-3 for every
 // collective, 0-1 for those that ran in place; the host derives the staged ones. One thread of one block, with
@@ -539,7 +553,6 @@ template <typename T, typename Op>
 __device__ void ar_oneshot(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 m = per_block<T>(a, W - 1 ? W - 1 : 1, a.count);
     const u64 per_step = m * gridDim.x;
@@ -562,15 +575,7 @@ __device__ void ar_oneshot(const Args& a) {
         const T* mine = reinterpret_cast<const T*>(stage_of(a, me, par));
         for_packs<T>(
             lo, hi,
-            [&](Pack<T>& p, u64 i) {
-                A acc[Pack<T>::N];
-                for (u32 j = 0; j < W; j++) {
-                    if (j == me) load_pack(p, in, i, hi);
-                    else load_stage(p, mine + slot_of(j, me) * m, i - lo);
-                    reduce_pack<T, Op>(p, acc, j == 0);
-                }
-                finish_pack<T, Op>(p, acc, W);
-            },
+            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, mine, me, W, m, i, lo, hi); },
             [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
@@ -776,7 +781,6 @@ template <typename T, typename Op>
 __device__ void ar_twoshot(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u32 slots = W > 1 ? W - 1 : 1;
     const u64 shard = per_block<T>(a, 2 * slots, (a.count + W - 1) / W);
@@ -806,15 +810,7 @@ __device__ void ar_twoshot(const Args& a) {
         const u64 shi = min64(slo + shard, hi);
         for_packs<T>(
             slo, shi,
-            [&](Pack<T>& p, u64 i) {
-                A acc[Pack<T>::N];
-                for (u32 j = 0; j < W; j++) {
-                    if (j == me) load_pack(p, in, i, shi);
-                    else load_stage(p, rs + slot_of(j, me) * shard, i - slo);
-                    reduce_pack<T, Op>(p, acc, j == 0);
-                }
-                finish_pack<T, Op>(p, acc, W);
-            },
+            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, rs, me, W, shard, i, slo, shi); },
             [&](const Pack<T>& p, u64 i) {
                 store_pack(p, out, i, shi);
                 for (u32 j0 = 1; j0 < W; j0++) {
@@ -842,7 +838,6 @@ __device__ void ar_twoshot(const Args& a) {
 // needs my signal given after reduce(s) (my last read of them).
 template <typename T, typename Op>
 __device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out) {
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 lo = st * per_step + blockIdx.x * m;
@@ -851,15 +846,7 @@ __device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_st
     const T* own = in + me * n;
     for_packs<T>(
         lo, hi,
-        [&](Pack<T>& p, u64 i) {
-            A acc[Pack<T>::N];
-            for (u32 j = 0; j < W; j++) {
-                if (j == me) load_pack(p, own, i, hi);
-                else load_stage(p, rs + slot_of(j, me) * m, i - lo);
-                reduce_pack<T, Op>(p, acc, j == 0);
-            }
-            finish_pack<T, Op>(p, acc, W);
-        },
+        [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, own, rs, me, W, m, i, lo, hi); },
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
@@ -1120,7 +1107,6 @@ template <typename T, typename Op>
 __device__ void reduce_root(const Args& a) {
     __shared__ BlockState s;
     load_state(a, &s);
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank, R = a.root;
     const u64 n = a.count;
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
@@ -1143,15 +1129,7 @@ __device__ void reduce_root(const Args& a) {
             const T* mine = reinterpret_cast<const T*>(stage_of(a, R, par));
             for_packs<T>(
                 lo, hi,
-                [&](Pack<T>& p, u64 i) {
-                    A acc[Pack<T>::N];
-                    for (u32 j = 0; j < W; j++) {
-                        if (j == R) load_pack(p, in, i, hi);
-                        else load_stage(p, mine + slot_of(j, R) * m, i - lo);
-                        reduce_pack<T, Op>(p, acc, j == 0);
-                    }
-                    finish_pack<T, Op>(p, acc, W);
-                },
+                [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, mine, R, W, m, i, lo, hi); },
                 [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
         }
     }
