@@ -461,6 +461,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 self._comm.cuda_invalid(stream)
             exc = TypeError if e.cls == "type" else ValueError
             raise exc(f"rsccl: {e}") from None
+        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
+            self._cuda_unprepared(e, 1)
         asynchronous = opts is None or opts.asyncOp is not False
         ev = self._comm.cuda_collective(kind, inp, out, count, dtype, op, root, stream, asynchronous)
         if ev is None:
@@ -603,6 +605,18 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from device_err
         raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
 
+    def _cuda_unprepared(self, err: BaseException, invalid_launches: int) -> NoReturn:
+        """Preparing a call failed for another reason than its arguments (out of memory in
+        a staging copy, say): this rank still takes part in the launches a healthy rank makes,
+        as "invalid", so the peers raise instead of waiting out the timeout; then re-raise."""
+        if self._cuda_device is not None:
+            for _ in range(invalid_launches):
+                try:
+                    self._comm.cuda_invalid(raw_stream(self._cuda_device))
+                except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
+                    break
+        raise err
+
     def _cuda_launches(self, kind: str, prepare: Callable[[], tuple], launches: int, opts: Any, result: Any) -> Any:
         """Check and launch a call that runs as `launches` CUDA collectives of one kind (one
         per dtype of a coalesced list). `prepare` returns ([(inp, out, count, dtype, op,
@@ -614,6 +628,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             calls, keep, post = prepare()
         except ArgumentError as e:
             self._cuda_raise(e, max(launches, 1))
+        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
+            self._cuda_unprepared(e, max(launches, 1))
         asynchronous = opts is None or opts.asyncOp is not False
         ev, first = None, None
         for c in calls:
@@ -643,6 +659,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 )
         except ArgumentError as e:
             self._cuda_raise(e, 1)
+        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
+            self._cuda_unprepared(e, 1)
         asynchronous = opts is None or opts.asyncOp is not False
         ev = self._comm.cuda_all_to_all(send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous)
         return self._cuda_finish(ev, device, stream, result, keep, post)

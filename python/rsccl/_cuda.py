@@ -117,6 +117,13 @@ class CudaWork(dist._Work):
             if self._post is not None:
                 post, self._post = self._post, None
                 post()
+                if self._stream is not None and self._stream != current and not torch.cuda.is_current_stream_capturing():
+                    # The copies just queued on the current stream read temporaries from the
+                    # launch stream's pool: that stream waits for them before it can reuse
+                    # the memory (freed below).
+                    done = torch.cuda.Event()
+                    done.record()
+                    torch.cuda.ExternalStream(self._stream, device=torch.device("cuda", self._device)).wait_event(done)
             # The consumer stream now runs after the collective: the memory may be reused.
             self._keep = None
 

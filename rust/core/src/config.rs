@@ -152,8 +152,8 @@ pub const SETTINGS: &[Setting] = &[
         is_size: true,
         help: "device memory per rank for CUDA send/recv: an inbox split among the local peers \
                (per peer, CUDA block and two parities), mapped by every local rank; messages \
-               are pipelined through it, and a send of at most two chunks per block completes \
-               without waiting for its receiver",
+               are pipelined through it; a sender runs at most two chunks per block ahead of its \
+               receiver (one message of up to cuda_p2p_bytes / (local ranks - 1))",
     },
     Setting {
         field: "cuda_p2p_blocks",

@@ -738,7 +738,10 @@ impl CudaEngine {
         let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
         self.launch_all_to_all(&none, stream, false)?;
         // An empty send to every peer and recv from every peer: one step each, so the
-        // pairs' sequence numbers stay in step; each on its own stream (no waits between).
+        // pairs' sequence numbers stay in step. Each is a blocking launch on the internal
+        // stream, so the GPU runs them one after the other in this order on every rank;
+        // that cannot deadlock because an empty send completes without its receiver (one
+        // step, within the two a sender may run ahead), so every recv finds its send.
         for peer in (0..n).filter(|&p| p != self.pool.me) {
             self.launch_p2p(true, 0, 0, peer, stream, false)?;
             self.launch_p2p(false, 0, 0, peer, stream, false)?;
@@ -949,7 +952,16 @@ impl CudaEngine {
                 None
             }
         };
-        self.checked(ev)
+        // Only a fatal error stops a send/recv: a collectives' mismatch is reported by the
+        // collective's own launch or Work, never by a send that is already queued (the
+        // caller could retry it and send twice).
+        if let Err(e) = self.fatal() {
+            if let Some(ev) = &ev {
+                let _ = ev.synchronize();
+            }
+            return Err(e);
+        }
+        Ok(ev)
     }
 
     /// After a launch: raise an error a kernel reported, once the launched work is done
