@@ -465,13 +465,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             self._cuda_unprepared(e, 1)
         asynchronous = opts is None or opts.asyncOp is not False
         ev = self._comm.cuda_collective(kind, inp, out, count, dtype, op, root, stream, asynchronous)
-        if ev is None:
-            if post is not None:
-                post()
-            return DoneWork(result)
-        w = CudaWork(self, device, ev, result, keep, post, stream)
-        self._pending.add(w)
-        return w
+        return self._cuda_finish(ev, device, stream, result, keep, post)
 
     def _cuda_allreduce(self, t: torch.Tensor, op: str, opts: Any) -> Any:
         def prepare() -> tuple:

@@ -286,6 +286,15 @@ impl NcclComm {
         self.comm.load(AtomicOrdering::Acquire) as nc::ncclComm_t
     }
 
+    /// The handle, or the error every call on an aborted communicator gets.
+    pub fn live(&self) -> Result<nc::ncclComm_t> {
+        let raw = self.raw();
+        if raw.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
+        Ok(raw)
+    }
+
     pub fn fns(&self) -> &'static Fns {
         &self.nccl.fns
     }

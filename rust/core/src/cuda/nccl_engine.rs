@@ -637,10 +637,7 @@ impl NcclEngine {
     /// One NCCL collective over every rank, on `stream`.
     fn enqueue_flat(&self, c: &CudaCall, stream: u64) -> Result<()> {
         let comm = &self.sh.flat;
-        let raw = comm.raw();
-        if raw.is_null() {
-            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
-        }
+        let raw = comm.live()?;
         let f = comm.fns();
         let s = stream as nc::cudaStream_t;
         let (inp, out, n) = (c.inp as *const c_void, c.out as *mut c_void, c.count as usize);
@@ -682,10 +679,7 @@ impl NcclEngine {
     /// (receives from) the root.
     fn enqueue_rooted_p2p(&self, c: &CudaCall, stream: u64) -> Result<()> {
         let comm = &self.sh.flat;
-        let raw = comm.raw();
-        if raw.is_null() {
-            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
-        }
+        let raw = comm.live()?;
         let f = comm.fns();
         let s = stream as nc::cudaStream_t;
         let n = c.count as usize;
@@ -751,10 +745,7 @@ impl NcclEngine {
         // waiting: it makes the group unusable (the caller aborts it).
         let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_reduce failed part-way: {e}")) } else { e };
         local.launch(&call(CudaKind::ReduceScatter, c.dtype, c.inp, mine, shard)).map_err(fatal)?;
-        let raw = cross.raw();
-        if raw.is_null() {
-            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
-        }
+        let raw = cross.live()?;
         let dt = nccl_dtype(c.dtype).ok_or_else(|| Error::Internal("checked dtype".into()))?;
         let op = nccl_op(c.op).ok_or_else(|| Error::Internal("checked op".into()))?;
         // SAFETY: a live communicator (see enqueue_flat); `mine` is this rank's shard of
