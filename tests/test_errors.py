@@ -225,7 +225,10 @@ def test_rank_that_never_calls_times_out_naming_it():
             kind, msg, took = res[r]
             assert kind == "TimeoutError", res
             assert "waiting for rank 2 (pid" in msg and "timed out after 2.0 s in all_reduce" in msg, msg
-            assert 1.9 < took < 8, took
+            # The rank whose own wait timed out waited the whole timeout; a rank that learns it
+            # from that rank's abort started its call later, so it may have waited less.
+            own = f"rank {r} timed out after" in msg and "aborted the group" not in msg
+            assert (1.9 if own else 0.0) < took < 8, (r, took, msg)
         # The group is aborted now: every rank, the late one included, gets an error.
         after = c.run(body_after_abort, timeout=60)
         assert all("no error" not in a for a in after), after
