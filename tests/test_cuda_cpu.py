@@ -51,6 +51,20 @@ def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
     assert "RSCCL_NCCL_MAX_CTAS" in rsccl.settings_table()
 
 
+def test_nccl_hierarchical_scratch_setting(monkeypatch):
+    """The hierarchical reduce_scatter's buffer: 32 MiB by default, 0 allowed (always
+    flat), from Options or the environment, a bad value named."""
+    assert dict(rsccl._rsccl.resolve_options([]))["nccl_hierarchical_scratch_bytes"] == 32 << 20
+    got = dict(rsccl._rsccl.resolve_options(rsccl.Options(nccl_hierarchical_scratch_bytes=0).items()))
+    assert got["nccl_hierarchical_scratch_bytes"] == 0
+    monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES", "128MiB")
+    assert dict(rsccl._rsccl.resolve_options([]))["nccl_hierarchical_scratch_bytes"] == 128 << 20
+    monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES", "lots")
+    with pytest.raises(ValueError, match="RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES"):
+        rsccl._rsccl.resolve_options([])
+    assert "RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES" in rsccl.settings_table()
+
+
 def test_no_cuda_engine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the GPU suite covers it")

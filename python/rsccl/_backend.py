@@ -564,15 +564,26 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _on_cuda(self, t: Any, what: str) -> bool:
         """Whether all_to_all or send/recv whose (first) tensor is `t` takes the CUDA
-        engine's path (rsccl's kernels: a group on one host). A group across hosts has
-        them on neither NCCL nor gloo for CUDA tensors yet: a clear TypeError."""
+        engine's path: rsccl's kernels in a group on one host; across hosts, all_to_all on
+        the NCCL engine (one NCCL group of sends and receives). send/recv of CUDA tensors
+        across hosts is a clear TypeError: torch calls isend/irecv of a ProcessGroup
+        subclass one by one, and NCCL sends and receives issued one by one on one stream
+        can deadlock (docs/multihost.md)."""
         if not getattr(t, "is_cuda", False):
             return False
         if self._gloo is None:
             return True
+        if what.startswith("all_to_all") and self._cuda_engine == "nccl":
+            return True
+        if what.startswith("all_to_all"):
+            raise TypeError(
+                f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
+                "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
+                "before init_process_group/new_group); or use CPU tensors"
+            )
         raise TypeError(
-            f"rsccl: {what} on CUDA tensors in a group that spans hosts is not supported yet "
-            "(the NCCL engine runs the other collectives); use a group of one host's ranks, or CPU tensors"
+            f"rsccl: {what} on CUDA tensors in a group that spans hosts is not supported (NCCL send/recv issued one "
+            "by one can deadlock); use all_to_all, a group of one host's ranks, or CPU tensors"
         )
 
     def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:

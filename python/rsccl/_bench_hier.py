@@ -1,11 +1,16 @@
-"""Hierarchical vs flat all_reduce on an emulated multi-host topology (python -m rsccl.bench
---device cuda --hier): each rank sets RSCCL_HOST_ID to "emul-host-{rank // per_host}" while it
-creates two rsccl groups, so rsccl sees `hosts` hosts of `per_host` GPUs and runs CUDA
-collectives on its NCCL engine: one group takes the hierarchical path from
-nccl_hierarchical_min_bytes (rsccl reduce-scatter inside each host, NCCL all_reduce across,
-rsccl all-gather), the other is forced flat (one NCCL all_reduce over every rank). Both are
-timed against torch's own NCCL group over the same ranks, in ABBA order, and checked
-against it on random integers (exact whatever the reduction order).
+"""Hierarchical vs flat all_reduce, all_gather and reduce_scatter on an emulated multi-host
+topology (python -m rsccl.bench --device cuda --hier): each rank sets RSCCL_HOST_ID to
+"emul-host-{rank // per_host}" while it creates two rsccl groups, so rsccl sees `hosts` hosts
+of `per_host` GPUs (host-major ranks) and runs CUDA collectives on its NCCL engine: one group
+takes the hierarchical path from nccl_hierarchical_min_bytes (16 MiB; its reduce_scatter
+scratch raised to 128 MiB so that every size from there runs hierarchically), the other is
+forced flat (one NCCL collective over every rank). Hierarchical all_reduce: rsccl
+reduce-scatter inside each host, NCCL all_reduce across, rsccl all-gather; all_gather: NCCL
+broadcasts across hosts, rsccl all_gather inside; reduce_scatter: rsccl reduce_scatter
+inside, NCCL reduce_scatter across. Both groups are timed against torch's own NCCL group
+over the same ranks, in ABBA order, and checked against it on random integers (exact
+whatever the reduction order). Sizes are the message bytes as the threshold counts them:
+the all_reduce tensor, the all_gather output, the reduce_scatter input.
 
 On one machine the "hosts" are joined by NVLink, not a network: the comparison shows the
 cost of the extra phases and what the host-local kernels win, not a real cross-host run.
@@ -21,6 +26,20 @@ import traceback
 from typing import Any
 
 MiB = 1 << 20
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _call(kind: str, group: Any, big: Any, small: Any) -> None:
+    """One collective on `group`: `big` is the all_reduce tensor, the all_gather output or
+    the reduce_scatter input; `small` the all_gather input or reduce_scatter output."""
+    import torch.distributed as dist
+
+    if kind == "all_reduce":
+        dist.all_reduce(big, group=group)
+    elif kind == "all_gather":
+        dist.all_gather_into_tensor(big, small, group=group)
+    else:
+        dist.reduce_scatter_tensor(small, big, group=group)
 
 
 def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int], iters: int, q: Any) -> None:
@@ -38,7 +57,9 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         old = os.environ.get("RSCCL_HOST_ID")
         os.environ["RSCCL_HOST_ID"] = f"emul-host-{rank // per_host}"
         try:
-            hier = dist.new_group(backend="rsccl", pg_options=rsccl.Options(nccl_hierarchical_min_bytes="16MiB"))
+            hier = dist.new_group(
+                backend="rsccl", pg_options=rsccl.Options(nccl_hierarchical_min_bytes="16MiB", nccl_hierarchical_scratch_bytes="128MiB")
+            )
             flat = dist.new_group(backend="rsccl", pg_options=rsccl.Options(nccl_hierarchical_min_bytes=str(1 << 40)))
         finally:
             if old is None:
@@ -49,41 +70,49 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         out["engine"] = getattr(hier._comm, "cuda_engine", "?")
         g = torch.Generator(device="cuda").manual_seed(1000 + rank)
 
-        def timeit(group: Any, x: torch.Tensor) -> float:
+        def timeit(kind: str, group: Any, big: torch.Tensor, small: torch.Tensor) -> float:
             torch.cuda.synchronize()
             dist.barrier(group=nccl)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(iters):
-                dist.all_reduce(x, group=group)
+                _call(kind, group, big, small)
             e.record()
             torch.cuda.synchronize()
             return s.elapsed_time(e) / iters * 1000.0
 
-        for size in sizes:
-            n = size // 4
-            base = torch.randint(-1000, 1000, (n,), device="cuda", generator=g, dtype=torch.int32)
-            ref = base.clone()
-            dist.all_reduce(ref, group=nccl)
-            ok = {}
-            for name, grp in (("flat", flat), ("hier", hier)):
-                y = base.clone()
-                dist.all_reduce(y, group=grp)
-                torch.cuda.synchronize()
-                ok[name] = bool(torch.equal(y, ref))
-            x = torch.randn(size // 2, device="cuda", generator=g, dtype=torch.bfloat16)
-            for grp in (nccl, flat, hier):  # warm-up
-                for _ in range(3):
-                    dist.all_reduce(x, group=grp)
-            t = {"nccl": [], "flat": [], "hier": []}
-            for order in (("nccl", "flat", "hier"), ("hier", "flat", "nccl")):
-                for name in order:
-                    t[name].append(timeit({"nccl": nccl, "flat": flat, "hier": hier}[name], x))
-            stats = hier._comm.memory_stats()
-            out["rows"].append(
-                {"bytes": size, **{k: min(v) for k, v in t.items()}, "ok_flat": ok["flat"], "ok_hier": ok["hier"],
-                 "hier_calls": int(stats.get("nccl_hierarchical_collectives", -1))}
-            )
+        def hier_calls() -> int:
+            return int(hier._comm.memory_stats().get("nccl_hierarchical_collectives", -1))
+
+        for kind in COLLECTIVES:
+            for size in sizes:
+                n = size // 4  # int32 elements of the big tensor
+                # The reduce_scatter input and all_reduce tensor are random; the all_gather
+                # output is filled by the call.
+                base = torch.randint(-1000, 1000, (n,), device="cuda", generator=g, dtype=torch.int32)
+                small = torch.randint(-1000, 1000, (n // world,), device="cuda", generator=g, dtype=torch.int32)
+                ref_big, ref_small = base.clone(), small.clone()
+                _call(kind, nccl, ref_big, ref_small)
+                ok = {}
+                start_calls = hier_calls()
+                for name, grp in (("flat", flat), ("hier", hier)):
+                    b, sm = base.clone(), small.clone()
+                    _call(kind, grp, b, sm)
+                    torch.cuda.synchronize()
+                    ok[name] = bool(torch.equal(b, ref_big) and torch.equal(sm, ref_small))
+                big = torch.randn(size // 2, device="cuda", generator=g, dtype=torch.bfloat16)
+                sm = torch.randn(size // 2 // world, device="cuda", generator=g, dtype=torch.bfloat16)
+                for grp in (nccl, flat, hier):  # warm-up
+                    for _ in range(3):
+                        _call(kind, grp, big, sm)
+                t = {"nccl": [], "flat": [], "hier": []}
+                for order in (("nccl", "flat", "hier"), ("hier", "flat", "nccl")):
+                    for name in order:
+                        t[name].append(timeit(kind, {"nccl": nccl, "flat": flat, "hier": hier}[name], big, sm))
+                out["rows"].append(
+                    {"kind": kind, "bytes": size, **{k: min(v) for k, v in t.items()}, "ok_flat": ok["flat"], "ok_hier": ok["hier"],
+                     "hier_calls": hier_calls() - start_calls}
+                )
         dist.barrier(group=nccl)
         for grp in (hier, flat, nccl):
             dist.destroy_process_group(grp)
@@ -122,24 +151,32 @@ def run(world: int = 4, per_host: int = 2, sizes: list[int] | None = None, iters
     errors = [e for r in results for e in r["errors"]]
     if len(results) < world:
         errors.append(f"{world - len(results)} rank(s) did not report within {timeout:.0f} s")
-    lines = [
-        f"### Hierarchical all_reduce, {world // per_host} emulated hosts x {per_host} GPUs (bf16; int32 for the check)",
-        "",
-        "| bytes | NCCL (torch) us | rsccl flat (NCCL engine) us | rsccl hierarchical us | hier / NCCL speed | checked vs NCCL | hierarchical calls |",
-        "|---:|---:|---:|---:|---:|:---|---:|",
-    ]
+    lines = []
     ok = not errors
     if results and not errors:
         r0 = sorted(results, key=lambda r: r["rank"])[0]
-        for row in r0["rows"]:
-            good = all(r2["rows"][i]["ok_flat"] and r2["rows"][i]["ok_hier"] for r2 in results for i, rr in enumerate(r2["rows"]) if rr["bytes"] == row["bytes"])
-            ok = ok and good
-            size = row["bytes"]
-            lines.append(
-                f"| {size >> 20} MiB | {row['nccl']:.1f} | {row['flat']:.1f} | {row['hier']:.1f} | "
-                f"{row['nccl'] / row['hier']:.2f}x | {'bit-equal' if good else 'WRONG'} | {row['hier_calls']} |"
-            )
-        lines.append("")
+        for kind in COLLECTIVES:
+            lines += [
+                f"### Hierarchical {kind}, {world // per_host} emulated hosts x {per_host} GPUs (bf16; int32 for the check)",
+                "",
+                "| bytes | NCCL (torch) us | rsccl flat (NCCL engine) us | rsccl hierarchical us | hier / NCCL speed | checked vs NCCL | hierarchical calls |",
+                "|---:|---:|---:|---:|---:|:---|---:|",
+            ]
+            for i, row in enumerate(r0["rows"]):
+                if row["kind"] != kind:
+                    continue
+                good = all(r2["rows"][i]["ok_flat"] and r2["rows"][i]["ok_hier"] for r2 in results)
+                ok = ok and good
+                size = row["bytes"]
+                lines.append(
+                    f"| {size >> 20} MiB | {row['nccl']:.1f} | {row['flat']:.1f} | {row['hier']:.1f} | "
+                    f"{row['nccl'] / row['hier']:.2f}x | {'bit-equal' if good else 'WRONG'} | {row['hier_calls']} |"
+                )
+            lines.append("")
+        lines.append(
+            "Sizes: the all_reduce tensor, the all_gather output, the reduce_scatter input. Hierarchical calls: "
+            "how many of the row's calls (check, warm-up, timed) took the hierarchical path."
+        )
         lines.append(f"hosts seen by the group: {r0.get('hosts')}, CUDA engine: {r0.get('engine')}")
     if errors:
         lines.append("")

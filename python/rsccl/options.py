@@ -40,8 +40,10 @@ class Options:
     cuda_inplace_min_bytes: int | str | None = None
     #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
     nccl_max_ctas: int | None = None
-    #: CUDA all_reduce size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.
+    #: CUDA all_reduce/all_gather/reduce_scatter size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.
     nccl_hierarchical_min_bytes: int | str | None = None
+    #: Device buffer of a multi-host group for hierarchical reduce_scatter (0: always flat); RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES.
+    nccl_hierarchical_scratch_bytes: int | str | None = None
 
     def items(self) -> list[tuple[str, str]]:
         """The fields that are set, as (name, text) pairs for the Rust core."""

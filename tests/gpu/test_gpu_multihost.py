@@ -1,8 +1,9 @@
 """Groups that span hosts, emulated on one machine: each rank sets RSCCL_HOST_ID to
 "emul-host-{rank // per_host}" while it creates the group, so rsccl sees two hosts. With 4
 GPUs: 2 hosts x 2 GPUs (the flat NCCL communicator, rsccl's engine inside each host and
-the cross-host communicators: flat and hierarchical all_reduce); with 2 GPUs: 2 hosts x 1
-GPU (flat NCCL only).
+the cross-host communicators: flat and hierarchical all_reduce, all_gather and
+reduce_scatter; the ranks are host-major); with 2 GPUs: 2 hosts x 1 GPU (flat NCCL only).
+all_to_all (single, even and uneven splits, and the list form) runs on NCCL in both.
 
 Every CUDA collective is checked against backend="nccl" (ctx.nccl, over the same ranks)
 on random inputs. Harness rule: a body that mixes rsccl and NCCL calls must let every rank
@@ -14,6 +15,7 @@ that does fall out of step only delays its peers by that much.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 import traceback
@@ -31,6 +33,7 @@ from gpu_refs import (
     check_vs_nccl,
     ops_for,
     rand,
+    rand_any,
 )
 from harness import ClusterError
 
@@ -44,7 +47,39 @@ CONFIGS = {
     "flat": {},  # the default threshold (16 MiB): every size above runs flat
     "hierarchical": {"nccl_hierarchical_min_bytes": 0},  # every eligible all_reduce runs hierarchically
     "few-ctas": {"nccl_max_ctas": 2, "nccl_hierarchical_min_bytes": "1MiB"},
+    # Hierarchical from any size, but a reduce_scatter's partial sums (2 hosts x output
+    # bytes) must fit in 1 MiB: larger ones run flat.
+    "small-scratch": {"nccl_hierarchical_min_bytes": 0, "nccl_hierarchical_scratch_bytes": "1MiB"},
 }
+DEFAULT_MIN_BYTES = 16 << 20
+DEFAULT_SCRATCH_BYTES = 32 << 20
+
+
+def _bytes(v) -> int:
+    """An rsccl.Options size as bytes ("1MiB", 0)."""
+    if isinstance(v, int):
+        return v
+    for unit, mult in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30)):
+        if v.endswith(unit):
+            return int(v[: -len(unit)]) * mult
+    return int(v)
+
+
+def expect_hierarchical(kind: str, n: int, dtype: torch.dtype, op: str | None, world: int, config: str) -> bool:
+    """Whether an all_gather (n elements per rank) or reduce_scatter (n output elements)
+    should run hierarchically on the emulated 2 hosts x world/2 GPUs, host-major: the rules
+    of all_gather_path / reduce_scatter_path (rust/core/src/cuda/nccl_engine.rs), restated."""
+    if world < 4:
+        return False  # one GPU per host
+    opts = CONFIGS[config]
+    min_bytes = _bytes(opts.get("nccl_hierarchical_min_bytes", DEFAULT_MIN_BYTES))
+    scratch = _bytes(opts.get("nccl_hierarchical_scratch_bytes", DEFAULT_SCRATCH_BYTES))
+    piece = n * dtype.itemsize
+    if piece == 0 or piece % 16 or piece * world < min_bytes:
+        return False
+    if kind == "all_gather":
+        return True
+    return op in ("SUM", "PRODUCT", "MIN", "MAX") and 2 * piece <= scratch
 
 
 def _cluster(gpus):
@@ -330,3 +365,252 @@ def test_killed_rank_fails_the_survivors(seed):
         assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
         assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s): {kind}: {msg}"
         assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"
+
+
+# -- hierarchical all_gather and reduce_scatter --------------------------------------------
+
+# Elements per rank (all_gather) or output elements (reduce_scatter): 8 (32 bytes in
+# float32: aligned, small), 4099 (unaligned: always flat), 65536 and 262144 (aligned), and
+# 1 Mi + 8 (4 MiB + 32 bytes in float32: at world 4 the call reaches the default 16 MiB
+# threshold, so "flat" takes the hierarchical path there; the reduce_scatter's 2 x 4 MiB
+# partial sums do not fit "small-scratch"'s 1 MiB).
+GATHER_SIZES = [8, 4099, 65_536, 262_144, (1 << 20) + 8]
+
+
+def _hier_calls(pg) -> int:
+    return int(pg.memory_stats().get("nccl_hierarchical_collectives", 0))
+
+
+def _check_path(took: int, expect: bool, what: str) -> None:
+    assert took == int(expect), f"{what}: took the {'hierarchical' if took else 'flat'} path, expected {'hierarchical' if expect else 'flat'}"
+
+
+def body_hier_gather_scatter(ctx, seed: int, config: str) -> dict:
+    g = emulated_group(ctx, config)
+    pg = _backend(g)
+    f = Failures(ctx.rank)
+    W, me = ctx.world, ctx.rank
+    start = _hier_calls(pg)
+    for dtype in DTYPES:
+        for n in GATHER_SIZES:
+            what = f"{dtype} n={n} world={W} config={config}"
+            x = rand(seed, me, n, dtype, salt="ag " + what)
+            theirs = torch.empty(W * n, dtype=dtype, device=ctx.device)
+            dist.all_gather_into_tensor(theirs, x, group=ctx.nccl)
+            expect = expect_hierarchical("all_gather", n, dtype, None, W, config)
+            # all_gather_into_tensor, out of place
+            ours = torch.empty(W * n, dtype=dtype, device=ctx.device)
+            before = _hier_calls(pg)
+            f.check("all_gather_into_tensor " + what, dist.all_gather_into_tensor, ours, x, g)
+            f.check("all_gather_into_tensor path " + what, _check_path, _hier_calls(pg) - before, expect, what)
+            f.check("all_gather_into_tensor " + what, assert_equal, ours, theirs, "all_gather_into_tensor " + what)
+            # in place: the input is this rank's block of the output (as FSDP2 calls it)
+            buf = torch.full((W * n,), 7, dtype=dtype, device=ctx.device)
+            buf.view(W, n)[me].copy_(x)
+            f.check("all_gather_into_tensor in place " + what, dist.all_gather_into_tensor, buf, buf.view(W, n)[me], g)
+            f.check("all_gather_into_tensor in place " + what, assert_equal, buf, theirs, "in-place all_gather " + what)
+            # the list form
+            outs = [torch.empty(n, dtype=dtype, device=ctx.device) for _ in range(W)]
+            f.check("all_gather " + what, dist.all_gather, outs, x, g)
+            f.check("all_gather " + what, assert_equal, torch.cat(outs), theirs, "all_gather " + what)
+            for op in ops_for(dtype):
+                rs_what = f"reduce_scatter {op} " + what
+                big = rand(seed, me, W * n, dtype, op, salt="rs " + rs_what)
+                theirs_rs = torch.empty(n, dtype=dtype, device=ctx.device)
+                dist.reduce_scatter_tensor(theirs_rs, big, op=RED[op], group=ctx.nccl)
+                ours_rs = torch.empty(n, dtype=dtype, device=ctx.device)
+                before = _hier_calls(pg)
+                f.check(rs_what, dist.reduce_scatter_tensor, ours_rs, big, RED[op], g)
+                expect_rs = expect_hierarchical("reduce_scatter", n, dtype, op, W, config)
+                f.check(rs_what + " path", _check_path, _hier_calls(pg) - before, expect_rs, rs_what)
+                # NCCL rounds in its order, rsccl inside the host then NCCL across: both sides' roundings.
+                f.check(rs_what, check_vs_nccl, ours_rs, theirs_rs, op, rs_what, 2 * W)
+                f.check(rs_what + " (input unchanged)", assert_equal, big, rand(seed, me, W * n, dtype, op, salt="rs " + rs_what), rs_what)
+    # async, issued from a side stream (FSDP2's pattern), aligned sizes
+    side = torch.cuda.Stream(device=ctx.device)
+    n = 262_144
+    x = rand(seed, me, n, torch.bfloat16, salt="async ag")
+    big = rand(seed, me, W * n, torch.float32, salt="async rs")
+    ag_ref = torch.empty(W * n, dtype=x.dtype, device=ctx.device)
+    dist.all_gather_into_tensor(ag_ref, x, group=ctx.nccl)
+    rs_ref = torch.empty(n, device=ctx.device)
+    dist.reduce_scatter_tensor(rs_ref, big, group=ctx.nccl)
+    ag_out = torch.empty_like(ag_ref)
+    rs_out = torch.empty_like(rs_ref)
+    side.wait_stream(torch.cuda.current_stream())
+    works = []
+    with torch.cuda.stream(side):
+        f.check("async all_gather", lambda: works.append(dist.all_gather_into_tensor(ag_out, x, group=g, async_op=True)))
+        f.check("async reduce_scatter", lambda: works.append(dist.reduce_scatter_tensor(rs_out, big, group=g, async_op=True)))
+    for w in works:
+        f.check("async wait", w.wait)
+    f.check("async all_gather", assert_equal, ag_out, ag_ref, "async all_gather")
+    f.check("async reduce_scatter", check_vs_nccl, rs_out, rs_ref, "SUM", "async reduce_scatter", 2 * W)
+    torch.cuda.synchronize()
+    stats = pg.memory_stats()
+    f.raise_any()
+    return {"hierarchical": _hier_calls(pg) - start, "scratch": int(stats.get("nccl_scratch_bytes", -1))}
+
+
+@pytest.mark.parametrize("config", ["flat", "hierarchical", "small-scratch"])
+def test_hierarchical_all_gather_and_reduce_scatter_match_nccl(gpus, seed, config):
+    res = _cluster(gpus).run(body_hier_gather_scatter, seed, config, timeout=900)
+    hier = {r["hierarchical"] for r in res}
+    assert len(hier) == 1, f"ranks took different paths: {hier}"
+    if gpus.world >= 4:
+        assert hier.pop() > 0, "no all_gather or reduce_scatter took the hierarchical path"
+        want = _bytes(CONFIGS[config].get("nccl_hierarchical_scratch_bytes", DEFAULT_SCRATCH_BYTES))
+    else:
+        assert hier.pop() == 0, "a hierarchical collective with one GPU per host"
+        want = 0  # no hierarchical path: no scratch
+    for rank, r in enumerate(res):
+        assert r["scratch"] == want, f"rank {rank}: nccl_scratch_bytes {r['scratch']}, expected {want}"
+
+
+# -- all_to_all across hosts (NCCL send/recv in one group) ---------------------------------
+
+A2A_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.int8, torch.bool]
+
+
+def _splits(seed: int, salt: str, world: int, kind: str, rows: int) -> list[list[int]]:
+    """S[i][j] = elements rank i sends to rank j, alike on every rank. even: `rows` each;
+    uneven: random in [0, rows], a quarter of them 0 (the diagonal too, now and then)."""
+    rng = random.Random(f"{seed}/{salt}")
+    if kind == "even":
+        return [[rows] * world for _ in range(world)]
+    return [[0 if rng.random() < 0.25 else rng.randint(1, rows) for _ in range(world)] for _ in range(world)]
+
+
+def body_all_to_all(ctx, seed: int, config: str) -> int:
+    g = emulated_group(ctx, config)
+    f = Failures(ctx.rank)
+    W, me = ctx.world, ctx.rank
+    checks = 0
+    for dtype in A2A_DTYPES:
+        for kind, rows in [("even", 1), ("even", 1000), ("even", 262_144), ("uneven", 7), ("uneven", 300_000)]:
+            what = f"all_to_all_single {kind} rows={rows} {dtype} world={W} config={config}"
+            s = _splits(seed, what, W, kind, rows)
+            in_splits, out_splits = s[me], [s[i][me] for i in range(W)]
+            x = rand_any(seed, me, sum(in_splits), dtype, salt=what)
+            ours = torch.empty(sum(out_splits), dtype=dtype, device=ctx.device)
+            theirs = torch.empty_like(ours)
+            if kind == "even":
+                f.check(what, dist.all_to_all_single, ours, x, None, None, g)
+                dist.all_to_all_single(theirs, x, group=ctx.nccl)
+            else:
+                f.check(what, dist.all_to_all_single, ours, x, out_splits, in_splits, g)
+                dist.all_to_all_single(theirs, x, out_splits, in_splits, group=ctx.nccl)
+            f.check(what, assert_equal, ours, theirs, what)
+            checks += 1
+        # the list form, uneven (empty tensors included)
+        what = f"all_to_all list {dtype} world={W} config={config}"
+        s = _splits(seed, what, W, "uneven", 5000)
+        ins = [rand_any(seed, me, s[me][j], dtype, salt=f"{what}/{j}") for j in range(W)]
+        outs = [torch.empty(s[i][me], dtype=dtype, device=ctx.device) for i in range(W)]
+        refs = [torch.empty_like(o) for o in outs]
+        f.check(what, dist.all_to_all, outs, ins, g)
+        dist.all_to_all(refs, ins, group=ctx.nccl)
+        f.check(what, assert_equal, torch.cat(outs), torch.cat(refs), what)
+        checks += 1
+    # async on a side stream, then in place (input and output one tensor)
+    what = f"async all_to_all_single world={W} config={config}"
+    x = rand(seed, me, W * 65_536, torch.float32, salt=what)
+    ref = torch.empty_like(x)
+    dist.all_to_all_single(ref, x, group=ctx.nccl)
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream(device=ctx.device)
+    side.wait_stream(torch.cuda.current_stream())
+    works = []
+    with torch.cuda.stream(side):
+        f.check(what, lambda: works.append(dist.all_to_all_single(out, x, group=g, async_op=True)))
+    for w in works:
+        f.check(what + " wait", w.wait)
+    f.check(what, assert_equal, out, ref, what)
+    y = x.clone()
+    f.check("in-place all_to_all_single", dist.all_to_all_single, y, y, None, None, g)
+    f.check("in-place all_to_all_single", assert_equal, y, ref, "in-place all_to_all_single")
+    torch.cuda.synchronize()
+    f.raise_any()
+    return checks + 2
+
+
+@pytest.mark.parametrize("config", ["flat", "hierarchical"])
+def test_all_to_all_across_hosts_matches_nccl(gpus, seed, config):
+    res = _cluster(gpus).run(body_all_to_all, seed, config, timeout=900)
+    assert len(set(res)) == 1 and res[0] > 0, res
+
+
+def body_send_across_hosts_is_a_type_error(ctx) -> str:
+    g = emulated_group(ctx, "flat")
+    x = torch.zeros(4, device=ctx.device)
+    try:
+        if ctx.rank == 0:
+            dist.send(x, ctx.world - 1, group=g)
+        elif ctx.rank == ctx.world - 1:
+            dist.recv(x, 0, group=g)
+        else:
+            return "not involved"
+    except TypeError as e:
+        return f"TypeError: {e}"
+    return "no error"
+
+
+def test_send_recv_across_hosts_stay_a_type_error(gpus):
+    res = _cluster(gpus).run(body_send_across_hosts_is_a_type_error)
+    for rank in (0, gpus.world - 1):
+        assert res[rank].startswith("TypeError") and "spans hosts" in res[rank], f"rank {rank}: {res[rank]}"
+
+
+A2A_MISMATCH_TIMEOUT = 15.0
+
+
+def body_a2a_mismatch(ctx, seed: int, timeout: float):
+    """Rank 0 sends rank W-1 fewer bytes than W-1 expects: NCCL cannot tell, so the call
+    hangs until the watchdog's timeout aborts the group; every rank must then raise."""
+    g = emulated_group(ctx, "flat", timeout=timeout)
+    W, me = ctx.world, ctx.rank
+    dist.all_reduce(torch.ones(4, device=ctx.device), group=g)  # created and working
+    torch.cuda.synchronize()
+    # Large enough that the receiver waits for steps the sender never sends (a few bytes
+    # short could fit one NCCL step on both sides and go unnoticed).
+    rows = 1 << 18
+    s = [[rows] * W for _ in range(W)]
+    s[0][W - 1] = 16  # what rank 0 sends; rank W-1 still expects `rows` from it
+    in_splits = s[me]
+    out_splits = [rows] * W
+    x = rand(seed, me, sum(in_splits), torch.float32)
+    out = torch.empty(sum(out_splits), device=ctx.device)
+    start = time.monotonic()
+    error = None
+    try:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=g)
+        while time.monotonic() - start < 3 * timeout:
+            torch.cuda.synchronize()
+            dist.all_reduce(torch.ones(4, device=ctx.device), group=g)
+            torch.cuda.synchronize()
+            time.sleep(0.5)
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        error = (type(e).__name__, str(e), time.monotonic() - start)
+    torch.cuda.synchronize()
+    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the abort"
+    return error
+
+
+def test_all_to_all_split_mismatch_aborts_the_group_after_the_timeout(seed):
+    worlds = [w for w in selected_worlds() if w <= gpu_count()]
+    if not worlds:
+        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
+    world = max(worlds)
+    c = gpu_cluster(world, timeout=A2A_MISMATCH_TIMEOUT, nccl_ref=False)  # a fresh cluster: this group ends aborted
+    try:
+        try:
+            res = c.run(body_a2a_mismatch, seed, A2A_MISMATCH_TIMEOUT, timeout=3 * A2A_MISMATCH_TIMEOUT + 90)
+        except ClusterError as e:
+            pytest.fail(f"an all_to_all with splits that disagree left ranks hung past the group timeout:\n{e}")
+    finally:
+        c.close(timeout=30)
+    for rank, error in enumerate(res):
+        assert error is not None, f"rank {rank} ran on for {3 * A2A_MISMATCH_TIMEOUT:.0f} s after a mismatched all_to_all"
+        kind, msg, took = error
+        assert kind in ("TimeoutError", "GroupAbortedError", "PeerFailureError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        assert took < A2A_MISMATCH_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s: {kind}: {msg}"

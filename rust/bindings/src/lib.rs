@@ -309,15 +309,8 @@ impl Communicator {
         stream: u64,
         asynchronous: bool,
     ) -> PyResult<Option<CudaEvent>> {
-        if self.0.topo.hosts.len() > 1 {
-            return Err(pyo3::exceptions::PyTypeError::new_err(
-                "rsccl: CUDA all_to_all and send/recv run on one host's ranks only (this group spans hosts)",
-            ));
-        }
-        let engine = self.0.cuda().py()?;
-        // Single-host groups: a group rank is its local index (local ranks ascend).
         let x = AllToAll { send: send_ptrs, send_bytes, recv: recv_ptrs, recv_bytes };
-        Ok(engine.launch_all_to_all(&x, stream, asynchronous).py()?.map(CudaEvent))
+        Ok(self.0.cuda_all_to_all(&x, stream, asynchronous).py()?.map(CudaEvent))
     }
 
     /// Launch one CUDA send (`send`) or recv of `nbytes` at `ptr` with group rank `peer`,
@@ -325,8 +318,10 @@ impl Communicator {
     #[pyo3(signature = (send, ptr, nbytes, peer, stream, asynchronous))]
     fn cuda_p2p(&self, send: bool, ptr: u64, nbytes: u64, peer: usize, stream: u64, asynchronous: bool) -> PyResult<Option<CudaEvent>> {
         if self.0.topo.hosts.len() > 1 {
+            // NCCL's send/recv issued one by one (as torch calls a ProcessGroup subclass for
+            // batch_isend_irecv) can deadlock: see docs/multihost.md.
             return Err(pyo3::exceptions::PyTypeError::new_err(
-                "rsccl: CUDA all_to_all and send/recv run on one host's ranks only (this group spans hosts)",
+                "rsccl: CUDA send/recv run on one host's ranks only (this group spans hosts)",
             ));
         }
         let engine = self.0.cuda().py()?;
@@ -382,6 +377,7 @@ impl Communicator {
         if let Some(n) = self.0.nccl_stats() {
             d.set_item("cuda_device", n.device)?;
             d.set_item("nccl_bytes", n.nccl_bytes)?;
+            d.set_item("nccl_scratch_bytes", n.scratch_bytes)?;
             d.set_item("nccl_communicators", n.communicators)?;
             d.set_item("nccl_collectives", n.collectives)?;
             d.set_item("nccl_hierarchical_collectives", n.hierarchical_collectives)?;

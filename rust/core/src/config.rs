@@ -210,10 +210,25 @@ pub const SETTINGS: &[Setting] = &[
         min: 0,
         max: 1 << 40,
         is_size: true,
-        help: "CUDA all_reduce of a group that spans hosts, with the same number (>= 2) of \
-               GPUs on every host, runs hierarchically from this size on (rsccl's \
-               reduce-scatter inside each host, NCCL across hosts, rsccl's all-gather); \
-               smaller messages run as one flat NCCL all_reduce",
+        help: "CUDA all_reduce, all_gather and reduce_scatter of a group that spans hosts, \
+               with the same number (>= 2) of GPUs on every host, run hierarchically from \
+               this size on (rsccl's kernels inside each host, NCCL across hosts); smaller \
+               messages run as one flat NCCL collective",
+    },
+    Setting {
+        field: "nccl_hierarchical_scratch_bytes",
+        env: "RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES",
+        // A bound, not a tuned value: a hierarchical reduce_scatter keeps the host-local
+        // partial sums (hosts x output bytes) here between its two phases, so this is the
+        // largest output x hosts that runs hierarchically; larger calls run flat.
+        default: 32 * MIB,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "device memory per rank, allocated at creation of a group that spans hosts \
+               with the same number (>= 2) of GPUs on every host and host-major ranks, for \
+               hierarchical reduce_scatter: a call whose output bytes x hosts exceed it runs \
+               flat. 0: no buffer, reduce_scatter always flat",
     },
 ];
 
@@ -238,6 +253,7 @@ pub struct Config {
     /// None: NCCL's default (the setting's 0).
     pub nccl_max_ctas: Option<i32>,
     pub nccl_hierarchical_min_bytes: u64,
+    pub nccl_hierarchical_scratch_bytes: u64,
 }
 
 impl Default for Config {
@@ -331,6 +347,7 @@ impl Config {
             cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
             nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
             nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),
+            nccl_hierarchical_scratch_bytes: v("nccl_hierarchical_scratch_bytes"),
         };
         Ok(cfg)
     }
@@ -363,6 +380,8 @@ impl Config {
             // (flat or hierarchical) for the same call.
             ("nccl_max_ctas", self.nccl_max_ctas.unwrap_or(0) as u64),
             ("nccl_hierarchical_min_bytes", self.nccl_hierarchical_min_bytes),
+            // Whether a reduce_scatter fits the scratch decides its path.
+            ("nccl_hierarchical_scratch_bytes", self.nccl_hierarchical_scratch_bytes),
         ];
         let names = shared
             .iter()
@@ -405,6 +424,7 @@ mod tests {
     fn nccl_settings_resolve() {
         let d = Config::default();
         assert_eq!((d.nccl_max_ctas, d.nccl_hierarchical_min_bytes), (Some(16), 16 << 20));
+        assert_eq!(d.nccl_hierarchical_scratch_bytes, 32 << 20);
         let env = |k: &str| match k {
             "RSCCL_NCCL_MAX_CTAS" => Some("0".to_string()),
             "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES" => Some("1MiB".to_string()),
@@ -416,6 +436,7 @@ mod tests {
         assert!(e.contains("nccl_max_ctas") && e.contains("out of range"), "{e}");
         let (_, names) = d.layout_settings();
         assert!(names.iter().any(|(f, _)| *f == "nccl_hierarchical_min_bytes"), "every rank must take the same path");
+        assert!(names.iter().any(|(f, _)| *f == "nccl_hierarchical_scratch_bytes"), "every rank must take the same path");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, RankInfo, 
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
-use crate::cuda::{CudaCall, CudaEngine, CudaEvent, CudaStats, NcclEngine, NcclStats};
+use crate::cuda::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaStats, NcclEngine, NcclStats};
 use crate::engine::host::HostEngine;
 use crate::engine::{Engine, MemoryStats, P2p};
 use crate::error::{Error, Result};
@@ -208,6 +208,16 @@ impl Group {
         match self.cuda_side()? {
             CudaSide::Local(e) => e.launch(c),
             CudaSide::Nccl(n) => n.launch(c),
+        }
+    }
+
+    /// Launch a CUDA all_to_all (chunks in group-rank order) on whichever engine the group
+    /// has: rsccl's kernel on one host (a group rank is then its local index), one NCCL
+    /// group of sends and receives across hosts.
+    pub fn cuda_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        match self.cuda_side()? {
+            CudaSide::Local(e) => e.launch_all_to_all(x, stream, asynchronous),
+            CudaSide::Nccl(n) => n.launch_all_to_all(x, stream, asynchronous),
         }
     }
 

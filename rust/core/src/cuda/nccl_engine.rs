@@ -3,7 +3,9 @@
 //! What it holds, all made at group creation: a flat NCCL communicator over every rank of
 //! the group; and, where every host has the same number L >= 2 of the group's GPUs, rsccl's
 //! own CUDA engine over the host's ranks plus a "cross" communicator among the ranks of
-//! the same local index (one per index, one rank per host), for hierarchical all_reduce.
+//! the same local index (one per index, one rank per host), for hierarchical all_reduce,
+//! all_gather and reduce_scatter (the last two also need host-major ranks; reduce_scatter
+//! a scratch buffer, `nccl_hierarchical_scratch_bytes`, allocated here too).
 //! Each communicator's unique id goes through the c10d store under a key unique to this
 //! group creation (`id_key`); every communicator runs a warm-up collective before creation
 //! returns, and the device memory creation took is measured (`nccl_bytes`).
@@ -12,7 +14,7 @@
 //! stream (`cuda_sync_stream = 1`), an asynchronous one on the internal stream after an
 //! event makes it wait for the caller's; a call on another stream than the previous one
 //! is ordered after it; an asynchronous call returns its end event. The three phases of a
-//! hierarchical all_reduce run on one stream, so they are ordered. No tensor is marked on
+//! hierarchical collective run on one stream, so they are ordered. No tensor is marked on
 //! a stream.
 //!
 //! Errors: NCCL kernels wait without bound, so the engine bounds them. Every launch is
@@ -35,7 +37,7 @@ use cudarc::nccl::sys as nc;
 use parking_lot::Mutex;
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
-use super::engine::{CudaCall, CudaEngine, CudaEvent, CudaKind, EventHome};
+use super::engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, EventHome};
 use super::nccl::{choose_cross_host, nccl_dtype, nccl_op, CrossHost, Nccl, NcclComm};
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{LocalMesh, Store, Topology};
@@ -108,6 +110,80 @@ pub fn all_reduce_path(
     (CrossHost::Hierarchical, "large message, same number of GPUs on every host")
 }
 
+/// Whether the group's ranks are host-major: host h (hosts numbered by their lowest rank, as
+/// Topology does) holds ranks h * L .. h * L + L - 1, every host the same number L. Then a
+/// host's ranks own one contiguous block of a rank-ordered buffer (all_gather output,
+/// reduce_scatter input), and a rank's index in its cross communicator is its host index.
+pub fn host_major(hosts: &[Vec<usize>]) -> bool {
+    let Some(l) = hosts.first().map(|h| h.len()) else { return false };
+    hosts.iter().enumerate().all(|(h, ranks)| ranks.len() == l && ranks.iter().enumerate().all(|(i, &r)| r == h * l + i))
+}
+
+/// How a CUDA all_gather of `bytes_per_rank` runs, and why (pure; every rank evaluates it
+/// alike). Hierarchical needs what `choose_cross_host` needs (on the output's bytes),
+/// host-major ranks (so rank r's piece lands at r * bytes_per_rank through host blocks)
+/// and pieces that are whole multiples of 16 bytes (aligned for the host-local kernel).
+pub fn all_gather_path(bytes_per_rank: u64, ranks_per_host: &[usize], host_major: bool, min_bytes: u64) -> (CrossHost, &'static str) {
+    let world = ranks_per_host.iter().sum::<usize>() as u64;
+    if choose_cross_host(CudaKind::AllGather, bytes_per_rank * world, ranks_per_host, min_bytes) == CrossHost::Flat {
+        return (CrossHost::Flat, "small message, or hosts with unequal or single GPUs");
+    }
+    if !host_major {
+        return (CrossHost::Flat, "ranks are not host-major (rank = host index x GPUs per host + local index)");
+    }
+    if bytes_per_rank == 0 || bytes_per_rank % 16 != 0 {
+        return (CrossHost::Flat, "a rank's piece is empty or not a whole multiple of 16 bytes");
+    }
+    (CrossHost::Hierarchical, "large message, same number of GPUs on every host, host-major ranks")
+}
+
+/// How a CUDA reduce_scatter of `count` output elements of `elem` bytes with `op` runs,
+/// and why (pure, as above). Hierarchical needs what `all_gather_path` needs (on the
+/// input's bytes, world x count elements), an op whose partial results compose and
+/// rsccl's kernels for it (as `all_reduce_path`), and room in the scratch for the host's
+/// partial sums: hosts x count elements, at most `scratch_bytes`.
+#[allow(clippy::too_many_arguments)]
+pub fn reduce_scatter_path(
+    count: u64,
+    elem: usize,
+    op: ReduceOp,
+    kernels_support: bool,
+    ranks_per_host: &[usize],
+    host_major: bool,
+    min_bytes: u64,
+    scratch_bytes: u64,
+) -> (CrossHost, &'static str) {
+    let piece = count * elem as u64;
+    let world = ranks_per_host.iter().sum::<usize>() as u64;
+    if choose_cross_host(CudaKind::ReduceScatter, piece * world, ranks_per_host, min_bytes) == CrossHost::Flat {
+        return (CrossHost::Flat, "small message, or hosts with unequal or single GPUs");
+    }
+    if !host_major {
+        return (CrossHost::Flat, "ranks are not host-major (rank = host index x GPUs per host + local index)");
+    }
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max) {
+        return (CrossHost::Flat, "AVG (and ops whose partial results do not compose) run flat");
+    }
+    if !kernels_support {
+        return (CrossHost::Flat, "rsccl's kernels do not reduce this dtype with this op");
+    }
+    if piece == 0 || piece % 16 != 0 {
+        return (CrossHost::Flat, "the output is empty or not a whole multiple of 16 bytes");
+    }
+    if piece * ranks_per_host.len() as u64 > scratch_bytes {
+        return (CrossHost::Flat, "the hosts' partial sums (output bytes x hosts) exceed nccl_hierarchical_scratch_bytes");
+    }
+    (CrossHost::Hierarchical, "large message, same number of GPUs on every host, host-major ranks")
+}
+
+/// The unit of a CudaCall's count, for messages.
+fn count_unit(kind: CudaKind) -> &'static str {
+    match kind {
+        CudaKind::AllReduce | CudaKind::ReduceScatter | CudaKind::Reduce => "elements",
+        _ => "bytes",
+    }
+}
+
 /// Counters reported by memory_stats.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NcclStats {
@@ -115,6 +191,9 @@ pub struct NcclStats {
     /// Device memory NCCL took at group creation (communicators and their warm-up),
     /// measured with cuMemGetInfo around it.
     pub nccl_bytes: u64,
+    /// The hierarchical reduce_scatter's buffer (nccl_hierarchical_scratch_bytes; 0 where
+    /// the group has no hierarchical path or is not host-major).
+    pub scratch_bytes: u64,
     pub communicators: u64,
     pub collectives: u64,
     pub hierarchical_collectives: u64,
@@ -191,11 +270,13 @@ impl Shared {
         let r = unsafe { cu::cuEventQuery(front.ev) };
         if r == cu::CUresult::CUDA_ERROR_NOT_READY && front.at.elapsed() > self.timeout {
             return Some(Error::Timeout(format!(
-                "rank {}: a CUDA {} of {} elements (NCCL) did not finish within the group timeout ({:.1} s): \
-                 a rank of the group did not call it, or died; the group was aborted",
+                "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s): \
+                 a rank of the group did not call it, called it with other sizes (all_to_all splits \
+                 that disagree between ranks hang NCCL), or died; the group was aborted",
                 self.rank,
                 front.kind.name(),
                 front.count,
+                count_unit(front.kind),
                 self.timeout.as_secs_f64()
             )));
         }
@@ -266,7 +347,13 @@ pub struct NcclEngine {
     sh: Arc<Shared>,
     internal: CUstream,
     scratch: u64,
+    /// The hierarchical reduce_scatter's buffer (0: none) and its bytes.
+    hier_scratch: u64,
+    hier_scratch_bytes: u64,
     local_index: usize,
+    host_index: usize,
+    /// See `host_major`: all_gather and reduce_scatter run hierarchically only then.
+    host_major: bool,
     ranks_per_host: Vec<usize>,
     hier_min: u64,
     sync_on_caller: bool,
@@ -362,8 +449,14 @@ impl NcclEngine {
         let mut internal: CUstream = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
         check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
-        let mut bufs = [0u64; 2];
-        for (b, len) in bufs.iter_mut().zip([SCRATCH_BYTES, WARM_BYTES]) {
+        let major = hierarchical && host_major(&topo.hosts);
+        // Only a group that can take the hierarchical reduce_scatter holds its buffer.
+        let hier_scratch_bytes = if major { cfg.nccl_hierarchical_scratch_bytes as usize } else { 0 };
+        let mut bufs = [0u64; 3];
+        for (b, len) in bufs.iter_mut().zip([SCRATCH_BYTES, WARM_BYTES, hier_scratch_bytes]) {
+            if len == 0 {
+                continue;
+            }
             // SAFETY: out-pointer to a local; freed below (warm) or in Drop (scratch).
             let r = check(unsafe { cu::cuMemAlloc_v2(b, len) }, "cuMemAlloc (NCCL engine)");
             if let Err(e) = r {
@@ -377,7 +470,7 @@ impl NcclEngine {
                 return Err(e);
             }
         }
-        let [scratch, warm] = bufs;
+        let [scratch, warm, hier_scratch] = bufs;
         // SAFETY: both buffers are ours; zeroing makes the warm-up's reductions finite.
         unsafe {
             check(cu::cuMemsetD8_v2(scratch, 0, SCRATCH_BYTES), "cuMemsetD8")?;
@@ -400,7 +493,11 @@ impl NcclEngine {
                     sh: sh.clone(),
                     internal,
                     scratch,
+                    hier_scratch,
+                    hier_scratch_bytes: hier_scratch_bytes as u64,
                     local_index: topo.local_index(),
+                    host_index: topo.host_of[topo.rank],
+                    host_major: major,
                     ranks_per_host,
                     hier_min: cfg.nccl_hierarchical_min_bytes,
                     sync_on_caller: cfg.cuda_sync_stream,
@@ -420,6 +517,8 @@ impl NcclEngine {
                     device,
                     hosts = topo.hosts.len(),
                     hierarchical,
+                    host_major = major,
+                    hier_scratch_bytes,
                     nccl_bytes,
                     "rsccl: NCCL engine ready: {} communicator(s), {} MiB of device memory taken by NCCL",
                     if hierarchical { 2 } else { 1 },
@@ -431,6 +530,9 @@ impl NcclEngine {
                 // SAFETY: nothing runs on them any more (see above).
                 unsafe {
                     cu::cuMemFree_v2(scratch);
+                    if hier_scratch != 0 {
+                        cu::cuMemFree_v2(hier_scratch);
+                    }
                     cu::cuStreamDestroy_v2(internal);
                 }
                 Err(e)
@@ -558,24 +660,76 @@ impl NcclEngine {
             nccl_dtype(c.dtype).ok_or_else(bad)?;
             nccl_op(c.op).ok_or_else(bad)?;
         }
-        let (Some(local), CudaKind::AllReduce) = (&self.sh.local, c.kind) else { return Ok(CrossHost::Flat) };
-        let ok = local.supports_reduce_scatter(c.dtype, c.op);
-        Ok(all_reduce_path(c.count, c.dtype.size(), c.op, ok, &self.ranks_per_host, self.hier_min).0)
+        let Some(local) = &self.sh.local else { return Ok(CrossHost::Flat) };
+        let (hosts, major, min) = (&self.ranks_per_host, self.host_major, self.hier_min);
+        Ok(match c.kind {
+            CudaKind::AllReduce => {
+                let ok = local.supports_reduce_scatter(c.dtype, c.op);
+                all_reduce_path(c.count, c.dtype.size(), c.op, ok, hosts, min).0
+            }
+            CudaKind::AllGather => all_gather_path(c.count, hosts, major, min).0,
+            CudaKind::ReduceScatter => {
+                let ok = local.supports_reduce_scatter(c.dtype, c.op);
+                reduce_scatter_path(c.count, c.dtype.size(), c.op, ok, hosts, major, min, self.hier_scratch_bytes).0
+            }
+            _ => CrossHost::Flat,
+        })
     }
 
     /// Launch one collective. Returns the end event for an asynchronous call (the Work
     /// waits on it); a blocking call is ordered before the caller's later work already.
     pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
         self.health()?;
-        match self.launch_inner(c) {
+        self.failing_group(self.launch_inner(c, None))
+    }
+
+    /// Launch one all_to_all over every rank of the group (see `AllToAll`; every list has
+    /// one entry per rank, in group-rank order): one NCCL group of sends and receives on
+    /// the flat communicator. NCCL cannot check that the ranks' splits agree: a rank that
+    /// expects other sizes than its peer sends hangs the call until the watchdog's timeout
+    /// aborts the group.
+    pub fn launch_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        self.health()?;
+        let n = self.sh.flat.nranks;
+        if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
+            // The Python layer builds one entry per rank: this is a bug, and the peers
+            // would wait for this rank, so it fails the group.
+            return Err(self.sh.fail(Error::Internal(format!(
+                "rank {}: an all_to_all with {}/{}/{}/{} chunk entries for a group of {n}",
+                self.sh.rank,
+                x.send.len(),
+                x.send_bytes.len(),
+                x.recv.len(),
+                x.recv_bytes.len()
+            ))));
+        }
+        let total: u64 = x.send_bytes.iter().sum();
+        let c = CudaCall {
+            kind: CudaKind::AllToAll,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            inp: 0,
+            out: 0,
+            count: total,
+            stream,
+            asynchronous,
+        };
+        self.failing_group(self.launch_inner(&c, Some(x)))
+    }
+
+    /// An error of a launch that may have left peers waiting makes the group unusable;
+    /// one found before anything was enqueued (a bad argument) leaves it as it was.
+    fn failing_group(&self, r: Result<Option<CudaEvent>>) -> Result<Option<CudaEvent>> {
+        match r {
             Ok(ev) => Ok(ev),
             Err(e) if e.keeps_group_usable() => Err(e),
             Err(e) => Err(self.sh.fail(e)),
         }
     }
 
-    fn launch_inner(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        let path = self.path(c)?;
+    fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
+        let path = if a2a.is_some() { CrossHost::Flat } else { self.path(c)? };
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
         let caller = c.stream;
@@ -594,10 +748,16 @@ impl NcclEngine {
                 join(&mut o, last, target)?;
             }
         }
-        match path {
-            CrossHost::Flat => self.enqueue_flat(c, target)?,
-            CrossHost::Hierarchical => {
-                self.enqueue_hierarchical(c, target)?;
+        match (a2a, path) {
+            (Some(x), _) => self.enqueue_all_to_all(x, target)?,
+            (None, CrossHost::Flat) => self.enqueue_flat(c, target)?,
+            (None, CrossHost::Hierarchical) => {
+                match c.kind {
+                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target)?,
+                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target)?,
+                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target)?,
+                    k => return Err(Error::Internal(format!("no hierarchical {}", k.name()))),
+                }
                 self.hierarchical.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -663,9 +823,10 @@ impl NcclEngine {
                     (f.all_reduce)(p, p, 1, nc::ncclDataType_t::ncclFloat32, nc::ncclRedOp_t::ncclSum, raw, s)
                 }
                 CudaKind::Gather | CudaKind::Scatter => return self.enqueue_rooted_p2p(c, stream),
-                CudaKind::AllToAll | CudaKind::Send | CudaKind::Recv => {
+                CudaKind::AllToAll => return Err(Error::Internal("all_to_all is launched through launch_all_to_all".into())),
+                CudaKind::Send | CudaKind::Recv => {
                     return Err(Error::InvalidType(format!(
-                        "CUDA {} in a group that spans hosts is not supported yet (NCCL engine)",
+                        "CUDA {} in a group that spans hosts is not supported (NCCL engine)",
                         c.kind.name()
                     )))
                 }
@@ -726,6 +887,183 @@ impl NcclEngine {
         comm.check(r, &format!("NCCL {} (send/recv)", c.kind.name()))
     }
 
+    /// all_to_all as one NCCL group on the flat communicator: a send of every non-empty
+    /// chunk to its peer and a receive of every non-empty chunk from its peer, this rank's
+    /// own chunk included (NCCL matches a send to self with the receive from self in the
+    /// same group, as torch's NCCL all_to_all does). Empty chunks are skipped on both
+    /// sides, which agree when the splits do.
+    fn enqueue_all_to_all(&self, x: &AllToAll, stream: u64) -> Result<()> {
+        let comm = &self.sh.flat;
+        let raw = comm.raw();
+        if raw.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
+        let f = comm.fns();
+        let s = stream as nc::cudaStream_t;
+        let u8_ = nc::ncclDataType_t::ncclUint8;
+        let ok = nc::ncclResult_t::ncclSuccess;
+        // SAFETY: as in enqueue_flat; every chunk is a device range of the bytes given
+        // next to it, inside the tensors the Python layer checked and keeps alive.
+        let mut r = unsafe { (f.group_start)() };
+        if r == ok {
+            for peer in 0..comm.nranks {
+                let (sb, rb) = (x.send_bytes[peer] as usize, x.recv_bytes[peer] as usize);
+                if sb > 0 {
+                    // SAFETY: as above.
+                    let rr = unsafe { (f.send)(x.send[peer] as *const c_void, sb, u8_, peer as i32, raw, s) };
+                    if r == ok {
+                        r = rr;
+                    }
+                }
+                if rb > 0 {
+                    // SAFETY: as above.
+                    let rr = unsafe { (f.recv)(x.recv[peer] as *mut c_void, rb, u8_, peer as i32, raw, s) };
+                    if r == ok {
+                        r = rr;
+                    }
+                }
+            }
+            // The group is closed whatever happened inside it.
+            // SAFETY: closes the group opened above.
+            let end = unsafe { (f.group_end)() };
+            if r == ok {
+                r = end;
+            }
+        }
+        comm.check(r, "NCCL all_to_all (send/recv)")
+    }
+
+    /// The engines of the hierarchical path.
+    fn hier_engines(&self) -> Result<(&Arc<CudaEngine>, &NcclComm, nc::ncclComm_t)> {
+        let (local, cross) = match (&self.sh.local, &self.sh.cross) {
+            (Some(l), Some(x)) => (l, x),
+            _ => return Err(Error::Internal("hierarchical path without its engines".into())),
+        };
+        let raw = cross.raw();
+        if raw.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
+        Ok((local, cross, raw))
+    }
+
+    /// all_gather (count = n bytes per rank; `out` holds world x n bytes in rank order)
+    /// in two phases on `stream`, for host-major ranks (rank r = h * L + l):
+    ///   1. across hosts, among the ranks of my local index l (one per host, cross rank =
+    ///      host index): one NCCL group of H broadcasts, root h sending its piece, which
+    ///      every member receives at its place in `out`, (h * L + l) * n. After it, my
+    ///      `out` holds the pieces of local index l of every host. Each rank sends and
+    ///      receives only n bytes per host across hosts, as a flat ring would.
+    ///   2. inside the host, for every host h: rsccl's all_gather of the piece at
+    ///      (h * L + l) * n (in place: it is my slot of host h's block) into host h's
+    ///      block `out + h * L * n`, filling the pieces of the other local indices.
+    ///
+    /// H host-local launches (each with its barrier): hosts >= 2, messages >=
+    /// nccl_hierarchical_min_bytes keep their cost small against the bytes moved.
+    fn enqueue_hier_all_gather(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let (local, cross, raw) = self.hier_engines()?;
+        let l = local.local_size() as u64;
+        let hosts = self.ranks_per_host.len() as u64;
+        let (me, li, n) = (self.host_index as u64, self.local_index as u64, c.count);
+        let piece = |h: u64| c.out + (h * l + li) * n;
+        let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_gather failed part-way: {e}")) } else { e };
+        let f = cross.fns();
+        let s = stream as nc::cudaStream_t;
+        let ok = nc::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator (see enqueue_flat); every piece lies inside `out`
+        // (world x n bytes: h < H, l < L); `inp` holds n bytes; a live stream. Non-root
+        // members ignore the send buffer; the root copies into its own piece (or nothing,
+        // when the input already is that piece: in place).
+        let mut r = unsafe { (f.group_start)() };
+        if r == ok {
+            for h in 0..hosts {
+                let dst = piece(h);
+                let src = if h == me { c.inp } else { dst };
+                // SAFETY: as above.
+                let rr = unsafe { (f.broadcast)(src as *const c_void, dst as *mut c_void, n as usize, nc::ncclDataType_t::ncclUint8, h as i32, raw, s) };
+                if r == ok {
+                    r = rr;
+                }
+            }
+            // SAFETY: closes the group opened above.
+            let end = unsafe { (f.group_end)() };
+            if r == ok {
+                r = end;
+            }
+        }
+        cross.check(r, "NCCL broadcast (cross-host phase of a hierarchical all_gather)").map_err(fatal)?;
+        for h in 0..hosts {
+            let call = CudaCall {
+                kind: CudaKind::AllGather,
+                dtype: DType::U8,
+                op: c.op,
+                root: 0,
+                inp: piece(h),
+                out: c.out + h * l * n,
+                count: n,
+                stream,
+                asynchronous: false,
+            };
+            local.launch(&call).map_err(fatal)?;
+        }
+        Ok(())
+    }
+
+    /// reduce_scatter (count = m output elements; `inp` holds world x m in rank order) in
+    /// two phases on `stream`, for host-major ranks (rank r = h * L + l):
+    ///   1. inside the host, for every host h: rsccl's reduce_scatter of host h's block of
+    ///      the input (L x m elements at h * L * m) into the scratch at h * m. After it, my
+    ///      scratch holds, for every h, the sum over my host's ranks of block h * L + l.
+    ///   2. across hosts, among the ranks of my local index l (cross rank = host index):
+    ///      NCCL reduce_scatter of the scratch (H x m) into `out` (m): cross rank h gets
+    ///      the sum over hosts of their partial sums of block h * L + l, i.e. the sum over
+    ///      every rank of my block. Each rank sends and receives (H - 1) x m elements across
+    ///      hosts, as a flat ring would.
+    ///
+    /// The scratch (hosts x m elements, checked by reduce_scatter_path) is reused by the
+    /// next call: the launches are ordered (one stream, joins across streams), so that
+    /// call's first phase runs after this one's NCCL step read it.
+    fn enqueue_hier_reduce_scatter(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let (local, cross, raw) = self.hier_engines()?;
+        let l = local.local_size() as u64;
+        let hosts = self.ranks_per_host.len() as u64;
+        let mb = c.count * c.dtype.size() as u64;
+        if self.hier_scratch == 0 || hosts * mb > self.hier_scratch_bytes {
+            return Err(Error::Internal("hierarchical reduce_scatter without room in its scratch".into()));
+        }
+        let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical reduce_scatter failed part-way: {e}")) } else { e };
+        for h in 0..hosts {
+            let call = CudaCall {
+                kind: CudaKind::ReduceScatter,
+                dtype: c.dtype,
+                op: c.op,
+                root: 0,
+                inp: c.inp + h * l * mb,
+                out: self.hier_scratch + h * mb,
+                count: c.count,
+                stream,
+                asynchronous: false,
+            };
+            local.launch(&call).map_err(fatal)?;
+        }
+        let dt = nccl_dtype(c.dtype).ok_or_else(|| Error::Internal("checked dtype".into()))?;
+        let op = nccl_op(c.op).ok_or_else(|| Error::Internal("checked op".into()))?;
+        // SAFETY: a live communicator (see enqueue_flat); the scratch holds hosts x m
+        // elements (checked above), `out` m elements (checked by the Python layer); a live
+        // stream.
+        let r = unsafe {
+            (cross.fns().reduce_scatter)(
+                self.hier_scratch as *const c_void,
+                c.out as *mut c_void,
+                c.count as usize,
+                dt,
+                op,
+                raw,
+                stream as nc::cudaStream_t,
+            )
+        };
+        cross.check(r, "NCCL reduce_scatter (cross-host phase of a hierarchical reduce_scatter)").map_err(fatal)
+    }
+
     /// all_reduce in three phases on `stream`: rsccl's reduce-scatter over the host's
     /// GPUs into this rank's shard of `out`, NCCL all_reduce of that shard (in place)
     /// among the ranks of the same local index on every host, rsccl's all-gather of the
@@ -760,6 +1098,7 @@ impl NcclEngine {
         NcclStats {
             device: self.sh.dev.ordinal,
             nccl_bytes: self.nccl_bytes,
+            scratch_bytes: self.hier_scratch_bytes,
             communicators: 1 + self.sh.cross.is_some() as u64,
             collectives: self.collectives.load(Ordering::Relaxed),
             hierarchical_collectives: self.hierarchical.load(Ordering::Relaxed),
@@ -832,6 +1171,9 @@ impl Drop for NcclEngine {
             cu::cuStreamSynchronize(self.internal);
             self.sh.recycle_finished();
             cu::cuMemFree_v2(self.scratch);
+            if self.hier_scratch != 0 {
+                cu::cuMemFree_v2(self.hier_scratch);
+            }
             cu::cuStreamDestroy_v2(self.internal);
         }
     }
@@ -989,5 +1331,69 @@ mod tests {
         assert_eq!(path(mib, 2, ReduceOp::Sum, true, &[1, 1]), Flat, "one GPU per host");
         assert_eq!(path(mib * 3, 2, ReduceOp::Sum, true, &[3, 3]), Hierarchical);
         assert_eq!(path(mib, 2, ReduceOp::Sum, true, &[2, 3]), Flat, "uneven hosts");
+    }
+
+    #[test]
+    fn host_major_means_each_host_holds_one_contiguous_block() {
+        assert!(host_major(&[vec![0, 1], vec![2, 3]]));
+        assert!(host_major(&[vec![0, 1, 2], vec![3, 4, 5], vec![6, 7, 8]]));
+        assert!(host_major(&[vec![0], vec![1]]), "one GPU per host is trivially host-major");
+        assert!(!host_major(&[vec![0, 2], vec![1, 3]]), "round-robin placement");
+        assert!(!host_major(&[vec![0, 1], vec![2, 3, 4]]), "unequal hosts");
+        assert!(!host_major(&[vec![0, 1, 3], vec![2, 4, 5]]), "interleaved");
+        assert!(!host_major(&[]));
+        // What Topology builds from RSCCL_HOST_ID = "emul-host-{rank // 2}" and from hosts
+        // that take turns.
+        use crate::bootstrap::RankInfo;
+        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into(), settings: vec![] };
+        let emul = Topology::from_infos(0, &[i("h0"), i("h0"), i("h1"), i("h1")]);
+        assert!(host_major(&emul.hosts));
+        let turns = Topology::from_infos(0, &[i("h0"), i("h1"), i("h0"), i("h1")]);
+        assert!(!host_major(&turns.hosts));
+    }
+
+    #[test]
+    fn hierarchical_all_gather_only_for_host_major_aligned_large_calls() {
+        let mib = 1u64 << 20;
+        use CrossHost::{Flat, Hierarchical};
+        let two_by_two = [2usize, 2];
+        // bytes per rank; the threshold applies to the output (world x bytes per rank).
+        assert_eq!(all_gather_path(mib / 4, &two_by_two, true, mib).0, Hierarchical, "4 x 256 KiB = 1 MiB output");
+        assert_eq!(all_gather_path(mib / 4 - 16, &two_by_two, true, mib).0, Flat, "under the threshold");
+        assert_eq!(all_gather_path(mib, &two_by_two, false, mib).0, Flat, "not host-major");
+        assert_eq!(all_gather_path(mib + 8, &two_by_two, true, mib).0, Flat, "unaligned pieces");
+        assert_eq!(all_gather_path(mib + 16, &two_by_two, true, mib).0, Hierarchical);
+        assert_eq!(all_gather_path(0, &two_by_two, true, 0).0, Flat, "empty");
+        assert_eq!(all_gather_path(16, &two_by_two, true, 0).0, Hierarchical, "threshold 0: every aligned call");
+        assert_eq!(all_gather_path(mib, &[1, 1], true, mib).0, Flat, "one GPU per host");
+        assert_eq!(all_gather_path(mib, &[2, 3], true, mib).0, Flat, "uneven hosts");
+        assert_eq!(all_gather_path(mib, &[4], true, mib).0, Flat, "one host");
+        assert_eq!(all_gather_path(mib, &[4, 4, 4], true, mib).0, Hierarchical);
+    }
+
+    #[test]
+    fn hierarchical_reduce_scatter_needs_a_composable_op_and_room_in_the_scratch() {
+        let mib = 1u64 << 20;
+        use CrossHost::{Flat, Hierarchical};
+        let two_by_two = [2usize, 2];
+        let scratch = 32 * mib;
+        let path = |count, elem, op, ok, hosts: &[usize], major| reduce_scatter_path(count, elem, op, ok, hosts, major, mib, scratch).0;
+        // count = output elements; the threshold applies to the input (world x count).
+        assert_eq!(path(mib / 8, 2, ReduceOp::Sum, true, &two_by_two, true), Hierarchical, "input 4 x 256 KiB");
+        assert_eq!(path(mib / 16, 2, ReduceOp::Sum, true, &two_by_two, true), Flat, "input 512 KiB: under the threshold");
+        assert_eq!(path(mib, 4, ReduceOp::Max, true, &two_by_two, true), Hierarchical);
+        assert_eq!(path(mib, 4, ReduceOp::Avg, true, &two_by_two, true), Flat, "AVG would divide by the hosts");
+        assert_eq!(path(mib, 4, ReduceOp::Sum, false, &two_by_two, true), Flat, "no kernel");
+        assert_eq!(path(mib, 4, ReduceOp::Sum, true, &two_by_two, false), Flat, "not host-major");
+        assert_eq!(path(mib + 2, 4, ReduceOp::Sum, true, &two_by_two, true), Flat, "output of 4 MiB + 8 bytes: unaligned");
+        assert_eq!(path(mib + 4, 4, ReduceOp::Sum, true, &two_by_two, true), Hierarchical, "4 MiB + 16 bytes");
+        // The scratch holds hosts x output bytes.
+        assert_eq!(path(4 * mib, 4, ReduceOp::Sum, true, &two_by_two, true), Hierarchical, "2 hosts x 16 MiB = 32 MiB: fits");
+        assert_eq!(path(4 * mib + 4, 4, ReduceOp::Sum, true, &two_by_two, true), Flat, "2 x (16 MiB + 16 bytes): does not fit");
+        assert_eq!(path(4 * mib, 4, ReduceOp::Sum, true, &[2, 2, 2], true), Flat, "3 hosts x 16 MiB: does not fit");
+        assert_eq!(reduce_scatter_path(mib, 4, ReduceOp::Sum, true, &two_by_two, true, mib, 0).0, Flat, "no scratch");
+        assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[1, 1], true), Flat, "one GPU per host");
+        assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[2, 3], false), Flat, "uneven hosts");
+        assert_eq!(reduce_scatter_path(0, 4, ReduceOp::Sum, true, &two_by_two, true, 0, scratch).0, Flat, "empty");
     }
 }
