@@ -105,7 +105,9 @@
 //   pair that disagrees stops every rank, with the same report, counters in step) and
 //   agree on the largest chunk, which sets the step size. A rank rewrites a table half
 //   only at a first barrier two epochs later, after every peer passed the barrier after
-//   its reads.
+//   its reads. Chunks that fit one step ("early") are pushed with the table, before that
+//   barrier, like a staged kernel's first step; the receiver copies them out only after
+//   the check, so an all_to_all of small chunks takes one barrier (see rs_all_to_all).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -1140,14 +1142,29 @@ __device__ void reduce_root(const Args& a) {
 // ---------------------------------------------------------------------------------------
 // all_to_all (bytes; see "all_to_all" in the file comment). Rank me's chunk for peer j is
 // send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
-// Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:
-// block b moves bytes [s * G * m + b * m, + m) of every chunk at step s, through its slot
-// of the receiver's staging (world - 1 slots of m bytes), and copies the slots it received
-// at step s - 1 while step s's pushes travel:
-//   barrier(tables) | push(0) barrier | copy(0) push(1) barrier | ... | copy(last)
-// Reuse: as in all_gather (a slot of parity p is rewritten at step s + 2, after a barrier
-// that needs the receiver's signal given after its copy of step s); the first push of a
-// kernel follows the table barrier, which every peer passed after its previous kernel.
+// Addresses are absolute, so the list form needs no flattening. Each ordered pair (i, j)
+// has its own slot in j's staging: `cap` bytes per CUDA block and parity at
+// slot_of(i, j) * cap, cap = the staging half split in world - 1.
+// Early pairs: a chunk of n <= cap * G bytes (G = grid) is pushed before the first barrier
+// (block b moves bytes [b * e, + e), e = n / G rounded up to 16), together with the
+// table; after that barrier every rank has checked every pair, and the receiver copies
+// the early chunks out. An all_to_all whose chunks are all early takes one barrier:
+//   push(early) + tables | barrier | copy(early)
+// Larger chunks go in steps as in all_gather: block b moves bytes [s * G * m + b * m, + m)
+// of every large chunk at step s, through the pair's slot, and copies what it received at
+// step s - 1 while step s's pushes travel (the early chunks are copied during step 0):
+//   push(early) + tables | barrier | push(0) copy(early) barrier | push(1) copy(0) barrier
+//   | ... | copy(last)
+// Both sides class a chunk as early from the same size (the check makes sender's and
+// receiver's sizes equal before anyone reads a slot), and a pair is early or large, never
+// both, so the early data and step 0 (same parity) never share a slot. If the sizes
+// disagree, nobody reads the slots and every rank reports the pair.
+// Reuse: a slot of parity p is rewritten at step s + 2, after a barrier that needs the
+// receiver's signal, given after its copy of step s. The early push of a kernel writes the
+// parity of step s - 2 (s = the kernel's first step): its data was copied out before the
+// receiver's barrier of step s - 1 (in its kernel, or at the end of the kernel whose last
+// step was s - 2, before its next kernel's first barrier), and this rank passed that
+// barrier before it started this kernel. Kernels that ran in place used no step.
 struct A2aArgs {
     Args a;
     u64 send[MAX_RANKS];
@@ -1160,15 +1177,34 @@ __device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_bl
     return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
 }
 
-__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+// Bytes per CUDA block and parity of one pair's slot (a multiple of 16).
+__device__ __forceinline__ u64 a2a_cap(const Args& a) {
+    return round_down(a.stage_per_block / (a.world > 1 ? a.world - 1 : 1), 16);
+}
+
+// This block's range [lo, hi) of a chunk of n bytes: early chunks (n <= cap * G) are split
+// evenly over the grid in one go (`early`); large ones go m bytes per block and step `st`.
+// False if the block has nothing of it (or the chunk is not of the kind asked for).
+__device__ __forceinline__ bool a2a_range(u64 n, u64 cap, bool early, u64 st, u64 per_step, u64 m, u64* lo, u64* hi) {
+    if ((n <= cap * gridDim.x) != early) return false;
+    const u64 e = early ? round_up((n + gridDim.x - 1) / gridDim.x, 16) : m;
+    *lo = (early ? 0 : st * per_step) + blockIdx.x * e;
+    if (*lo >= n) return false;
+    *hi = min64(*lo + e, n);
+    return true;
+}
+
+// Push this block's part (early chunks, or step `st` of the large ones) of every chunk:
+// into the receiver's slot, or straight to the output for this rank's own chunk.
+__device__ __forceinline__ void a2a_push(const A2aArgs& x, bool early, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
+    const u64 cap = a2a_cap(a);
     for (u32 j0 = 0; j0 < W; j0++) {
         const u32 j = (me + j0) % W;
         const u64 n = x.send_n[j];
-        const u64 lo = st * per_step + blockIdx.x * m;
-        if (lo >= n) continue;
-        const u64 hi = min64(lo + m, n);
+        u64 lo, hi;
+        if (!a2a_range(n, cap, early, st, per_step, m, &lo, &hi)) continue;
         const u8* src = reinterpret_cast<const u8*>(x.send[j]);
         if (j == me) {
             u8* dst = reinterpret_cast<u8*>(x.recv[me]);
@@ -1176,7 +1212,7 @@ __device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step,
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
         } else {
-            u8* dst = stage_of(a, j, par) + slot_of(me, j) * m;
+            u8* dst = stage_of(a, j, par) + slot_of(me, j) * cap;
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
@@ -1184,17 +1220,18 @@ __device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step,
     }
 }
 
-__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+// Copy what this block received (early chunks, or step `st` of the large ones) out of its
+// slots to the outputs.
+__device__ __forceinline__ void a2a_copy(const A2aArgs& x, bool early, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
+    const u64 cap = a2a_cap(a);
     const u8* mine = stage_of(a, me, par);
     for (u32 i0 = 1; i0 < W; i0++) {
         const u32 i = (me + i0) % W;
-        const u64 n = x.recv_n[i];
-        const u64 lo = st * per_step + blockIdx.x * m;
-        if (lo >= n) continue;
-        const u64 hi = min64(lo + m, n);
-        const u8* src = mine + slot_of(i, me) * m;
+        u64 lo, hi;
+        if (!a2a_range(x.recv_n[i], cap, early, st, per_step, m, &lo, &hi)) continue;
+        const u8* src = mine + slot_of(i, me) * cap;
         u8* dst = reinterpret_cast<u8*>(x.recv[i]);
         for_packs_by<u8>(
             lo, hi, tid, nt, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
@@ -1209,6 +1246,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
     __shared__ u32 s_bad;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, t = threadIdx.x;
+    const u32 par0 = s.step & 1;
     if (t < W) {
         u64* mine = a2a_table(a.peer[me], s.epoch + 1, blockIdx.x);
         mine[t] = x.send_n[t];
@@ -1218,19 +1256,23 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
         s_max = 0;
         s_bad = 0xffffffffu;
     }
-    // The barrier's first __syncthreads orders the table stores before the signal.
+    a2a_push(x, true, 0, 0, 0, par0, t, blockDim.x);
+    // The barrier's first __syncthreads orders the table and early-chunk stores before
+    // the signal.
     if (!barrier(a, &s)) {
         save_state(a, &s, 1);
         return;
     }
     // Every rank checks every pair (i sends to j what j expects from i) and finds the
-    // largest chunk; the lowest bad pair is reported, so every rank reports the same one.
+    // largest chunk that is not early; the lowest bad pair is reported, so every rank
+    // reports the same one.
+    const u64 early_max = a2a_cap(a) * gridDim.x;
     for (u32 k = t; k < W * W; k += blockDim.x) {
         const u32 i = k / W, j = k % W;
         const u64 sent = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
         const u64 expected = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
         if (sent != expected) atomicMin(&s_bad, k);
-        atomicMax(&s_max, (unsigned long long)sent);
+        if (sent > early_max) atomicMax(&s_max, (unsigned long long)sent);
     }
     __syncthreads();
     if (s_bad != 0xffffffffu) {
@@ -1248,27 +1290,35 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
         save_state(a, &s, 1);
         return;
     }
-    const u64 biggest = s_max;
-    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, biggest);
-    const u64 per_step = m * gridDim.x;
-    const u64 steps = steps_for(biggest, per_step);
     u64 total = 0;
     for (u32 j = 0; j < W; j++) total += x.send_n[j];
     note_call(a, total, 2);
+    const u64 biggest = s_max;
+    if (biggest == 0) {
+        // Every chunk was early: one step (parity par0), one barrier.
+        a2a_copy(x, true, 0, 0, 0, par0, t, blockDim.x);
+        save_state(a, &s, 1);
+        return;
+    }
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, biggest);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(biggest, per_step);
     // Each step, half the threads push step st over NVLink while the other half copy
-    // step st - 1 out of local staging (different slots: parities differ), so the copy
-    // costs no step time; the barrier's bar.sync joins both halves before the signal.
+    // step st - 1 (the early chunks at step 0) out of local staging (different slots: at
+    // step 0 the early pairs' own slots, later the other parity), so the copy costs no
+    // step time; the barrier's bar.sync joins both halves before the signal.
     const u32 half = blockDim.x / 2, t2 = t - (t < half ? 0 : half);
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         if (t >= half) {
-            if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
+            if (st > 0) a2a_copy(x, false, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
+            else a2a_copy(x, true, 0, 0, 0, par0, t2, blockDim.x - half);
         } else {
-            a2a_push(x, st, per_step, m, par, t2, half);
+            a2a_push(x, false, st, per_step, m, par, t2, half);
         }
         BARRIER_OR_RETURN(a, s, steps)
     }
-    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
+    a2a_copy(x, false, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
     save_state(a, &s, steps);
 }
 
