@@ -12,6 +12,7 @@ from rsccl._backend import (
     _offsets,
     _pack_bytes,
     _reduce_scatter_pack,
+    _even_or_split_bytes,
     _split_bytes,
 )
 
@@ -81,3 +82,17 @@ def test_all_to_all_split_bytes():
         _split_bytes(t, [], 5, "x")
     with pytest.raises(ArgumentError, match="split sizes"):
         _split_bytes(t, [13, -1], 2, "x")
+
+
+def test_all_to_all_fast_path_splits_agree_with_the_full_path():
+    """The blocking all_to_all_single's fast path computes the same bytes per peer as the
+    full path wherever the splits are valid, and declines (None) wherever the full path
+    would raise, so that the full path reports the error."""
+    t = torch.empty(12, 3, dtype=torch.float16)
+    for splits, n in [([], 4), ([0, 12, 0, 0], 4), ([5, 7], 2), ([], 1), ([1, 2, 3, 6], 4)]:
+        assert _even_or_split_bytes(t, splits, n) == _split_bytes(t, splits, n, "x")
+    for splits, n in [([1, 2], 2), ([], 5), ([13, -1], 2), ([12], 2)]:
+        assert _even_or_split_bytes(t, splits, n) is None
+        with pytest.raises(ArgumentError):
+            _split_bytes(t, splits, n, "x")
+    assert _even_or_split_bytes(torch.empty(0, 5), [0, 0], 2) is None, "empty: the full path handles it"

@@ -151,6 +151,22 @@ def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[
     return [s * row_bytes for s in splits]
 
 
+def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int] | None:
+    """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
+    check (and report) the splits."""
+    rows = t.shape[0]
+    if rows == 0:
+        return None
+    row_bytes = t.nbytes // rows
+    if not splits:
+        if rows % n:
+            return None
+        return [rows // n * row_bytes] * n
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        return None
+    return [s * row_bytes for s in splits]
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors may overlap (same storage): an all_to_all must not read what it
     writes, so such an input is copied first."""
@@ -691,6 +707,39 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._cuda_all_to_all(prepare, opts, [output])
 
+    def _a2a_fast(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> bool:
+        """The blocking all_to_all_single's fast path, for the common case only: both
+        buffers contiguous on the group's device, one dtype, disjoint, valid splits. Launches
+        and returns True; returns False (nothing launched) for anything else, which the full
+        path then checks and reports."""
+        dev = self._cuda_device
+        if (
+            dev is None
+            or not isinstance(output, torch.Tensor)
+            or output.dtype != input.dtype
+            or input.get_device() != dev
+            or output.get_device() != dev
+            or input.dim() == 0
+            or output.dim() == 0
+            or not input.is_contiguous()
+            or not output.is_contiguous()
+        ):
+            return False
+        n = self.size()
+        send = _even_or_split_bytes(input, in_splits, n)
+        recv = _even_or_split_bytes(output, out_splits, n)
+        if send is None or recv is None:
+            return False
+        me = self.rank()
+        ip, op = input.data_ptr(), output.data_ptr()
+        ib, ob = sum(send), sum(recv)
+        if send[me] != recv[me] or (ip < op + ob and op < ip + ib):
+            return False
+        send_ptrs = [ip + o for o in _offsets(send)]
+        recv_ptrs = [op + o for o in _offsets(recv)]
+        self._comm.cuda_all_to_all(send_ptrs, send, recv_ptrs, recv, raw_stream(dev), False)
+        return True
+
     def _cuda_alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any) -> Any:
         def prepare() -> tuple:
             me, n = self.rank(), self.size()
@@ -1154,6 +1203,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
         if self._on_cuda(input, "all_to_all_single"):
+            if opts is not None and opts.asyncOp is False and self._a2a_fast(output, input, output_split_sizes, input_split_sizes):
+                return self._done
             return self._cuda_alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
         def prepare() -> _Plan:
