@@ -5,6 +5,9 @@ from 0 bytes to 256 MiB, a split mismatch that every rank must report, and rough
 Exits non-zero on any wrong result.
 
     python3 scripts/gpu_a2a_p2p_smoke.py [WORLD]      (SEED=... to replay)
+
+P2P_SWEEP="cuda_p2p_blocks=16,cuda_p2p_bytes=16MiB;..." also times send/recv 0 -> 1 in a
+new group per setting (16 and 256 MiB).
 """
 
 import os
@@ -171,6 +174,20 @@ def rank_main(rank, world, port, q):
             rows.append(f"p2p {size >> 20:>4} MiB: rsccl {t_rs:8.1f} us {size / t_rs / 1e3:6.1f} GB/s | nccl {t_nc:8.1f} us {size / t_nc / 1e3:6.1f} GB/s")
         if rank == 0:
             print("\n".join(rows), flush=True)
+        # 6. optional: send/recv 0 -> 1 for inbox sizes and block counts, each its own group
+        for spec in filter(None, os.environ.get("P2P_SWEEP", "").split(";")):
+            opts = dict(kv.split("=") for kv in spec.split(","))
+            sub = dist.new_group(backend="rsccl", pg_options=opts)
+            sc = _rsccl_pg(sub)._comm
+            line = []
+            for size in [16 << 20, 256 << 20]:
+                x = torch.empty(size, dtype=torch.uint8, device="cuda")
+                fn = (lambda: sc.cuda_p2p(rank == 0, x.data_ptr(), size, 1 - rank, stream(), False)) if rank < 2 else (lambda: None)
+                t = timeit(fn, 10)
+                line.append(f"{size >> 20} MiB {size / t / 1e3:6.1f} GB/s")
+            if rank == 0:
+                print(f"p2p sweep {spec}: " + " | ".join(line), flush=True)
+            dist.destroy_process_group(sub)
         dist.barrier(group=nccl)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

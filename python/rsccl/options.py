@@ -38,6 +38,10 @@ class Options:
     cuda_pool_bytes: int | str | None = None
     #: Message size from which pool tensors are used in place (smaller ones are staged); RSCCL_CUDA_INPLACE_MIN_BYTES.
     cuda_inplace_min_bytes: int | str | None = None
+    #: Device memory per rank for the send/recv inbox; RSCCL_CUDA_P2P_BYTES.
+    cuda_p2p_bytes: int | str | None = None
+    #: CUDA blocks of each send/recv kernel; RSCCL_CUDA_P2P_BLOCKS.
+    cuda_p2p_blocks: int | None = None
     #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
     nccl_max_ctas: int | None = None
     #: CUDA all_reduce/all_gather/reduce_scatter size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.
