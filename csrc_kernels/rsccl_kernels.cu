@@ -18,10 +18,12 @@
 //   [P2P_OFF, +32 KiB)        send/recv signals and counters (see "Point to point")
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
+//   [P2P_SIZE_OFF, +64 KiB)   send/recv message sizes: [CUDA block][sender][slot] u64,
+//                             written by the sender (see "Point to point")
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
-//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
-//                             parity, `chunk` bytes (see "Point to point")
+//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer, CUDA block and slot
+//                             (`slots` of them), `chunk` bytes (see "Point to point")
 //   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
 //                             host (rust/core/src/cuda/heap.rs), used in place
 // Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
@@ -78,13 +80,14 @@
 //   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
 //   of step s); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
-//   both agree without host round trips and under graph replay. Step q:
-//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
-//               receiver has emptied the inbox slot of parity q & 1, last used by step
-//               q - 2); the data warps copy the chunk into the receiver's inbox slot
-//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
-//               size[b][sender][q & 1] and issues st.release.sys of q into
-//               ready[b][sender] (both in the receiver's block).
+//   both agree without host round trips and under graph replay. Each (sender, block) has
+//   S = `slots` inbox slots (a power of two, 2..P2P_MAX_SLOTS); step q uses slot
+//   k = q & (S - 1) (q wraps at 2^32, a multiple of S). Step q:
+//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - S (the
+//               receiver has emptied slot k, last used by step q - S); the data warps copy
+//               the chunk into the receiver's inbox slot (sender, b, k); a block barrier;
+//               thread 0 stores the message size into size[b][sender][k] and issues
+//               st.release.sys of q into ready[b][sender] (both in the receiver's block).
 //     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
 //               >= q and checks the size; a block barrier; the data warps copy the slot
 //               out; a block barrier; thread 0 issues st.release.sys of q into
@@ -95,9 +98,10 @@
 //   system scope, and the following block barrier extends that to the data warps. The
 //   receiver's reads of a slot
 //   happen before its ack, which happens before the sender's next write of that slot.
-//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
+//   The first S steps of a message need no ack ("eager"): a send of at most S chunks per
 //   block completes without its receiver, as small NCCL sends do; a larger one waits for
-//   it (bounded by the timeout). A receiver that finds a size other than its own records a
+//   it (bounded by the timeout). More slots keep more chunks in flight per block, so a
+//   late signal stalls the sender less. A receiver that finds a size other than its own records a
 //   fatal error and poisons its peers: the sender's later waits stop too.
 // all_to_all (rs_all_to_all): before its first signal every rank writes its send and
 //   receive sizes into its own table (half = first barrier's epoch parity); after that
@@ -126,6 +130,8 @@ typedef long long i64;
 #define POISON_OFF (STATS_OFF + 256)
 #define P2P_OFF 131072
 #define A2A_OFF 163840
+#define P2P_SIZE_OFF 196608
+#define P2P_MAX_SLOTS 8
 #define STAGE_OFF 262144
 
 // Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
@@ -245,6 +251,15 @@ template <typename T> __device__ __forceinline__ void load_stage(Pack<T>& p, con
 template <typename T> __device__ __forceinline__ void store_stage(const Pack<T>& p, T* base, u64 i) {
     *reinterpret_cast<uint4*>(base + i) = *reinterpret_cast<const uint4*>(&p);
 }
+
+// Launch bounds. Every kernel runs 512 threads. With only a 512-thread bound, NVRTC 13 held
+// the collective kernels to 64 registers (two blocks per SM) and spilled the staged loops
+// to local memory (reduce_scatter, two-shot all_reduce, all_to_all: 48-80 bytes of stack;
+// cuobjdump --dump-resource-usage). A collective runs `cuda_blocks` blocks, fewer than the
+// SMs, one per SM, so it asks for one block per SM and keeps its loops in registers. The
+// send/recv kernels keep the plain bound (51-52 registers, no spill): up to 2 (L - 1) of
+// them run at once beside a collective, and two fit on an SM.
+#define COLLECTIVE_BOUNDS __launch_bounds__(512, 1)
 
 // ---------------------------------------------------------------------------------------
 // Per-block state and the barrier.
@@ -932,7 +947,7 @@ __device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64
         });
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank;
@@ -985,7 +1000,7 @@ __device__ __forceinline__ void bc_copy(const Args& a, u64 st, u64 per_step, u64
         [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_broadcast(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u64 n = a.count;
@@ -1010,7 +1025,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
 // other rank pushes its piece into its slot of the root's staging; barrier; the root
 // copies the slots into the output. Reuse: a rank writes parity p's slot again at step
 // s + 2, after barrier(s + 1), which needs the root's signal given after its copy of s.
-extern "C" __global__ void __launch_bounds__(512) rs_gather(const Args a) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -1057,7 +1072,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_gather(const Args a) {
 // copies its own piece into its output); barrier; the others copy it into their output.
 // Reuse as for broadcast: the root writes parity p again at step s + 2, after barrier(s + 1),
 // which needs every rank's signal given after its copy of step s.
-extern "C" __global__ void __launch_bounds__(512) rs_scatter(const Args a) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_scatter(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -1239,7 +1254,7 @@ __device__ __forceinline__ void a2a_copy(const A2aArgs& x, bool early, u64 st, u
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
     const Args& a = x.a;
     __shared__ BlockState s;
     __shared__ unsigned long long s_max;
@@ -1308,11 +1323,11 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
     // step 0 the early pairs' own slots, later the other parity), so the copy costs no
     // step time; the barrier's bar.sync joins both halves before the signal.
     const u32 half = blockDim.x / 2, t2 = t - (t < half ? 0 : half);
+    if (t >= half) a2a_copy(x, true, 0, 0, 0, par0, t2, blockDim.x - half);
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         if (t >= half) {
             if (st > 0) a2a_copy(x, false, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
-            else a2a_copy(x, true, 0, 0, 0, par0, t2, blockDim.x - half);
         } else {
             a2a_push(x, false, st, per_step, m, par, t2, half);
         }
@@ -1328,7 +1343,8 @@ extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)
 struct P2pArgs {
     Args a;
     u64 inbox_off;   // the inbox's offset in a block
-    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
+    u64 chunk;       // bytes per (sender, CUDA block, slot); a multiple of 256
+    u64 slots;       // slots per (sender, CUDA block): a power of two, 2..P2P_MAX_SLOTS
 };
 
 #define P2P_READY 0   // [block][sender] in the receiver's block
@@ -1339,13 +1355,13 @@ struct P2pArgs {
 __device__ __forceinline__ u32* p2p_word(u64 block_base, u32 area, u32 cuda_block, u32 j) {
     return reinterpret_cast<u32*>(block_base + P2P_OFF + area * 4096) + cuda_block * MAX_RANKS + j;
 }
-// The size the sender wrote for parity `par` (receiver's block).
-__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 par) {
-    return reinterpret_cast<u64*>(block_base + P2P_OFF + 4 * 4096) + (cuda_block * MAX_RANKS + sender) * 2 + par;
+// The size the sender wrote for slot `k` (receiver's block).
+__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 k) {
+    return reinterpret_cast<u64*>(block_base + P2P_SIZE_OFF) + (cuda_block * MAX_RANKS + sender) * P2P_MAX_SLOTS + k;
 }
-__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 par) {
+__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 k) {
     const u64 slot = (u64)slot_of(sender, receiver);
-    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
+    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * x.slots + k) * x.chunk;
 }
 
 // Warp 0 of a send/recv block signals, the other warps move data, so the slow part of a
@@ -1365,7 +1381,7 @@ __device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0
 extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
+    const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x, S = (u32)x.slots;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
@@ -1374,22 +1390,22 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     }
     __syncthreads();
     if (t < 32) {
-        // Step s may start once the receiver emptied its slot (ack >= q - 2).
+        // Step s may start once the receiver emptied its slot (ack >= q - S).
         auto open = [&](u64 st) {
             const u32 q = seq + (u32)st + 1;
-            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
+            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - S, r)) ok = 0;
             __syncwarp();
             bar_arrive(BAR_FREE);
         };
         open(0);
         if (!ok) return;  // fatal: counters are not saved
         for (u64 st = 0; st < steps; st++) {
-            const u32 q = seq + (u32)st + 1, par = q & 1;
+            const u32 q = seq + (u32)st + 1, k = q & (S - 1);
             bar_sync(BAR_DONE);
             const bool more = st + 1 < steps;
             if (more) open(st + 1);
             if (t == 0) {
-                *p2p_size(a.peer[r], b, me, par) = n;
+                *p2p_size(a.peer[r], b, me, k) = n;
                 // Publishes the chunk (DONE, cumulative) and the size.
                 st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
             }
@@ -1403,10 +1419,10 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 par = (seq + (u32)st + 1) & 1;
+        const u32 k = (seq + (u32)st + 1) & (S - 1);
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        u8* dst = p2p_slot(x, r, me, par);
+        u8* dst = p2p_slot(x, r, me, k);
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
@@ -1419,7 +1435,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
 extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
+    const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x, S = (u32)x.slots;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
@@ -1430,12 +1446,12 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     if (t < 32) {
         // Step s may be copied once the sender signalled it, with this rank's size.
         auto arrived = [&](u64 st) {
-            const u32 q = seq + (u32)st + 1, par = q & 1;
+            const u32 q = seq + (u32)st + 1, k = q & (S - 1);
             if (t == 0) {
                 if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
                     ok = 0;
                 } else {
-                    const u64 got = *p2p_size(a.peer[me], b, src, par);
+                    const u64 got = *p2p_size(a.peer[me], b, src, k);
                     if (got != n) {
                         volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
                         h[48] = got;
@@ -1469,10 +1485,10 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 par = (seq + (u32)st + 1) & 1;
+        const u32 k = (seq + (u32)st + 1) & (S - 1);
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        const u8* slot = p2p_slot(x, me, src, par);
+        const u8* slot = p2p_slot(x, me, src, k);
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },
@@ -1483,7 +1499,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
 }
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
-extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
+extern "C" __global__ void COLLECTIVE_BOUNDS rs_barrier(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u64 steps = 0;
@@ -1495,7 +1511,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
 // Entry points: rs_<algorithm>_<dtype>_<op>.
 
 #define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
-    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
+    extern "C" __global__ void COLLECTIVE_BOUNDS rs_##ALG##_##TN##_##ON(const Args a) {       \
         ALG<T, OP>(a);                                                                      \
     }
 

@@ -1,5 +1,6 @@
-"""Where an eager CUDA all_reduce spends its CPU time: wall time per call of each layer
-(torch.distributed, the ProcessGroup method, the Rust launch), 2 ranks, 1 KiB bf16.
+"""Where an eager CUDA all_reduce and all_to_all_single spend their CPU time: wall time per
+call of each layer (torch.distributed, the ProcessGroup method, the Rust launch), 2 ranks,
+1 KiB bf16.
 
     python3 scripts/gpu_cpu_cost.py
 """
@@ -38,6 +39,17 @@ def rank_main(rank, world, port, q):
         "dist.all_reduce(x, async_op=True).wait()": lambda: dist.all_reduce(x, async_op=True).wait(),
         "x.add_(0) (torch launch)": lambda: x.add_(0),
     }
+    o = torch.empty_like(x)
+    a2a_opts = dist.AllToAllOptions()
+    a2a_opts.asyncOp = False
+    half = x.nbytes // world
+    sp, sb, rp = [p, p + half], [half, half], [o.data_ptr(), o.data_ptr() + half]
+    cases.update({
+        "comm.cuda_all_to_all (Rust launch)": lambda: comm.cuda_all_to_all(sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(rank), False),
+        "pg.alltoall_base(o, x, [], [], opts)": lambda: pg.alltoall_base(o, x, [], [], a2a_opts),
+        "dist.all_to_all_single(o, x)": lambda: dist.all_to_all_single(o, x),
+        "dist.all_to_all_single(o, x, group=nccl)": lambda: dist.all_to_all_single(o, x, group=nccl),
+    })
     out = {}
     for name, fn in cases.items():
         for _ in range(50):
