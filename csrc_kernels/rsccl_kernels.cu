@@ -18,12 +18,10 @@
 //   [P2P_OFF, +32 KiB)        send/recv signals and counters (see "Point to point")
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
-//   [P2P_SIZE_OFF, +64 KiB)   send/recv message sizes: [CUDA block][sender][slot] u64,
-//                             written by the sender (see "Point to point")
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
-//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer, CUDA block and slot
-//                             (`slots` of them), `chunk` bytes (see "Point to point")
+//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
+//                             parity, `chunk` bytes (see "Point to point")
 //   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
 //                             host (rust/core/src/cuda/heap.rs), used in place
 // Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
@@ -80,14 +78,13 @@
 //   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
 //   of step s); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
-//   both agree without host round trips and under graph replay. Each (sender, block) has
-//   S = `slots` inbox slots (a power of two, 2..P2P_MAX_SLOTS); step q uses slot
-//   k = q & (S - 1) (q wraps at 2^32, a multiple of S). Step q:
-//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - S (the
-//               receiver has emptied slot k, last used by step q - S); the data warps copy
-//               the chunk into the receiver's inbox slot (sender, b, k); a block barrier;
-//               thread 0 stores the message size into size[b][sender][k] and issues
-//               st.release.sys of q into ready[b][sender] (both in the receiver's block).
+//   both agree without host round trips and under graph replay. Step q:
+//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
+//               receiver has emptied the inbox slot of parity q & 1, last used by step
+//               q - 2); the data warps copy the chunk into the receiver's inbox slot
+//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
+//               size[b][sender][q & 1] and issues st.release.sys of q into
+//               ready[b][sender] (both in the receiver's block).
 //     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
 //               >= q and checks the size; a block barrier; the data warps copy the slot
 //               out; a block barrier; thread 0 issues st.release.sys of q into
@@ -98,10 +95,9 @@
 //   system scope, and the following block barrier extends that to the data warps. The
 //   receiver's reads of a slot
 //   happen before its ack, which happens before the sender's next write of that slot.
-//   The first S steps of a message need no ack ("eager"): a send of at most S chunks per
+//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
 //   block completes without its receiver, as small NCCL sends do; a larger one waits for
-//   it (bounded by the timeout). More slots keep more chunks in flight per block, so a
-//   late signal stalls the sender less. A receiver that finds a size other than its own records a
+//   it (bounded by the timeout). A receiver that finds a size other than its own records a
 //   fatal error and poisons its peers: the sender's later waits stop too.
 // all_to_all (rs_all_to_all): before its first signal every rank writes its send and
 //   receive sizes into its own table (half = first barrier's epoch parity); after that
@@ -109,9 +105,7 @@
 //   pair that disagrees stops every rank, with the same report, counters in step) and
 //   agree on the largest chunk, which sets the step size. A rank rewrites a table half
 //   only at a first barrier two epochs later, after every peer passed the barrier after
-//   its reads. Chunks that fit one step ("early") are pushed with the table, before that
-//   barrier, like a staged kernel's first step; the receiver copies them out only after
-//   the check, so an all_to_all of small chunks takes one barrier (see rs_all_to_all).
+//   its reads.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -130,8 +124,6 @@ typedef long long i64;
 #define POISON_OFF (STATS_OFF + 256)
 #define P2P_OFF 131072
 #define A2A_OFF 163840
-#define P2P_SIZE_OFF 196608
-#define P2P_MAX_SLOTS 8
 #define STAGE_OFF 262144
 
 // Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
@@ -254,11 +246,11 @@ template <typename T> __device__ __forceinline__ void store_stage(const Pack<T>&
 
 // Launch bounds. Every kernel runs 512 threads. With only a 512-thread bound, NVRTC 13 held
 // the collective kernels to 64 registers (two blocks per SM) and spilled the staged loops
-// to local memory (reduce_scatter, two-shot all_reduce, all_to_all: 48-80 bytes of stack;
-// cuobjdump --dump-resource-usage). A collective runs `cuda_blocks` blocks, fewer than the
-// SMs, one per SM, so it asks for one block per SM and keeps its loops in registers. The
-// send/recv kernels keep the plain bound (51-52 registers, no spill): up to 2 (L - 1) of
-// them run at once beside a collective, and two fit on an SM.
+// to local memory (reduce_scatter, two-shot all_reduce: 48-80 bytes of stack; cuobjdump
+// --dump-resource-usage). A collective runs `cuda_blocks` blocks, fewer than the SMs, one
+// per SM, so it asks for one block per SM and keeps its loops in registers. The send/recv
+// kernels keep the plain bound (51-52 registers, no spill): up to 2 (L - 1) of them run at
+// once beside a collective, and two fit on an SM.
 #define COLLECTIVE_BOUNDS __launch_bounds__(512, 1)
 
 // ---------------------------------------------------------------------------------------
@@ -1157,29 +1149,14 @@ __device__ void reduce_root(const Args& a) {
 // ---------------------------------------------------------------------------------------
 // all_to_all (bytes; see "all_to_all" in the file comment). Rank me's chunk for peer j is
 // send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
-// Addresses are absolute, so the list form needs no flattening. Each ordered pair (i, j)
-// has its own slot in j's staging: `cap` bytes per CUDA block and parity at
-// slot_of(i, j) * cap, cap = the staging half split in world - 1.
-// Early pairs: a chunk of n <= cap * G bytes (G = grid) is pushed before the first barrier
-// (block b moves bytes [b * e, + e), e = n / G rounded up to 16), together with the
-// table; after that barrier every rank has checked every pair, and the receiver copies
-// the early chunks out. An all_to_all whose chunks are all early takes one barrier:
-//   push(early) + tables | barrier | copy(early)
-// Larger chunks go in steps as in all_gather: block b moves bytes [s * G * m + b * m, + m)
-// of every large chunk at step s, through the pair's slot, and copies what it received at
-// step s - 1 while step s's pushes travel (the early chunks are copied during step 0):
-//   push(early) + tables | barrier | push(0) copy(early) barrier | push(1) copy(0) barrier
-//   | ... | copy(last)
-// Both sides class a chunk as early from the same size (the check makes sender's and
-// receiver's sizes equal before anyone reads a slot), and a pair is early or large, never
-// both, so the early data and step 0 (same parity) never share a slot. If the sizes
-// disagree, nobody reads the slots and every rank reports the pair.
-// Reuse: a slot of parity p is rewritten at step s + 2, after a barrier that needs the
-// receiver's signal, given after its copy of step s. The early push of a kernel writes the
-// parity of step s - 2 (s = the kernel's first step): its data was copied out before the
-// receiver's barrier of step s - 1 (in its kernel, or at the end of the kernel whose last
-// step was s - 2, before its next kernel's first barrier), and this rank passed that
-// barrier before it started this kernel. Kernels that ran in place used no step.
+// Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:
+// block b moves bytes [s * G * m + b * m, + m) of every chunk at step s, through its slot
+// of the receiver's staging (world - 1 slots of m bytes), and copies the slots it received
+// at step s - 1 while step s's pushes travel:
+//   barrier(tables) | push(0) barrier | copy(0) push(1) barrier | ... | copy(last)
+// Reuse: as in all_gather (a slot of parity p is rewritten at step s + 2, after a barrier
+// that needs the receiver's signal given after its copy of step s); the first push of a
+// kernel follows the table barrier, which every peer passed after its previous kernel.
 struct A2aArgs {
     Args a;
     u64 send[MAX_RANKS];
@@ -1192,34 +1169,15 @@ __device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_bl
     return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
 }
 
-// Bytes per CUDA block and parity of one pair's slot (a multiple of 16).
-__device__ __forceinline__ u64 a2a_cap(const Args& a) {
-    return round_down(a.stage_per_block / (a.world > 1 ? a.world - 1 : 1), 16);
-}
-
-// This block's range [lo, hi) of a chunk of n bytes: early chunks (n <= cap * G) are split
-// evenly over the grid in one go (`early`); large ones go m bytes per block and step `st`.
-// False if the block has nothing of it (or the chunk is not of the kind asked for).
-__device__ __forceinline__ bool a2a_range(u64 n, u64 cap, bool early, u64 st, u64 per_step, u64 m, u64* lo, u64* hi) {
-    if ((n <= cap * gridDim.x) != early) return false;
-    const u64 e = early ? round_up((n + gridDim.x - 1) / gridDim.x, 16) : m;
-    *lo = (early ? 0 : st * per_step) + blockIdx.x * e;
-    if (*lo >= n) return false;
-    *hi = min64(*lo + e, n);
-    return true;
-}
-
-// Push this block's part (early chunks, or step `st` of the large ones) of every chunk:
-// into the receiver's slot, or straight to the output for this rank's own chunk.
-__device__ __forceinline__ void a2a_push(const A2aArgs& x, bool early, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
-    const u64 cap = a2a_cap(a);
     for (u32 j0 = 0; j0 < W; j0++) {
         const u32 j = (me + j0) % W;
         const u64 n = x.send_n[j];
-        u64 lo, hi;
-        if (!a2a_range(n, cap, early, st, per_step, m, &lo, &hi)) continue;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
         const u8* src = reinterpret_cast<const u8*>(x.send[j]);
         if (j == me) {
             u8* dst = reinterpret_cast<u8*>(x.recv[me]);
@@ -1227,7 +1185,7 @@ __device__ __forceinline__ void a2a_push(const A2aArgs& x, bool early, u64 st, u
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
         } else {
-            u8* dst = stage_of(a, j, par) + slot_of(me, j) * cap;
+            u8* dst = stage_of(a, j, par) + slot_of(me, j) * m;
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
                 [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
@@ -1235,18 +1193,17 @@ __device__ __forceinline__ void a2a_push(const A2aArgs& x, bool early, u64 st, u
     }
 }
 
-// Copy what this block received (early chunks, or step `st` of the large ones) out of its
-// slots to the outputs.
-__device__ __forceinline__ void a2a_copy(const A2aArgs& x, bool early, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const Args& a = x.a;
     const u32 W = a.world, me = a.rank;
-    const u64 cap = a2a_cap(a);
     const u8* mine = stage_of(a, me, par);
     for (u32 i0 = 1; i0 < W; i0++) {
         const u32 i = (me + i0) % W;
-        u64 lo, hi;
-        if (!a2a_range(x.recv_n[i], cap, early, st, per_step, m, &lo, &hi)) continue;
-        const u8* src = mine + slot_of(i, me) * cap;
+        const u64 n = x.recv_n[i];
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
+        const u8* src = mine + slot_of(i, me) * m;
         u8* dst = reinterpret_cast<u8*>(x.recv[i]);
         for_packs_by<u8>(
             lo, hi, tid, nt, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
@@ -1261,7 +1218,6 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
     __shared__ u32 s_bad;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, t = threadIdx.x;
-    const u32 par0 = s.step & 1;
     if (t < W) {
         u64* mine = a2a_table(a.peer[me], s.epoch + 1, blockIdx.x);
         mine[t] = x.send_n[t];
@@ -1271,23 +1227,19 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
         s_max = 0;
         s_bad = 0xffffffffu;
     }
-    a2a_push(x, true, 0, 0, 0, par0, t, blockDim.x);
-    // The barrier's first __syncthreads orders the table and early-chunk stores before
-    // the signal.
+    // The barrier's first __syncthreads orders the table stores before the signal.
     if (!barrier(a, &s)) {
         save_state(a, &s, 1);
         return;
     }
     // Every rank checks every pair (i sends to j what j expects from i) and finds the
-    // largest chunk that is not early; the lowest bad pair is reported, so every rank
-    // reports the same one.
-    const u64 early_max = a2a_cap(a) * gridDim.x;
+    // largest chunk; the lowest bad pair is reported, so every rank reports the same one.
     for (u32 k = t; k < W * W; k += blockDim.x) {
         const u32 i = k / W, j = k % W;
         const u64 sent = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
         const u64 expected = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
         if (sent != expected) atomicMin(&s_bad, k);
-        if (sent > early_max) atomicMax(&s_max, (unsigned long long)sent);
+        atomicMax(&s_max, (unsigned long long)sent);
     }
     __syncthreads();
     if (s_bad != 0xffffffffu) {
@@ -1305,35 +1257,27 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
         save_state(a, &s, 1);
         return;
     }
-    u64 total = 0;
-    for (u32 j = 0; j < W; j++) total += x.send_n[j];
-    note_call(a, total, 2);
     const u64 biggest = s_max;
-    if (biggest == 0) {
-        // Every chunk was early: one step (parity par0), one barrier.
-        a2a_copy(x, true, 0, 0, 0, par0, t, blockDim.x);
-        save_state(a, &s, 1);
-        return;
-    }
     const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, biggest);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(biggest, per_step);
+    u64 total = 0;
+    for (u32 j = 0; j < W; j++) total += x.send_n[j];
+    note_call(a, total, 2);
     // Each step, half the threads push step st over NVLink while the other half copy
-    // step st - 1 (the early chunks at step 0) out of local staging (different slots: at
-    // step 0 the early pairs' own slots, later the other parity), so the copy costs no
-    // step time; the barrier's bar.sync joins both halves before the signal.
+    // step st - 1 out of local staging (different slots: parities differ), so the copy
+    // costs no step time; the barrier's bar.sync joins both halves before the signal.
     const u32 half = blockDim.x / 2, t2 = t - (t < half ? 0 : half);
-    if (t >= half) a2a_copy(x, true, 0, 0, 0, par0, t2, blockDim.x - half);
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         if (t >= half) {
-            if (st > 0) a2a_copy(x, false, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
+            if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
         } else {
-            a2a_push(x, false, st, per_step, m, par, t2, half);
+            a2a_push(x, st, per_step, m, par, t2, half);
         }
         BARRIER_OR_RETURN(a, s, steps)
     }
-    a2a_copy(x, false, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
+    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
     save_state(a, &s, steps);
 }
 
@@ -1343,8 +1287,7 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
 struct P2pArgs {
     Args a;
     u64 inbox_off;   // the inbox's offset in a block
-    u64 chunk;       // bytes per (sender, CUDA block, slot); a multiple of 256
-    u64 slots;       // slots per (sender, CUDA block): a power of two, 2..P2P_MAX_SLOTS
+    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
 };
 
 #define P2P_READY 0   // [block][sender] in the receiver's block
@@ -1355,13 +1298,13 @@ struct P2pArgs {
 __device__ __forceinline__ u32* p2p_word(u64 block_base, u32 area, u32 cuda_block, u32 j) {
     return reinterpret_cast<u32*>(block_base + P2P_OFF + area * 4096) + cuda_block * MAX_RANKS + j;
 }
-// The size the sender wrote for slot `k` (receiver's block).
-__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 k) {
-    return reinterpret_cast<u64*>(block_base + P2P_SIZE_OFF) + (cuda_block * MAX_RANKS + sender) * P2P_MAX_SLOTS + k;
+// The size the sender wrote for parity `par` (receiver's block).
+__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 par) {
+    return reinterpret_cast<u64*>(block_base + P2P_OFF + 4 * 4096) + (cuda_block * MAX_RANKS + sender) * 2 + par;
 }
-__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 k) {
+__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 par) {
     const u64 slot = (u64)slot_of(sender, receiver);
-    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * x.slots + k) * x.chunk;
+    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
 }
 
 // Warp 0 of a send/recv block signals, the other warps move data, so the slow part of a
@@ -1381,7 +1324,7 @@ __device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0
 extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x, S = (u32)x.slots;
+    const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
@@ -1390,22 +1333,22 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     }
     __syncthreads();
     if (t < 32) {
-        // Step s may start once the receiver emptied its slot (ack >= q - S).
+        // Step s may start once the receiver emptied its slot (ack >= q - 2).
         auto open = [&](u64 st) {
             const u32 q = seq + (u32)st + 1;
-            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - S, r)) ok = 0;
+            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
             __syncwarp();
             bar_arrive(BAR_FREE);
         };
         open(0);
         if (!ok) return;  // fatal: counters are not saved
         for (u64 st = 0; st < steps; st++) {
-            const u32 q = seq + (u32)st + 1, k = q & (S - 1);
+            const u32 q = seq + (u32)st + 1, par = q & 1;
             bar_sync(BAR_DONE);
             const bool more = st + 1 < steps;
             if (more) open(st + 1);
             if (t == 0) {
-                *p2p_size(a.peer[r], b, me, k) = n;
+                *p2p_size(a.peer[r], b, me, par) = n;
                 // Publishes the chunk (DONE, cumulative) and the size.
                 st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
             }
@@ -1419,10 +1362,10 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 k = (seq + (u32)st + 1) & (S - 1);
+        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        u8* dst = p2p_slot(x, r, me, k);
+        u8* dst = p2p_slot(x, r, me, par);
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
@@ -1435,7 +1378,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
 extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
-    const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x, S = (u32)x.slots;
+    const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
     const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
@@ -1446,12 +1389,12 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     if (t < 32) {
         // Step s may be copied once the sender signalled it, with this rank's size.
         auto arrived = [&](u64 st) {
-            const u32 q = seq + (u32)st + 1, k = q & (S - 1);
+            const u32 q = seq + (u32)st + 1, par = q & 1;
             if (t == 0) {
                 if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
                     ok = 0;
                 } else {
-                    const u64 got = *p2p_size(a.peer[me], b, src, k);
+                    const u64 got = *p2p_size(a.peer[me], b, src, par);
                     if (got != n) {
                         volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
                         h[48] = got;
@@ -1485,10 +1428,10 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 k = (seq + (u32)st + 1) & (S - 1);
+        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        const u8* slot = p2p_slot(x, me, src, k);
+        const u8* slot = p2p_slot(x, me, src, par);
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },

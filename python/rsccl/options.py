@@ -42,8 +42,6 @@ class Options:
     cuda_p2p_bytes: int | str | None = None
     #: CUDA blocks of each send/recv kernel; RSCCL_CUDA_P2P_BLOCKS.
     cuda_p2p_blocks: int | None = None
-    #: Inbox slots per (peer, CUDA block) of send/recv: 2, 4 or 8; RSCCL_CUDA_P2P_SLOTS.
-    cuda_p2p_slots: int | None = None
     #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
     nccl_max_ctas: int | None = None
     #: CUDA all_reduce/all_gather/reduce_scatter size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.

@@ -153,7 +153,7 @@ pub const SETTINGS: &[Setting] = &[
         help: "device memory per rank for CUDA send/recv: an inbox split among the local peers \
                (per peer, CUDA block and two parities), mapped by every local rank; messages \
                are pipelined through it; a sender runs at most two chunks per block ahead of its \
-               receiver per slot (cuda_p2p_slots)",
+               receiver (one message of up to cuda_p2p_bytes / (local ranks - 1))",
     },
     Setting {
         field: "cuda_p2p_blocks",
@@ -164,16 +164,6 @@ pub const SETTINGS: &[Setting] = &[
         is_size: false,
         help: "CUDA blocks (of 512 threads) of every send/recv kernel; each (peer, direction) \
                runs on its own stream, so several run at once",
-    },
-    Setting {
-        field: "cuda_p2p_slots",
-        env: "RSCCL_CUDA_P2P_SLOTS",
-        default: 2,
-        min: 2,
-        max: 8,
-        is_size: false,
-        help: "inbox slots per (peer, CUDA block) of CUDA send/recv, a power of two: how many \
-               chunks a sender may have in flight per block before its receiver empties one",
     },
     Setting {
         field: "cuda_warmup",
@@ -260,7 +250,6 @@ pub struct Config {
     pub cuda_inplace_min_bytes: usize,
     pub cuda_p2p_bytes: usize,
     pub cuda_p2p_blocks: u32,
-    pub cuda_p2p_slots: u32,
     /// None: NCCL's default (the setting's 0).
     pub nccl_max_ctas: Option<i32>,
     pub nccl_hierarchical_min_bytes: u64,
@@ -356,7 +345,6 @@ impl Config {
             cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
             cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
             cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
-            cuda_p2p_slots: v("cuda_p2p_slots") as u32,
             nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
             nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),
             nccl_hierarchical_scratch_bytes: v("nccl_hierarchical_scratch_bytes"),
@@ -388,7 +376,6 @@ impl Config {
             // The inbox layout (peer slots x blocks x chunk) must be the same on every rank.
             ("cuda_p2p_bytes", self.cuda_p2p_bytes as u64),
             ("cuda_p2p_blocks", self.cuda_p2p_blocks as u64),
-            ("cuda_p2p_slots", self.cuda_p2p_slots as u64),
             // Communicators must be created alike, and every rank must take the same path
             // (flat or hierarchical) for the same call.
             ("nccl_max_ctas", self.nccl_max_ctas.unwrap_or(0) as u64),

@@ -72,7 +72,6 @@ struct P2pArgs {
     a: Args,
     inbox_off: u64,
     chunk: u64,
-    slots: u64,
 }
 
 const ERR_TIMEOUT: u32 = 1;
@@ -92,19 +91,15 @@ pub struct AllToAll {
     pub recv_bytes: Vec<u64>,
 }
 
-/// The bytes per (peer, CUDA block, slot) of the send/recv inbox (see "Point to point" in
-/// the kernel source), or why the settings leave too little or name a bad slot count.
-pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32, slots: u32) -> Result<usize> {
-    if !slots.is_power_of_two() || !(2..=8).contains(&slots) {
-        return Err(Error::Config(format!("cuda_p2p_slots = {slots}: must be 2, 4 or 8 (a power of two)")));
-    }
-    let peers = local_ranks.saturating_sub(1).max(1);
-    let chunk = (p2p_bytes / (peers * slots as usize * blocks as usize)) & !255;
+/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (see "Point to
+/// point" in the kernel source), or why the settings leave too little.
+pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
+    let slots = local_ranks.saturating_sub(1).max(1);
+    let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;
     if chunk < 4096 {
         return Err(Error::Config(format!(
-            "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {peers} peers x \
-             cuda_p2p_blocks = {blocks} x cuda_p2p_slots = {slots}: raise cuda_p2p_bytes or lower \
-             cuda_p2p_blocks or cuda_p2p_slots"
+            "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {slots} peers x \
+             cuda_p2p_blocks = {blocks} x 2: raise cuda_p2p_bytes or lower cuda_p2p_blocks"
         )));
     }
     Ok(chunk)
@@ -426,7 +421,6 @@ pub struct CudaEngine {
     p2p_streams: Vec<CUstream>,
     inbox_off: u64,
     chunk: u64,
-    p2p_slots: u64,
     p2p_blocks: u32,
     p2p_bytes: usize,
 }
@@ -581,7 +575,7 @@ impl CudaEngine {
         let kernels = Kernels::load(&dev)?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
         // send/recv inbox (cuda_p2p_bytes), then the pool.
-        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, cfg.cuda_p2p_blocks, cfg.cuda_p2p_slots)?;
+        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, cfg.cuda_p2p_blocks)?;
         let inbox_off = cfg.cuda_buffer_bytes.div_ceil(4096) * 4096;
         let pool = Arc::new(SymmetricPool::create(
             dev.clone(),
@@ -703,7 +697,6 @@ impl CudaEngine {
             p2p_streams,
             inbox_off: inbox_off as u64,
             chunk: chunk as u64,
-            p2p_slots: cfg.cuda_p2p_slots as u64,
             p2p_blocks: cfg.cuda_p2p_blocks,
             p2p_bytes: cfg.cuda_p2p_bytes,
         });
@@ -916,7 +909,7 @@ impl CudaEngine {
         }
         self.fatal()?;
         let kind = if send { CudaKind::Send } else { CudaKind::Recv };
-        let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk, slots: self.p2p_slots };
+        let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
         if send {
             x.a.inp = ptr;
         } else {
@@ -1354,10 +1347,9 @@ mod tests {
         assert!(src.contains(&format!("#define STAGE_OFF {STAGE_OFF}")) && src.contains(&format!("#define STATS_OFF {STATS_OFF}")));
         // The all_to_all and send/recv blocks: Args then their own fields.
         assert_eq!(std::mem::size_of::<A2aArgs>(), std::mem::size_of::<Args>() + 4 * MAX_RANKS * 8);
-        assert_eq!(std::mem::size_of::<P2pArgs>(), std::mem::size_of::<Args>() + 24);
+        assert_eq!(std::mem::size_of::<P2pArgs>(), std::mem::size_of::<Args>() + 16);
         assert!(src.contains("struct A2aArgs {\n    Args a;\n    u64 send[MAX_RANKS];\n    u64 send_n[MAX_RANKS];\n    u64 recv[MAX_RANKS];\n    u64 recv_n[MAX_RANKS];"));
         assert!(src.contains("struct P2pArgs {\n    Args a;\n    u64 inbox_off;"));
-        assert!(src.contains("    u64 chunk;       // bytes per (sender, CUDA block, slot); a multiple of 256\n    u64 slots;"));
     }
 
     #[test]
@@ -1375,9 +1367,8 @@ mod tests {
             (STATS_OFF, 256 + 4),
             (def("CTR_OFF"), max_blocks * 8),
             (def("DESC_OFF"), 2 * max_blocks * max_ranks * def("DESC_WORDS") * 8),
-            (def("P2P_OFF"), 4 * 4096),
+            (def("P2P_OFF"), 4 * 4096 + max_blocks * max_ranks * 2 * 8),
             (def("A2A_OFF"), 2 * max_blocks * 2 * max_ranks * 8),
-            (def("P2P_SIZE_OFF"), max_blocks * max_ranks * def("P2P_MAX_SLOTS") * 8),
         ];
         for w in areas.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{:?} overlaps {:?}", w[0], w[1]);
@@ -1389,20 +1380,13 @@ mod tests {
 
     #[test]
     fn p2p_inbox_split() {
-        // 16 MiB among 3 peers x 32 blocks x 2 slots: 87296 bytes (a 256 multiple).
-        assert_eq!(p2p_chunk(16 << 20, 4, 32, 2).unwrap(), (16 << 20) / (3 * 64) & !255);
-        assert!(p2p_chunk(16 << 20, 4, 32, 2).unwrap() * 3 * 64 <= 16 << 20);
-        for slots in [2, 4, 8] {
-            assert!(p2p_chunk(64 << 20, 8, 32, slots).unwrap() * 7 * 32 * slots as usize <= 64 << 20);
-        }
-        // One rank: one peer slot, never divided by zero.
-        assert!(p2p_chunk(1 << 20, 1, 1, 2).is_ok());
-        let e = p2p_chunk(1 << 20, 16, 64, 2).unwrap_err().to_string();
+        // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
+        assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), (16 << 20) / (3 * 64) & !255);
+        assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
+        // One rank: one slot, never divided by zero.
+        assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
+        let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
         assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
-        for slots in [0, 1, 3, 6, 16] {
-            let e = p2p_chunk(16 << 20, 2, 8, slots).unwrap_err().to_string();
-            assert!(e.contains("cuda_p2p_slots"), "{e}");
-        }
     }
 
     #[test]
