@@ -359,6 +359,13 @@ struct Ordering_ {
     /// stream, a stream like any other here).
     last_stream: Option<u64>,
     free_events: Vec<CUevent>,
+    /// Recorded right after every collective launch that is not being captured into a
+    /// graph: complete once every collective queued so far has finished (each is ordered
+    /// after the previous one), whatever else the streams hold after them. send/recv
+    /// kernels, on their own streams, are not behind it. None before the first launch.
+    collectives_end: Option<CUevent>,
+    /// The event `collectives_end` is recorded into (owned; destroyed in Drop).
+    end_event: CUevent,
 }
 
 /// Counters reported by memory_stats.
@@ -596,7 +603,8 @@ impl CudaEngine {
         let _ctx = dev.bind()?;
         let words = HostWords::new()?;
         let mut free_events = Vec::new();
-        for _ in 0..8 {
+        // One more than the pool of 8: the last becomes `Ordering_::end_event`.
+        for _ in 0..9 {
             match new_event() {
                 Ok(e) => free_events.push(e),
                 Err(err) => {
@@ -676,6 +684,8 @@ impl CudaEngine {
             n - 1
         );
         let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
+        // From here the engine owns the events (Drop destroys them, end_event included).
+        let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
@@ -685,7 +695,7 @@ impl CudaEngine {
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
-            order: Mutex::new(Ordering_ { last_stream: None, free_events }),
+            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: None, end_event }),
             base,
             blocks: cfg.cuda_blocks,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
@@ -830,12 +840,13 @@ impl CudaEngine {
         let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
         let me = self.local_ranks[self.pool.me];
         // Counters stayed in step: report once and keep the group usable. Every block of
-        // the mismatched kernel may write the code: wait for the kernels queued so far
+        // the mismatched kernel may write the code: wait for the collectives queued so far
         // before clearing it, so it is reported once; a timeout or abort found meanwhile
-        // is in its own word and wins.
-        let _ctx = self.sh.dev.bind()?;
-        // SAFETY: plain synchronization of this device's context.
-        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+        // is in its own word and wins. Only the collectives: send/recv kernels (which never
+        // write this word) may wait up to the group timeout for their partner on their own
+        // streams, and so may the caller's stream behind a blocking send; a device-wide
+        // synchronization would wait for them too.
+        self.wait_collectives()?;
         self.fatal()?;
         self.sh.words.write(HostWords::ERR, 0);
         if code >> 16 == ERR_A2A {
@@ -854,6 +865,41 @@ impl CudaEngine {
         Err(Error::Mismatch(format!(
             "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
         )))
+    }
+
+    /// Wait until every collective kernel launched so far has finished (the event recorded
+    /// after the last launch; each launch is ordered after the previous one), at most the
+    /// group timeout and a second: the kernels bound their own waits by the timeout, so a
+    /// longer wait means something else is wrong, which `fatal` then reports, if the
+    /// kernels did. Another thread's launch may re-record the event meanwhile: the wait
+    /// then also covers that later collective, which is bounded the same way.
+    fn wait_collectives(&self) -> Result<()> {
+        let _ctx = self.sh.dev.bind()?;
+        let ev = {
+            let o = self.order.lock();
+            // The last launch is being captured (so the mismatch came from a kernel that ran
+            // before the capture began, and torch synchronized the device then): nothing to
+            // wait for, and querying an event is not allowed during a global-mode capture.
+            if o.last_stream.is_some_and(|l| is_capturing(l).unwrap_or(true)) {
+                return Ok(());
+            }
+            o.collectives_end
+        };
+        let Some(ev) = ev else { return Ok(()) };
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: our own event, alive until Drop (which `&self` outlives).
+            match unsafe { cu::cuEventQuery(ev) } {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_micros(500));
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY => return Ok(()),
+                e => return check(e, "cuEventQuery (end of collectives)"),
+            }
+        }
     }
 
     /// (this rank's, `peer`'s) descriptor of a mismatched call, as the kernel stored them
@@ -1062,6 +1108,16 @@ impl CudaEngine {
         )?;
         o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
+        // Mark the end of the collectives queued so far (health waits on it). Not while
+        // capturing: a captured record cannot be queried, and a captured kernel runs only
+        // at replay; the event then keeps marking the last launch that really ran (torch
+        // synchronizes the device before a capture begins). An error here (the legacy
+        // stream during a global-mode capture) counts as capturing.
+        if !is_capturing(target).unwrap_or(true) {
+            // SAFETY: our own event and a live stream of this context.
+            check(unsafe { cu::cuEventRecord(o.end_event, target as CUstream) }, "cuEventRecord (end of collectives)")?;
+            o.collectives_end = Some(o.end_event);
+        }
         if target == caller {
             return Ok(None);
         }
@@ -1262,9 +1318,11 @@ impl Drop for CudaEngine {
         // are ours. The pool and module are released after this, by their own Drop.
         unsafe {
             cu::cuStreamSynchronize(self.internal);
-            for ev in self.order.get_mut().free_events.drain(..) {
+            let o = self.order.get_mut();
+            for ev in o.free_events.drain(..) {
                 cu::cuEventDestroy_v2(ev);
             }
+            cu::cuEventDestroy_v2(o.end_event);
             cu::cuStreamDestroy_v2(self.internal);
             for &st in self.p2p_streams.iter().filter(|s| !s.is_null()) {
                 cu::cuStreamSynchronize(st);
