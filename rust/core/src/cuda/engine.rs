@@ -105,6 +105,72 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
     Ok(chunk)
 }
 
+/// Blocks of each send/recv kernel such that all of them that one rank may have running
+/// at once, one per (peer, direction), 2 x (local ranks - 1), fit on the GPU together with
+/// one collective kernel (`collective_blocks`): `sms` SMs, each holding `per_sm` blocks of
+/// any of these kernels (the least any of them allows, so any mix of that many fits). At
+/// most `setting`; 0 when not even one block each fits. A pure function (tested without a
+/// GPU).
+///
+/// Why all at once: a send waits for its receiver's kernel, which may sit behind that
+/// rank's other send/recv kernels; if those hold every SM while they wait for peers in
+/// turn, nothing moves until the timeout. With every kernel resident, each one makes
+/// progress whenever its partner does, so no cycle of waits can form from a lack of SMs.
+/// (Other work on the GPU, e.g. the caller's compute kernels, only delays ours: it ends by
+/// itself and frees its SMs.)
+pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, per_sm: u32, collective_blocks: u32) -> u32 {
+    let kernels = 2 * local_ranks.saturating_sub(1) as u64;
+    if kernels == 0 {
+        return setting; // no peer: send/recv never run
+    }
+    let slots = sms as u64 * per_sm as u64;
+    (slots.saturating_sub(collective_blocks as u64) / kernels).min(setting as u64) as u32
+}
+
+/// The send/recv grid every local rank uses (`p2p_blocks_that_fit` on each rank's GPU,
+/// the least of them: the sender's and receiver's kernels must split messages alike), or
+/// an error on every rank alike when some GPU cannot hold even one block per kernel.
+fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, deadline: Instant) -> Result<u32> {
+    let n = mesh.size();
+    let (sms, per_sm) = {
+        let _ctx = dev.bind()?;
+        let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
+        (sms, Kernels::min_blocks_per_sm(kernels.collectives().chain([kernels.send, kernels.recv]))?)
+    };
+    let fit = p2p_blocks_that_fit(cfg.cuda_p2p_blocks, n, sms, per_sm, cfg.cuda_blocks);
+    let mut msg = [0u8; 64];
+    msg[..4].copy_from_slice(b"RSP1");
+    for (k, v) in [fit, sms, per_sm].into_iter().enumerate() {
+        msg[4 + 4 * k..8 + 4 * k].copy_from_slice(&v.to_le_bytes());
+    }
+    let got = mesh.all_gather(&msg, None, deadline)?;
+    let word = |m: &[u8; 64], k: usize| u32::from_le_bytes(m[4 + 4 * k..8 + 4 * k].try_into().unwrap_or_default());
+    let (j, least) = got.iter().enumerate().map(|(j, (m, _))| (j, word(m, 0))).min_by_key(|&(_, f)| f).unwrap_or((0, fit));
+    if least == 0 {
+        let m = &got[j].0;
+        return Err(Error::Config(format!(
+            "the GPU of rank {} ({} SMs, {} blocks of rsccl's kernels per SM) cannot hold one collective kernel \
+             (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
+             at once, which send/recv need to never wait on a kernel that cannot start: lower cuda_blocks",
+            local_ranks.get(j).copied().unwrap_or(j),
+            word(m, 1),
+            word(m, 2),
+            cfg.cuda_blocks,
+            2 * (n - 1)
+        )));
+    }
+    if least < cfg.cuda_p2p_blocks {
+        tracing::info!(
+            setting = cfg.cuda_p2p_blocks,
+            effective = least,
+            "rsccl: send/recv kernels use {least} blocks, not cuda_p2p_blocks = {}, so that all {} of them and a collective fit on the GPU at once",
+            cfg.cuda_p2p_blocks,
+            2 * (n - 1)
+        );
+    }
+    Ok(least)
+}
+
 /// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
 /// broadcast, which move bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -385,6 +451,9 @@ pub struct CudaStats {
     pub inplace_bytes: u64,
     pub staged_collectives: u64,
     pub staged_bytes: u64,
+    /// Blocks of each send/recv kernel: cuda_p2p_blocks, or fewer where the GPU could not
+    /// hold them all at once (`p2p_blocks_that_fit`).
+    pub p2p_blocks: u32,
 }
 
 struct Shared {
@@ -580,9 +649,11 @@ impl CudaEngine {
             }
         }
         let kernels = Kernels::load(&dev)?;
+        let p2p_blocks = agree_p2p_blocks(&dev, &kernels, &mesh, &local_ranks, cfg, deadline)?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
-        // send/recv inbox (cuda_p2p_bytes), then the pool.
-        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, cfg.cuda_p2p_blocks)?;
+        // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
+        // the pool.
+        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, p2p_blocks)?;
         let inbox_off = cfg.cuda_buffer_bytes.div_ceil(4096) * 4096;
         let pool = Arc::new(SymmetricPool::create(
             dev.clone(),
@@ -707,7 +778,7 @@ impl CudaEngine {
             p2p_streams,
             inbox_off: inbox_off as u64,
             chunk: chunk as u64,
-            p2p_blocks: cfg.cuda_p2p_blocks,
+            p2p_blocks,
             p2p_bytes: cfg.cuda_p2p_bytes,
         });
         drop(_ctx);
@@ -1231,6 +1302,7 @@ impl CudaEngine {
             inplace_bytes: inplace_b,
             staged_collectives: total_n.saturating_sub(inplace_n),
             staged_bytes: total_b.saturating_sub(inplace_b),
+            p2p_blocks: self.p2p_blocks,
         }
     }
 
@@ -1445,6 +1517,33 @@ mod tests {
         assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
         let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
         assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
+    }
+
+    #[test]
+    fn p2p_grid_fits_beside_a_collective() {
+        // H200: 132 SMs, 2 blocks of 512 threads per SM (about 52 registers each), a
+        // collective of 64 blocks: 200 slots left for 2 x (L - 1) send/recv kernels.
+        assert_eq!(p2p_blocks_that_fit(32, 2, 132, 2, 64), 32, "2 kernels: the setting fits");
+        assert_eq!(p2p_blocks_that_fit(32, 4, 132, 2, 64), 32, "6 x 32 = 192 <= 200");
+        assert_eq!(p2p_blocks_that_fit(64, 4, 132, 2, 64), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
+        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 2, 64), 14, "14 kernels x 14 = 196 <= 200");
+        assert_eq!(p2p_blocks_that_fit(32, 16, 132, 2, 64), 6, "30 x 6 = 180");
+        for (setting, l, sms, per_sm, coll) in [(32, 8, 132, 2, 64), (64, 4, 132, 2, 64), (7, 5, 20, 3, 17), (64, 16, 132, 1, 64)] {
+            let b = p2p_blocks_that_fit(setting, l, sms, per_sm, coll);
+            assert!(b <= setting);
+            assert!(2 * (l as u32 - 1) * b + coll <= sms * per_sm, "{setting} {l} {sms} {per_sm} {coll}: {b}");
+            assert!(2 * (l as u32 - 1) * (b + 1) + coll > sms * per_sm || b == setting, "the most that fit");
+        }
+        // Nothing fits: 0 (creation fails with a message), never a wrap-around.
+        assert_eq!(p2p_blocks_that_fit(32, 8, 16, 2, 64), 0);
+        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 0, 64), 0, "a kernel that cannot run at all");
+        assert_eq!(p2p_blocks_that_fit(32, 16, 16, 2, 8), 0, "30 kernels on 32 slots beside 8");
+        // One rank: no send/recv, the setting stands.
+        assert_eq!(p2p_blocks_that_fit(32, 1, 1, 1, 64), 32);
+        // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
+        let (eff, set) = (p2p_blocks_that_fit(64, 4, 132, 2, 64), 64);
+        let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
+        assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
     }
 
     #[test]
