@@ -564,7 +564,7 @@ impl NcclEngine {
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, topo.rank, topo.size, cfg.nccl_max_ctas, &names[0])?;
-            warm_up(&comm, internal, warm, scratch, deadline)?;
+            warm_up(&comm, internal, warm, scratch, true, deadline)?;
             (comm, before.saturating_sub(free_bytes()?))
         };
         let hier = || -> Result<(Arc<CudaEngine>, NcclComm, u64)> {
@@ -576,7 +576,8 @@ impl NcclEngine {
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, host, hosts, cfg.nccl_max_ctas, &names[1])?;
-            warm_up(&comm, internal, warm, scratch, deadline)?;
+            // The cross communicators run collectives only (no send/recv).
+            warm_up(&comm, internal, warm, scratch, false, deadline)?;
             let bytes = before.saturating_sub(free_bytes()?);
             Ok((local, comm, bytes))
         };
@@ -1208,11 +1209,12 @@ fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
     r
 }
 
-/// The collectives a communicator will run, once each at a small and a large size, on the
-/// internal stream, then wait (at most until `deadline`): NCCL connects peers and
-/// allocates the buffers of each algorithm and protocol at their first use, so this moves
-/// that to group creation. `warm` holds WARM_BYTES, `scratch` SCRATCH_BYTES.
-fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline: Instant) -> Result<()> {
+/// The collectives a communicator will run, once each at a small and a large size, and
+/// (`p2p`) sends and receives with every rank, on the internal stream, then wait (at most
+/// until `deadline`): NCCL connects peers and allocates the buffers of each algorithm and
+/// protocol at their first use, so this moves that to group creation. `warm` holds
+/// WARM_BYTES, `scratch` SCRATCH_BYTES.
+fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, p2p: bool, deadline: Instant) -> Result<()> {
     let f = comm.fns();
     let raw = comm.raw();
     let s = stream as nc::cudaStream_t;
@@ -1239,6 +1241,15 @@ fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline:
     };
     for (what, r) in calls {
         comm.check(r, &format!("NCCL {what} (warm-up at group creation)"))?;
+    }
+    // gather, scatter and all_to_all (flat communicator only: `p2p`) are NCCL groups of
+    // sends and receives, whose point-to-point connections NCCL makes (and whose buffers
+    // it allocates) at the first send or receive with each peer: one group with a send to
+    // and a receive from every rank, this one included (as all_to_all and the rooted calls
+    // do), connects them all now, once with a tiny message and once with a larger one
+    // (NCCL picks its protocol by size).
+    for per_peer in [1usize, p2p_warm_bytes(n)].into_iter().filter(|_| p2p) {
+        comm.check(warm_p2p(comm, stream, warm, per_peer), "NCCL send/recv (warm-up at group creation)")?;
     }
     let ev = new_event()?;
     // SAFETY: valid event and stream.
@@ -1278,6 +1289,52 @@ fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline:
     result
 }
 
+/// Bytes per peer of the larger point-to-point warm-up: the sends read the first half of
+/// the warm buffer, the receives write the second, `n` pieces each, in 256-byte units
+/// (at least 1 byte, for very large groups).
+pub fn p2p_warm_bytes(n: usize) -> usize {
+    ((WARM_BYTES / 2 / n.max(1)) & !255).max(1)
+}
+
+/// One NCCL group of a `per_peer`-byte send to and receive from every rank of `comm` (self
+/// included), on `stream`: sends from the first half of `warm`, receives into the second.
+fn warm_p2p(comm: &NcclComm, stream: CUstream, warm: u64, per_peer: usize) -> nc::ncclResult_t {
+    let (f, raw, s) = (comm.fns(), comm.raw(), stream as nc::cudaStream_t);
+    let u8_ = nc::ncclDataType_t::ncclUint8;
+    let ok = nc::ncclResult_t::ncclSuccess;
+    let half = (WARM_BYTES / 2) as u64;
+    // SAFETY: a live communicator and stream; every piece lies in its half of the warm
+    // buffer: at + per_peer <= half, since per_peer x nranks <= half when per_peer comes
+    // from p2p_warm_bytes(nranks) (or per_peer = 1 and at < half). Pieces of 1 byte may
+    // coincide in very large groups: the warm-up's data is never read.
+    let mut r = unsafe { (f.group_start)() };
+    if r != ok {
+        return r;
+    }
+    for peer in 0..comm.nranks {
+        let at = (peer * per_peer) as u64 % half;
+        // SAFETY: as above.
+        let (a, b) = unsafe {
+            (
+                (f.send)((warm + at) as *const c_void, per_peer, u8_, peer as i32, raw, s),
+                (f.recv)((warm + half + at) as *mut c_void, per_peer, u8_, peer as i32, raw, s),
+            )
+        };
+        for x in [a, b] {
+            if r == ok {
+                r = x;
+            }
+        }
+    }
+    // SAFETY: closes the group opened above, whatever happened inside it.
+    let end = unsafe { (f.group_end)() };
+    if r == ok {
+        end
+    } else {
+        r
+    }
+}
+
 fn watchdog(sh: Arc<Shared>) {
     let Ok(_ctx) = sh.dev.bind() else { return };
     let mut aborted = false;
@@ -1302,6 +1359,17 @@ fn watchdog(sh: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn p2p_warm_up_pieces_fit_their_half_of_the_warm_buffer() {
+        for n in [1usize, 2, 3, 4, 7, 16, 1000, 16 << 10, 1 << 20] {
+            let b = p2p_warm_bytes(n);
+            assert!(b >= 1);
+            assert!(b * n <= WARM_BYTES / 2 || b == 1, "{n} ranks x {b} bytes");
+            assert!(b == 1 || b % 256 == 0);
+        }
+        assert_eq!(p2p_warm_bytes(4), 1 << 20);
+    }
 
     #[test]
     fn store_keys_are_unique_per_creation_and_communicator() {
