@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
 use super::heap::Heap;
-use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, STAGE_OFF, STATS_OFF, THREADS};
+use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF, STAGE_OFF, STATS_OFF, THREADS};
 use super::pool::SymmetricPool;
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
@@ -376,6 +376,9 @@ impl HostWords {
     const ABORT: usize = 512;
     /// u64 index of 4 words the collective counters are copied into (bytes 3072..3104).
     const COUNTS: usize = 384;
+    /// u32 index of 1 + this rank's local index, the value copied into peers' poison words
+    /// (bytes 3200..3204).
+    const POISON_SRC: usize = 800;
 
     fn new() -> Result<HostWords> {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -405,6 +408,12 @@ impl HostWords {
     fn counts_ptr(&self) -> *mut std::ffi::c_void {
         // SAFETY: COUNTS + 4 u64 = 3104 bytes, inside the 4 KiB page.
         unsafe { (self.host as *mut u64).add(Self::COUNTS) as *mut std::ffi::c_void }
+    }
+
+    /// Where the value peers' poison words get lives (see POISON_SRC).
+    fn poison_src(&self) -> *const std::ffi::c_void {
+        // SAFETY: 3204 bytes, inside the 4 KiB page.
+        unsafe { self.host.add(Self::POISON_SRC) as *const std::ffi::c_void }
     }
 
     fn write(&self, i: usize, v: u32) {
@@ -462,6 +471,57 @@ struct Shared {
     /// The first error that made the group unusable (timeouts, aborts, dead peers).
     poisoned: Mutex<Option<Error>>,
     stop: AtomicBool,
+    /// Every local peer's poison word (its block + POISON_OFF, as mapped here); not this
+    /// rank's own.
+    peer_poison: Vec<u64>,
+    /// A stream of our own for the copies into `peer_poison` (never blocked by a kernel).
+    poison_stream: CUstream,
+    /// Set once this rank has poisoned its peers.
+    peers_poisoned: AtomicBool,
+}
+
+impl Shared {
+    /// Write this rank's poison word value (1 + local index) into every local peer's
+    /// block, as a kernel's `fail()` does: the peers' kernels stop at their next poll
+    /// instead of waiting for this rank until their own timeout. Once; never waits.
+    ///
+    /// Only after a failure or abort that starts on this host side (a dead peer, an NCCL
+    /// engine failure, an internal error, a shutdown whose work did not drain): our
+    /// kernels stop at the abort word mid-collective, so the peers' kernels of that
+    /// collective can never complete and the group is over for them too. A clean
+    /// destroy never poisons: peers may still be finishing their own part of the last
+    /// collective (a rank leaves its final barrier before others read their flags) or
+    /// exchanging send/recv among themselves, which do not involve this rank; poisoning
+    /// would turn a clean teardown into errors on healthy peers. Kernel-reported errors
+    /// do not come here either: a timeout or size mismatch poisoned the peers on the GPU
+    /// already (fail() in the kernel source), and an abort or a peer's poison came from a
+    /// host or peer that did.
+    ///
+    /// Ordering: the word carries no data. Each peer's kernels poll their own word with
+    /// ld.volatile every 256 spins (stop_reason); our copy engine's 4-byte write lands in
+    /// that memory over the peer mapping and becomes visible to those loads without any
+    /// further ordering, and the peer reads the cause from its own fatal word (ERR_PEER
+    /// naming this rank), which its kernel writes after seeing ours. The word is only ever
+    /// set: a kernel's fail() racing with this store leaves the index of some failed rank,
+    /// a correct report either way. The blocks belong to this group alone (a new group maps
+    /// new ones), so nothing else ever sees this value.
+    fn poison_peers(&self) {
+        if self.peer_poison.is_empty() || self.peers_poisoned.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(_ctx) = self.dev.bind() else { return };
+        let src = self.words.poison_src();
+        for &dst in &self.peer_poison {
+            // SAFETY: `src` is 4 bytes of pinned host memory alive as long as `self`;
+            // `dst` is a peer's poison word, mapped in this context until the engine's Drop,
+            // which synchronizes `poison_stream` before unmapping; a copy (DMA), not a
+            // kernel, so it runs even while spinning kernels hold every SM.
+            let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src, 4, self.poison_stream) };
+            if r != cu::CUresult::CUDA_SUCCESS {
+                tracing::warn!("rsccl: could not poison a local peer's block after an abort ({r:?}); it stops at its own timeout");
+            }
+        }
+    }
 }
 
 // SAFETY: HostWords is a pointer to pinned memory valid for the engine's life, accessed with
@@ -692,6 +752,18 @@ impl CudaEngine {
             free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
             return Err(err);
         }
+        let mut poison_stream: CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; a non-blocking stream.
+        if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut poison_stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (abort)") {
+            // SAFETY: the events and stream created above, used by nothing yet.
+            unsafe {
+                free_events.into_iter().for_each(|e| {
+                    cu::cuEventDestroy_v2(e);
+                });
+                cu::cuStreamDestroy_v2(internal);
+            }
+            return Err(err);
+        }
         // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
         let mut p2p_streams: Vec<CUstream> = vec![std::ptr::null_mut(); 2 * n];
         for (k, st) in p2p_streams.iter_mut().enumerate() {
@@ -710,6 +782,7 @@ impl CudaEngine {
                         cu::cuEventDestroy_v2(e);
                     });
                     cu::cuStreamDestroy_v2(internal);
+                    cu::cuStreamDestroy_v2(poison_stream);
                 }
                 return Err(err);
             }
@@ -754,7 +827,16 @@ impl CudaEngine {
             (pool.block * (n - 1)) >> 20,
             n - 1
         );
-        let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
+        words.write(HostWords::POISON_SRC, 1 + mesh.local_index() as u32);
+        let sh = Arc::new(Shared {
+            dev: dev.clone(),
+            words,
+            poisoned: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            peer_poison: (0..n).filter(|&j| j != mesh.local_index()).map(|j| pool.block_addr(j) + POISON_OFF as u64).collect(),
+            poison_stream,
+            peers_poisoned: AtomicBool::new(false),
+        });
         // From here the engine owns the events (Drop destroys them, end_event included).
         let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
         let engine = Arc::new(CudaEngine {
@@ -841,6 +923,16 @@ impl CudaEngine {
         e
     }
 
+    /// `poison`, for a failure found on the host side: also stop the local peers' kernels
+    /// (see Shared::poison_peers for when, and why not after a clean destroy).
+    fn abort_group(&self, err: Error) -> Error {
+        let e = self.poison(err);
+        if !self.sh.stop.load(Ordering::Acquire) {
+            self.sh.poison_peers();
+        }
+        e
+    }
+
     /// The error that made the group unusable: an earlier one, or a timeout or abort a
     /// kernel reported.
     fn fatal(&self) -> Result<()> {
@@ -870,8 +962,9 @@ impl CudaEngine {
                 self.sh.words.read64(48),
                 self.sh.words.read64(49)
             )),
-            _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
+            _ => return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}")))),
         };
+        // The kernel that reported it poisoned the peers already where needed (fail()).
         Err(self.poison(err))
     }
 
@@ -884,7 +977,7 @@ impl CudaEngine {
     /// Make the group unusable with `err` and stop this rank's queued kernels (the NCCL
     /// engine calls this when a communicator across hosts failed). Returns the first error.
     pub fn abort_with(&self, err: Error) -> Error {
-        self.poison(err)
+        self.abort_group(err)
     }
 
     /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
@@ -905,7 +998,7 @@ impl CudaEngine {
             return Ok(());
         }
         if code >> 16 != ERR_MISMATCH && code >> 16 != ERR_A2A {
-            return Err(self.poison(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
+            return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
         }
         let peer = (code & 0xffff) as usize;
         let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
@@ -1352,6 +1445,10 @@ impl CudaEngine {
                     let now = Instant::now();
                     if now > deadline {
                         self.sh.words.write(HostWords::ABORT, 1);
+                        // Our work did not drain: a real failure (not a clean destroy), and
+                        // the collective our stopped kernels leave unfinished can never
+                        // complete on the peers either (Shared::poison_peers).
+                        self.sh.poison_peers();
                     }
                     if now > give_up {
                         drained = false;
@@ -1376,8 +1473,14 @@ impl Drop for CudaEngine {
         if self.undrained.load(Ordering::Acquire) {
             return; // pool and module are ManuallyDrop: leaked on purpose (see shutdown)
         }
-        // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained).
+        // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained; the
+        // copies into peers' poison words, the last users of the peer mappings, are
+        // waited for first: 4-byte DMA writes, which end by themselves).
         unsafe {
+            if let Ok(_ctx) = self.sh.dev.bind() {
+                cu::cuStreamSynchronize(self.sh.poison_stream);
+                cu::cuStreamDestroy_v2(self.sh.poison_stream);
+            }
             std::mem::ManuallyDrop::drop(&mut self.kernels);
             std::mem::ManuallyDrop::drop(&mut self.pool);
         }
@@ -1505,7 +1608,7 @@ mod tests {
         }
         let last = areas[areas.len() - 1];
         assert!(last.0 + last.1 <= STAGE_OFF);
-        assert!(src.contains("#define POISON_OFF (STATS_OFF + 256)"));
+        assert!(src.contains("#define POISON_OFF (STATS_OFF + 256)") && POISON_OFF == STATS_OFF + 256);
     }
 
     #[test]
@@ -1580,6 +1683,9 @@ fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
             drop(p);
             // Kernels poll this word while they wait and return (see the kernel source).
             sh.words.write(HostWords::ABORT, 1);
+            // The other peers see the death themselves within one poll; this stops their
+            // kernels that wait on this rank's sooner.
+            sh.poison_peers();
             return;
         }
     }

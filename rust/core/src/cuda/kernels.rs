@@ -22,6 +22,9 @@ pub const STAGE_OFF: usize = 262144;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = 4096;
+/// 1 + the local index of a rank that stopped the group, 0 = none: read by this rank's
+/// kernels, written by a failing peer (its kernels, or its host: CudaEngine::abort_group).
+pub const POISON_OFF: usize = STATS_OFF + 256;
 pub const MAX_RANKS: usize = 16;
 pub const MAX_BLOCKS: u32 = 64;
 
