@@ -18,9 +18,10 @@
 //! a stream.
 //!
 //! Errors: NCCL kernels wait without bound, so the engine bounds them. Every launch is
-//! tracked by an event; a watchdog thread polls every communicator's asynchronous error,
-//! rsccl's local engine, and the oldest tracked launch. A failure, or a launch older than
-//! the group timeout, makes the group unusable: the first error is kept (and raised by
+//! tracked by events before and after it; a watchdog thread polls every communicator's
+//! asynchronous error, rsccl's local engine, and the tracked launches. A failure, or a
+//! launch still running more than the group timeout after it started on the GPU, makes
+//! the group unusable: the first error is kept (and raised by
 //! every later call and Work.wait) and the watchdog aborts the communicators, which ends
 //! their kernels, so nothing waits on them forever. Aborts happen on the watchdog thread
 //! only (or at shutdown, after it stopped), so a communicator is freed exactly once.
@@ -201,10 +202,21 @@ pub struct NcclStats {
 
 /// A launch the watchdog follows until its event completes.
 struct Tracked {
+    /// Recorded on the launch's stream right before the launch: complete once the work
+    /// queued ahead of it (the caller's compute, earlier collectives) is done.
+    start: CUevent,
     ev: CUevent,
-    at: Instant,
+    /// When `start` was first seen complete (by the watchdog or a health check); the
+    /// launch's age counts from there, so waiting behind long compute is not a timeout.
+    started: Option<Instant>,
     kind: CudaKind,
     count: u64,
+}
+
+/// Whether a launch that started on the GPU at `started` (None: not yet) and has not
+/// finished is past the group timeout `now` (pure: tested without a GPU).
+pub fn launch_timed_out(started: Option<Instant>, now: Instant, timeout: Duration) -> bool {
+    started.is_some_and(|t| now.saturating_duration_since(t) > timeout)
 }
 
 struct Order {
@@ -264,19 +276,30 @@ impl Shared {
                 return Some(e);
             }
         }
-        let p = self.pending.lock();
-        let front = p.front()?;
-        // SAFETY: a valid event of ours (recycled only after it left `pending`).
-        let r = unsafe { cu::cuEventQuery(front.ev) };
-        if r == cu::CUresult::CUDA_ERROR_NOT_READY && front.at.elapsed() > self.timeout {
+        let mut p = self.pending.lock();
+        let now = Instant::now();
+        // Every unfinished launch (not only the oldest: launches on streams that are not
+        // ordered after each other may start in any order), aged from its start.
+        let late = p.iter_mut().find_map(|t| {
+            // SAFETY: valid events of ours (recycled only after they left `pending`).
+            if unsafe { cu::cuEventQuery(t.ev) } != cu::CUresult::CUDA_ERROR_NOT_READY {
+                return None;
+            }
+            // SAFETY: as above.
+            if t.started.is_none() && unsafe { cu::cuEventQuery(t.start) } == cu::CUresult::CUDA_SUCCESS {
+                t.started = Some(now);
+            }
+            launch_timed_out(t.started, now, self.timeout).then_some((t.kind, t.count))
+        });
+        if let Some((kind, count)) = late {
             return Some(Error::Timeout(format!(
-                "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s): \
+                "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s) of starting on the GPU: \
                  a rank of the group did not call it, called it with other sizes (all_to_all splits \
                  that disagree between ranks hang NCCL), or died; the group was aborted",
                 self.rank,
-                front.kind.name(),
-                front.count,
-                count_unit(front.kind),
+                kind.name(),
+                count,
+                count_unit(kind),
                 self.timeout.as_secs_f64()
             )));
         }
@@ -293,7 +316,7 @@ impl Shared {
                 if unsafe { cu::cuEventQuery(t.ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
                     break;
                 }
-                done.extend(p.pop_front().map(|t| t.ev));
+                done.extend(p.pop_front().into_iter().flat_map(|t| [t.start, t.ev]));
             }
         }
         if !done.is_empty() {
@@ -749,31 +772,52 @@ impl NcclEngine {
                 join(&mut o, last, target)?;
             }
         }
-        match (a2a, path) {
-            (Some(x), _) => self.enqueue_all_to_all(x, target)?,
-            (None, CrossHost::Flat) => self.enqueue_flat(c, target)?,
-            (None, CrossHost::Hierarchical) => {
-                match c.kind {
-                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target)?,
-                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target)?,
-                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target)?,
-                    k => return Err(Error::Internal(format!("no hierarchical {}", k.name()))),
-                }
-                self.hierarchical.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        o.last_stream = Some(target);
-        self.collectives.fetch_add(1, Ordering::Relaxed);
         // The watchdog follows every launch it can query (not one being captured into a
-        // graph: it runs when the graph is replayed).
-        if !is_capturing(target)? {
+        // graph: it runs when the graph is replayed), from an event recorded right before
+        // it (its start on the GPU) to one right after (its end).
+        let tracked = !is_capturing(target)?;
+        let start = if tracked {
             let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
             // SAFETY: valid event and stream.
             if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
                 o.free_events.push(ev);
                 return Err(e);
             }
-            sh.pending.lock().push_back(Tracked { ev, at: Instant::now(), kind: c.kind, count: c.count });
+            Some(ev)
+        } else {
+            None
+        };
+        let enqueued = match (a2a, path) {
+            (Some(x), _) => self.enqueue_all_to_all(x, target),
+            (None, CrossHost::Flat) => self.enqueue_flat(c, target),
+            (None, CrossHost::Hierarchical) => {
+                let r = match c.kind {
+                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target),
+                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target),
+                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target),
+                    k => Err(Error::Internal(format!("no hierarchical {}", k.name()))),
+                };
+                if r.is_ok() {
+                    self.hierarchical.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            }
+        };
+        if let Err(e) = enqueued {
+            // Recorded on the stream already: harmless to reuse (a later record replaces it).
+            o.free_events.extend(start);
+            return Err(e);
+        }
+        o.last_stream = Some(target);
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        if let Some(start) = start {
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            // SAFETY: valid event and stream.
+            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
+                o.free_events.extend([start, ev]);
+                return Err(e);
+            }
+            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count });
         }
         if target == caller {
             return Ok(None);
@@ -1187,6 +1231,7 @@ impl Drop for Shared {
         // every CudaEvent of it hold this Shared).
         unsafe {
             for t in self.pending.get_mut().drain(..) {
+                cu::cuEventDestroy_v2(t.start);
                 cu::cuEventDestroy_v2(t.ev);
             }
             for ev in self.order.get_mut().free_events.drain(..) {
@@ -1359,6 +1404,19 @@ fn watchdog(sh: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launches_age_from_their_start_on_the_gpu() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(10);
+        // Queued behind an hour of compute: not started, never late.
+        assert!(!launch_timed_out(None, t0 + Duration::from_secs(3600), timeout));
+        let started = Some(t0 + Duration::from_secs(3600));
+        assert!(!launch_timed_out(started, t0 + Duration::from_secs(3605), timeout), "5 s since its start");
+        assert!(!launch_timed_out(started, t0 + Duration::from_secs(3610), timeout), "exactly the timeout");
+        assert!(launch_timed_out(started, t0 + Duration::from_secs(3611), timeout));
+        assert!(!launch_timed_out(started, t0, timeout), "a clock read before the start counts as 0");
+    }
 
     #[test]
     fn p2p_warm_up_pieces_fit_their_half_of_the_warm_buffer() {
