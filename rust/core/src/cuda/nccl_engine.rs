@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
 use super::engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, EventHome};
@@ -52,6 +52,8 @@ use crate::error::{Error, Result};
 const WARM_BYTES: usize = 8 << 20;
 /// Bytes of the buffer a barrier all-reduces (one float).
 const SCRATCH_BYTES: usize = 256;
+/// How long an abort waits for launches to leave their NCCL calls (see `abort_comms`).
+const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 /// Which communicator a store key belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,6 +234,11 @@ struct Shared {
     local: Option<Arc<CudaEngine>>,
     rank: usize,
     timeout: Duration,
+    /// Held shared by every use of a communicator handle (launches, asynchronous-error
+    /// queries) and exclusively by what frees one (abort, close), so a handle is never
+    /// freed while in use. Taken before `order`. See `abort_comms` for why the exclusive
+    /// side does not wait long.
+    gate: RwLock<()>,
     order: Mutex<Order>,
     pending: Mutex<VecDeque<Tracked>>,
     /// The first error that made the group unusable.
@@ -266,9 +273,12 @@ impl Shared {
     /// A failure nobody reported yet: an NCCL asynchronous error, a failed local engine,
     /// or a launch older than the group timeout.
     fn find_failure(&self) -> Option<Error> {
-        for (what, c) in self.comms() {
-            if let Err(e) = c.async_error() {
-                return Some(with_context(e, &format!("rank {}: the NCCL communicator {what} failed", self.rank)));
+        {
+            let _gate = self.gate.read();
+            for (what, c) in self.comms() {
+                if let Err(e) = c.async_error() {
+                    return Some(with_context(e, &format!("rank {}: the NCCL communicator {what} failed", self.rank)));
+                }
             }
         }
         if let Some(l) = &self.local {
@@ -324,9 +334,21 @@ impl Shared {
         }
     }
 
-    /// Abort every communicator (their kernels end). A launch still inside an NCCL call
-    /// holds the order lock: it gets a moment to return, then the abort goes ahead anyway,
-    /// since an NCCL call blocked on a dead peer returns only once aborted.
+    /// Abort every communicator (their kernels end), exclusive with every use of their
+    /// handles (`gate`): launches and error queries hold it shared, so none of them runs
+    /// on a handle being freed, and once the abort nulled the handles, a launch that
+    /// takes the gate next finds them dead (`live()`) and fails.
+    ///
+    /// Why the wait for the gate is short: a launch holds it only while it enqueues. NCCL
+    /// calls on a blocking communicator queue their kernels and return without waiting
+    /// for peers: collectives' connections, and the point-to-point ones of the send/recv
+    /// groups (gather, scatter, all_to_all), were all made at creation by the warm-up, so
+    /// no call connects (the one step that waits on peers) later; the hierarchical path's
+    /// host-local launches queue rsccl kernels without waiting either. What could still
+    /// block a launch without bound is the CUDA driver's launch queue, full behind a kernel
+    /// that never ends, and only this abort ends such a kernel: so after ABORT_GRACE the
+    /// abort goes ahead anyway (logged), the one case where a launch may still be inside
+    /// an NCCL call on the handle being aborted.
     ///
     /// The communicators are aborted at once, each on its own thread: NCCL's abort of one
     /// may wait for GPU work that only the abort of another ends. On 4 H200s as 2 emulated
@@ -334,7 +356,10 @@ impl Shared {
     /// they ran one after the other (flat first); a kernel of the cross communicator, stuck
     /// on the dead peer, holding up the flat communicator's abort is the suspected cause.
     fn abort_comms(&self) {
-        let guard = self.order.try_lock_for(Duration::from_secs(2));
+        let guard = self.gate.try_write_for(ABORT_GRACE);
+        if guard.is_none() {
+            tracing::warn!(rank = self.rank, "rsccl: a launch did not leave its NCCL call within {ABORT_GRACE:?}; aborting the communicators anyway");
+        }
         std::thread::scope(|s| {
             for (_, c) in self.comms() {
                 s.spawn(move || c.abort());
@@ -622,6 +647,7 @@ impl NcclEngine {
             local,
             rank: topo.rank,
             timeout,
+            gate: RwLock::new(()),
             order: Mutex::new(Order { last_stream: None, free_events: Vec::new() }),
             pending: Mutex::new(VecDeque::new()),
             poisoned: Mutex::new(None),
@@ -759,6 +785,9 @@ impl NcclEngine {
         let caller = c.stream;
         let internal = self.internal as u64;
         let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        // Every communicator handle used below is read (`live()`, `raw()`) under this, so
+        // no abort or close frees it meanwhile (Shared::abort_comms).
+        let _gate = sh.gate.read();
         let mut o = sh.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
         if sh.stop.load(Ordering::Acquire) {
@@ -852,7 +881,7 @@ impl NcclEngine {
         let root = c.root as i32;
         let what = format!("NCCL {} (flat)", c.kind.name());
         // SAFETY (every call below): `raw` is a live communicator (aborts wait for the
-        // order lock the caller holds, see Shared::abort_comms); the pointers are device
+        // gate the caller holds shared, see Shared::abort_comms); the pointers are device
         // buffers of the sizes the Python layer checked (count as CudaCall documents:
         // elements for reductions, bytes for the rest); `s` is a live stream of the
         // communicator's device.
@@ -1192,7 +1221,9 @@ impl NcclEngine {
             }
         }
         if healthy {
-            // Launches are refused from here on (stop), and the queued work finished.
+            // Launches are refused from here on (stop), and the queued work finished; the
+            // gate keeps a concurrent health check's error query off the handles.
+            let _gate = sh.gate.try_write_for(ABORT_GRACE);
             for (_, c) in sh.comms() {
                 c.close();
             }
