@@ -540,6 +540,39 @@ def test_all_to_all_across_hosts_matches_nccl(gpus, seed, config):
     assert len(set(res)) == 1 and res[0] > 0, res
 
 
+def body_first_p2p_calls_allocate_nothing(ctx, seed: int) -> dict:
+    """On a fresh group spanning the emulated hosts: the device memory taken by the first
+    all_to_all_single, gather and scatter, beyond what torch's caching allocator reserved
+    meanwhile (the warm-up at creation connected NCCL's point-to-point channels with
+    every peer, so NCCL allocates nothing now)."""
+    # A timeout of its own makes this a group no other body has used (emulated_group keys).
+    g = emulated_group(ctx, "flat", timeout=GROUP_TIMEOUT + 1)
+    W, me = ctx.world, ctx.rank
+    x = rand(seed, me, W * 4096, torch.float32, salt="first calls")
+    out = torch.empty_like(x)
+    piece = x[:4096].clone()
+    pieces = [torch.empty_like(piece) for _ in range(W)]
+    got = torch.empty_like(piece)
+    torch.cuda.synchronize()
+    free0, reserved0 = torch.cuda.mem_get_info(ctx.device)[0], torch.cuda.memory_reserved(ctx.device)
+    dist.all_to_all_single(out, x, group=g)
+    dist.gather(piece, pieces if me == 0 else None, dst=0, group=g)
+    dist.scatter(got, pieces if me == 0 else None, src=0, group=g)
+    torch.cuda.synchronize()
+    free1, reserved1 = torch.cuda.mem_get_info(ctx.device)[0], torch.cuda.memory_reserved(ctx.device)
+    ref = torch.empty_like(x)
+    dist.all_to_all_single(ref, x, group=ctx.nccl)
+    assert_equal(out, ref, "first all_to_all_single")
+    return {"taken": (free0 - free1) - (reserved1 - reserved0), "nccl_bytes": g.memory_stats().get("nccl_bytes", 0)}
+
+
+def test_first_p2p_calls_across_hosts_allocate_nothing(gpus, seed):
+    res = _cluster(gpus).run(body_first_p2p_calls_allocate_nothing, seed, timeout=300)
+    for rank, r in enumerate(res):
+        # cuMemGetInfo moves in 2 MiB pages; NCCL's lazy connection took several MiB per peer.
+        assert r["taken"] <= 2 << 20, f"rank {rank}: the first all_to_all/gather/scatter took {r['taken']} bytes: {r}"
+
+
 def body_send_across_hosts_is_a_type_error(ctx) -> str:
     g = emulated_group(ctx, "flat")
     x = torch.zeros(4, device=ctx.device)

@@ -3,7 +3,8 @@ float64 and complex included) at 0, 1 and an odd number of elements, 1 MiB and 2
 checked bit for bit against the sender's input (the receiver makes it itself from the seed);
 blocking and isend/irecv, strided tensors, several messages to one peer matched in order,
 both directions at once, a batch_isend_irecv ring of 64 MiB messages (which must not
-deadlock), isend/irecv captured in a CUDA graph. Then, on groups of their own over ranks 0
+deadlock), an all-pairs batch (every rank to and from every other at once) with
+cuda_p2p_blocks=64, isend/irecv captured in a CUDA graph. Then, on groups of their own over ranks 0
 and 1 that these tests leave unusable: a size mismatch, and a send nobody receives (and a
 recv nobody sends) on a group with a 5 s timeout, which must raise a timeout and leave
 nothing hanging."""
@@ -145,6 +146,48 @@ def body_ring(ctx, seed: int, nbytes: int) -> None:
 
 def test_batch_isend_irecv_ring(gpus, seed):
     gpus.run(body_ring, seed, 64 * MiB, timeout=120)
+
+
+def body_all_pairs(ctx, seed: int, nbytes: int, p2p_blocks: int) -> int:
+    """On a group with `cuda_p2p_blocks=p2p_blocks`: one batch_isend_irecv in which every
+    rank sends `nbytes` to every other rank and receives `nbytes` from each, all at once
+    (2 x (world - 1) send/recv kernels per rank, each message over the eager capacity, so
+    every send waits for its receiver's kernel). With 64 blocks on 4 GPUs those kernels and
+    a collective would not all fit on an H200 (6 x 64 + 64 blocks > 132 SMs x 2): the group
+    must use fewer (memory_stats()["cuda_p2p_blocks"]) and finish, exactly, three rounds.
+    Returns the block count the group used."""
+    import rsccl
+
+    g = dist.new_group(backend="rsccl", pg_options=rsccl.Options(cuda_p2p_blocks=p2p_blocks))
+    w, me, f = ctx.world, ctx.rank, Failures()
+    used = int(rsccl.memory_stats(g)["cuda_p2p_blocks"])
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    # 512-thread blocks: at most 4 per SM (2048 threads), whatever the registers allow.
+    assert 1 <= used <= p2p_blocks and 2 * (w - 1) * used + 64 <= 4 * sms, (used, sms)
+    peers = [p for p in range(w) if p != me]
+    for rep in range(3):
+        what = f"all-pairs batch_isend_irecv of {nbytes} bytes, round {rep}"
+        xs = {p: rand_any(seed, me, nbytes // 4, torch.float32, salt=f"{what} to {p}") for p in peers}
+        ys = {p: torch.zeros(nbytes // 4, dtype=torch.float32, device=ctx.device) for p in peers}
+        ops = [op for p in peers for op in (dist.P2POp(dist.isend, xs[p], p, g), dist.P2POp(dist.irecv, ys[p], p, g))]
+        reqs = f.run(what, dist.batch_isend_irecv, ops) or []
+        for r in reqs:
+            f.run(what, r.wait)
+        torch.cuda.synchronize()
+        for p in peers:
+            want = rand_any(seed, p, nbytes // 4, torch.float32, salt=f"{what} to {me}")
+            f.run(what, assert_equal, ys[p], want, f"{what}: from rank {p}")
+    dist.destroy_process_group(g)
+    torch.cuda.synchronize()
+    f.done()
+    return used
+
+
+def test_all_pairs_batch_with_many_p2p_blocks(gpus, seed):
+    """Every rank's send/recv kernels resident at once (docs/cuda.md, "Blocks")."""
+    used = gpus.run(body_all_pairs, seed, 32 * MiB, 64, timeout=180)
+    assert len(set(used)) == 1, f"local ranks disagree on the send/recv grid: {used}"
+    print(f"cuda_p2p_blocks=64 on {len(used)} GPUs: send/recv kernels use {used[0]} blocks")
 
 
 def body_graph(ctx, seed: int) -> None:

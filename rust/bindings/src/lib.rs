@@ -373,6 +373,7 @@ impl Communicator {
             d.set_item("cuda_inplace_bytes", c.inplace_bytes)?;
             d.set_item("cuda_staged_collectives", c.staged_collectives)?;
             d.set_item("cuda_staged_bytes", c.staged_bytes)?;
+            d.set_item("cuda_p2p_blocks", c.p2p_blocks)?;
         }
         if let Some(n) = self.0.nccl_stats() {
             d.set_item("cuda_device", n.device)?;

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
 use super::heap::Heap;
-use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, STAGE_OFF, STATS_OFF, THREADS};
+use super::kernels::{Family, Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF, STAGE_OFF, STATS_OFF, THREADS};
 use super::pool::SymmetricPool;
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
@@ -103,6 +103,72 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
         )));
     }
     Ok(chunk)
+}
+
+/// Blocks of each send/recv kernel such that all of them that one rank may have running
+/// at once, one per (peer, direction), 2 x (local ranks - 1), fit on the GPU together with
+/// one collective kernel (`collective_blocks`): `sms` SMs, each holding `per_sm` blocks of
+/// any of these kernels (the least any of them allows, so any mix of that many fits). At
+/// most `setting`; 0 when not even one block each fits. A pure function (tested without a
+/// GPU).
+///
+/// Why all at once: a send waits for its receiver's kernel, which may sit behind that
+/// rank's other send/recv kernels; if those hold every SM while they wait for peers in
+/// turn, nothing moves until the timeout. With every kernel resident, each one makes
+/// progress whenever its partner does, so no cycle of waits can form from a lack of SMs.
+/// (Other work on the GPU, e.g. the caller's compute kernels, only delays ours: it ends by
+/// itself and frees its SMs.)
+pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, per_sm: u32, collective_blocks: u32) -> u32 {
+    let kernels = 2 * local_ranks.saturating_sub(1) as u64;
+    if kernels == 0 {
+        return setting; // no peer: send/recv never run
+    }
+    let slots = sms as u64 * per_sm as u64;
+    (slots.saturating_sub(collective_blocks as u64) / kernels).min(setting as u64) as u32
+}
+
+/// The send/recv grid every local rank uses (`p2p_blocks_that_fit` on each rank's GPU,
+/// the least of them: the sender's and receiver's kernels must split messages alike), or
+/// an error on every rank alike when some GPU cannot hold even one block per kernel.
+fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, deadline: Instant) -> Result<u32> {
+    let n = mesh.size();
+    let (sms, per_sm) = {
+        let _ctx = dev.bind()?;
+        let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
+        (sms, Kernels::min_blocks_per_sm(kernels.collectives().chain([kernels.send, kernels.recv]))?)
+    };
+    let fit = p2p_blocks_that_fit(cfg.cuda_p2p_blocks, n, sms, per_sm, cfg.cuda_blocks);
+    let mut msg = [0u8; 64];
+    msg[..4].copy_from_slice(b"RSP1");
+    for (k, v) in [fit, sms, per_sm].into_iter().enumerate() {
+        msg[4 + 4 * k..8 + 4 * k].copy_from_slice(&v.to_le_bytes());
+    }
+    let got = mesh.all_gather(&msg, None, deadline)?;
+    let word = |m: &[u8; 64], k: usize| u32::from_le_bytes(m[4 + 4 * k..8 + 4 * k].try_into().unwrap_or_default());
+    let (j, least) = got.iter().enumerate().map(|(j, (m, _))| (j, word(m, 0))).min_by_key(|&(_, f)| f).unwrap_or((0, fit));
+    if least == 0 {
+        let m = &got[j].0;
+        return Err(Error::Config(format!(
+            "the GPU of rank {} ({} SMs, {} blocks of rsccl's kernels per SM) cannot hold one collective kernel \
+             (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
+             at once, which send/recv need to never wait on a kernel that cannot start: lower cuda_blocks",
+            local_ranks.get(j).copied().unwrap_or(j),
+            word(m, 1),
+            word(m, 2),
+            cfg.cuda_blocks,
+            2 * (n - 1)
+        )));
+    }
+    if least < cfg.cuda_p2p_blocks {
+        tracing::info!(
+            setting = cfg.cuda_p2p_blocks,
+            effective = least,
+            "rsccl: send/recv kernels use {least} blocks, not cuda_p2p_blocks = {}, so that all {} of them and a collective fit on the GPU at once",
+            cfg.cuda_p2p_blocks,
+            2 * (n - 1)
+        );
+    }
+    Ok(least)
 }
 
 /// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
@@ -310,6 +376,9 @@ impl HostWords {
     const ABORT: usize = 512;
     /// u64 index of 4 words the collective counters are copied into (bytes 3072..3104).
     const COUNTS: usize = 384;
+    /// u32 index of 1 + this rank's local index, the value copied into peers' poison words
+    /// (bytes 3200..3204).
+    const POISON_SRC: usize = 800;
 
     fn new() -> Result<HostWords> {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -341,6 +410,12 @@ impl HostWords {
         unsafe { (self.host as *mut u64).add(Self::COUNTS) as *mut std::ffi::c_void }
     }
 
+    /// Where the value peers' poison words get lives (see POISON_SRC).
+    fn poison_src(&self) -> *const std::ffi::c_void {
+        // SAFETY: 3204 bytes, inside the 4 KiB page.
+        unsafe { self.host.add(Self::POISON_SRC) as *const std::ffi::c_void }
+    }
+
     fn write(&self, i: usize, v: u32) {
         // SAFETY: as above; the GPU polls it with volatile loads.
         unsafe { std::ptr::write_volatile(self.host.add(i), v) }
@@ -359,6 +434,13 @@ struct Ordering_ {
     /// stream, a stream like any other here).
     last_stream: Option<u64>,
     free_events: Vec<CUevent>,
+    /// Recorded right after every collective launch that is not being captured into a
+    /// graph: complete once every collective queued so far has finished (each is ordered
+    /// after the previous one), whatever else the streams hold after them. send/recv
+    /// kernels, on their own streams, are not behind it. None before the first launch.
+    collectives_end: Option<CUevent>,
+    /// The event `collectives_end` is recorded into (owned; destroyed in Drop).
+    end_event: CUevent,
 }
 
 /// Counters reported by memory_stats.
@@ -378,6 +460,9 @@ pub struct CudaStats {
     pub inplace_bytes: u64,
     pub staged_collectives: u64,
     pub staged_bytes: u64,
+    /// Blocks of each send/recv kernel: cuda_p2p_blocks, or fewer where the GPU could not
+    /// hold them all at once (`p2p_blocks_that_fit`).
+    pub p2p_blocks: u32,
 }
 
 struct Shared {
@@ -386,6 +471,57 @@ struct Shared {
     /// The first error that made the group unusable (timeouts, aborts, dead peers).
     poisoned: Mutex<Option<Error>>,
     stop: AtomicBool,
+    /// Every local peer's poison word (its block + POISON_OFF, as mapped here); not this
+    /// rank's own.
+    peer_poison: Vec<u64>,
+    /// A stream of our own for the copies into `peer_poison` (never blocked by a kernel).
+    poison_stream: CUstream,
+    /// Set once this rank has poisoned its peers.
+    peers_poisoned: AtomicBool,
+}
+
+impl Shared {
+    /// Write this rank's poison word value (1 + local index) into every local peer's
+    /// block, as a kernel's `fail()` does: the peers' kernels stop at their next poll
+    /// instead of waiting for this rank until their own timeout. Once; never waits.
+    ///
+    /// Only after a failure or abort that starts on this host side (a dead peer, an NCCL
+    /// engine failure, an internal error, a shutdown whose work did not drain): our
+    /// kernels stop at the abort word mid-collective, so the peers' kernels of that
+    /// collective can never complete and the group is over for them too. A clean
+    /// destroy never poisons: peers may still be finishing their own part of the last
+    /// collective (a rank leaves its final barrier before others read their flags) or
+    /// exchanging send/recv among themselves, which do not involve this rank; poisoning
+    /// would turn a clean teardown into errors on healthy peers. Kernel-reported errors
+    /// do not come here either: a timeout or size mismatch poisoned the peers on the GPU
+    /// already (fail() in the kernel source), and an abort or a peer's poison came from a
+    /// host or peer that did.
+    ///
+    /// Ordering: the word carries no data. Each peer's kernels poll their own word with
+    /// ld.volatile every 256 spins (stop_reason); our copy engine's 4-byte write lands in
+    /// that memory over the peer mapping and becomes visible to those loads without any
+    /// further ordering, and the peer reads the cause from its own fatal word (ERR_PEER
+    /// naming this rank), which its kernel writes after seeing ours. The word is only ever
+    /// set: a kernel's fail() racing with this store leaves the index of some failed rank,
+    /// a correct report either way. The blocks belong to this group alone (a new group maps
+    /// new ones), so nothing else ever sees this value.
+    fn poison_peers(&self) {
+        if self.peer_poison.is_empty() || self.peers_poisoned.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(_ctx) = self.dev.bind() else { return };
+        let src = self.words.poison_src();
+        for &dst in &self.peer_poison {
+            // SAFETY: `src` is 4 bytes of pinned host memory alive as long as `self`;
+            // `dst` is a peer's poison word, mapped in this context until the engine's Drop,
+            // which synchronizes `poison_stream` before unmapping; a copy (DMA), not a
+            // kernel, so it runs even while spinning kernels hold every SM.
+            let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src, 4, self.poison_stream) };
+            if r != cu::CUresult::CUDA_SUCCESS {
+                tracing::warn!("rsccl: could not poison a local peer's block after an abort ({r:?}); it stops at its own timeout");
+            }
+        }
+    }
 }
 
 // SAFETY: HostWords is a pointer to pinned memory valid for the engine's life, accessed with
@@ -573,9 +709,11 @@ impl CudaEngine {
             }
         }
         let kernels = Kernels::load(&dev)?;
+        let p2p_blocks = agree_p2p_blocks(&dev, &kernels, &mesh, &local_ranks, cfg, deadline)?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
-        // send/recv inbox (cuda_p2p_bytes), then the pool.
-        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, cfg.cuda_p2p_blocks)?;
+        // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
+        // the pool.
+        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, p2p_blocks)?;
         let inbox_off = cfg.cuda_buffer_bytes.div_ceil(4096) * 4096;
         let pool = Arc::new(SymmetricPool::create(
             dev.clone(),
@@ -596,7 +734,8 @@ impl CudaEngine {
         let _ctx = dev.bind()?;
         let words = HostWords::new()?;
         let mut free_events = Vec::new();
-        for _ in 0..8 {
+        // One more than the pool of 8: the last becomes `Ordering_::end_event`.
+        for _ in 0..9 {
             match new_event() {
                 Ok(e) => free_events.push(e),
                 Err(err) => {
@@ -611,6 +750,18 @@ impl CudaEngine {
         if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate") {
             // SAFETY: as above.
             free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
+            return Err(err);
+        }
+        let mut poison_stream: CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; a non-blocking stream.
+        if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut poison_stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (abort)") {
+            // SAFETY: the events and stream created above, used by nothing yet.
+            unsafe {
+                free_events.into_iter().for_each(|e| {
+                    cu::cuEventDestroy_v2(e);
+                });
+                cu::cuStreamDestroy_v2(internal);
+            }
             return Err(err);
         }
         // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
@@ -631,6 +782,7 @@ impl CudaEngine {
                         cu::cuEventDestroy_v2(e);
                     });
                     cu::cuStreamDestroy_v2(internal);
+                    cu::cuStreamDestroy_v2(poison_stream);
                 }
                 return Err(err);
             }
@@ -675,7 +827,18 @@ impl CudaEngine {
             (pool.block * (n - 1)) >> 20,
             n - 1
         );
-        let sh = Arc::new(Shared { dev: dev.clone(), words, poisoned: Mutex::new(None), stop: AtomicBool::new(false) });
+        words.write(HostWords::POISON_SRC, 1 + mesh.local_index() as u32);
+        let sh = Arc::new(Shared {
+            dev: dev.clone(),
+            words,
+            poisoned: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            peer_poison: (0..n).filter(|&j| j != mesh.local_index()).map(|j| pool.block_addr(j) + POISON_OFF as u64).collect(),
+            poison_stream,
+            peers_poisoned: AtomicBool::new(false),
+        });
+        // From here the engine owns the events (Drop destroys them, end_event included).
+        let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
@@ -685,7 +848,7 @@ impl CudaEngine {
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
-            order: Mutex::new(Ordering_ { last_stream: None, free_events }),
+            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: None, end_event }),
             base,
             blocks: cfg.cuda_blocks,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
@@ -697,7 +860,7 @@ impl CudaEngine {
             p2p_streams,
             inbox_off: inbox_off as u64,
             chunk: chunk as u64,
-            p2p_blocks: cfg.cuda_p2p_blocks,
+            p2p_blocks,
             p2p_bytes: cfg.cuda_p2p_bytes,
         });
         drop(_ctx);
@@ -760,6 +923,16 @@ impl CudaEngine {
         e
     }
 
+    /// `poison`, for a failure found on the host side: also stop the local peers' kernels
+    /// (see Shared::poison_peers for when, and why not after a clean destroy).
+    fn abort_group(&self, err: Error) -> Error {
+        let e = self.poison(err);
+        if !self.sh.stop.load(Ordering::Acquire) {
+            self.sh.poison_peers();
+        }
+        e
+    }
+
     /// The error that made the group unusable: an earlier one, or a timeout or abort a
     /// kernel reported.
     fn fatal(&self) -> Result<()> {
@@ -789,8 +962,9 @@ impl CudaEngine {
                 self.sh.words.read64(48),
                 self.sh.words.read64(49)
             )),
-            _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
+            _ => return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}")))),
         };
+        // The kernel that reported it poisoned the peers already where needed (fail()).
         Err(self.poison(err))
     }
 
@@ -803,7 +977,7 @@ impl CudaEngine {
     /// Make the group unusable with `err` and stop this rank's queued kernels (the NCCL
     /// engine calls this when a communicator across hosts failed). Returns the first error.
     pub fn abort_with(&self, err: Error) -> Error {
-        self.poison(err)
+        self.abort_group(err)
     }
 
     /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
@@ -824,18 +998,19 @@ impl CudaEngine {
             return Ok(());
         }
         if code >> 16 != ERR_MISMATCH && code >> 16 != ERR_A2A {
-            return Err(self.poison(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
+            return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
         }
         let peer = (code & 0xffff) as usize;
         let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
         let me = self.local_ranks[self.pool.me];
         // Counters stayed in step: report once and keep the group usable. Every block of
-        // the mismatched kernel may write the code: wait for the kernels queued so far
+        // the mismatched kernel may write the code: wait for the collectives queued so far
         // before clearing it, so it is reported once; a timeout or abort found meanwhile
-        // is in its own word and wins.
-        let _ctx = self.sh.dev.bind()?;
-        // SAFETY: plain synchronization of this device's context.
-        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")?;
+        // is in its own word and wins. Only the collectives: send/recv kernels (which never
+        // write this word) may wait up to the group timeout for their partner on their own
+        // streams, and so may the caller's stream behind a blocking send; a device-wide
+        // synchronization would wait for them too.
+        self.wait_collectives()?;
         self.fatal()?;
         self.sh.words.write(HostWords::ERR, 0);
         if code >> 16 == ERR_A2A {
@@ -854,6 +1029,41 @@ impl CudaEngine {
         Err(Error::Mismatch(format!(
             "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
         )))
+    }
+
+    /// Wait until every collective kernel launched so far has finished (the event recorded
+    /// after the last launch; each launch is ordered after the previous one), at most the
+    /// group timeout and a second: the kernels bound their own waits by the timeout, so a
+    /// longer wait means something else is wrong, which `fatal` then reports, if the
+    /// kernels did. Another thread's launch may re-record the event meanwhile: the wait
+    /// then also covers that later collective, which is bounded the same way.
+    fn wait_collectives(&self) -> Result<()> {
+        let _ctx = self.sh.dev.bind()?;
+        let ev = {
+            let o = self.order.lock();
+            // The last launch is being captured (so the mismatch came from a kernel that ran
+            // before the capture began, and torch synchronized the device then): nothing to
+            // wait for, and querying an event is not allowed during a global-mode capture.
+            if o.last_stream.is_some_and(|l| is_capturing(l).unwrap_or(true)) {
+                return Ok(());
+            }
+            o.collectives_end
+        };
+        let Some(ev) = ev else { return Ok(()) };
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: our own event, alive until Drop (which `&self` outlives).
+            match unsafe { cu::cuEventQuery(ev) } {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_micros(500));
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY => return Ok(()),
+                e => return check(e, "cuEventQuery (end of collectives)"),
+            }
+        }
     }
 
     /// (this rank's, `peer`'s) descriptor of a mismatched call, as the kernel stored them
@@ -1062,6 +1272,16 @@ impl CudaEngine {
         )?;
         o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
+        // Mark the end of the collectives queued so far (health waits on it). Not while
+        // capturing: a captured record cannot be queried, and a captured kernel runs only
+        // at replay; the event then keeps marking the last launch that really ran (torch
+        // synchronizes the device before a capture begins). An error here (the legacy
+        // stream during a global-mode capture) counts as capturing.
+        if !is_capturing(target).unwrap_or(true) {
+            // SAFETY: our own event and a live stream of this context.
+            check(unsafe { cu::cuEventRecord(o.end_event, target as CUstream) }, "cuEventRecord (end of collectives)")?;
+            o.collectives_end = Some(o.end_event);
+        }
         if target == caller {
             return Ok(None);
         }
@@ -1175,6 +1395,7 @@ impl CudaEngine {
             inplace_bytes: inplace_b,
             staged_collectives: total_n.saturating_sub(inplace_n),
             staged_bytes: total_b.saturating_sub(inplace_b),
+            p2p_blocks: self.p2p_blocks,
         }
     }
 
@@ -1224,6 +1445,10 @@ impl CudaEngine {
                     let now = Instant::now();
                     if now > deadline {
                         self.sh.words.write(HostWords::ABORT, 1);
+                        // Our work did not drain: a real failure (not a clean destroy), and
+                        // the collective our stopped kernels leave unfinished can never
+                        // complete on the peers either (Shared::poison_peers).
+                        self.sh.poison_peers();
                     }
                     if now > give_up {
                         drained = false;
@@ -1248,8 +1473,14 @@ impl Drop for CudaEngine {
         if self.undrained.load(Ordering::Acquire) {
             return; // pool and module are ManuallyDrop: leaked on purpose (see shutdown)
         }
-        // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained).
+        // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained; the
+        // copies into peers' poison words, the last users of the peer mappings, are
+        // waited for first: 4-byte DMA writes, which end by themselves).
         unsafe {
+            if let Ok(_ctx) = self.sh.dev.bind() {
+                cu::cuStreamSynchronize(self.sh.poison_stream);
+                cu::cuStreamDestroy_v2(self.sh.poison_stream);
+            }
             std::mem::ManuallyDrop::drop(&mut self.kernels);
             std::mem::ManuallyDrop::drop(&mut self.pool);
         }
@@ -1262,9 +1493,11 @@ impl Drop for CudaEngine {
         // are ours. The pool and module are released after this, by their own Drop.
         unsafe {
             cu::cuStreamSynchronize(self.internal);
-            for ev in self.order.get_mut().free_events.drain(..) {
+            let o = self.order.get_mut();
+            for ev in o.free_events.drain(..) {
                 cu::cuEventDestroy_v2(ev);
             }
+            cu::cuEventDestroy_v2(o.end_event);
             cu::cuStreamDestroy_v2(self.internal);
             for &st in self.p2p_streams.iter().filter(|s| !s.is_null()) {
                 cu::cuStreamSynchronize(st);
@@ -1375,7 +1608,7 @@ mod tests {
         }
         let last = areas[areas.len() - 1];
         assert!(last.0 + last.1 <= STAGE_OFF);
-        assert!(src.contains("#define POISON_OFF (STATS_OFF + 256)"));
+        assert!(src.contains("#define POISON_OFF (STATS_OFF + 256)") && POISON_OFF == STATS_OFF + 256);
     }
 
     #[test]
@@ -1387,6 +1620,33 @@ mod tests {
         assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
         let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
         assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
+    }
+
+    #[test]
+    fn p2p_grid_fits_beside_a_collective() {
+        // H200: 132 SMs, 2 blocks of 512 threads per SM (about 52 registers each), a
+        // collective of 64 blocks: 200 slots left for 2 x (L - 1) send/recv kernels.
+        assert_eq!(p2p_blocks_that_fit(32, 2, 132, 2, 64), 32, "2 kernels: the setting fits");
+        assert_eq!(p2p_blocks_that_fit(32, 4, 132, 2, 64), 32, "6 x 32 = 192 <= 200");
+        assert_eq!(p2p_blocks_that_fit(64, 4, 132, 2, 64), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
+        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 2, 64), 14, "14 kernels x 14 = 196 <= 200");
+        assert_eq!(p2p_blocks_that_fit(32, 16, 132, 2, 64), 6, "30 x 6 = 180");
+        for (setting, l, sms, per_sm, coll) in [(32, 8, 132, 2, 64), (64, 4, 132, 2, 64), (7, 5, 20, 3, 17), (64, 16, 132, 1, 64)] {
+            let b = p2p_blocks_that_fit(setting, l, sms, per_sm, coll);
+            assert!(b <= setting);
+            assert!(2 * (l as u32 - 1) * b + coll <= sms * per_sm, "{setting} {l} {sms} {per_sm} {coll}: {b}");
+            assert!(2 * (l as u32 - 1) * (b + 1) + coll > sms * per_sm || b == setting, "the most that fit");
+        }
+        // Nothing fits: 0 (creation fails with a message), never a wrap-around.
+        assert_eq!(p2p_blocks_that_fit(32, 8, 16, 2, 64), 0);
+        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 0, 64), 0, "a kernel that cannot run at all");
+        assert_eq!(p2p_blocks_that_fit(32, 16, 16, 2, 8), 0, "30 kernels on 32 slots beside 8");
+        // One rank: no send/recv, the setting stands.
+        assert_eq!(p2p_blocks_that_fit(32, 1, 1, 1, 64), 32);
+        // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
+        let (eff, set) = (p2p_blocks_that_fit(64, 4, 132, 2, 64), 64);
+        let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
+        assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
     }
 
     #[test]
@@ -1423,6 +1683,9 @@ fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
             drop(p);
             // Kernels poll this word while they wait and return (see the kernel source).
             sh.words.write(HostWords::ABORT, 1);
+            // The other peers see the death themselves within one poll; this stops their
+            // kernels that wait on this rank's sooner.
+            sh.poison_peers();
             return;
         }
     }

@@ -22,6 +22,9 @@ pub const STAGE_OFF: usize = 262144;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = 4096;
+/// 1 + the local index of a rank that stopped the group, 0 = none: read by this rank's
+/// kernels, written by a failing peer (its kernels, or its host: CudaEngine::abort_group).
+pub const POISON_OFF: usize = STATS_OFF + 256;
 pub const MAX_RANKS: usize = 16;
 pub const MAX_BLOCKS: u32 = 64;
 
@@ -269,6 +272,31 @@ impl Kernels {
 
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
         self.reduce.get(&(f, d, o)).copied()
+    }
+
+    /// Every collective entry point (not send/recv): what runs on a group's collective grid.
+    pub fn collectives(&self) -> impl Iterator<Item = CUfunction> + '_ {
+        let plain = [self.all_gather, self.broadcast, self.gather, self.scatter, self.all_to_all, self.barrier];
+        self.reduce.values().copied().chain(plain)
+    }
+
+    /// The fewest blocks of THREADS threads that any of `funcs` can have resident on one
+    /// SM (cuOccupancyMaxActiveBlocksPerMultiprocessor; no dynamic shared memory). Every
+    /// block of these kernels then uses at most 1/that of each SM resource, so any that
+    /// many blocks of them, whichever kernels they belong to, fit on one SM together.
+    pub fn min_blocks_per_sm(funcs: impl IntoIterator<Item = CUfunction>) -> Result<u32> {
+        let mut least = u32::MAX;
+        for f in funcs {
+            let mut n: std::ffi::c_int = 0;
+            // SAFETY: out-pointer to a local; `f` is a function of a loaded module; the
+            // caller made the module's context current.
+            check(
+                unsafe { cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, THREADS as std::ffi::c_int, 0) },
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            )?;
+            least = least.min(n.max(0) as u32);
+        }
+        Ok(if least == u32::MAX { 0 } else { least })
     }
 }
 

@@ -18,9 +18,10 @@
 //! a stream.
 //!
 //! Errors: NCCL kernels wait without bound, so the engine bounds them. Every launch is
-//! tracked by an event; a watchdog thread polls every communicator's asynchronous error,
-//! rsccl's local engine, and the oldest tracked launch. A failure, or a launch older than
-//! the group timeout, makes the group unusable: the first error is kept (and raised by
+//! tracked by events before and after it; a watchdog thread polls every communicator's
+//! asynchronous error, rsccl's local engine, and the tracked launches. A failure, or a
+//! launch still running more than the group timeout after it started on the GPU, makes
+//! the group unusable: the first error is kept (and raised by
 //! every later call and Work.wait) and the watchdog aborts the communicators, which ends
 //! their kernels, so nothing waits on them forever. Aborts happen on the watchdog thread
 //! only (or at shutdown, after it stopped), so a communicator is freed exactly once.
@@ -34,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
 use super::engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, EventHome};
@@ -51,6 +52,8 @@ use crate::error::{Error, Result};
 const WARM_BYTES: usize = 8 << 20;
 /// Bytes of the buffer a barrier all-reduces (one float).
 const SCRATCH_BYTES: usize = 256;
+/// How long an abort waits for launches to leave their NCCL calls (see `abort_comms`).
+const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 /// Which communicator a store key belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,10 +204,21 @@ pub struct NcclStats {
 
 /// A launch the watchdog follows until its event completes.
 struct Tracked {
+    /// Recorded on the launch's stream right before the launch: complete once the work
+    /// queued ahead of it (the caller's compute, earlier collectives) is done.
+    start: CUevent,
     ev: CUevent,
-    at: Instant,
+    /// When `start` was first seen complete (by the watchdog or a health check); the
+    /// launch's age counts from there, so waiting behind long compute is not a timeout.
+    started: Option<Instant>,
     kind: CudaKind,
     count: u64,
+}
+
+/// Whether a launch that started on the GPU at `started` (None: not yet) and has not
+/// finished is past the group timeout `now` (pure: tested without a GPU).
+pub fn launch_timed_out(started: Option<Instant>, now: Instant, timeout: Duration) -> bool {
+    started.is_some_and(|t| now.saturating_duration_since(t) > timeout)
 }
 
 struct Order {
@@ -220,6 +234,11 @@ struct Shared {
     local: Option<Arc<CudaEngine>>,
     rank: usize,
     timeout: Duration,
+    /// Held shared by every use of a communicator handle (launches, asynchronous-error
+    /// queries) and exclusively by what frees one (abort, close), so a handle is never
+    /// freed while in use. Taken before `order`. See `abort_comms` for why the exclusive
+    /// side does not wait long.
+    gate: RwLock<()>,
     order: Mutex<Order>,
     pending: Mutex<VecDeque<Tracked>>,
     /// The first error that made the group unusable.
@@ -254,9 +273,12 @@ impl Shared {
     /// A failure nobody reported yet: an NCCL asynchronous error, a failed local engine,
     /// or a launch older than the group timeout.
     fn find_failure(&self) -> Option<Error> {
-        for (what, c) in self.comms() {
-            if let Err(e) = c.async_error() {
-                return Some(with_context(e, &format!("rank {}: the NCCL communicator {what} failed", self.rank)));
+        {
+            let _gate = self.gate.read();
+            for (what, c) in self.comms() {
+                if let Err(e) = c.async_error() {
+                    return Some(with_context(e, &format!("rank {}: the NCCL communicator {what} failed", self.rank)));
+                }
             }
         }
         if let Some(l) = &self.local {
@@ -264,19 +286,30 @@ impl Shared {
                 return Some(e);
             }
         }
-        let p = self.pending.lock();
-        let front = p.front()?;
-        // SAFETY: a valid event of ours (recycled only after it left `pending`).
-        let r = unsafe { cu::cuEventQuery(front.ev) };
-        if r == cu::CUresult::CUDA_ERROR_NOT_READY && front.at.elapsed() > self.timeout {
+        let mut p = self.pending.lock();
+        let now = Instant::now();
+        // Every unfinished launch (not only the oldest: launches on streams that are not
+        // ordered after each other may start in any order), aged from its start.
+        let late = p.iter_mut().find_map(|t| {
+            // SAFETY: valid events of ours (recycled only after they left `pending`).
+            if unsafe { cu::cuEventQuery(t.ev) } != cu::CUresult::CUDA_ERROR_NOT_READY {
+                return None;
+            }
+            // SAFETY: as above.
+            if t.started.is_none() && unsafe { cu::cuEventQuery(t.start) } == cu::CUresult::CUDA_SUCCESS {
+                t.started = Some(now);
+            }
+            launch_timed_out(t.started, now, self.timeout).then_some((t.kind, t.count))
+        });
+        if let Some((kind, count)) = late {
             return Some(Error::Timeout(format!(
-                "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s): \
+                "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s) of starting on the GPU: \
                  a rank of the group did not call it, called it with other sizes (all_to_all splits \
                  that disagree between ranks hang NCCL), or died; the group was aborted",
                 self.rank,
-                front.kind.name(),
-                front.count,
-                count_unit(front.kind),
+                kind.name(),
+                count,
+                count_unit(kind),
                 self.timeout.as_secs_f64()
             )));
         }
@@ -293,7 +326,7 @@ impl Shared {
                 if unsafe { cu::cuEventQuery(t.ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
                     break;
                 }
-                done.extend(p.pop_front().map(|t| t.ev));
+                done.extend(p.pop_front().into_iter().flat_map(|t| [t.start, t.ev]));
             }
         }
         if !done.is_empty() {
@@ -301,9 +334,21 @@ impl Shared {
         }
     }
 
-    /// Abort every communicator (their kernels end). A launch still inside an NCCL call
-    /// holds the order lock: it gets a moment to return, then the abort goes ahead anyway,
-    /// since an NCCL call blocked on a dead peer returns only once aborted.
+    /// Abort every communicator (their kernels end), exclusive with every use of their
+    /// handles (`gate`): launches and error queries hold it shared, so none of them runs
+    /// on a handle being freed, and once the abort nulled the handles, a launch that
+    /// takes the gate next finds them dead (`live()`) and fails.
+    ///
+    /// Why the wait for the gate is short: a launch holds it only while it enqueues. NCCL
+    /// calls on a blocking communicator queue their kernels and return without waiting
+    /// for peers: collectives' connections, and the point-to-point ones of the send/recv
+    /// groups (gather, scatter, all_to_all), were all made at creation by the warm-up, so
+    /// no call connects (the one step that waits on peers) later; the hierarchical path's
+    /// host-local launches queue rsccl kernels without waiting either. What could still
+    /// block a launch without bound is the CUDA driver's launch queue, full behind a kernel
+    /// that never ends, and only this abort ends such a kernel: so after ABORT_GRACE the
+    /// abort goes ahead anyway (logged), the one case where a launch may still be inside
+    /// an NCCL call on the handle being aborted.
     ///
     /// The communicators are aborted at once, each on its own thread: NCCL's abort of one
     /// may wait for GPU work that only the abort of another ends. On 4 H200s as 2 emulated
@@ -311,7 +356,10 @@ impl Shared {
     /// they ran one after the other (flat first); a kernel of the cross communicator, stuck
     /// on the dead peer, holding up the flat communicator's abort is the suspected cause.
     fn abort_comms(&self) {
-        let guard = self.order.try_lock_for(Duration::from_secs(2));
+        let guard = self.gate.try_write_for(ABORT_GRACE);
+        if guard.is_none() {
+            tracing::warn!(rank = self.rank, "rsccl: a launch did not leave its NCCL call within {ABORT_GRACE:?}; aborting the communicators anyway");
+        }
         std::thread::scope(|s| {
             for (_, c) in self.comms() {
                 s.spawn(move || c.abort());
@@ -564,7 +612,7 @@ impl NcclEngine {
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, topo.rank, topo.size, cfg.nccl_max_ctas, &names[0])?;
-            warm_up(&comm, internal, warm, scratch, deadline)?;
+            warm_up(&comm, internal, warm, scratch, true, deadline)?;
             (comm, before.saturating_sub(free_bytes()?))
         };
         let hier = || -> Result<(Arc<CudaEngine>, NcclComm, u64)> {
@@ -576,7 +624,8 @@ impl NcclEngine {
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, host, hosts, cfg.nccl_max_ctas, &names[1])?;
-            warm_up(&comm, internal, warm, scratch, deadline)?;
+            // The cross communicators run collectives only (no send/recv).
+            warm_up(&comm, internal, warm, scratch, false, deadline)?;
             let bytes = before.saturating_sub(free_bytes()?);
             Ok((local, comm, bytes))
         };
@@ -598,6 +647,7 @@ impl NcclEngine {
             local,
             rank: topo.rank,
             timeout,
+            gate: RwLock::new(()),
             order: Mutex::new(Order { last_stream: None, free_events: Vec::new() }),
             pending: Mutex::new(VecDeque::new()),
             poisoned: Mutex::new(None),
@@ -735,6 +785,9 @@ impl NcclEngine {
         let caller = c.stream;
         let internal = self.internal as u64;
         let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        // Every communicator handle used below is read (`live()`, `raw()`) under this, so
+        // no abort or close frees it meanwhile (Shared::abort_comms).
+        let _gate = sh.gate.read();
         let mut o = sh.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
         if sh.stop.load(Ordering::Acquire) {
@@ -748,31 +801,52 @@ impl NcclEngine {
                 join(&mut o, last, target)?;
             }
         }
-        match (a2a, path) {
-            (Some(x), _) => self.enqueue_all_to_all(x, target)?,
-            (None, CrossHost::Flat) => self.enqueue_flat(c, target)?,
-            (None, CrossHost::Hierarchical) => {
-                match c.kind {
-                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target)?,
-                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target)?,
-                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target)?,
-                    k => return Err(Error::Internal(format!("no hierarchical {}", k.name()))),
-                }
-                self.hierarchical.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        o.last_stream = Some(target);
-        self.collectives.fetch_add(1, Ordering::Relaxed);
         // The watchdog follows every launch it can query (not one being captured into a
-        // graph: it runs when the graph is replayed).
-        if !is_capturing(target)? {
+        // graph: it runs when the graph is replayed), from an event recorded right before
+        // it (its start on the GPU) to one right after (its end).
+        let tracked = !is_capturing(target)?;
+        let start = if tracked {
             let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
             // SAFETY: valid event and stream.
             if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
                 o.free_events.push(ev);
                 return Err(e);
             }
-            sh.pending.lock().push_back(Tracked { ev, at: Instant::now(), kind: c.kind, count: c.count });
+            Some(ev)
+        } else {
+            None
+        };
+        let enqueued = match (a2a, path) {
+            (Some(x), _) => self.enqueue_all_to_all(x, target),
+            (None, CrossHost::Flat) => self.enqueue_flat(c, target),
+            (None, CrossHost::Hierarchical) => {
+                let r = match c.kind {
+                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target),
+                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target),
+                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target),
+                    k => Err(Error::Internal(format!("no hierarchical {}", k.name()))),
+                };
+                if r.is_ok() {
+                    self.hierarchical.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            }
+        };
+        if let Err(e) = enqueued {
+            // Recorded on the stream already: harmless to reuse (a later record replaces it).
+            o.free_events.extend(start);
+            return Err(e);
+        }
+        o.last_stream = Some(target);
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        if let Some(start) = start {
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            // SAFETY: valid event and stream.
+            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
+                o.free_events.extend([start, ev]);
+                return Err(e);
+            }
+            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count });
         }
         if target == caller {
             return Ok(None);
@@ -807,7 +881,7 @@ impl NcclEngine {
         let root = c.root as i32;
         let what = format!("NCCL {} (flat)", c.kind.name());
         // SAFETY (every call below): `raw` is a live communicator (aborts wait for the
-        // order lock the caller holds, see Shared::abort_comms); the pointers are device
+        // gate the caller holds shared, see Shared::abort_comms); the pointers are device
         // buffers of the sizes the Python layer checked (count as CudaCall documents:
         // elements for reductions, bytes for the rest); `s` is a live stream of the
         // communicator's device.
@@ -1147,7 +1221,9 @@ impl NcclEngine {
             }
         }
         if healthy {
-            // Launches are refused from here on (stop), and the queued work finished.
+            // Launches are refused from here on (stop), and the queued work finished; the
+            // gate keeps a concurrent health check's error query off the handles.
+            let _gate = sh.gate.try_write_for(ABORT_GRACE);
             for (_, c) in sh.comms() {
                 c.close();
             }
@@ -1186,6 +1262,7 @@ impl Drop for Shared {
         // every CudaEvent of it hold this Shared).
         unsafe {
             for t in self.pending.get_mut().drain(..) {
+                cu::cuEventDestroy_v2(t.start);
                 cu::cuEventDestroy_v2(t.ev);
             }
             for ev in self.order.get_mut().free_events.drain(..) {
@@ -1208,11 +1285,12 @@ fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
     r
 }
 
-/// The collectives a communicator will run, once each at a small and a large size, on the
-/// internal stream, then wait (at most until `deadline`): NCCL connects peers and
-/// allocates the buffers of each algorithm and protocol at their first use, so this moves
-/// that to group creation. `warm` holds WARM_BYTES, `scratch` SCRATCH_BYTES.
-fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline: Instant) -> Result<()> {
+/// The collectives a communicator will run, once each at a small and a large size, and
+/// (`p2p`) sends and receives with every rank, on the internal stream, then wait (at most
+/// until `deadline`): NCCL connects peers and allocates the buffers of each algorithm and
+/// protocol at their first use, so this moves that to group creation. `warm` holds
+/// WARM_BYTES, `scratch` SCRATCH_BYTES.
+fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, p2p: bool, deadline: Instant) -> Result<()> {
     let f = comm.fns();
     let raw = comm.raw();
     let s = stream as nc::cudaStream_t;
@@ -1239,6 +1317,15 @@ fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline:
     };
     for (what, r) in calls {
         comm.check(r, &format!("NCCL {what} (warm-up at group creation)"))?;
+    }
+    // gather, scatter and all_to_all (flat communicator only: `p2p`) are NCCL groups of
+    // sends and receives, whose point-to-point connections NCCL makes (and whose buffers
+    // it allocates) at the first send or receive with each peer: one group with a send to
+    // and a receive from every rank, this one included (as all_to_all and the rooted calls
+    // do), connects them all now, once with a tiny message and once with a larger one
+    // (NCCL picks its protocol by size).
+    for per_peer in [1usize, p2p_warm_bytes(n)].into_iter().filter(|_| p2p) {
+        comm.check(warm_p2p(comm, stream, warm, per_peer), "NCCL send/recv (warm-up at group creation)")?;
     }
     let ev = new_event()?;
     // SAFETY: valid event and stream.
@@ -1278,6 +1365,52 @@ fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, deadline:
     result
 }
 
+/// Bytes per peer of the larger point-to-point warm-up: the sends read the first half of
+/// the warm buffer, the receives write the second, `n` pieces each, in 256-byte units
+/// (at least 1 byte, for very large groups).
+pub fn p2p_warm_bytes(n: usize) -> usize {
+    ((WARM_BYTES / 2 / n.max(1)) & !255).max(1)
+}
+
+/// One NCCL group of a `per_peer`-byte send to and receive from every rank of `comm` (self
+/// included), on `stream`: sends from the first half of `warm`, receives into the second.
+fn warm_p2p(comm: &NcclComm, stream: CUstream, warm: u64, per_peer: usize) -> nc::ncclResult_t {
+    let (f, raw, s) = (comm.fns(), comm.raw(), stream as nc::cudaStream_t);
+    let u8_ = nc::ncclDataType_t::ncclUint8;
+    let ok = nc::ncclResult_t::ncclSuccess;
+    let half = (WARM_BYTES / 2) as u64;
+    // SAFETY: a live communicator and stream; every piece lies in its half of the warm
+    // buffer: at + per_peer <= half, since per_peer x nranks <= half when per_peer comes
+    // from p2p_warm_bytes(nranks) (or per_peer = 1 and at < half). Pieces of 1 byte may
+    // coincide in very large groups: the warm-up's data is never read.
+    let mut r = unsafe { (f.group_start)() };
+    if r != ok {
+        return r;
+    }
+    for peer in 0..comm.nranks {
+        let at = (peer * per_peer) as u64 % half;
+        // SAFETY: as above.
+        let (a, b) = unsafe {
+            (
+                (f.send)((warm + at) as *const c_void, per_peer, u8_, peer as i32, raw, s),
+                (f.recv)((warm + half + at) as *mut c_void, per_peer, u8_, peer as i32, raw, s),
+            )
+        };
+        for x in [a, b] {
+            if r == ok {
+                r = x;
+            }
+        }
+    }
+    // SAFETY: closes the group opened above, whatever happened inside it.
+    let end = unsafe { (f.group_end)() };
+    if r == ok {
+        end
+    } else {
+        r
+    }
+}
+
 fn watchdog(sh: Arc<Shared>) {
     let Ok(_ctx) = sh.dev.bind() else { return };
     let mut aborted = false;
@@ -1302,6 +1435,30 @@ fn watchdog(sh: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launches_age_from_their_start_on_the_gpu() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(10);
+        // Queued behind an hour of compute: not started, never late.
+        assert!(!launch_timed_out(None, t0 + Duration::from_secs(3600), timeout));
+        let started = Some(t0 + Duration::from_secs(3600));
+        assert!(!launch_timed_out(started, t0 + Duration::from_secs(3605), timeout), "5 s since its start");
+        assert!(!launch_timed_out(started, t0 + Duration::from_secs(3610), timeout), "exactly the timeout");
+        assert!(launch_timed_out(started, t0 + Duration::from_secs(3611), timeout));
+        assert!(!launch_timed_out(started, t0, timeout), "a clock read before the start counts as 0");
+    }
+
+    #[test]
+    fn p2p_warm_up_pieces_fit_their_half_of_the_warm_buffer() {
+        for n in [1usize, 2, 3, 4, 7, 16, 1000, 16 << 10, 1 << 20] {
+            let b = p2p_warm_bytes(n);
+            assert!(b >= 1);
+            assert!(b * n <= WARM_BYTES / 2 || b == 1, "{n} ranks x {b} bytes");
+            assert!(b == 1 || b % 256 == 0);
+        }
+        assert_eq!(p2p_warm_bytes(4), 1 << 20);
+    }
 
     #[test]
     fn store_keys_are_unique_per_creation_and_communicator() {
