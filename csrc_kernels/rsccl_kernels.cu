@@ -244,15 +244,6 @@ template <typename T> __device__ __forceinline__ void store_stage(const Pack<T>&
     *reinterpret_cast<uint4*>(base + i) = *reinterpret_cast<const uint4*>(&p);
 }
 
-// Launch bounds. Every kernel runs 512 threads. With only a 512-thread bound, NVRTC 13 held
-// the collective kernels to 64 registers (two blocks per SM) and spilled the staged loops
-// to local memory (reduce_scatter, two-shot all_reduce: 48-80 bytes of stack; cuobjdump
-// --dump-resource-usage). A collective runs `cuda_blocks` blocks, fewer than the SMs, one
-// per SM, so it asks for one block per SM and keeps its loops in registers. The send/recv
-// kernels keep the plain bound (51-52 registers, no spill): up to 2 (L - 1) of them run at
-// once beside a collective, and two fit on an SM.
-#define COLLECTIVE_BOUNDS __launch_bounds__(512, 1)
-
 // ---------------------------------------------------------------------------------------
 // Per-block state and the barrier.
 
@@ -939,7 +930,7 @@ __device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64
         });
 }
 
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_gather(const Args a) {
+extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank;
@@ -992,7 +983,7 @@ __device__ __forceinline__ void bc_copy(const Args& a, u64 st, u64 per_step, u64
         [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_broadcast(const Args a) {
+extern "C" __global__ void __launch_bounds__(512) rs_broadcast(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u64 n = a.count;
@@ -1017,7 +1008,7 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_broadcast(const Args a) {
 // other rank pushes its piece into its slot of the root's staging; barrier; the root
 // copies the slots into the output. Reuse: a rank writes parity p's slot again at step
 // s + 2, after barrier(s + 1), which needs the root's signal given after its copy of s.
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_gather(const Args a) {
+extern "C" __global__ void __launch_bounds__(512) rs_gather(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -1064,7 +1055,7 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_gather(const Args a) {
 // copies its own piece into its output); barrier; the others copy it into their output.
 // Reuse as for broadcast: the root writes parity p again at step s + 2, after barrier(s + 1),
 // which needs every rank's signal given after its copy of step s.
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_scatter(const Args a) {
+extern "C" __global__ void __launch_bounds__(512) rs_scatter(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -1211,7 +1202,7 @@ __device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step,
     }
 }
 
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x) {
+extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x) {
     const Args& a = x.a;
     __shared__ BlockState s;
     __shared__ unsigned long long s_max;
@@ -1442,7 +1433,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
 }
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
-extern "C" __global__ void COLLECTIVE_BOUNDS rs_barrier(const Args a) {
+extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u64 steps = 0;
@@ -1454,7 +1445,7 @@ extern "C" __global__ void COLLECTIVE_BOUNDS rs_barrier(const Args a) {
 // Entry points: rs_<algorithm>_<dtype>_<op>.
 
 #define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
-    extern "C" __global__ void COLLECTIVE_BOUNDS rs_##ALG##_##TN##_##ON(const Args a) {       \
+    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
         ALG<T, OP>(a);                                                                      \
     }
 

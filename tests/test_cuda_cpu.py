@@ -10,6 +10,7 @@ import torch
 
 import rsccl
 from rsccl import _cuda
+from rsccl.options import as_items
 
 
 def test_kernels_compile_for_hopper():
@@ -95,3 +96,21 @@ def test_nccl_bad_path_is_an_exception():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "raised: " in r.stdout and "cannot load NCCL from /nonexistent/libnccl.so.2" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_nccl_p2p_setting(monkeypatch):
+    """The pair communicators for CUDA send/recv across hosts: on by default; Options takes
+    0/1 or False/True, the environment 0/1; anything else is rejected, naming the setting."""
+    assert dict(rsccl._rsccl.resolve_options([]))["nccl_p2p"] == 1
+    for value, want in [(False, 0), (True, 1), (0, 0), (1, 1)]:
+        got = dict(rsccl._rsccl.resolve_options(rsccl.Options(nccl_p2p=value).items()))
+        assert got["nccl_p2p"] == want, value
+    assert dict(rsccl._rsccl.resolve_options(as_items({"nccl_p2p": False})))["nccl_p2p"] == 0
+    with pytest.raises(ValueError, match="nccl_p2p"):
+        rsccl._rsccl.resolve_options(rsccl.Options(nccl_p2p=2).items())
+    monkeypatch.setenv("RSCCL_NCCL_P2P", "0")
+    assert dict(rsccl._rsccl.resolve_options([]))["nccl_p2p"] == 0
+    monkeypatch.setenv("RSCCL_NCCL_P2P", "yes")
+    with pytest.raises(ValueError, match="RSCCL_NCCL_P2P"):
+        rsccl._rsccl.resolve_options([])
+    assert "RSCCL_NCCL_P2P" in rsccl.settings_table()

@@ -580,26 +580,20 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _on_cuda(self, t: Any, what: str) -> bool:
         """Whether all_to_all or send/recv whose (first) tensor is `t` takes the CUDA
-        engine's path: rsccl's kernels in a group on one host; across hosts, all_to_all on
-        the NCCL engine (one NCCL group of sends and receives). send/recv of CUDA tensors
-        across hosts is a clear TypeError: torch calls isend/irecv of a ProcessGroup
-        subclass one by one, and NCCL sends and receives issued one by one on one stream
-        can deadlock (docs/multihost.md)."""
+        engine's path: rsccl's kernels in a group on one host; across hosts, the NCCL
+        engine (all_to_all: one NCCL group of sends and receives on the flat communicator;
+        send/recv: the 2-rank communicator of that ordered pair, on its own stream, or
+        rsccl's kernels for a rank of this host; docs/multihost.md). Across hosts without
+        the NCCL engine (CUDA not initialized at creation) it is a clear TypeError: gloo
+        does not take CUDA tensors."""
         if not getattr(t, "is_cuda", False):
             return False
-        if self._gloo is None:
+        if self._gloo is None or self._cuda_engine == "nccl":
             return True
-        if what.startswith("all_to_all") and self._cuda_engine == "nccl":
-            return True
-        if what.startswith("all_to_all"):
-            raise TypeError(
-                f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
-                "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
-                "before init_process_group/new_group); or use CPU tensors"
-            )
         raise TypeError(
-            f"rsccl: {what} on CUDA tensors in a group that spans hosts is not supported (NCCL send/recv issued one "
-            "by one can deadlock); use all_to_all, a group of one host's ranks, or CPU tensors"
+            f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
+            "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
+            "before init_process_group/new_group); or use CPU tensors"
         )
 
     def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:
@@ -898,9 +892,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _cuda_p2p(self, tensors: list[torch.Tensor], peer: int, send: bool) -> Any:
         """One send or recv on the CUDA engine. Each (peer, direction) has its own internal
-        stream, so a send to j and a recv from j progress together; sends to one peer match
-        that peer's recvs in order. Always asynchronous (torch passes no asyncOp here: a
-        blocking dist.send/recv waits on the Work, which orders the caller's stream)."""
+        stream (across hosts: its own NCCL communicator too), so a send to j and a recv
+        from j progress together, issued one at a time as torch issues them for
+        batch_isend_irecv; sends to one peer match that peer's recvs in order. Always
+        asynchronous (torch passes no asyncOp here: a blocking dist.send/recv waits on the
+        Work, which orders the caller's stream)."""
         what = "send" if send else "recv"
         device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
         stream = raw_stream(device)
@@ -1299,7 +1295,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         what = "send" if send else "recv"
         if self._gloo is not None:
             if any(getattr(t, "is_cuda", False) for t in tensors):
-                raise TypeError(f"rsccl: {what} of CUDA tensors in a group that spans hosts is not supported yet (gloo cannot, and rsccl's NCCL engine runs collectives only)")
+                raise TypeError(
+                    f"rsccl: rank {self.rank()}: {what} of a list that mixes CPU and CUDA tensors in a group that spans hosts: "
+                    "give one CUDA tensor (NCCL) or CPU tensors (gloo)"
+                )
             return getattr(self._gloo, what)(tensors, peer, tag)
         try:
             t = _one(tensors, what)

@@ -12,6 +12,11 @@ over the same ranks, in ABBA order, and checked against it on random integers (e
 whatever the reduction order). Sizes are the message bytes as the threshold counts them:
 the all_reduce tensor, the all_gather output, the reduce_scatter input.
 
+Then send/recv across hosts: rank 0 sends to the first rank of the second host (1, 16 and
+256 MiB), on the flat group's pair communicator (rsccl's NCCL engine: one 2-rank NCCL
+communicator per direction, made at creation) and on torch's NCCL group, timed on the
+receiver in ABBA order and checked bit for bit against what torch's NCCL delivered.
+
 On one machine the "hosts" are joined by NVLink, not a network: the comparison shows the
 cost of the extra phases and what the host-local kernels win, not a real cross-host run.
 """
@@ -27,6 +32,18 @@ from typing import Any
 
 MiB = 1 << 20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+P2P_SIZES = [1 * MiB, 16 * MiB, 256 * MiB]
+
+
+def _p2p(rank: int, src: int, dst: int, group: Any, t: Any) -> None:
+    """One message from `src` to `dst` on `group` (the other ranks do nothing); blocking, as
+    dist.send/recv are: the caller's stream waits for it."""
+    import torch.distributed as dist
+
+    if rank == src:
+        dist.send(t, dst, group=group)
+    elif rank == dst:
+        dist.recv(t, src, group=group)
 
 
 def _call(kind: str, group: Any, big: Any, small: Any) -> None:
@@ -48,7 +65,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
 
     import rsccl
 
-    out: dict[str, Any] = {"rank": rank, "rows": [], "errors": []}
+    out: dict[str, Any] = {"rank": rank, "rows": [], "p2p_rows": [], "errors": []}
     try:
         torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
@@ -113,6 +130,39 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
                     {"kind": kind, "bytes": size, **{k: min(v) for k, v in t.items()}, "ok_flat": ok["flat"], "ok_hier": ok["hier"],
                      "hier_calls": hier_calls() - start_calls}
                 )
+        # send/recv across hosts: rank 0 to the first rank of the second host.
+        src, dst = 0, per_host
+        for size in P2P_SIZES:
+            n = size // 4
+            x = torch.randint(-(1 << 30), 1 << 30, (n,), device="cuda", generator=g, dtype=torch.int32)
+            ref, ours = torch.zeros_like(x), torch.zeros_like(x)
+            _p2p(rank, src, dst, nccl, x if rank == src else ref)
+            _p2p(rank, src, dst, flat, x if rank == src else ours)
+            torch.cuda.synchronize()
+            ok = rank != dst or bool(torch.equal(ours, ref))
+            buf = x if rank == src else ours
+            for grp in (nccl, flat):  # warm-up (torch's NCCL makes its pair communicator at first use)
+                for _ in range(3):
+                    _p2p(rank, src, dst, grp, buf)
+
+            def time_p2p(grp: Any, buf: torch.Tensor = buf) -> float:
+                torch.cuda.synchronize()
+                dist.barrier(group=nccl)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(iters):
+                    _p2p(rank, src, dst, grp, buf)
+                e.record()
+                torch.cuda.synchronize()
+                return s.elapsed_time(e) / iters * 1000.0
+
+            t = {"nccl": [], "rsccl": []}
+            for order in (("nccl", "rsccl"), ("rsccl", "nccl")):
+                for name in order:
+                    t[name].append(time_p2p(nccl if name == "nccl" else flat))
+            out["p2p_rows"].append({"bytes": size, **{k: min(v) for k, v in t.items()}, "ok": ok})
+        out["p2p_pairs"] = int(flat._comm.memory_stats().get("nccl_p2p_communicators", -1))
+        out["p2p_bytes"] = int(flat._comm.memory_stats().get("nccl_p2p_bytes", -1))
         dist.barrier(group=nccl)
         for grp in (hier, flat, nccl):
             dist.destroy_process_group(grp)
@@ -178,6 +228,26 @@ def run(world: int = 4, per_host: int = 2, sizes: list[int] | None = None, iters
             "how many of the row's calls (check, warm-up, timed) took the hierarchical path."
         )
         lines.append(f"hosts seen by the group: {r0.get('hosts')}, CUDA engine: {r0.get('engine')}")
+        rd = next((r for r in results if r["rank"] == per_host), r0)
+        lines += [
+            "",
+            f"### send/recv across hosts: rank 0 -> rank {per_host} (int32), timed on the receiver",
+            "",
+            "| bytes | NCCL (torch) us | rsccl (pair communicator) us | rsccl / NCCL speed | GB/s (rsccl) | checked vs NCCL |",
+            "|---:|---:|---:|---:|---:|:---|",
+        ]
+        for i, row in enumerate(rd["p2p_rows"]):
+            good = all(r2["p2p_rows"][i]["ok"] for r2 in results)
+            ok = ok and good
+            lines.append(
+                f"| {row['bytes'] >> 20} MiB | {row['nccl']:.1f} | {row['rsccl']:.1f} | {row['nccl'] / row['rsccl']:.2f}x | "
+                f"{row['bytes'] / row['rsccl'] / 1e3:.1f} | {'bit-equal' if good else 'WRONG'} |"
+            )
+        lines.append("")
+        lines.append(
+            f"pair communicators per rank: {r0.get('p2p_pairs')}, their device memory (creation and warm-up): "
+            f"{r0.get('p2p_bytes', 0) / MiB:.1f} MiB on rank 0"
+        )
     if errors:
         lines.append("")
         lines.append("errors:")

@@ -218,7 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--hier", action="store_true",
                    help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
                         "flat all_reduce, all_gather and reduce_scatter on rsccl's NCCL engine against torch's NCCL, "
-                        "written to hier.md (gets --timeout + 300 s: three collectives)")
+                        "and send/recv across hosts (pair communicators), written to hier.md (gets --timeout + 360 s: "
+                        "three collectives and send/recv)")
     args = p.parse_args(argv)
     defaults = DEVICE_DEFAULTS[args.device]
     for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and args.hier:
         from . import _bench_hier
 
-        table, ok = _bench_hier.run(4, 2, timeout=args.timeout + 300)
+        table, ok = _bench_hier.run(4, 2, timeout=args.timeout + 360)
         print(table, flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hier.md").write_text(table)

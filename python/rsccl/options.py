@@ -48,10 +48,17 @@ class Options:
     nccl_hierarchical_min_bytes: int | str | None = None
     #: Device buffer of a multi-host group for hierarchical reduce_scatter (0: always flat); RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES.
     nccl_hierarchical_scratch_bytes: int | str | None = None
+    #: 1/True (default): a multi-host group creates a NCCL communicator per ordered cross-host pair for CUDA send/recv; 0/False: none; RSCCL_NCCL_P2P.
+    nccl_p2p: int | bool | None = None
 
     def items(self) -> list[tuple[str, str]]:
         """The fields that are set, as (name, text) pairs for the Rust core."""
-        return [(f.name, str(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None]
+        return [(f.name, _text(getattr(self, f.name))) for f in fields(self) if getattr(self, f.name) is not None]
+
+
+def _text(v: object) -> str:
+    """A field's value as the Rust core parses it (True/False as 1/0)."""
+    return str(int(v)) if isinstance(v, bool) else str(v)
 
 
 def as_items(pg_options: object) -> list[tuple[str, str]]:
@@ -61,5 +68,5 @@ def as_items(pg_options: object) -> list[tuple[str, str]]:
     if isinstance(pg_options, Options):
         return pg_options.items()
     if isinstance(pg_options, dict):
-        return [(str(k), str(v)) for k, v in pg_options.items() if v is not None]
+        return [(str(k), _text(v)) for k, v in pg_options.items() if v is not None]
     raise TypeError(f"rsccl: pg_options must be rsccl.Options or a dict, not {type(pg_options).__name__}")

@@ -4,6 +4,10 @@ GPUs: 2 hosts x 2 GPUs (the flat NCCL communicator, rsccl's engine inside each h
 the cross-host communicators: flat and hierarchical all_reduce, all_gather and
 reduce_scatter; the ranks are host-major); with 2 GPUs: 2 hosts x 1 GPU (flat NCCL only).
 all_to_all (single, even and uneven splits, and the list form) runs on NCCL in both.
+CUDA send/recv across hosts (batch_isend_irecv rings, isend/irecv, "both send first")
+run on the pair communicators and are checked bit for bit against the sender's data,
+which the receiver makes itself from the seed; the first one must allocate no device
+memory; a killed rank must make the others raise within the timeout.
 
 Every CUDA collective is checked against backend="nccl" (ctx.nccl, over the same ranks)
 on random inputs. Harness rule: a body that mixes rsccl and NCCL calls must let every rank
@@ -50,6 +54,12 @@ CONFIGS = {
     # Hierarchical from any size, but a reduce_scatter's partial sums (2 hosts x output
     # bytes) must fit in 1 MiB: larger ones run flat.
     "small-scratch": {"nccl_hierarchical_min_bytes": 0, "nccl_hierarchical_scratch_bytes": "1MiB"},
+}
+# Configs of groups for send/recv only (not in CONFIGS: the collective tests run over those).
+P2P_CONFIGS = {
+    "p2p": {},  # the defaults: nccl_p2p = 1
+    "p2p-mem": {},  # the same, a group of its own whose first send/recv the memory test sees
+    "no-p2p": {"nccl_p2p": 0},
 }
 DEFAULT_MIN_BYTES = 16 << 20
 DEFAULT_SCRATCH_BYTES = 32 << 20
@@ -100,9 +110,8 @@ def emulated_group(ctx, config: str, ranks: list[int] | None = None, timeout: fl
         old = os.environ.get("RSCCL_HOST_ID")
         os.environ["RSCCL_HOST_ID"] = f"emul-host-{ctx.rank // per_host}"
         try:
-            groups[key] = dist.new_group(
-                ranks, backend="rsccl", pg_options=rsccl.Options(**CONFIGS[config]), timeout=timedelta(seconds=timeout)
-            )
+            options = CONFIGS[config] if config in CONFIGS else P2P_CONFIGS[config]
+            groups[key] = dist.new_group(ranks, backend="rsccl", pg_options=rsccl.Options(**options), timeout=timedelta(seconds=timeout))
         finally:
             if old is None:
                 os.environ.pop("RSCCL_HOST_ID", None)
@@ -147,6 +156,8 @@ def body_group_facts(ctx, config: str) -> dict:
         "hosts": pg._comm.hosts,
         "nccl_bytes": stats.get("nccl_bytes", 0),
         "communicators": stats.get("nccl_communicators", 0),
+        "p2p_communicators": stats.get("nccl_p2p_communicators", -1),
+        "p2p_bytes": stats.get("nccl_p2p_bytes", -1),
         "sum": x[0].item(),
     }
 
@@ -158,7 +169,12 @@ def test_group_sees_two_hosts_and_reports_nccl_memory(gpus):
         assert r["engine"] == "gloo" and r["cuda_engine"] == "nccl", f"rank {rank}: {r}"
         assert len(r["hosts"]) == 2, f"rank {rank}: hosts {r['hosts']}"
         assert r["nccl_bytes"] > 0, f"rank {rank}: memory_stats has no nccl_bytes: {r}"
-        assert r["communicators"] == (2 if world >= 4 else 1), f"rank {rank}: {r}"
+        # One pair communicator per direction with every rank of the other host: 2 x 2 GPUs:
+        # 2 peers, 4 communicators; 2 x 1: 1 peer, 2.
+        pairs = 2 * (world // 2)
+        assert r["p2p_communicators"] == pairs, f"rank {rank}: {r}"
+        assert r["communicators"] == (2 if world >= 4 else 1) + pairs, f"rank {rank}: {r}"
+        assert 0 < r["p2p_bytes"] < r["nccl_bytes"], f"rank {rank}: {r}"
         assert r["sum"] == world
 
 
@@ -573,25 +589,295 @@ def test_first_p2p_calls_across_hosts_allocate_nothing(gpus, seed):
         assert r["taken"] <= 2 << 20, f"rank {rank}: the first all_to_all/gather/scatter took {r['taken']} bytes: {r}"
 
 
-def body_send_across_hosts_is_a_type_error(ctx) -> str:
-    g = emulated_group(ctx, "flat")
+def body_send_without_pair_communicators(ctx) -> dict:
+    g = emulated_group(ctx, "no-p2p")
+    pg = _backend(g)
     x = torch.zeros(4, device=ctx.device)
+    stats = pg.memory_stats()
+    res = {"p2p_communicators": stats.get("nccl_p2p_communicators", -1), "communicators": stats.get("nccl_communicators", -1)}
     try:
         if ctx.rank == 0:
             dist.send(x, ctx.world - 1, group=g)
         elif ctx.rank == ctx.world - 1:
             dist.recv(x, 0, group=g)
         else:
-            return "not involved"
+            return {**res, "error": "not involved"}
     except TypeError as e:
-        return f"TypeError: {e}"
-    return "no error"
+        return {**res, "error": f"TypeError: {e}"}
+    return {**res, "error": "no error"}
 
 
-def test_send_recv_across_hosts_stay_a_type_error(gpus):
-    res = _cluster(gpus).run(body_send_across_hosts_is_a_type_error)
+def test_send_recv_across_hosts_without_nccl_p2p_are_a_type_error(gpus):
+    """nccl_p2p = 0: no pair communicators, and a CUDA send/recv across hosts raises a
+    TypeError naming the setting (on both ranks, before anything is queued)."""
+    res = _cluster(gpus).run(body_send_without_pair_communicators)
+    for rank, r in enumerate(res):
+        assert r["p2p_communicators"] == 0 and r["communicators"] == (2 if gpus.world >= 4 else 1), f"rank {rank}: {r}"
     for rank in (0, gpus.world - 1):
-        assert res[rank].startswith("TypeError") and "spans hosts" in res[rank], f"rank {rank}: {res[rank]}"
+        assert res[rank]["error"].startswith("TypeError") and "nccl_p2p" in res[rank]["error"], f"rank {rank}: {res[rank]}"
+
+
+# -- send/recv across hosts (pair communicators) ------------------------------------------
+
+P2P_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool]
+MiB = 1 << 20
+# Bytes: empty, one byte's worth, odd, 1 MiB, 64 MiB (rounded down to whole elements).
+P2P_BYTES = [0, 1, 4099 * 8 + 3, MiB, 64 * MiB]
+
+
+def _elems(nbytes: int, dtype: torch.dtype) -> int:
+    return nbytes // torch.empty(0, dtype=dtype).element_size() if nbytes > 1 else nbytes
+
+
+def _cross_peer(ctx) -> int:
+    """This rank's partner on the other emulated host: r <-> r + W/2."""
+    return (ctx.rank + ctx.world // 2) % ctx.world
+
+
+def _wait_all(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _batch(works: list, ops: list) -> None:
+    works.extend(dist.batch_isend_irecv(ops))
+
+
+def _post(works: list, op, t: torch.Tensor, peer: int, g) -> None:
+    """dist.isend or dist.irecv of `t` with `peer`, its Work appended to `works`."""
+    works.append(op(t, peer, group=g))
+
+
+def _assert_completed(works) -> None:
+    assert all(w.is_completed() for w in works), "an isend/irecv pair did not complete within 30 s"
+
+
+def body_p2p_ring(ctx, seed: int) -> dict:
+    """batch_isend_irecv over a ring of every rank, both directions at once: rank r sends
+    one tensor to r + 1 and one to r - 1 and receives one from each (on 2 x 2 GPUs, 0-1
+    and 2-3 are on one host: rsccl's kernels; 1-2 and 3-0 cross: pair communicators).
+    torch issues the four ops one at a time; they must not deadlock. Exact comparison
+    with what the sender made (the receiver makes it from the seed)."""
+    g = emulated_group(ctx, "p2p")
+    pg = _backend(g)
+    f = Failures(ctx.rank)
+    W, me = ctx.world, ctx.rank
+    right, left = (me + 1) % W, (me - 1) % W
+    before = pg.memory_stats().get("nccl_p2p_messages", 0)
+    checks = 0
+    for dtype in P2P_DTYPES:
+        for nbytes in P2P_BYTES:
+            n = _elems(nbytes, dtype)
+            what = f"ring {dtype} n={n} world={W}"
+            mine_r = rand_any(seed, me, n, dtype, salt=what + " rightward")
+            mine_l = rand_any(seed, me, n, dtype, salt=what + " leftward")
+            from_l = torch.empty(n, dtype=dtype, device=ctx.device)
+            from_r = torch.empty(n, dtype=dtype, device=ctx.device)
+            # With W = 2 both neighbours are one rank: messages between two ranks match
+            # in the order sent, so every rank sends rightward first and receives from
+            # the left first (the rightward message of its left neighbour).
+            ops = [
+                dist.P2POp(dist.isend, mine_r, right, g),
+                dist.P2POp(dist.isend, mine_l, left, g),
+                dist.P2POp(dist.irecv, from_l, left, g),
+                dist.P2POp(dist.irecv, from_r, right, g),
+            ]
+            works = []
+            f.check(what, _batch, works, ops)
+            f.check(what + " wait", _wait_all, works)
+            f.check(what + " from the left", assert_equal, from_l, rand_any(seed, left, n, dtype, salt=what + " rightward"), what)
+            f.check(what + " from the right", assert_equal, from_r, rand_any(seed, right, n, dtype, salt=what + " leftward"), what)
+            checks += 1
+            del mine_r, mine_l, from_l, from_r
+    torch.cuda.synchronize()
+    after = pg.memory_stats().get("nccl_p2p_messages", 0)
+    torch.cuda.empty_cache()
+    f.raise_any()
+    return {"checks": checks, "pair_messages": after - before}
+
+
+def test_batch_isend_irecv_ring_across_hosts(gpus, seed):
+    res = _cluster(gpus).run(body_p2p_ring, seed, timeout=900)
+    want = len(P2P_DTYPES) * len(P2P_BYTES)
+    for rank, r in enumerate(res):
+        assert r["checks"] == want, f"rank {rank}: {r}"
+        # Every message to or from the other host ran on a pair communicator: 2 of the 4
+        # per call on 2 x 2 GPUs, all 4 on 2 x 1.
+        per_call = 2 if gpus.world >= 4 else 4
+        assert r["pair_messages"] == per_call * want, f"rank {rank}: {r}"
+
+
+def body_both_send_first(ctx, seed: int) -> int:
+    """Each rank and its partner on the other host both isend first, then irecv, then wait
+    (lone calls, not a batch): each direction has its own communicator and stream, so
+    neither receive waits behind its own rank's send. Then, several messages in a row to
+    one peer match the peer's receives in order, posted late (after a sleep) and waited for
+    in reverse order, from a side stream."""
+    g = emulated_group(ctx, "p2p")
+    f = Failures(ctx.rank)
+    me, peer = ctx.rank, _cross_peer(ctx)
+    checks = 0
+    for dtype in [torch.float32, torch.int8]:
+        for nbytes in [4, MiB, 16 * MiB]:
+            n = _elems(nbytes, dtype)
+            what = f"both send first {dtype} n={n}"
+            x = rand_any(seed, me, n, dtype, salt=what)
+            y = torch.empty(n, dtype=dtype, device=ctx.device)
+            works = []
+            f.check(what + " isend", _post, works, dist.isend, x, peer, g)
+            f.check(what + " irecv", _post, works, dist.irecv, y, peer, g)
+            f.check(what + " wait", _wait_all, works)
+            f.check(what, assert_equal, y, rand_any(seed, peer, n, dtype, salt=what), what)
+            checks += 1
+    # Several messages to one peer, received late, waited for in reverse order.
+    sizes = [7, 262_144, 4 * MiB + 5]
+    side = torch.cuda.Stream(device=ctx.device)
+    xs = [rand_any(seed, me, n, torch.bfloat16, salt=f"in order {i}") for i, n in enumerate(sizes)]
+    ys = [torch.empty(n, dtype=torch.bfloat16, device=ctx.device) for n in sizes]
+    side.wait_stream(torch.cuda.current_stream())
+    sends, recvs = [], []
+    with torch.cuda.stream(side):
+        for x in xs:
+            f.check("isend in order", _post, sends, dist.isend, x, peer, g)
+    time.sleep(0.2)
+    for y in ys:
+        f.check("irecv in order", _post, recvs, dist.irecv, y, peer, g)
+    for w in reversed(recvs + sends):
+        f.check("wait in reverse order", w.wait)
+    for i, (y, n) in enumerate(zip(ys, sizes)):
+        f.check(f"in order {i}", assert_equal, y, rand_any(seed, peer, n, torch.bfloat16, salt=f"in order {i}"), f"message {i} of {len(sizes)}")
+        checks += 1
+    # Completion seen from the CPU, and a blocking send/recv pair (the lower rank first).
+    x = rand_any(seed, me, 1000, torch.float32, salt="completed")
+    y = torch.empty(1000, device=ctx.device)
+    w = [dist.isend(x, peer, group=g), dist.irecv(y, peer, group=g)]
+    deadline = time.monotonic() + 30
+    while not all(v.is_completed() for v in w) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    f.check("is_completed", _assert_completed, w)
+    f.check("wait after completion", _wait_all, w)
+    f.check("completed", assert_equal, y, rand_any(seed, peer, 1000, torch.float32, salt="completed"), "completed")
+    z = rand_any(seed, me, 5000, torch.float32, salt="blocking")
+    got = torch.empty_like(z)
+    for sender in sorted((me, peer)):
+        if sender == me:
+            f.check("blocking send", dist.send, z, peer, g)
+        else:
+            f.check("blocking recv", dist.recv, got, peer, g)
+    f.check("blocking", assert_equal, got, rand_any(seed, peer, 5000, torch.float32, salt="blocking"), "blocking send/recv")
+    torch.cuda.synchronize()
+    f.raise_any()
+    return checks + 2
+
+
+def test_isend_irecv_across_hosts_both_send_first(gpus, seed):
+    res = _cluster(gpus).run(body_both_send_first, seed, timeout=300)
+    assert len(set(res)) == 1 and res[0] == 6 + 3 + 2, res
+
+
+# What the first send/recv may add to the device memory in use: cuMemGetInfo counts whole
+# 2 MiB pages, and the CUDA driver may map a page for a kernel's first launch on a new
+# stream. A pair communicator that was not warmed up allocates its connection's buffers
+# (NCCL_BUFFSIZE-sized, per channel) at the first message: several MiB, well above this.
+FIRST_P2P_SLACK = 4 * MiB
+
+
+def body_first_p2p_allocates_nothing(ctx, seed: int) -> dict:
+    """The first cross-host send/recv of a fresh group: device memory in use before and
+    after (torch.cuda.mem_get_info, the device-wide figure, so NCCL's own allocations
+    count), with the tensors allocated before the first reading and the checks made after
+    the second."""
+    g = emulated_group(ctx, "p2p-mem")
+    pg = _backend(g)
+    f = Failures(ctx.rank)
+    me, peer = ctx.rank, _cross_peer(ctx)
+    n = 16 * MiB // 4
+    x = rand_any(seed, me, n, torch.float32, salt="first p2p")
+    y = torch.empty(n, device=ctx.device)
+    x2 = rand_any(seed, me, 1000, torch.float32, salt="first p2p small")
+    y2 = torch.empty(1000, device=ctx.device)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info(ctx.device)[0]
+    works = []
+    f.check("first isend/irecv", lambda: works.extend([dist.isend(x, peer, group=g), dist.irecv(y, peer, group=g)]))
+    f.check("first isend/irecv (small)", lambda: works.extend([dist.isend(x2, peer, group=g), dist.irecv(y2, peer, group=g)]))
+    f.check("first wait", _wait_all, works)
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info(ctx.device)[0]
+    f.check("first p2p data", assert_equal, y, rand_any(seed, peer, n, torch.float32, salt="first p2p"), "first p2p")
+    f.check("first p2p data (small)", assert_equal, y2, rand_any(seed, peer, 1000, torch.float32, salt="first p2p small"), "first p2p small")
+    stats = pg.memory_stats()
+    f.raise_any()
+    return {"grew": free_before - free_after, "nccl_bytes": stats.get("nccl_bytes", 0), "p2p_bytes": stats.get("nccl_p2p_bytes", 0)}
+
+
+def test_first_send_recv_across_hosts_allocates_nothing(gpus, seed):
+    res = _cluster(gpus).run(body_first_p2p_allocates_nothing, seed, timeout=300)
+    for rank, r in enumerate(res):
+        print(f"rank {rank}: nccl_bytes {r['nccl_bytes'] / MiB:.1f} MiB, of which pair communicators {r['p2p_bytes'] / MiB:.1f} MiB; first send/recv took {r['grew'] / MiB:.1f} MiB")
+        assert r["nccl_bytes"] > 0 and r["p2p_bytes"] > 0, f"rank {rank}: {r}"
+        assert r["grew"] <= FIRST_P2P_SLACK, f"rank {rank}: the first send/recv across hosts took {r['grew'] / MiB:.1f} MiB of device memory: {r}"
+
+
+def body_emulated_warm_p2p(ctx, timeout: float) -> None:
+    g = emulated_group(ctx, "p2p", timeout=timeout)
+    x = torch.ones(1 << 20, device=ctx.device)
+    dist.all_reduce(x, group=g)
+    y = torch.empty_like(x)
+    _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (ctx.rank + 1) % ctx.world, g), dist.P2POp(dist.irecv, y, (ctx.rank - 1) % ctx.world, g)]))
+    torch.cuda.synchronize()
+    assert y[0].item() == ctx.world
+
+
+def body_die_or_keep_exchanging(ctx, seed: int, victim: int, timeout: float):
+    """A ring of batch_isend_irecv until an error: the victim's neighbours wait on it, the
+    others on them; every survivor must raise within the timeout (plus slack)."""
+    g = emulated_group(ctx, "p2p", timeout=timeout)
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    W, me = ctx.world, ctx.rank
+    x = rand(seed, me, 1 << 20, torch.float32)
+    y = torch.empty_like(x)
+    start = time.monotonic()
+    error = None
+    try:
+        while time.monotonic() - start < 3 * timeout:
+            ops = [dist.P2POp(dist.isend, x, (me + 1) % W, g), dist.P2POp(dist.irecv, y, (me - 1) % W, g)]
+            _wait_all(dist.batch_isend_irecv(ops))
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        error = (type(e).__name__, str(e), time.monotonic() - start)
+    t0 = time.monotonic()
+    torch.cuda.synchronize()
+    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
+    return error, time.monotonic() - t0
+
+
+def test_killed_rank_fails_the_survivors_of_send_recv(seed):
+    worlds = [w for w in selected_worlds() if w <= gpu_count()]
+    if not worlds:
+        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
+    world, victim = max(worlds), 1
+    c = gpu_cluster(world, timeout=KILL_TIMEOUT, nccl_ref=False)  # a fresh cluster: this one ends broken
+    try:
+        c.run(body_emulated_warm_p2p, KILL_TIMEOUT, timeout=120)
+        try:
+            res = c.run(body_die_or_keep_exchanging, seed, victim, KILL_TIMEOUT, timeout=3 * KILL_TIMEOUT + 90, may_exit=frozenset({victim}))
+        except ClusterError as e:
+            pytest.fail(f"with rank {victim} killed, the survivors of a send/recv ring did not come back:\n{e}")
+    finally:
+        c.close(timeout=30)
+    for rank, got in enumerate(res):
+        if rank == victim:
+            continue
+        error, sync_s = got
+        assert error is not None, f"rank {rank} kept exchanging for {3 * KILL_TIMEOUT:.0f} s with rank {victim} dead, without an error"
+        kind, msg, took = error
+        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        # The rank opposite the victim waits on a neighbour that waits on the victim: both
+        # stop at about the same time, so one timeout (plus slack) bounds every survivor.
+        assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s): {kind}: {msg}"
+        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"
 
 
 A2A_MISMATCH_TIMEOUT = 15.0

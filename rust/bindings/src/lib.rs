@@ -314,24 +314,12 @@ impl Communicator {
     }
 
     /// Launch one CUDA send (`send`) or recv of `nbytes` at `ptr` with group rank `peer`,
-    /// on that (peer, direction)'s own stream, after the caller's `stream`.
+    /// after the caller's `stream` (see Group::cuda_p2p: rsccl's kernels on one host, the
+    /// NCCL engine's pair communicators across hosts). Returns the end event of an
+    /// asynchronous call, None for a blocking one.
     #[pyo3(signature = (send, ptr, nbytes, peer, stream, asynchronous))]
     fn cuda_p2p(&self, send: bool, ptr: u64, nbytes: u64, peer: usize, stream: u64, asynchronous: bool) -> PyResult<Option<CudaEvent>> {
-        if self.0.topo.hosts.len() > 1 {
-            // NCCL's send/recv issued one by one (as torch calls a ProcessGroup subclass for
-            // batch_isend_irecv) can deadlock: see docs/multihost.md.
-            return Err(pyo3::exceptions::PyTypeError::new_err(
-                "rsccl: CUDA send/recv run on one host's ranks only (this group spans hosts)",
-            ));
-        }
-        let engine = self.0.cuda().py()?;
-        let local = self.0.topo.local_ranks().iter().position(|&r| r == peer).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "rsccl: CUDA {} rank {peer}: not a rank of this host in this group",
-                if send { "send to" } else { "recv from" }
-            ))
-        })?;
-        Ok(engine.launch_p2p(send, ptr, nbytes, local, stream, asynchronous).py()?.map(CudaEvent))
+        Ok(self.0.cuda_p2p(send, ptr, nbytes, peer, stream, asynchronous).py()?.map(CudaEvent))
     }
 
     /// This rank's arguments to a CUDA collective were invalid: take part in its first
@@ -382,6 +370,9 @@ impl Communicator {
             d.set_item("nccl_communicators", n.communicators)?;
             d.set_item("nccl_collectives", n.collectives)?;
             d.set_item("nccl_hierarchical_collectives", n.hierarchical_collectives)?;
+            d.set_item("nccl_p2p_communicators", n.p2p_communicators)?;
+            d.set_item("nccl_p2p_bytes", n.p2p_bytes)?;
+            d.set_item("nccl_p2p_messages", n.p2p_messages)?;
         }
         Ok(d)
     }

@@ -230,6 +230,18 @@ pub const SETTINGS: &[Setting] = &[
                hierarchical reduce_scatter: a call whose output bytes x hosts exceed it runs \
                flat. 0: no buffer, reduce_scatter always flat",
     },
+    Setting {
+        field: "nccl_p2p",
+        env: "RSCCL_NCCL_P2P",
+        default: 1,
+        min: 0,
+        max: 1,
+        is_size: false,
+        help: "1: a group that spans hosts creates, at creation, one 2-rank NCCL communicator \
+               (and CUDA stream) per ordered pair of ranks on different hosts, warmed up, for \
+               CUDA send/recv across hosts; 0: none (less memory and a faster creation; CUDA \
+               send/recv across hosts then raise TypeError)",
+    },
 ];
 
 /// Resolved configuration of one group.
@@ -254,6 +266,8 @@ pub struct Config {
     pub nccl_max_ctas: Option<i32>,
     pub nccl_hierarchical_min_bytes: u64,
     pub nccl_hierarchical_scratch_bytes: u64,
+    /// Pair communicators for CUDA send/recv across hosts (docs/multihost.md).
+    pub nccl_p2p: bool,
 }
 
 impl Default for Config {
@@ -348,6 +362,7 @@ impl Config {
             nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
             nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),
             nccl_hierarchical_scratch_bytes: v("nccl_hierarchical_scratch_bytes"),
+            nccl_p2p: v("nccl_p2p") != 0,
         };
         Ok(cfg)
     }
@@ -382,6 +397,8 @@ impl Config {
             ("nccl_hierarchical_min_bytes", self.nccl_hierarchical_min_bytes),
             // Whether a reduce_scatter fits the scratch decides its path.
             ("nccl_hierarchical_scratch_bytes", self.nccl_hierarchical_scratch_bytes),
+            // The pair communicators are split from the flat one: a collective call.
+            ("nccl_p2p", self.nccl_p2p as u64),
         ];
         let names = shared
             .iter()
@@ -437,6 +454,20 @@ mod tests {
         let (_, names) = d.layout_settings();
         assert!(names.iter().any(|(f, _)| *f == "nccl_hierarchical_min_bytes"), "every rank must take the same path");
         assert!(names.iter().any(|(f, _)| *f == "nccl_hierarchical_scratch_bytes"), "every rank must take the same path");
+    }
+
+    #[test]
+    fn nccl_p2p_is_on_by_default_and_shared() {
+        assert!(Config::default().nccl_p2p);
+        let off = |k: &str| (k == "RSCCL_NCCL_P2P").then(|| "0".to_string());
+        assert!(!Config::resolve(&[], &off).unwrap().nccl_p2p);
+        assert!(Config::resolve(&[("nccl_p2p".into(), "1".into())], &off).unwrap().nccl_p2p, "Options win over the environment");
+        for bad in ["2", "yes", "-1"] {
+            let e = Config::resolve(&[("nccl_p2p".into(), bad.into())], &|_| None).unwrap_err().to_string();
+            assert!(e.contains("nccl_p2p"), "{bad}: {e}");
+        }
+        let (_, names) = Config::default().layout_settings();
+        assert!(names.iter().any(|(f, _)| *f == "nccl_p2p"), "the splits are collective: every rank must agree");
     }
 
     #[test]

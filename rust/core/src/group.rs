@@ -221,6 +221,26 @@ impl Group {
         }
     }
 
+    /// Launch one CUDA send (`send`) or recv of `bytes` at `ptr` with group rank `peer`,
+    /// after the caller's `stream`: on one host, rsccl's kernel on that (peer, direction)'s
+    /// stream; across hosts, the NCCL engine (rsccl's kernel for a rank of this host where
+    /// the group has a local engine, else the pair's NCCL communicator).
+    pub fn cuda_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        match self.cuda_side()? {
+            CudaSide::Local(e) => {
+                let local = self.topo.local_ranks().iter().position(|&r| r == peer).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "rank {}: CUDA {} rank {peer}: not a rank of this host in this group",
+                        self.topo.rank,
+                        if send { "send to" } else { "recv from" }
+                    ))
+                })?;
+                e.launch_p2p(send, ptr, bytes, local, stream, asynchronous)
+            }
+            CudaSide::Nccl(n) => n.launch_p2p(send, ptr, bytes, peer, stream, asynchronous),
+        }
+    }
+
     /// This rank's arguments to a CUDA collective were invalid (see CudaKind::Invalid and
     /// NcclEngine::invalid): let the peers know instead of leaving them waiting.
     pub fn cuda_invalid(&self, stream: u64) -> Result<()> {

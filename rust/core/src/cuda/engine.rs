@@ -107,10 +107,11 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
 
 /// Blocks of each send/recv kernel such that all of them that one rank may have running
 /// at once, one per (peer, direction), 2 x (local ranks - 1), fit on the GPU together with
-/// one collective kernel (`collective_blocks`): `sms` SMs, each holding `per_sm` blocks of
-/// any of these kernels (the least any of them allows, so any mix of that many fits). At
-/// most `setting`; 0 when not even one block each fits. A pure function (tested without a
-/// GPU).
+/// one collective kernel (`collective_blocks`): `sms` SMs; a collective's blocks take whole
+/// SMs (`collective_per_sm` of them per SM: they ask for one block per SM and hold most of
+/// its registers, so no send/recv block shares their SM), and the other SMs hold
+/// `p2p_per_sm` send/recv blocks each. At most `setting`; 0 when not even one block each
+/// fits. A pure function (tested without a GPU).
 ///
 /// Why all at once: a send waits for its receiver's kernel, which may sit behind that
 /// rank's other send/recv kernels; if those hold every SM while they wait for peers in
@@ -118,13 +119,17 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
 /// progress whenever its partner does, so no cycle of waits can form from a lack of SMs.
 /// (Other work on the GPU, e.g. the caller's compute kernels, only delays ours: it ends by
 /// itself and frees its SMs.)
-pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, per_sm: u32, collective_blocks: u32) -> u32 {
+pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, p2p_per_sm: u32, collective_blocks: u32, collective_per_sm: u32) -> u32 {
     let kernels = 2 * local_ranks.saturating_sub(1) as u64;
     if kernels == 0 {
         return setting; // no peer: send/recv never run
     }
-    let slots = sms as u64 * per_sm as u64;
-    (slots.saturating_sub(collective_blocks as u64) / kernels).min(setting as u64) as u32
+    if collective_per_sm == 0 {
+        return 0; // a collective kernel cannot run at all
+    }
+    let collective_sms = (collective_blocks as u64).div_ceil(collective_per_sm as u64);
+    let slots = (sms as u64).saturating_sub(collective_sms) * p2p_per_sm as u64;
+    (slots / kernels).min(setting as u64) as u32
 }
 
 /// The send/recv grid every local rank uses (`p2p_blocks_that_fit` on each rank's GPU,
@@ -132,15 +137,17 @@ pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, per_sm: u
 /// an error on every rank alike when some GPU cannot hold even one block per kernel.
 fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, deadline: Instant) -> Result<u32> {
     let n = mesh.size();
-    let (sms, per_sm) = {
+    let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
         let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
-        (sms, Kernels::min_blocks_per_sm(kernels.collectives().chain([kernels.send, kernels.recv]))?)
+        let p2p = Kernels::min_blocks_per_sm([kernels.send, kernels.recv])?;
+        let coll = Kernels::min_blocks_per_sm(kernels.collectives())?;
+        (sms, p2p, coll)
     };
-    let fit = p2p_blocks_that_fit(cfg.cuda_p2p_blocks, n, sms, per_sm, cfg.cuda_blocks);
+    let fit = p2p_blocks_that_fit(cfg.cuda_p2p_blocks, n, sms, per_sm, cfg.cuda_blocks, coll_per_sm);
     let mut msg = [0u8; 64];
     msg[..4].copy_from_slice(b"RSP1");
-    for (k, v) in [fit, sms, per_sm].into_iter().enumerate() {
+    for (k, v) in [fit, sms, per_sm, coll_per_sm].into_iter().enumerate() {
         msg[4 + 4 * k..8 + 4 * k].copy_from_slice(&v.to_le_bytes());
     }
     let got = mesh.all_gather(&msg, None, deadline)?;
@@ -149,12 +156,13 @@ fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ran
     if least == 0 {
         let m = &got[j].0;
         return Err(Error::Config(format!(
-            "the GPU of rank {} ({} SMs, {} blocks of rsccl's kernels per SM) cannot hold one collective kernel \
-             (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
+            "the GPU of rank {} ({} SMs, {} send/recv and {} collective blocks per SM) cannot hold one collective \
+             kernel (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
              at once, which send/recv need to never wait on a kernel that cannot start: lower cuda_blocks",
             local_ranks.get(j).copied().unwrap_or(j),
             word(m, 1),
             word(m, 2),
+            word(m, 3),
             cfg.cuda_blocks,
             2 * (n - 1)
         )));
@@ -1624,27 +1632,32 @@ mod tests {
 
     #[test]
     fn p2p_grid_fits_beside_a_collective() {
-        // H200: 132 SMs, 2 blocks of 512 threads per SM (about 52 registers each), a
-        // collective of 64 blocks: 200 slots left for 2 x (L - 1) send/recv kernels.
-        assert_eq!(p2p_blocks_that_fit(32, 2, 132, 2, 64), 32, "2 kernels: the setting fits");
-        assert_eq!(p2p_blocks_that_fit(32, 4, 132, 2, 64), 32, "6 x 32 = 192 <= 200");
-        assert_eq!(p2p_blocks_that_fit(64, 4, 132, 2, 64), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
-        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 2, 64), 14, "14 kernels x 14 = 196 <= 200");
-        assert_eq!(p2p_blocks_that_fit(32, 16, 132, 2, 64), 6, "30 x 6 = 180");
-        for (setting, l, sms, per_sm, coll) in [(32, 8, 132, 2, 64), (64, 4, 132, 2, 64), (7, 5, 20, 3, 17), (64, 16, 132, 1, 64)] {
-            let b = p2p_blocks_that_fit(setting, l, sms, per_sm, coll);
+        // H200: 132 SMs, 2 send/recv blocks of 512 threads per SM (about 52 registers), a
+        // collective of 32 blocks at one per SM: 100 SMs, 200 slots for 2 x (L - 1) kernels.
+        let fit = |setting, l, sms, p2p, coll, coll_sm| p2p_blocks_that_fit(setting, l, sms, p2p, coll, coll_sm);
+        assert_eq!(fit(32, 2, 132, 2, 32, 1), 32, "2 kernels: the setting fits");
+        assert_eq!(fit(32, 4, 132, 2, 32, 1), 32, "6 x 32 = 192 <= 200");
+        assert_eq!(fit(64, 4, 132, 2, 32, 1), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
+        assert_eq!(fit(32, 8, 132, 2, 32, 1), 14, "14 kernels x 14 = 196 <= 200");
+        assert_eq!(fit(32, 16, 132, 2, 32, 1), 6, "30 x 6 = 180");
+        assert_eq!(fit(32, 4, 132, 2, 32, 2), 32, "two collective blocks per SM: 16 SMs taken");
+        assert_eq!(fit(64, 8, 132, 2, 64, 1), 9, "64 collective blocks leave 68 SMs: 136 / 14");
+        for (setting, l, sms, p2p, coll, coll_sm) in [(32, 8, 132, 2, 64, 1), (64, 4, 132, 2, 64, 1), (7, 5, 20, 3, 17, 2), (64, 16, 132, 1, 64, 1)] {
+            let b = fit(setting, l, sms, p2p, coll, coll_sm);
+            let free = (sms - coll.div_ceil(coll_sm)) * p2p;
             assert!(b <= setting);
-            assert!(2 * (l as u32 - 1) * b + coll <= sms * per_sm, "{setting} {l} {sms} {per_sm} {coll}: {b}");
-            assert!(2 * (l as u32 - 1) * (b + 1) + coll > sms * per_sm || b == setting, "the most that fit");
+            assert!(2 * (l as u32 - 1) * b <= free, "{setting} {l} {sms} {p2p} {coll}: {b}");
+            assert!(2 * (l as u32 - 1) * (b + 1) > free || b == setting, "the most that fit");
         }
         // Nothing fits: 0 (creation fails with a message), never a wrap-around.
-        assert_eq!(p2p_blocks_that_fit(32, 8, 16, 2, 64), 0);
-        assert_eq!(p2p_blocks_that_fit(32, 8, 132, 0, 64), 0, "a kernel that cannot run at all");
-        assert_eq!(p2p_blocks_that_fit(32, 16, 16, 2, 8), 0, "30 kernels on 32 slots beside 8");
+        assert_eq!(fit(32, 8, 16, 2, 64, 1), 0);
+        assert_eq!(fit(32, 8, 132, 0, 64, 1), 0, "a send/recv kernel that cannot run at all");
+        assert_eq!(fit(32, 8, 132, 2, 64, 0), 0, "a collective that cannot run at all");
+        assert_eq!(fit(32, 16, 20, 2, 8, 1), 0, "30 kernels on 24 slots");
         // One rank: no send/recv, the setting stands.
-        assert_eq!(p2p_blocks_that_fit(32, 1, 1, 1, 64), 32);
+        assert_eq!(fit(32, 1, 1, 1, 64, 1), 32);
         // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
-        let (eff, set) = (p2p_blocks_that_fit(64, 4, 132, 2, 64), 64);
+        let (eff, set) = (fit(64, 4, 132, 2, 32, 1), 64);
         let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
         assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
     }

@@ -322,11 +322,9 @@ mod tests {
             }
         }
         for plain in ["rs_all_gather", "rs_broadcast", "rs_gather", "rs_scatter", "rs_barrier"] {
-            assert!(SOURCE.contains(&format!("void COLLECTIVE_BOUNDS {plain}(const Args a)")), "{plain}");
+            assert!(SOURCE.contains(&format!("void __launch_bounds__(512) {plain}(const Args a)")), "{plain}");
         }
-        assert!(SOURCE.contains("void COLLECTIVE_BOUNDS rs_all_to_all(const A2aArgs x)"));
-        // Collectives ask for one block per SM (no 64-register cap, no spills); 512 threads.
-        assert!(SOURCE.contains("#define COLLECTIVE_BOUNDS __launch_bounds__(512, 1)"));
+        assert!(SOURCE.contains("void __launch_bounds__(512) rs_all_to_all(const A2aArgs x)"));
         for p2p in ["rs_send", "rs_recv"] {
             assert!(SOURCE.contains(&format!("void __launch_bounds__(512) {p2p}(const P2pArgs x)")), "{p2p}");
         }

@@ -24,6 +24,7 @@ type GetErrorString = unsafe extern "C" fn(nc::ncclResult_t) -> *const c_char;
 type CommInitRankConfig =
     unsafe extern "C" fn(*mut nc::ncclComm_t, c_int, nc::ncclUniqueId, c_int, *mut nc::ncclConfig_t) -> nc::ncclResult_t;
 type CommOp = unsafe extern "C" fn(nc::ncclComm_t) -> nc::ncclResult_t;
+type CommSplit = unsafe extern "C" fn(nc::ncclComm_t, c_int, c_int, *mut nc::ncclComm_t, *mut nc::ncclConfig_t) -> nc::ncclResult_t;
 type CommGetAsyncError = unsafe extern "C" fn(nc::ncclComm_t, *mut nc::ncclResult_t) -> nc::ncclResult_t;
 type GroupOp = unsafe extern "C" fn() -> nc::ncclResult_t;
 type AllReduce = unsafe extern "C" fn(
@@ -63,6 +64,8 @@ type RecvFn = unsafe extern "C" fn(*mut c_void, usize, nc::ncclDataType_t, c_int
 #[derive(Clone, Copy)]
 pub struct Fns {
     pub comm_init_rank_config: CommInitRankConfig,
+    /// ncclCommSplit (NCCL 2.18 and later; MIN_VERSION is newer).
+    pub comm_split: CommSplit,
     pub comm_finalize: CommOp,
     pub comm_destroy: CommOp,
     pub comm_abort: CommOp,
@@ -144,6 +147,7 @@ pub fn load(path: &str) -> Result<&'static Nccl> {
     let fns = unsafe {
         Fns {
             comm_init_rank_config: symbol(handle, "ncclCommInitRankConfig", path)?,
+            comm_split: symbol(handle, "ncclCommSplit", path)?,
             comm_finalize: symbol(handle, "ncclCommFinalize", path)?,
             comm_destroy: symbol(handle, "ncclCommDestroy", path)?,
             comm_abort: symbol(handle, "ncclCommAbort", path)?,
@@ -181,8 +185,12 @@ pub fn version_text(code: i32) -> String {
 }
 
 /// ncclConfig_t as NCCL_CONFIG_INITIALIZER sets it (every field "undefined", NCCL picks),
-/// with rsccl's bounds: blocking init, at most `max_ctas` CTAs (channels), and a name in
-/// NCCL's logs.
+/// with rsccl's bounds: blocking init, at most `max_ctas` CTAs (channels), a name in
+/// NCCL's logs, and `splitShare = 0` whatever NCCL_COMM_SPLIT_SHARE_RESOURCES says: a
+/// communicator split with shared resources shares its parent's internal strong stream,
+/// and NCCL orders every kernel launched through one strong stream after the previous
+/// one, so a pair communicator's send would wait behind the other direction's receive
+/// (the deadlock the per-direction communicators exist to avoid; docs/multihost.md).
 ///
 /// `version` says which fields the struct has, so it is the version of the layout these
 /// bindings declare (ncclConfig_v22800), never the loaded library's: a newer library
@@ -198,7 +206,7 @@ pub fn config(max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
         minCTAs: UNDEF_INT,
         maxCTAs: max_ctas.unwrap_or(UNDEF_INT),
         netName: std::ptr::null(),
-        splitShare: UNDEF_INT,
+        splitShare: 0,
         trafficClass: UNDEF_INT,
         commName: name,
         collnetEnable: UNDEF_INT,
@@ -330,6 +338,32 @@ impl NcclComm {
 }
 
 impl NcclComm {
+    /// ncclCommSplit of this communicator: collective over all its ranks, each passing
+    /// `color` (None: NCCL_SPLIT_NOCOLOR, this rank joins no new communicator) and `key`
+    /// (the order of the ranks in the new one). Blocking, with rsccl's config (`config`:
+    /// no resource sharing with the parent). Returns the new communicator, None for
+    /// NOCOLOR; `nranks` is how many ranks pass this rank's color (the caller knows).
+    pub fn split(&self, color: Option<usize>, key: usize, nranks: usize, max_ctas: Option<i32>, name: &CStr) -> Result<Option<NcclComm>> {
+        const NOCOLOR: c_int = -1; // NCCL_SPLIT_NOCOLOR
+        let parent = self.live()?;
+        let color = match color {
+            Some(c) => c_int::try_from(c).map_err(|_| Error::Internal(format!("split color {c} out of range")))?,
+            None => NOCOLOR,
+        };
+        let mut cfg = config(max_ctas, name.as_ptr());
+        let mut comm: nc::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live parent (it is aborted only by the engine's watchdog, which does not
+        // run during creation); out-pointer to a local; cfg lives across the call.
+        self.check(
+            unsafe { (self.nccl.fns.comm_split)(parent, color, key as c_int, &mut comm, &mut cfg) },
+            "ncclCommSplit",
+        )?;
+        if comm.is_null() {
+            return Ok(None);
+        }
+        Ok(Some(NcclComm { nccl: self.nccl, comm: AtomicPtr::new(comm as *mut c_void), rank: key, nranks }))
+    }
+
     /// Finalize and destroy the communicator (its operations finished: the engine waited
     /// for them, or aborts instead). Idempotent; later calls on it fail with "aborted".
     pub fn close(&self) {
@@ -386,6 +420,122 @@ impl Nccl {
     }
 }
 
+/// The rounds of ncclCommSplit that create the point-to-point communicators of a group:
+/// one 2-rank communicator per ordered pair (sender, receiver) that needs one, carrying
+/// only the sender's messages to the receiver. `hosts` lists each host's group ranks;
+/// pairs of ranks on different hosts always need one, pairs on one host only when
+/// `same_host` (the group has no rsccl engine inside the host to carry them).
+///
+/// Each round is a list of disjoint ordered pairs (every rank in at most one: a split
+/// gives a rank one color), and every needed ordered pair is in exactly one round. A pure
+/// function of the layout, so every rank computes the same schedule and makes the same
+/// collective split calls. Each round costs one split over the whole group, so fewer is
+/// faster: the unordered pairs are edge-coloured greedily (each round a matching that
+/// serves the ranks with the most pairs left first), retried with a few fixed tie-break
+/// orders on groups of up to 128 ranks, keeping the fewest matchings (stopping at the
+/// lower bound, the most pairs of one rank); each matching gives two rounds, one per
+/// direction.
+pub fn p2p_split_rounds(hosts: &[Vec<usize>], same_host: bool) -> Vec<Vec<(usize, usize)>> {
+    let n = hosts.iter().flatten().map(|&r| r + 1).max().unwrap_or(0);
+    let mut host_of = vec![usize::MAX; n];
+    for (h, ranks) in hosts.iter().enumerate() {
+        for &r in ranks {
+            host_of[r] = h;
+        }
+    }
+    let needs = |a: usize, b: usize| a != b && host_of[a] != usize::MAX && host_of[b] != usize::MAX && (host_of[a] != host_of[b] || same_host);
+    let bound = (0..n).map(|a| (0..n).filter(|&b| needs(a, b)).count()).max().unwrap_or(0);
+    let tries = if n <= 128 { 16 } else { 1 };
+    let mut best: Option<Vec<Vec<(usize, usize)>>> = None;
+    for t in 0..tries {
+        // A fixed permutation of the ranks for ties: multiplier coprime with n (or 1).
+        let mult = [1, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59][t];
+        let mult = if gcd(mult, n.max(1)) == 1 { mult } else { 1 };
+        let tie: Vec<usize> = (0..n).map(|r| (r * mult + t) % n.max(1)).collect();
+        let m = greedy_matchings(n, &needs, &tie);
+        if best.as_ref().is_none_or(|b| m.len() < b.len()) {
+            best = Some(m);
+        }
+        if best.as_ref().is_some_and(|b| b.len() <= bound) {
+            break;
+        }
+    }
+    // The round-robin tournament (circle method), filtered: at most n matchings whatever
+    // the layout, where the greedy colouring can take more (a complete graph).
+    let circle = circle_matchings(n, &needs);
+    if best.as_ref().is_none_or(|b| circle.len() < b.len()) {
+        best = Some(circle);
+    }
+    let mut rounds = Vec::new();
+    for mut matching in best.unwrap_or_default() {
+        matching.sort_unstable();
+        rounds.push(matching.clone());
+        rounds.push(matching.into_iter().map(|(a, b)| (b, a)).collect());
+    }
+    rounds
+}
+
+/// The circle method's n - 1 (n even) or n (n odd) perfect matchings of the complete
+/// graph, keeping the pairs `needs` asks for, without the empty ones.
+fn circle_matchings(n: usize, needs: &dyn Fn(usize, usize) -> bool) -> Vec<Vec<(usize, usize)>> {
+    let m = n + n % 2; // a dummy rank (n) when n is odd
+    let mut out = Vec::new();
+    for k in 0..m.saturating_sub(1) {
+        let mut matching = Vec::new();
+        let mut pair = |a: usize, b: usize| {
+            if a < n && b < n && needs(a, b) {
+                matching.push((a.min(b), a.max(b)));
+            }
+        };
+        pair(k, m - 1);
+        for i in 1..m / 2 {
+            pair((k + i) % (m - 1), (k + m - 1 - i) % (m - 1));
+        }
+        if !matching.is_empty() {
+            out.push(matching);
+        }
+    }
+    out
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// Matchings that together cover every unordered pair {a, b} with `needs(a, b)` once:
+/// each takes the ranks with the most pairs left first, each matched to the free partner
+/// with the most pairs left; `tie` orders equals.
+fn greedy_matchings(n: usize, needs: &dyn Fn(usize, usize) -> bool, tie: &[usize]) -> Vec<Vec<(usize, usize)>> {
+    let mut need: Vec<Vec<bool>> = (0..n).map(|a| (0..n).map(|b| needs(a, b)).collect()).collect();
+    let mut left: Vec<usize> = need.iter().map(|row| row.iter().filter(|&&x| x).count()).collect();
+    let mut out = Vec::new();
+    while left.iter().any(|&l| l > 0) {
+        let mut order: Vec<usize> = (0..n).filter(|&r| left[r] > 0).collect();
+        order.sort_by_key(|&r| (std::cmp::Reverse(left[r]), tie[r]));
+        let mut busy = vec![false; n];
+        let mut matching = Vec::new();
+        for &a in &order {
+            if busy[a] {
+                continue;
+            }
+            let partner = (0..n).filter(|&b| need[a][b] && !busy[b]).max_by_key(|&b| (left[b], std::cmp::Reverse(tie[b])));
+            if let Some(b) = partner {
+                busy[a] = true;
+                busy[b] = true;
+                matching.push((a.min(b), a.max(b)));
+            }
+        }
+        for &(a, b) in &matching {
+            need[a][b] = false;
+            need[b][a] = false;
+            left[a] -= 1;
+            left[b] -= 1;
+        }
+        out.push(matching);
+    }
+    out
+}
+
 /// How a CUDA collective of a group that spans hosts runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CrossHost {
@@ -425,12 +575,103 @@ mod tests {
         assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
         assert_eq!(c.size, 8 + 2 * 4 + 4 * 4 + 8 + 2 * 4 + 8 + 6 * 4);
         assert_eq!((c.magic, c.version, c.blocking, c.maxCTAs, c.minCTAs), (0xcafebeef, 22800, 1, 8, i32::MIN));
+        assert_eq!(c.splitShare, 0, "a shared split would serialize the pair communicators' kernels");
         assert_eq!(config(None, std::ptr::null()).maxCTAs, i32::MIN);
         assert_eq!(std::mem::size_of::<nc::ncclUniqueId>(), 128);
         use crate::dtype::{DType, ReduceOp};
         assert_eq!(nccl_dtype(DType::BF16), Some(nc::ncclDataType_t::ncclBfloat16));
         assert_eq!(nccl_op(ReduceOp::Avg), Some(nc::ncclRedOp_t::ncclAvg));
         assert_eq!(nccl_op(ReduceOp::BAnd), None);
+    }
+
+    /// Check a schedule against its rules and return its number of rounds.
+    fn check_rounds(hosts: &[Vec<usize>], same_host: bool) -> usize {
+        let rounds = p2p_split_rounds(hosts, same_host);
+        let host_of = |r: usize| hosts.iter().position(|h| h.contains(&r)).expect("a member");
+        let members: Vec<usize> = hosts.iter().flatten().copied().collect();
+        let mut seen = std::collections::HashSet::new();
+        for (i, round) in rounds.iter().enumerate() {
+            let mut in_round = std::collections::HashSet::new();
+            assert!(!round.is_empty(), "{hosts:?}: round {i} is empty");
+            for &(s, r) in round {
+                assert!(s != r, "{hosts:?}: round {i} pairs rank {s} with itself");
+                assert!(members.contains(&s) && members.contains(&r), "{hosts:?}: round {i}: ({s}, {r}) not in the group");
+                assert!(same_host || host_of(s) != host_of(r), "{hosts:?}: round {i}: ({s}, {r}) on one host got a communicator");
+                assert!(in_round.insert(s) && in_round.insert(r), "{hosts:?}: round {i} has rank {s} or {r} twice");
+                assert!(seen.insert((s, r)), "{hosts:?}: ({s}, {r}) in two rounds");
+            }
+        }
+        for &s in &members {
+            for &r in &members {
+                let needed = s != r && (same_host || host_of(s) != host_of(r));
+                assert_eq!(seen.contains(&(s, r)), needed, "{hosts:?}: ordered pair ({s}, {r})");
+            }
+        }
+        rounds.len()
+    }
+
+    /// Host-major layout: `sizes[h]` consecutive ranks on host h.
+    fn layout(sizes: &[usize]) -> Vec<Vec<usize>> {
+        let mut next = 0;
+        sizes.iter().map(|&k| (0..k).map(|_| { next += 1; next - 1 }).collect()).collect()
+    }
+
+    #[test]
+    fn p2p_rounds_cover_every_ordered_cross_host_pair_once() {
+        // (layout, the lower bound: twice the most cross-host peers of one rank)
+        for (sizes, best) in [
+            (vec![2, 2], 4),
+            (vec![4, 4], 8),
+            (vec![1, 3], 6),
+            (vec![2, 2, 2], 8),
+            (vec![8, 8], 16),
+            (vec![1, 1], 2),
+            (vec![3, 1, 2], 10),
+            (vec![4, 4, 4, 4], 24),
+        ] {
+            let rounds = check_rounds(&layout(&sizes), false);
+            assert!(rounds >= best, "{sizes:?}: {rounds} rounds under the lower bound {best}?");
+            // Greedy colouring: at most two rounds over the bound (one more matching).
+            assert!(rounds <= best + 2, "{sizes:?}: {rounds} rounds, the lower bound is {best}");
+        }
+        // The layouts the GPU tests and a 2 x 8 cluster use reach the bound.
+        assert_eq!(check_rounds(&layout(&[2, 2]), false), 4);
+        assert_eq!(check_rounds(&layout(&[8, 8]), false), 16);
+        // Not host-major (hosts take turns): same rules.
+        check_rounds(&[vec![0, 2], vec![1, 3]], false);
+        check_rounds(&[vec![0, 3, 4], vec![1], vec![2, 5]], false);
+        // One host: nothing to create unless same-host pairs need NCCL too.
+        assert_eq!(p2p_split_rounds(&layout(&[4]), false), Vec::<Vec<(usize, usize)>>::new());
+        assert_eq!(p2p_split_rounds(&[], false), Vec::<Vec<(usize, usize)>>::new());
+    }
+
+    #[test]
+    fn p2p_rounds_include_same_host_pairs_when_asked() {
+        // Hosts with unequal GPUs have no rsccl engine inside the host: NCCL carries those too.
+        for sizes in [vec![1, 3], vec![2, 3], vec![3, 1, 2], vec![4]] {
+            let rounds = check_rounds(&layout(&sizes), true);
+            let n: usize = sizes.iter().sum();
+            assert!(rounds <= 2 * n, "{sizes:?}: {rounds} rounds for {n} ranks (the circle method needs at most n matchings)");
+        }
+    }
+
+    #[test]
+    fn p2p_rounds_exhaustive_over_small_layouts() {
+        // Every split of up to 7 ranks into up to 4 hosts, host-major, both modes.
+        fn compositions(n: usize, parts: usize) -> Vec<Vec<usize>> {
+            if parts == 1 {
+                return vec![vec![n]];
+            }
+            (1..=n - (parts - 1)).flat_map(|first| compositions(n - first, parts - 1).into_iter().map(move |mut rest| { rest.insert(0, first); rest })).collect()
+        }
+        for n in 1..=7 {
+            for parts in 1..=n.min(4) {
+                for sizes in compositions(n, parts) {
+                    check_rounds(&layout(&sizes), false);
+                    check_rounds(&layout(&sizes), true);
+                }
+            }
+        }
     }
 
     #[test]

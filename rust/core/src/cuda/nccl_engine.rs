@@ -10,6 +10,16 @@
 //! group creation (`id_key`); every communicator runs a warm-up collective before creation
 //! returns, and the device memory creation took is measured (`nccl_bytes`).
 //!
+//! For CUDA send/recv (`nccl_p2p`), one 2-rank communicator per ordered pair of ranks on
+//! different hosts (and on one host where there is no local rsccl engine), split from the
+//! flat one in rounds (`p2p_split_rounds`), each carrying one direction only and running
+//! on its own stream; warmed up at creation like the others. torch calls isend/irecv of a
+//! ProcessGroup subclass one at a time (batch_isend_irecv too), and NCCL runs the kernels
+//! of one communicator one after another: a send and a receive between two ranks on one
+//! communicator, issued one at a time, would each wait for the other's turn. With one
+//! communicator and one stream per direction, a send to j never waits behind a receive
+//! from j (docs/multihost.md).
+//!
 //! Streams, as in rsccl's CUDA engine (engine.rs): a blocking call runs on the caller's
 //! stream (`cuda_sync_stream = 1`), an asynchronous one on the internal stream after an
 //! event makes it wait for the caller's; a call on another stream than the previous one
@@ -39,7 +49,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::driver::{check, is_capturing, CUevent, CUstream, Device};
 use super::engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, EventHome};
-use super::nccl::{choose_cross_host, nccl_dtype, nccl_op, CrossHost, Nccl, NcclComm};
+use super::nccl::{choose_cross_host, nccl_dtype, nccl_op, p2p_split_rounds, CrossHost, Nccl, NcclComm};
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{LocalMesh, Store, Topology};
 use crate::config::Config;
@@ -54,6 +64,13 @@ const WARM_BYTES: usize = 8 << 20;
 const SCRATCH_BYTES: usize = 256;
 /// How long an abort waits for launches to leave their NCCL calls (see `abort_comms`).
 const ABORT_GRACE: Duration = Duration::from_secs(10);
+/// The pair communicators' warm-up: a message small enough for NCCL's LL protocol
+/// (NCCL_P2P_LL_THRESHOLD, 16 KiB by default) and one that takes the SIMPLE protocol,
+/// so both are set up at creation. NCCL connects a peer's channels at the first send or
+/// receive whatever its size; the two sizes are for the protocols' own first use.
+const PAIR_WARM_BYTES: [usize; 2] = [1024, 1 << 20];
+/// Where the pair warm-up's receives land in the warm buffer (the sends read its start).
+const PAIR_WARM_RECV_AT: u64 = 4 << 20;
 
 /// Which communicator a store key belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,6 +217,12 @@ pub struct NcclStats {
     pub communicators: u64,
     pub collectives: u64,
     pub hierarchical_collectives: u64,
+    /// The pair communicators for send/recv (part of `communicators`) and the device
+    /// memory their creation and warm-up took (part of `nccl_bytes`).
+    pub p2p_communicators: u64,
+    pub p2p_bytes: u64,
+    /// send/recv that ran on a pair communicator.
+    pub p2p_messages: u64,
 }
 
 /// A launch the watchdog follows until its event completes.
@@ -213,6 +236,20 @@ struct Tracked {
     started: Option<Instant>,
     kind: CudaKind,
     count: u64,
+    /// The other rank of a send/recv.
+    peer: Option<usize>,
+}
+
+/// A 2-rank NCCL communicator of one ordered pair of ranks, carrying the messages of one
+/// direction only: its NCCL rank 0 sends, rank 1 receives. Its own stream, so it never
+/// waits behind another pair's (or the other direction's) messages.
+struct PairComm {
+    /// The other rank (group rank).
+    peer: usize,
+    /// This rank sends on it (NCCL rank 0), or receives (NCCL rank 1).
+    sending: bool,
+    comm: NcclComm,
+    stream: CUstream,
 }
 
 /// Whether a launch that started on the GPU at `started` (None: not yet) and has not
@@ -231,6 +268,8 @@ struct Shared {
     dev: Arc<Device>,
     flat: NcclComm,
     cross: Option<NcclComm>,
+    /// The pair communicators (nccl_p2p; empty when off).
+    pairs: Vec<PairComm>,
     local: Option<Arc<CudaEngine>>,
     rank: usize,
     timeout: Duration,
@@ -256,7 +295,9 @@ unsafe impl Sync for Shared {}
 
 impl Shared {
     fn comms(&self) -> impl Iterator<Item = (&'static str, &NcclComm)> {
-        std::iter::once(("flat (every rank)", &self.flat)).chain(self.cross.iter().map(|c| ("cross-host", c)))
+        std::iter::once(("flat (every rank)", &self.flat))
+            .chain(self.cross.iter().map(|c| ("cross-host", c)))
+            .chain(self.pairs.iter().map(|p| (if p.sending { "of sends to a peer" } else { "of receives from a peer" }, &p.comm)))
     }
 
     /// Make the group unusable with `err` (the first error wins) and have the watchdog
@@ -289,7 +330,8 @@ impl Shared {
         let mut p = self.pending.lock();
         let now = Instant::now();
         // Every unfinished launch (not only the oldest: launches on streams that are not
-        // ordered after each other may start in any order), aged from its start.
+        // ordered after each other, such as the pair communicators' send/recv, may start in
+        // any order), aged from its start.
         let late = p.iter_mut().find_map(|t| {
             // SAFETY: valid events of ours (recycled only after they left `pending`).
             if unsafe { cu::cuEventQuery(t.ev) } != cu::CUresult::CUDA_ERROR_NOT_READY {
@@ -299,9 +341,20 @@ impl Shared {
             if t.started.is_none() && unsafe { cu::cuEventQuery(t.start) } == cu::CUresult::CUDA_SUCCESS {
                 t.started = Some(now);
             }
-            launch_timed_out(t.started, now, self.timeout).then_some((t.kind, t.count))
+            launch_timed_out(t.started, now, self.timeout).then_some((t.kind, t.count, t.peer))
         });
-        if let Some((kind, count)) = late {
+        if let Some((kind, count, peer)) = late {
+            if let Some(peer) = peer {
+                let (what, dir) = if kind == CudaKind::Send { ("send", "to") } else { ("recv", "from") };
+                return Some(Error::Timeout(format!(
+                    "rank {}: a CUDA {what} of {count} bytes {dir} rank {peer} (NCCL) did not finish within the group \
+                     timeout ({:.1} s) of starting on the GPU: rank {peer} did not post the matching {}, posted it \
+                     with another size (NCCL cannot tell), or died; the group was aborted",
+                    self.rank,
+                    self.timeout.as_secs_f64(),
+                    if kind == CudaKind::Send { "recv" } else { "send" },
+                )));
+            }
             return Some(Error::Timeout(format!(
                 "rank {}: a CUDA {} of {} {} (NCCL) did not finish within the group timeout ({:.1} s) of starting on the GPU: \
                  a rank of the group did not call it, called it with other sizes (all_to_all splits \
@@ -403,11 +456,17 @@ pub struct NcclEngine {
     /// See `host_major`: all_gather and reduce_scatter run hierarchically only then.
     host_major: bool,
     ranks_per_host: Vec<usize>,
+    /// Host index of every group rank, and this host's ranks (send/recv to a rank of this
+    /// host go to the local rsccl engine, when there is one).
+    host_of: Vec<usize>,
+    local_ranks: Vec<usize>,
     hier_min: u64,
     sync_on_caller: bool,
     nccl_bytes: u64,
     collectives: AtomicU64,
     hierarchical: AtomicU64,
+    p2p_bytes: u64,
+    p2p_messages: AtomicU64,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     /// Names given to NCCL (kept alive: ncclConfig_t points at them).
     _names: Vec<CString>,
@@ -468,6 +527,205 @@ fn share_id(store: &dyn Store, nccl: &Nccl, nonce: &[u8; 16], role: CommRole, ma
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(20));
     }
+}
+
+/// What `NcclEngine::build` made.
+struct Built {
+    sh: Arc<Shared>,
+    /// Device memory of every communicator's creation and warm-up; of the pair ones alone.
+    nccl_bytes: u64,
+    p2p_bytes: u64,
+    /// The pair communicators' names (kept alive with the engine, as the others').
+    pair_names: Vec<CString>,
+}
+
+/// Create this rank's pair communicators (see PairComm): every rank of the group runs
+/// every round of `p2p_split_rounds` (ncclCommSplit of the flat communicator is
+/// collective), passing as colour its pair's index in the round and as key 0 to send, 1
+/// to receive, or NCCL_SPLIT_NOCOLOR when it has no pair in the round. Then warm them up
+/// (`warm_pairs`). Returns them, the device memory the splits and the warm-up took, and
+/// their names. On failure every pair communicator made is aborted and its stream freed.
+///
+/// Not bounded by the deadline between rounds: a rank that gave up would leave the
+/// others inside the next (blocking) split; as with ncclCommInitRank, a rank that dies
+/// during creation leaves its peers there.
+fn make_pairs(
+    flat: &NcclComm,
+    dev: &Device,
+    topo: &Topology,
+    cfg: &Config,
+    same_host: bool,
+    warm: u64,
+    deadline: Instant,
+) -> Result<(Vec<PairComm>, u64, Vec<CString>)> {
+    let me = topo.rank;
+    let rounds = p2p_split_rounds(&topo.hosts, same_host);
+    let _ctx = dev.bind()?;
+    let before = free_bytes()?;
+    // The streams first: once the splits have started, a rank must not fail alone.
+    let mine = rounds.iter().filter(|r| r.iter().any(|&(s, d)| s == me || d == me)).count();
+    let mut streams = Vec::with_capacity(mine);
+    let free_streams = |streams: &[CUstream]| {
+        for &st in streams {
+            // SAFETY: ours, with nothing queued that is not ended (see the callers).
+            unsafe { cu::cuStreamDestroy_v2(st) };
+        }
+    };
+    for _ in 0..mine {
+        let mut st: CUstream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
+        if let Err(e) = check(unsafe { cu::cuStreamCreate(&mut st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate") {
+            free_streams(&streams);
+            return Err(e);
+        }
+        streams.push(st);
+    }
+    let mut pairs: Vec<PairComm> = Vec::with_capacity(mine);
+    let mut names = Vec::with_capacity(mine);
+    let mut made = || -> Result<()> {
+        for round in &rounds {
+            let slot = round.iter().position(|&(s, d)| s == me || d == me);
+            let (sending, peer) = match slot.map(|i| round[i]) {
+                Some((s, d)) => (s == me, if s == me { d } else { s }),
+                None => (false, 0),
+            };
+            let name = CString::new(match slot {
+                Some(_) if sending => format!("rsccl-p2p-r{me}-to-r{peer}"),
+                Some(_) => format!("rsccl-p2p-r{peer}-to-r{me}"),
+                None => "rsccl-p2p-none".to_string(),
+            })
+            .map_err(|_| Error::Internal("NUL in a name".into()))?;
+            let comm = flat.split(slot, if sending { 0 } else { 1 }, 2, cfg.nccl_max_ctas, &name)?;
+            match (comm, slot) {
+                (Some(comm), Some(_)) => {
+                    let stream = streams[pairs.len()];
+                    pairs.push(PairComm { peer, sending, comm, stream });
+                    names.push(name);
+                }
+                (None, None) => {}
+                (Some(comm), None) => {
+                    comm.abort();
+                    return Err(Error::Internal("ncclCommSplit made a communicator for NCCL_SPLIT_NOCOLOR".into()));
+                }
+                (None, Some(_)) => return Err(Error::Internal(format!("ncclCommSplit made no communicator for rank {me} and rank {peer}"))),
+            }
+        }
+        warm_pairs(&pairs, warm, deadline)
+    };
+    let result = made();
+    if let Err(e) = result {
+        for p in &pairs {
+            p.comm.abort();
+        }
+        // SAFETY: the aborts ended the pairs' kernels; the streams drain.
+        unsafe {
+            for &st in &streams {
+                cu::cuStreamSynchronize(st);
+            }
+        }
+        free_streams(&streams);
+        return Err(e);
+    }
+    let bytes = before.saturating_sub(free_bytes()?);
+    Ok((pairs, bytes, names))
+}
+
+/// One small and one larger message on every pair communicator, sent or received on its
+/// stream, all in one NCCL group (NCCL connects the communicators of one group in
+/// parallel, one thread each, so no pair waits for another's connection), then wait for
+/// every stream (at most until `deadline`, watching each communicator's asynchronous
+/// error). NCCL connects a peer and allocates its buffers at the first send/recv; this
+/// moves that to group creation. The sends read the start of `warm`, the receives all
+/// land at PAIR_WARM_RECV_AT (what they write is never read). On failure the caller
+/// aborts the pairs.
+fn warm_pairs(pairs: &[PairComm], warm: u64, deadline: Instant) -> Result<()> {
+    let Some(first) = pairs.first() else { return Ok(()) };
+    let f = first.comm.fns();
+    let u8_ = nc::ncclDataType_t::ncclUint8;
+    let ok = nc::ncclResult_t::ncclSuccess;
+    // SAFETY: live communicators and streams of this device; every message lies inside
+    // the warm buffer (WARM_BYTES: sends at its start, receives at PAIR_WARM_RECV_AT,
+    // PAIR_WARM_BYTES at most 1 MiB each).
+    let mut r = unsafe { (f.group_start)() };
+    if r == ok {
+        for p in pairs {
+            let raw = p.comm.raw();
+            let s = p.stream as nc::cudaStream_t;
+            for n in PAIR_WARM_BYTES {
+                // SAFETY: as above.
+                let rr = unsafe {
+                    if p.sending {
+                        (f.send)(warm as *const c_void, n, u8_, 1, raw, s)
+                    } else {
+                        (f.recv)((warm + PAIR_WARM_RECV_AT) as *mut c_void, n, u8_, 0, raw, s)
+                    }
+                };
+                if r == ok {
+                    r = rr;
+                }
+            }
+        }
+        // The group is closed whatever happened inside it.
+        // SAFETY: closes the group opened above.
+        let end = unsafe { (f.group_end)() };
+        if r == ok {
+            r = end;
+        }
+    }
+    first.comm.check(r, "NCCL send/recv (warm-up of the pair communicators at group creation)")?;
+    let mut events = Vec::with_capacity(pairs.len());
+    let mut result = Ok(());
+    for p in pairs {
+        match new_event() {
+            Ok(ev) => {
+                events.push(ev);
+                // SAFETY: valid event and stream.
+                if let Err(e) = check(unsafe { cu::cuEventRecord(ev, p.stream) }, "cuEventRecord") {
+                    result = Err(e);
+                    break;
+                }
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    'wait: while result.is_ok() {
+        let mut pending = false;
+        for &ev in &events {
+            // SAFETY: valid event.
+            match unsafe { cu::cuEventQuery(ev) } {
+                cu::CUresult::CUDA_SUCCESS => {}
+                cu::CUresult::CUDA_ERROR_NOT_READY => pending = true,
+                e => {
+                    result = check(e, "cuEventQuery (NCCL pair warm-up)");
+                    break 'wait;
+                }
+            }
+        }
+        if !pending {
+            break;
+        }
+        if let Some(e) = pairs.iter().find_map(|p| p.comm.async_error().err()) {
+            result = Err(e);
+            break;
+        }
+        if Instant::now() > deadline {
+            result = Err(Error::Timeout(
+                "the warm-up of the NCCL pair communicators (send/recv) at group creation did not finish within the group \
+                 timeout: a rank stopped during creation"
+                    .into(),
+            ));
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    for ev in events {
+        // SAFETY: ours; a pending record on it is harmless (the caller aborts the pairs).
+        unsafe { cu::cuEventDestroy_v2(ev) };
+    }
+    result
 }
 
 impl NcclEngine {
@@ -536,7 +794,9 @@ impl NcclEngine {
             cu::cuMemFree_v2(warm);
         }
         match result {
-            Ok((sh, nccl_bytes)) => {
+            Ok(Built { sh, nccl_bytes, p2p_bytes, pair_names }) => {
+                let mut names = names;
+                names.extend(pair_names);
                 let engine = Arc::new(NcclEngine {
                     sh: sh.clone(),
                     internal,
@@ -547,11 +807,15 @@ impl NcclEngine {
                     host_index: topo.host_of[topo.rank],
                     host_major: major,
                     ranks_per_host,
+                    host_of: topo.host_of.clone(),
+                    local_ranks: topo.local_ranks().to_vec(),
                     hier_min: cfg.nccl_hierarchical_min_bytes,
                     sync_on_caller: cfg.cuda_sync_stream,
                     nccl_bytes,
                     collectives: AtomicU64::new(0),
                     hierarchical: AtomicU64::new(0),
+                    p2p_bytes,
+                    p2p_messages: AtomicU64::new(0),
                     watchdog: Mutex::new(None),
                     _names: names,
                 });
@@ -568,8 +832,10 @@ impl NcclEngine {
                     host_major = major,
                     hier_scratch_bytes,
                     nccl_bytes,
-                    "rsccl: NCCL engine ready: {} communicator(s), {} MiB of device memory taken by NCCL",
-                    if hierarchical { 2 } else { 1 },
+                    p2p_bytes,
+                    "rsccl: NCCL engine ready: {} communicator(s) ({} for send/recv), {} MiB of device memory taken by NCCL",
+                    engine.stats().communicators,
+                    engine.sh.pairs.len(),
                     nccl_bytes >> 20
                 );
                 Ok(engine)
@@ -604,7 +870,7 @@ impl NcclEngine {
         scratch: u64,
         warm: u64,
         names: &[CString],
-    ) -> Result<(Arc<Shared>, u64)> {
+    ) -> Result<Built> {
         let host = topo.host_of[topo.rank];
         let li = topo.local_index();
         let (flat, flat_bytes) = {
@@ -640,10 +906,25 @@ impl NcclEngine {
                 }
             }
         }
+        let (mut pairs, mut p2p_bytes, mut pair_names) = (Vec::new(), 0, Vec::new());
+        if cfg.nccl_p2p {
+            // Pairs on one host need NCCL only where no rsccl engine runs inside the host.
+            match make_pairs(&flat, &dev, topo, cfg, local.is_none(), warm, deadline) {
+                Ok((p, b, n)) => (pairs, p2p_bytes, pair_names) = (p, b, n),
+                Err(e) => {
+                    flat.abort();
+                    if let Some(c) = &cross {
+                        c.abort();
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let sh = Arc::new(Shared {
             dev,
             flat,
             cross,
+            pairs,
             local,
             rank: topo.rank,
             timeout,
@@ -662,7 +943,7 @@ impl NcclEngine {
                 o.free_events.push(new_event()?);
             }
         }
-        Ok((sh, flat_bytes + cross_bytes))
+        Ok(Built { sh, nccl_bytes: flat_bytes + cross_bytes + p2p_bytes, p2p_bytes, pair_names })
     }
 
     /// The local rsccl engine (hierarchical groups only).
@@ -768,6 +1049,116 @@ impl NcclEngine {
         self.failing_group(self.launch_inner(&c, Some(x)))
     }
 
+    /// Launch one CUDA send (`send`) or recv of `bytes` at `ptr` with group rank `peer`,
+    /// after the work queued so far on the caller's `stream`. A rank of this host goes to
+    /// the local rsccl engine where there is one (its kernels run each (peer, direction)
+    /// on its own stream too); any other rank to the pair communicator of this direction,
+    /// on its own stream. Not ordered after the group's collectives, nor they after it:
+    /// only the caller's stream orders them (as torch's NCCL backend, whose send/recv run
+    /// on communicators of their own). Returns the end event of an asynchronous call; a
+    /// blocking one makes the caller's stream wait for it.
+    ///
+    /// NCCL cannot check that the sizes agree: a recv of more bytes than its peer sends (or
+    /// fewer) waits until the watchdog's timeout aborts the group.
+    pub fn launch_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        let (me, n) = (self.sh.rank, self.sh.flat.nranks);
+        let what = if send { "send to" } else { "recv from" };
+        if peer >= n || peer == me {
+            return Err(Error::InvalidArgument(format!("rank {me}: CUDA {what} rank {peer}: not another rank of this group of {n}")));
+        }
+        self.health()?;
+        if self.host_of[peer] == self.host_of[me] {
+            if let Some(local) = &self.sh.local {
+                let li = self.local_ranks.iter().position(|&r| r == peer).ok_or_else(|| Error::Internal(format!("rank {peer} is not among this host's ranks")))?;
+                return local.launch_p2p(send, ptr, bytes, li, stream, asynchronous);
+            }
+        }
+        let Some(pair) = self.sh.pairs.iter().find(|p| p.peer == peer && p.sending == send) else {
+            return Err(Error::InvalidType(format!(
+                "rank {me}: CUDA {what} rank {peer} (on another host) runs on a NCCL communicator of that pair, which \
+                 this group does not have: it was created with nccl_p2p = 0 (rsccl.Options(nccl_p2p=...) or \
+                 RSCCL_NCCL_P2P). Create it with nccl_p2p = 1 (the default), or use all_to_all or CPU tensors"
+            )));
+        };
+        self.failing_group(self.launch_pair(pair, ptr, bytes, stream, asynchronous))
+    }
+
+    /// The NCCL part of launch_p2p: `pair`'s stream waits for the caller's, then one
+    /// ncclSend to NCCL rank 1 (or ncclRecv from NCCL rank 0) on it, tracked by the
+    /// watchdog, then its end event. An empty message makes no NCCL call (both sides skip
+    /// it, as they agree on the size).
+    fn launch_pair(&self, pair: &PairComm, ptr: u64, bytes: u64, caller: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        let sh = &self.sh;
+        let _ctx = sh.dev.bind()?;
+        let target = pair.stream as u64;
+        // The pair's handle is read (`live()`) under this, so no abort or close frees it
+        // meanwhile (Shared::abort_comms).
+        let _gate = sh.gate.read();
+        let mut o = sh.order.lock();
+        // Shutdown sets `stop` under this lock: no launch starts after it.
+        if sh.stop.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed".into()));
+        }
+        join(&mut o, caller, target)?;
+        // As in launch_inner: the watchdog ages a send/recv from its start on the GPU.
+        let tracked = !is_capturing(target)?;
+        let start = if tracked {
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            // SAFETY: valid event and stream.
+            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
+                o.free_events.push(ev);
+                return Err(e);
+            }
+            Some(ev)
+        } else {
+            None
+        };
+        if bytes > 0 {
+            let raw = pair.comm.live()?;
+            let f = pair.comm.fns();
+            let (u8_, s) = (nc::ncclDataType_t::ncclUint8, target as nc::cudaStream_t);
+            // SAFETY: `raw` is a live communicator (aborts wait for the gate held shared
+            // here, see Shared::abort_comms); `ptr` is a device buffer of `bytes` bytes that
+            // the Python layer checked and keeps alive until the end event; `s` is the
+            // pair's stream, on the communicator's device.
+            let r = unsafe {
+                if pair.sending {
+                    (f.send)(ptr as *const c_void, bytes as usize, u8_, 1, raw, s)
+                } else {
+                    (f.recv)(ptr as *mut c_void, bytes as usize, u8_, 0, raw, s)
+                }
+            };
+            let what = if pair.sending { format!("NCCL send to rank {}", pair.peer) } else { format!("NCCL recv from rank {}", pair.peer) };
+            pair.comm.check(r, &what)?;
+        }
+        self.p2p_messages.fetch_add(1, Ordering::Relaxed);
+        let kind = if pair.sending { CudaKind::Send } else { CudaKind::Recv };
+        if let Some(start) = start {
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            // SAFETY: valid event and stream.
+            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
+                o.free_events.extend([start, ev]);
+                return Err(e);
+            }
+            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind, count: bytes, peer: Some(pair.peer) });
+        }
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+        // SAFETY: valid event and stream.
+        if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
+            o.free_events.push(ev);
+            return Err(e);
+        }
+        if asynchronous {
+            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
+            return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
+        }
+        // SAFETY: valid event and caller stream; the wait captures the record, so the
+        // event can be reused right away.
+        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
+        o.free_events.push(ev);
+        r.map(|_| None)
+    }
+
     /// An error of a launch that may have left peers waiting makes the group unusable;
     /// one found before anything was enqueued (a bad argument) leaves it as it was.
     fn failing_group(&self, r: Result<Option<CudaEvent>>) -> Result<Option<CudaEvent>> {
@@ -846,7 +1237,7 @@ impl NcclEngine {
                 o.free_events.extend([start, ev]);
                 return Err(e);
             }
-            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count });
+            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count, peer: None });
         }
         if target == caller {
             return Ok(None);
@@ -1173,9 +1564,12 @@ impl NcclEngine {
             device: self.sh.dev.ordinal,
             nccl_bytes: self.nccl_bytes,
             scratch_bytes: self.hier_scratch_bytes,
-            communicators: 1 + self.sh.cross.is_some() as u64,
+            communicators: 1 + self.sh.cross.is_some() as u64 + self.sh.pairs.len() as u64,
             collectives: self.collectives.load(Ordering::Relaxed),
             hierarchical_collectives: self.hierarchical.load(Ordering::Relaxed),
+            p2p_communicators: self.sh.pairs.len() as u64,
+            p2p_bytes: self.p2p_bytes,
+            p2p_messages: self.p2p_messages.load(Ordering::Relaxed),
         }
     }
 
@@ -1199,6 +1593,8 @@ impl NcclEngine {
             let last = sh.order.lock().last_stream;
             let mut streams = vec![self.internal as u64];
             streams.extend(last.filter(|&l| l != self.internal as u64));
+            // Queued sends and receives.
+            streams.extend(sh.pairs.iter().map(|p| p.stream as u64));
             let deadline = Instant::now() + sh.timeout;
             for s in streams {
                 if !healthy {
@@ -1251,6 +1647,11 @@ impl Drop for NcclEngine {
                 cu::cuMemFree_v2(self.hier_scratch);
             }
             cu::cuStreamDestroy_v2(self.internal);
+            // The pair communicators were closed or aborted by shutdown: their streams drain.
+            for p in &self.sh.pairs {
+                cu::cuStreamSynchronize(p.stream);
+                cu::cuStreamDestroy_v2(p.stream);
+            }
         }
     }
 }
