@@ -489,8 +489,9 @@ struct Shared {
 }
 
 impl Shared {
-    /// Write this rank's poison word value (1 + local index) into every local peer's
-    /// block, as a kernel's `fail()` does: the peers' kernels stop at their next poll
+    /// Write a poison word value (1 + the local index of `culprit`, the rank whose failure
+    /// stops the group: this rank, or a peer found dead) into every local peer's block, as
+    /// a kernel's `fail()` does: the peers' kernels stop at their next poll
     /// instead of waiting for this rank until their own timeout. Once; never waits.
     ///
     /// Only after a failure or abort that starts on this host side (a dead peer, an NCCL
@@ -513,11 +514,13 @@ impl Shared {
     /// set: a kernel's fail() racing with this store leaves the index of some failed rank,
     /// a correct report either way. The blocks belong to this group alone (a new group maps
     /// new ones), so nothing else ever sees this value.
-    fn poison_peers(&self) {
+    fn poison_peers(&self, culprit: usize) {
         if self.peer_poison.is_empty() || self.peers_poisoned.swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(_ctx) = self.dev.bind() else { return };
+        // Once (the swap above), before the copies that read it.
+        self.words.write(HostWords::POISON_SRC, 1 + culprit as u32);
         let src = self.words.poison_src();
         for &dst in &self.peer_poison {
             // SAFETY: `src` is 4 bytes of pinned host memory alive as long as `self`;
@@ -936,7 +939,7 @@ impl CudaEngine {
     fn abort_group(&self, err: Error) -> Error {
         let e = self.poison(err);
         if !self.sh.stop.load(Ordering::Acquire) {
-            self.sh.poison_peers();
+            self.sh.poison_peers(self.pool.me);
         }
         e
     }
@@ -961,8 +964,8 @@ impl CudaEngine {
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
             ERR_PEER => Error::Aborted(format!(
-                "rank {grank} stopped the group after an error there (a timeout, or a send/recv size mismatch): \
-                 see rank {grank}'s error"
+                "the group was stopped because of rank {grank}: it failed (a timeout, a send/recv size mismatch, an \
+                 abort) or died; see rank {grank}'s error, or its exit"
             )),
             ERR_P2P_SIZE => Error::Mismatch(format!(
                 "recv on rank {me}: rank {grank} sent {} bytes, rank {me} expected {} bytes; the group is unusable \
@@ -1456,7 +1459,7 @@ impl CudaEngine {
                         // Our work did not drain: a real failure (not a clean destroy), and
                         // the collective our stopped kernels leave unfinished can never
                         // complete on the peers either (Shared::poison_peers).
-                        self.sh.poison_peers();
+                        self.sh.poison_peers(self.pool.me);
                     }
                     if now > give_up {
                         drained = false;
@@ -1697,8 +1700,8 @@ fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
             // Kernels poll this word while they wait and return (see the kernel source).
             sh.words.write(HostWords::ABORT, 1);
             // The other peers see the death themselves within one poll; this stops their
-            // kernels that wait on this rank's sooner.
-            sh.poison_peers();
+            // kernels that wait on this rank's sooner, naming the dead rank as the cause.
+            sh.poison_peers(j);
             return;
         }
     }
