@@ -42,6 +42,7 @@ def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
     the size from which all_reduce runs hierarchically."""
     got = dict(rsccl._rsccl.resolve_options([]))
     assert got["nccl_max_ctas"] == 16 and got["nccl_hierarchical_min_bytes"] == 16 << 20
+    assert got["nccl_p2p_max_ctas"] == 4 and "RSCCL_NCCL_P2P_MAX_CTAS" in rsccl.settings_table()
     got = dict(rsccl._rsccl.resolve_options(rsccl.Options(nccl_max_ctas=0, nccl_hierarchical_min_bytes="1MiB").items()))
     assert got["nccl_max_ctas"] == 0 and got["nccl_hierarchical_min_bytes"] == 1 << 20
     with pytest.raises(ValueError, match="nccl_max_ctas"):

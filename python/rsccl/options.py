@@ -44,6 +44,8 @@ class Options:
     cuda_p2p_blocks: int | None = None
     #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
     nccl_max_ctas: int | None = None
+    #: Most CTAs (channels) of each pair communicator of cross-host CUDA send/recv (0: NCCL's default); RSCCL_NCCL_P2P_MAX_CTAS.
+    nccl_p2p_max_ctas: int | None = None
     #: CUDA all_reduce/all_gather/reduce_scatter size from which a multi-host group runs hierarchically; RSCCL_NCCL_HIERARCHICAL_MIN_BYTES.
     nccl_hierarchical_min_bytes: int | str | None = None
     #: Device buffer of a multi-host group for hierarchical reduce_scatter (0: always flat); RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES.

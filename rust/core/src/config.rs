@@ -202,6 +202,20 @@ pub const SETTINGS: &[Setting] = &[
                (ncclConfig_t.maxCTAs); fewer channels hold fewer buffers. 0: NCCL's default",
     },
     Setting {
+        field: "nccl_p2p_max_ctas",
+        env: "RSCCL_NCCL_P2P_MAX_CTAS",
+        // The pair communicators (send/recv across hosts) are many (2 per cross-host peer)
+        // and each holds its own channels' buffers: with 16 CTAs, 4 of them took 790 MiB
+        // per rank on the emulated 2 x 2 (4 H200s, 2026-11-22 01:11). A send/recv across
+        // hosts feeds one NIC, which a few channels fill.
+        default: 4,
+        min: 0,
+        max: 64,
+        is_size: false,
+        help: "most CTAs (channels) of each pair communicator that carries CUDA send/recv \
+               across hosts (nccl_p2p); 0: NCCL's default",
+    },
+    Setting {
         field: "nccl_hierarchical_min_bytes",
         env: "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES",
         // A guess to be measured: under a few MiB the two host-local kernels and their
@@ -264,6 +278,8 @@ pub struct Config {
     pub cuda_p2p_blocks: u32,
     /// None: NCCL's default (the setting's 0).
     pub nccl_max_ctas: Option<i32>,
+    /// None: NCCL's default (the setting's 0).
+    pub nccl_p2p_max_ctas: Option<i32>,
     pub nccl_hierarchical_min_bytes: u64,
     pub nccl_hierarchical_scratch_bytes: u64,
     /// Pair communicators for CUDA send/recv across hosts (docs/multihost.md).
@@ -360,6 +376,7 @@ impl Config {
             cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
             cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
             nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
+            nccl_p2p_max_ctas: Some(v("nccl_p2p_max_ctas") as i32).filter(|&n| n > 0),
             nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),
             nccl_hierarchical_scratch_bytes: v("nccl_hierarchical_scratch_bytes"),
             nccl_p2p: v("nccl_p2p") != 0,
@@ -394,6 +411,7 @@ impl Config {
             // Communicators must be created alike, and every rank must take the same path
             // (flat or hierarchical) for the same call.
             ("nccl_max_ctas", self.nccl_max_ctas.unwrap_or(0) as u64),
+            ("nccl_p2p_max_ctas", self.nccl_p2p_max_ctas.unwrap_or(0) as u64),
             ("nccl_hierarchical_min_bytes", self.nccl_hierarchical_min_bytes),
             // Whether a reduce_scatter fits the scratch decides its path.
             ("nccl_hierarchical_scratch_bytes", self.nccl_hierarchical_scratch_bytes),
@@ -441,6 +459,7 @@ mod tests {
     fn nccl_settings_resolve() {
         let d = Config::default();
         assert_eq!((d.nccl_max_ctas, d.nccl_hierarchical_min_bytes), (Some(16), 16 << 20));
+        assert_eq!(d.nccl_p2p_max_ctas, Some(4), "pair communicators: few channels (memory)");
         assert_eq!(d.nccl_hierarchical_scratch_bytes, 32 << 20);
         let env = |k: &str| match k {
             "RSCCL_NCCL_MAX_CTAS" => Some("0".to_string()),

@@ -595,7 +595,7 @@ fn make_pairs(
                 None => "rsccl-p2p-none".to_string(),
             })
             .map_err(|_| Error::Internal("NUL in a name".into()))?;
-            let comm = flat.split(slot, if sending { 0 } else { 1 }, 2, cfg.nccl_max_ctas, &name)?;
+            let comm = flat.split(slot, if sending { 0 } else { 1 }, 2, cfg.nccl_p2p_max_ctas, &name)?;
             match (comm, slot) {
                 (Some(comm), Some(_)) => {
                     let stream = streams[pairs.len()];
