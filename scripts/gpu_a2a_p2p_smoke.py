@@ -186,7 +186,8 @@ def rank_main(rank, world, port, q):
                 t = timeit(fn, 10)
                 line.append(f"{size >> 20} MiB {size / t / 1e3:6.1f} GB/s")
             if rank == 0:
-                print(f"p2p sweep {spec}: " + " | ".join(line), flush=True)
+                used = _rsccl_pg(sub).memory_stats().get("cuda_p2p_blocks", "?")
+                print(f"p2p sweep {spec} (blocks used: {used}): " + " | ".join(line), flush=True)
             dist.destroy_process_group(sub)
         dist.barrier(group=nccl)
         dist.destroy_process_group()
