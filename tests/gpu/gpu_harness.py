@@ -124,3 +124,62 @@ def rsccl_group(ctx: GpuCtx, config: str) -> Any:
 
         groups[config] = dist.new_group(backend="rsccl", pg_options=rsccl.Options(**fields))
     return groups[config]
+
+
+def die_or_repeat(ctx: GpuCtx, victim: int, timeout: float, step: Any) -> tuple[tuple[str, str, float] | None, float]:
+    """In a rank body: the victim kills itself; every other rank calls `step()` and
+    synchronizes the device until that raises or 3 x `timeout` pass. Returns the error
+    (type name, message, seconds until it came; None if none came) and how long a device
+    synchronize took after it: the GPU must not be left running a kernel that waits for
+    the dead rank, nor compute wrong results."""
+    import signal
+    import time
+
+    if ctx.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    error = None
+    try:
+        while time.monotonic() - start < 3 * timeout:
+            step()
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        error = (type(e).__name__, str(e), time.monotonic() - start)
+    t0 = time.monotonic()
+    torch.cuda.synchronize()
+    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
+    return error, time.monotonic() - t0
+
+
+def check_killed_rank(warm: tuple, body: tuple, timeout: float, slack: float, what: str, name_victim: bool = False) -> None:
+    """A fresh cluster of the most GPUs the selected worlds allow (it ends broken), with
+    group timeout `timeout`: run `warm` = (body, *args), then `body` = (body, *args), whose
+    last argument must be the timeout and which kills rank 1 (die_or_repeat). Every
+    survivor must come back with an error of a failed group within the timeout plus
+    `slack` (naming rank 1 if `name_victim`), and a working GPU."""
+    from harness import ClusterError
+
+    worlds = [w for w in selected_worlds() if w <= gpu_count()]
+    if not worlds:
+        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
+    world, victim = max(worlds), 1
+    c = gpu_cluster(world, timeout=timeout, nccl_ref=False)
+    try:
+        c.run(warm[0], *warm[1:], timeout=120)
+        try:
+            res = c.run(body[0], *body[1:], timeout=3 * timeout + 90, may_exit=frozenset({victim}))
+        except ClusterError as e:
+            pytest.fail(f"with rank {victim} killed, the survivors of {what} did not come back (hung in a kernel or NCCL?):\n{e}")
+    finally:
+        c.close(timeout=30)
+    for rank, got in enumerate(res):
+        if rank == victim:
+            continue
+        error, sync_s = got
+        assert error is not None, f"rank {rank} kept running {what} for {3 * timeout:.0f} s with rank {victim} dead, without an error"
+        kind, msg, took = error
+        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
+        if name_victim:
+            assert f"rank {victim}" in msg, f"rank {rank}'s error does not name rank {victim}: {kind}: {msg}"
+        assert took < timeout + slack, f"rank {rank} raised only after {took:.1f} s (group timeout {timeout:.0f} s): {kind}: {msg}"
+        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"

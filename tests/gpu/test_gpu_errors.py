@@ -5,17 +5,17 @@ leaves their GPUs usable (no kernel left spinning on a dead peer)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import gpu_cluster, gpu_count, needs_gpus, selected_worlds
+from gpu_harness import (
+    check_killed_rank,
+    die_or_repeat,
+    needs_gpus,
+)
 from gpu_refs import check_reduction, gather_inputs, rand
-from harness import ClusterError
 
 pytestmark = needs_gpus
 
@@ -110,45 +110,9 @@ def body_warm(ctx) -> None:
 
 
 def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float) -> tuple[tuple[str, str, float] | None, float]:
-    if ctx.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     x = rand(seed, ctx.rank, 1 << 20, torch.float32)
-    start = time.monotonic()
-    error = None
-    try:
-        while time.monotonic() - start < 3 * timeout:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        error = (type(e).__name__, str(e), time.monotonic() - start)
-    # The GPU must not be left running a kernel that waits for the dead rank.
-    t0 = time.monotonic()
-    torch.cuda.synchronize()
-    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
-    return error, time.monotonic() - t0
+    return die_or_repeat(ctx, victim, timeout, lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX))
 
 
 def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):
-    worlds = [w for w in selected_worlds() if w <= gpu_count()]
-    if not worlds:
-        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
-    world, victim = max(worlds), 1
-    c = gpu_cluster(world, timeout=KILL_TIMEOUT, nccl_ref=False)  # a fresh cluster: this one ends broken
-    try:
-        c.run(body_warm, timeout=60)
-        try:
-            res = c.run(body_die_or_keep_reducing, seed, victim, KILL_TIMEOUT, timeout=3 * KILL_TIMEOUT + 60, may_exit=frozenset({victim}))
-        except ClusterError as e:
-            pytest.fail(f"with rank {victim} killed, the survivors did not come back (hung in a collective or on the GPU?):\n{e}")
-    finally:
-        c.close(timeout=30)
-    for rank, got in enumerate(res):
-        if rank == victim:
-            continue
-        error, sync_s = got
-        assert error is not None, f"rank {rank} kept running all_reduce for {3 * KILL_TIMEOUT:.0f} s with rank {victim} dead, without an error"
-        kind, msg, took = error
-        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
-        assert f"rank {victim}" in msg, f"rank {rank}'s error does not name rank {victim}: {kind}: {msg}"
-        assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s)"
-        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"
+    check_killed_rank((body_warm,), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce", name_victim=True)

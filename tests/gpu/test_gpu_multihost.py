@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 import traceback
 from datetime import timedelta
@@ -28,7 +27,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import gpu_cluster, gpu_count, needs_gpus, selected_worlds
+from gpu_harness import (
+    check_killed_rank,
+    die_or_repeat,
+    gpu_cluster,
+    gpu_count,
+    needs_gpus,
+    selected_worlds,
+)
 from gpu_refs import (
     DTYPES,
     RED,
@@ -341,46 +347,12 @@ def body_emulated_warm(ctx, timeout: float) -> None:
 
 def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float):
     g = emulated_group(ctx, "hierarchical", timeout=timeout)
-    if ctx.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     x = rand(seed, ctx.rank, 1 << 20, torch.float32)
-    start = time.monotonic()
-    error = None
-    try:
-        while time.monotonic() - start < 3 * timeout:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g)
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        error = (type(e).__name__, str(e), time.monotonic() - start)
-    t0 = time.monotonic()
-    torch.cuda.synchronize()
-    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
-    return error, time.monotonic() - t0
+    return die_or_repeat(ctx, victim, timeout, lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g))
 
 
 def test_killed_rank_fails_the_survivors(seed):
-    worlds = [w for w in selected_worlds() if w <= gpu_count()]
-    if not worlds:
-        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
-    world, victim = max(worlds), 1
-    c = gpu_cluster(world, timeout=KILL_TIMEOUT, nccl_ref=False)  # a fresh cluster: this one ends broken
-    try:
-        c.run(body_emulated_warm, KILL_TIMEOUT, timeout=120)
-        try:
-            res = c.run(body_die_or_keep_reducing, seed, victim, KILL_TIMEOUT, timeout=3 * KILL_TIMEOUT + 90, may_exit=frozenset({victim}))
-        except ClusterError as e:
-            pytest.fail(f"with rank {victim} killed, the survivors did not come back (hung in NCCL or on the GPU?):\n{e}")
-    finally:
-        c.close(timeout=30)
-    for rank, got in enumerate(res):
-        if rank == victim:
-            continue
-        error, sync_s = got
-        assert error is not None, f"rank {rank} kept running all_reduce for {3 * KILL_TIMEOUT:.0f} s with rank {victim} dead, without an error"
-        kind, msg, took = error
-        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
-        assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s): {kind}: {msg}"
-        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"
+    check_killed_rank((body_emulated_warm, KILL_TIMEOUT), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce")
 
 
 # -- hierarchical all_gather and reduce_scatter --------------------------------------------
@@ -831,53 +803,19 @@ def body_emulated_warm_p2p(ctx, timeout: float) -> None:
 
 def body_die_or_keep_exchanging(ctx, seed: int, victim: int, timeout: float):
     """A ring of batch_isend_irecv until an error: the victim's neighbours wait on it, the
-    others on them; every survivor must raise within the timeout (plus slack)."""
+    others on them; every survivor must raise within the timeout (plus slack: the rank
+    opposite the victim waits on a neighbour that waits on the victim, and both stop at
+    about the same time)."""
     g = emulated_group(ctx, "p2p", timeout=timeout)
-    if ctx.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     W, me = ctx.world, ctx.rank
     x = rand(seed, me, 1 << 20, torch.float32)
     y = torch.empty_like(x)
-    start = time.monotonic()
-    error = None
-    try:
-        while time.monotonic() - start < 3 * timeout:
-            ops = [dist.P2POp(dist.isend, x, (me + 1) % W, g), dist.P2POp(dist.irecv, y, (me - 1) % W, g)]
-            _wait_all(dist.batch_isend_irecv(ops))
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        error = (type(e).__name__, str(e), time.monotonic() - start)
-    t0 = time.monotonic()
-    torch.cuda.synchronize()
-    assert (torch.arange(10, device=ctx.device) * 2).sum().item() == 90, "the GPU computes wrong results after the failure"
-    return error, time.monotonic() - t0
+    ops = [dist.P2POp(dist.isend, x, (me + 1) % W, g), dist.P2POp(dist.irecv, y, (me - 1) % W, g)]
+    return die_or_repeat(ctx, victim, timeout, lambda: _wait_all(dist.batch_isend_irecv(ops)))
 
 
 def test_killed_rank_fails_the_survivors_of_send_recv(seed):
-    worlds = [w for w in selected_worlds() if w <= gpu_count()]
-    if not worlds:
-        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
-    world, victim = max(worlds), 1
-    c = gpu_cluster(world, timeout=KILL_TIMEOUT, nccl_ref=False)  # a fresh cluster: this one ends broken
-    try:
-        c.run(body_emulated_warm_p2p, KILL_TIMEOUT, timeout=120)
-        try:
-            res = c.run(body_die_or_keep_exchanging, seed, victim, KILL_TIMEOUT, timeout=3 * KILL_TIMEOUT + 90, may_exit=frozenset({victim}))
-        except ClusterError as e:
-            pytest.fail(f"with rank {victim} killed, the survivors of a send/recv ring did not come back:\n{e}")
-    finally:
-        c.close(timeout=30)
-    for rank, got in enumerate(res):
-        if rank == victim:
-            continue
-        error, sync_s = got
-        assert error is not None, f"rank {rank} kept exchanging for {3 * KILL_TIMEOUT:.0f} s with rank {victim} dead, without an error"
-        kind, msg, took = error
-        assert kind in ("PeerFailureError", "GroupAbortedError", "TimeoutError", "RuntimeError"), f"rank {rank} raised {kind}: {msg}"
-        # The rank opposite the victim waits on a neighbour that waits on the victim: both
-        # stop at about the same time, so one timeout (plus slack) bounds every survivor.
-        assert took < KILL_TIMEOUT + KILL_SLACK, f"rank {rank} raised only after {took:.1f} s (group timeout {KILL_TIMEOUT:.0f} s): {kind}: {msg}"
-        assert sync_s < 10, f"rank {rank}: torch.cuda.synchronize() took {sync_s:.1f} s after the failure"
+    check_killed_rank((body_emulated_warm_p2p, KILL_TIMEOUT), (body_die_or_keep_exchanging, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "a send/recv ring")
 
 
 A2A_MISMATCH_TIMEOUT = 15.0

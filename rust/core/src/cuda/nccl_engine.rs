@@ -1103,13 +1103,7 @@ impl NcclEngine {
         // As in launch_inner: the watchdog ages a send/recv from its start on the GPU.
         let tracked = !is_capturing(target)?;
         let start = if tracked {
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-            // SAFETY: valid event and stream.
-            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-                o.free_events.push(ev);
-                return Err(e);
-            }
-            Some(ev)
+            Some(record(&mut o, target)?)
         } else {
             None
         };
@@ -1134,20 +1128,10 @@ impl NcclEngine {
         self.p2p_messages.fetch_add(1, Ordering::Relaxed);
         let kind = if pair.sending { CudaKind::Send } else { CudaKind::Recv };
         if let Some(start) = start {
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-            // SAFETY: valid event and stream.
-            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-                o.free_events.extend([start, ev]);
-                return Err(e);
-            }
+            let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
             sh.pending.lock().push_back(Tracked { start, ev, started: None, kind, count: bytes, peer: Some(pair.peer) });
         }
-        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-        // SAFETY: valid event and stream.
-        if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-            o.free_events.push(ev);
-            return Err(e);
-        }
+        let ev = record(&mut o, target)?;
         if asynchronous {
             let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
             return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
@@ -1197,13 +1181,7 @@ impl NcclEngine {
         // it (its start on the GPU) to one right after (its end).
         let tracked = !is_capturing(target)?;
         let start = if tracked {
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-            // SAFETY: valid event and stream.
-            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-                o.free_events.push(ev);
-                return Err(e);
-            }
-            Some(ev)
+            Some(record(&mut o, target)?)
         } else {
             None
         };
@@ -1231,23 +1209,13 @@ impl NcclEngine {
         o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
         if let Some(start) = start {
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-            // SAFETY: valid event and stream.
-            if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-                o.free_events.extend([start, ev]);
-                return Err(e);
-            }
+            let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
             sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count, peer: None });
         }
         if target == caller {
             return Ok(None);
         }
-        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-        // SAFETY: valid event and stream.
-        if let Err(e) = check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord") {
-            o.free_events.push(ev);
-            return Err(e);
-        }
+        let ev = record(&mut o, target)?;
         if c.asynchronous {
             let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
             return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
@@ -1674,6 +1642,18 @@ impl Drop for Shared {
 }
 
 /// Make `to` wait for the work queued on `from` so far.
+/// An event from the free list (or a new one), recorded on `stream`; it goes back to the
+/// list if the record fails.
+fn record(o: &mut Order, stream: u64) -> Result<CUevent> {
+    let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+    // SAFETY: a valid event of ours and a live stream (the caller's, or one of ours).
+    if let Err(e) = check(unsafe { cu::cuEventRecord(ev, stream as CUstream) }, "cuEventRecord") {
+        o.free_events.push(ev);
+        return Err(e);
+    }
+    Ok(ev)
+}
+
 fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
     let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
     // SAFETY: valid event and streams; reusing the event after the wait is enqueued is
