@@ -245,20 +245,7 @@ impl Group {
     /// NcclEngine::invalid): let the peers know instead of leaving them waiting.
     pub fn cuda_invalid(&self, stream: u64) -> Result<()> {
         match self.cuda_side()? {
-            CudaSide::Local(e) => {
-                let call = CudaCall {
-                    kind: crate::cuda::CudaKind::Invalid,
-                    dtype: crate::dtype::DType::U8,
-                    op: crate::dtype::ReduceOp::Sum,
-                    root: 0,
-                    inp: 0,
-                    out: 0,
-                    count: 0,
-                    stream,
-                    asynchronous: false,
-                };
-                e.launch(&call).map(|_| ())
-            }
+            CudaSide::Local(e) => e.launch(&CudaCall::bare(crate::cuda::CudaKind::Invalid, 0, stream, false)).map(|_| ()),
             CudaSide::Nccl(n) => n.invalid(),
         }
     }

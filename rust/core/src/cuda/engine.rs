@@ -273,6 +273,14 @@ pub struct CudaCall {
     pub asynchronous: bool,
 }
 
+impl CudaCall {
+    /// A call that carries no buffers, dtype, op or root of its own (all_to_all, whose
+    /// chunks travel apart; an invalid call): bytes, SUM, root 0, `count` as given.
+    pub fn bare(kind: CudaKind, count: u64, stream: u64, asynchronous: bool) -> CudaCall {
+        CudaCall { kind, dtype: DType::U8, op: ReduceOp::Sum, root: 0, inp: 0, out: 0, count, stream, asynchronous }
+    }
+}
+
 fn describe(d0: u64, d1: u64) -> String {
     let kind = CudaKind::from_code(d0 & 0xff).map(|k| k.name()).unwrap_or("an unknown call");
     if kind == "barrier" || kind == "an invalid call" || kind == "all_to_all" {
@@ -1103,18 +1111,7 @@ impl CudaEngine {
             return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
         }
         self.fatal()?;
-        let c = CudaCall {
-            kind: CudaKind::AllToAll,
-            dtype: DType::U8,
-            op: ReduceOp::Sum,
-            root: 0,
-            inp: 0,
-            out: 0,
-            count: 0,
-            stream,
-            asynchronous,
-        };
-        let ev = self.launch_inner(&c, Some(x))?;
+        let ev = self.launch_inner(&CudaCall::bare(CudaKind::AllToAll, 0, stream, asynchronous), Some(x))?;
         self.checked(ev)
     }
 

@@ -1035,17 +1035,7 @@ impl NcclEngine {
             ))));
         }
         let total: u64 = x.send_bytes.iter().sum();
-        let c = CudaCall {
-            kind: CudaKind::AllToAll,
-            dtype: DType::U8,
-            op: ReduceOp::Sum,
-            root: 0,
-            inp: 0,
-            out: 0,
-            count: total,
-            stream,
-            asynchronous,
-        };
+        let c = CudaCall::bare(CudaKind::AllToAll, total, stream, asynchronous);
         self.failing_group(self.launch_inner(&c, Some(x)))
     }
 
