@@ -10,17 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, rsccl_group
-from gpu_refs import (
-    DTYPES,
-    RED,
-    assert_equal,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    nccl_result,
-    ops_for,
-    rand,
-)
+from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand
 
 pytestmark = needs_gpus
 
