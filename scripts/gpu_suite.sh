@@ -9,10 +9,19 @@
 #                     starting with tests/ ("tests/gpu/test_gpu_streams.py")
 #   SKIP_BENCH=1      tests only
 #   BENCH_ARGS        extra arguments for python3 -m rsccl.bench
-#   RSCCL_GPU_WORLDS  world sizes to test ("2,4", "8"); RSCCL_TEST_SEED replays a seed
+#   PYTEST_ARGS       extra arguments for pytest (e.g. "-v")
+#   RSCCL_GPU_WORLDS  world sizes to test (default "2,4,8"); ranks go round-robin over the
+#                     GPUs there are, sharing them (allow_shared_gpu) where they outnumber
+#                     them, so a one-GPU machine runs every world; RSCCL_TEST_SEED replays a seed
+#   GPU_MPS=0         do not start the MPS daemon (default: start it, if the machine has
+#                     nvidia-cuda-mps-control and ranks will share a GPU, and stop it at the end)
+#   PYTEST_X          pytest's stop-at-first-failure flag (default -x; "" runs everything)
 #
-# Results (few files: the device tool brings back at most 8): env.log, gpu_tests.log,
-# bench.log, and what the benchmark writes. Exits non-zero if the tests failed (the
+# On a machine with fewer than 2 GPUs the benchmark is skipped: ranks that share a GPU
+# check correctness, their timings mean nothing.
+#
+# Results (few files: the device tool brings back at most 8): env.log, gpu_tests_w<N>.log
+# per world size, bench.log, and what the benchmark writes. Exits non-zero if the tests failed (the
 # benchmark runs anyway), else with the benchmark's status.
 set -u -o pipefail
 
@@ -44,6 +53,10 @@ fi
     echo "## nvidia-smi topo -m"
     nvidia-smi topo -m
     env | grep -E '^(RSCCL_|NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_)' | sort
+    # Compile (or find) the kernels once, here, rather than in every rank of the first
+    # cluster at once; the doctor's report goes into the log too.
+    echo "## python3 -m rsccl.doctor --fill-cache"
+    python3 -m rsccl.doctor --fill-cache
     exit 0
 ) >"$ENV_LOG" 2>&1
 setup=$?
@@ -53,6 +66,23 @@ if ((setup != 0)); then
     exit 2
 fi
 
+export RSCCL_GPU_WORLDS=${RSCCL_GPU_WORLDS:-2,4,8}
+ngpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+max_world=$(tr ',' '\n' <<<"$RSCCL_GPU_WORLDS" | sort -n | tail -n 1)
+mps=0
+if [[ ${GPU_MPS:-1} != 0 ]] && ((max_world > ngpus)) && command -v nvidia-cuda-mps-control >/dev/null; then
+    # MPS runs the ranks' kernels side by side, as they would on GPUs of their own; without
+    # it the GPU time-slices between the ranks' contexts. rsccl sizes its grids so that both
+    # are safe (docs/configuration.md, allow_shared_gpu).
+    export CUDA_MPS_PIPE_DIRECTORY=${TMPDIR:-/tmp}/rsccl-mps-pipe CUDA_MPS_LOG_DIRECTORY=${TMPDIR:-/tmp}/rsccl-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        mps=1
+        trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    fi
+fi
+echo "gpu_suite: worlds $RSCCL_GPU_WORLDS on $ngpus GPU(s), MPS $( ((mps)) && echo on || echo off)" | tee -a "$ENV_LOG"
+
 selection=(tests/gpu)
 if [[ -n "${GPU_TESTS:-}" ]]; then
     if [[ $GPU_TESTS == tests/* ]]; then
@@ -61,12 +91,26 @@ if [[ -n "${GPU_TESTS:-}" ]]; then
         selection=(tests/gpu -k "$GPU_TESTS")
     fi
 fi
-python3 -m pytest "${selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs --durations=15 2>&1 |
-    tee "$RESULTS/gpu_tests.log"
-tests_rc=$?
+# One pytest run per world size, in the order given, each with its own log
+# (gpu_tests_w<N>.log), so a world's counts stand on their own.
+tests_rc=0
+for world in ${RSCCL_GPU_WORLDS//,/ }; do
+    echo "gpu_suite: world $world" | tee -a "$ENV_LOG"
+    # PYTEST_ARGS is split into words on purpose.
+    # shellcheck disable=SC2086
+    RSCCL_GPU_WORLDS=$world python3 -m pytest "${selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs \
+        --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee "$RESULTS/gpu_tests_w$world.log"
+    rc=$?
+    ((rc != 0)) && tests_rc=$rc
+    if ((rc != 0)) && [[ ${PYTEST_X--x} == -x ]]; then
+        break
+    fi
+done
 
 bench_rc=0
-if [[ ${SKIP_BENCH:-0} != 1 ]]; then
+if ((ngpus < 2)) && [[ ${SKIP_BENCH:-0} != 1 ]]; then
+    echo "gpu_suite: $ngpus GPU(s): no benchmark (ranks sharing a GPU give no meaningful timings)"
+elif [[ ${SKIP_BENCH:-0} != 1 ]]; then
     # BENCH_ARGS is split into words on purpose.
     # shellcheck disable=SC2086
     python3 -m rsccl.bench --device cuda --out-dir "$RESULTS" ${BENCH_ARGS:-} 2>&1 | tee "$RESULTS/bench.log"

@@ -32,6 +32,8 @@ class Options:
     max_cuda_va_bytes: int | str | None = None
     #: 1 (default): warm-up collective at group creation; 0: skip it; RSCCL_CUDA_WARMUP.
     cuda_warmup: int | None = None
+    #: 1/True: ranks of a group may share a GPU (tests, debugging; timings mean nothing); 0 (default): refused; RSCCL_ALLOW_SHARED_GPU.
+    allow_shared_gpu: int | bool | None = None
     #: 1 (default): blocking CUDA collectives run on the caller's stream; 0: internal stream; RSCCL_CUDA_SYNC_STREAM.
     cuda_sync_stream: int | None = None
     #: Device memory per rank for rsccl.mem_pool(group), used in place by collectives (0: none); RSCCL_CUDA_POOL_BYTES.

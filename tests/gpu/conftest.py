@@ -1,10 +1,10 @@
-"""The GPU suite's clusters: one long-lived cluster per world size (RSCCL_GPU_WORLDS, else 2
-and, with 4 GPUs, 4), shared by every test of that size. A module that needs the world
+"""The GPU suite's clusters: one long-lived cluster per world size (RSCCL_GPU_WORLDS, else 2,
+4 and 8, on whatever GPUs there are: ranks round-robin, sharing GPUs where they outnumber
+them), shared by every test of that size. A module that needs the world
 group created with other settings asks for `gpus.with_options({...})` (rsccl.Options
 fields): a cluster of its own, started on first use. Only one cluster is alive at a time,
-so that each rank is alone on its GPU (the memory tests read device-wide counters). Every
-test module is skipped where fewer than 2 GPUs are visible; `seed` comes from
-tests/conftest.py."""
+so that no other cluster's ranks share its GPUs (the memory tests read device-wide counters).
+Every test module is skipped where no GPU is visible; `seed` comes from tests/conftest.py."""
 
 import os
 import sys
@@ -52,8 +52,8 @@ class SharedCluster:
 @pytest.fixture(scope="session", params=WORLDS, ids=[f"{w}gpu" for w in WORLDS])
 def gpus(request):
     """The shared cluster of this world size."""
-    if gpu_count() < request.param:
-        pytest.skip(f"a world of {request.param} needs {request.param} GPUs, {gpu_count()} visible")
+    if gpu_count() < 1:
+        pytest.skip("no CUDA GPU visible")
     return SharedCluster(request.param)
 
 

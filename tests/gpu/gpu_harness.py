@@ -1,10 +1,14 @@
-"""GPU test clusters: one process per GPU, long-lived, reused across tests.
+"""GPU test clusters: rank processes placed round-robin over the visible GPUs, long-lived,
+reused across tests.
 
-Each rank process sets its device (GPU = rank), joins the rsccl default group (whose CUDA
-engine is created eagerly on that device) and an NCCL group over the same ranks, the
-reference every result is compared with. Bodies are module-level functions
-`body(ctx, *args)` run on every rank, as in tests/harness.py, whose Cluster (deadline per
-call, tracebacks of every failing rank) starts and drives these processes too.
+Each rank process sets its device (GPU = rank % GPUs), joins the rsccl default group (whose
+CUDA engine is created eagerly on that device) and a reference group over the same ranks,
+which every result is compared with: NCCL where each rank has a GPU of its own; where ranks
+share GPUs (a world larger than the GPUs: rsccl's `allow_shared_gpu`, which NCCL refuses),
+gloo on CPU copies of the tensors (`gpu_refs.ref_call`), besides the float64 and exact
+references. Bodies are module-level functions `body(ctx, *args)` run on every rank, as in
+tests/harness.py, whose Cluster (deadline per call, tracebacks of every failing rank)
+starts and drives these processes too.
 """
 
 from __future__ import annotations
@@ -40,17 +44,30 @@ def gpu_count() -> int:
 
 
 def selected_worlds() -> list[int]:
-    """World sizes to test: RSCCL_GPU_WORLDS ("2,4", "8"), else 2, and 4 where there are 4 GPUs."""
+    """World sizes to test: RSCCL_GPU_WORLDS ("2,4", "8"), else 2, 4 and 8, on whatever GPUs
+    there are (ranks placed round-robin; where they outnumber the GPUs, they share them)."""
     env = os.environ.get("RSCCL_GPU_WORLDS", "").replace(" ", "")
     if env:
         worlds = sorted({int(w) for w in env.split(",") if w})
         if not worlds or worlds[0] < 2:
             raise ValueError(f"RSCCL_GPU_WORLDS={env!r}: expected world sizes >= 2, such as '2,4'")
         return worlds
-    return [2, 4] if gpu_count() >= 4 else [2]
+    return [2, 4, 8]
 
 
-needs_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs at least 2 CUDA GPUs")
+def shares_gpus(world: int) -> bool:
+    """Whether a cluster of `world` ranks puts several ranks on one GPU."""
+    return world > gpu_count()
+
+
+needs_gpus = pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU")
+
+
+def needs_own_gpus(world: int) -> None:
+    """Skip (inside a test) where ranks of a `world` share GPUs: for what only makes sense on
+    separate GPUs (NCCL itself, peer access, timing, device-wide memory counters)."""
+    if shares_gpus(world):
+        pytest.skip(f"{world} ranks share {gpu_count()} GPU(s): this test needs a GPU per rank")
 
 
 @dataclass
@@ -58,8 +75,11 @@ class GpuCtx:
     rank: int
     world: int
     device: torch.device
-    nccl: Any  # NCCL group over the same ranks (None where the cluster was started without it)
+    # The reference group over the same ranks: NCCL, or gloo where ranks share GPUs (call it
+    # through gpu_refs.ref_call); None where the cluster was started without it.
+    nccl: Any
     state: dict  # per-process scratch that survives between bodies
+    shared: bool = False  # several ranks on this rank's GPU (rsccl's allow_shared_gpu)
 
 
 def _gpu_worker(
@@ -71,19 +91,22 @@ def _gpu_worker(
 
     try:
         # Before init_process_group: rsccl creates its CUDA engine on the current device.
-        torch.cuda.set_device(rank)
+        shared = world > torch.cuda.device_count()
+        torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60), wait_for_workers=False)
         dist.init_process_group(
             "rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=init_timeout), pg_options=options
         )
         nccl = None
-        if nccl_ref:
+        if nccl_ref and shared:
+            nccl = dist.new_group(backend="gloo")  # NCCL refuses two ranks on one GPU
+        elif nccl_ref:
             nccl = dist.new_group(backend="nccl")
             # NCCL creates its communicator at first use: now, not inside a test's measurement.
             warm = torch.ones(1, device="cuda")
             dist.all_reduce(warm, group=nccl)
             torch.cuda.synchronize()
-        ctx = GpuCtx(rank, world, torch.device("cuda", rank), nccl, {})
+        ctx = GpuCtx(rank, world, torch.device("cuda", torch.cuda.current_device()), nccl, {}, shared)
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -92,12 +115,15 @@ def _gpu_worker(
 
 
 def gpu_cluster(
-    world: int, *, timeout: float = 60.0, options: Any = None, nccl_ref: bool = True, start_timeout: float = 240.0
+    world: int, *, timeout: float = 60.0, options: Any = None, nccl_ref: bool = True, start_timeout: float = 240.0, env: dict | None = None
 ) -> Cluster:
-    """`world` rank processes on GPUs 0..world-1; `timeout` is the rsccl default group's."""
+    """`world` rank processes on the GPUs, round-robin (sharing them, with rsccl's
+    allow_shared_gpu, where there are fewer GPUs than ranks); `timeout` is the rsccl default
+    group's; `env` is added to the ranks' environment."""
+    shared = {"RSCCL_ALLOW_SHARED_GPU": "1"} if shares_gpus(world) else {}
     return Cluster(
         world,
-        env=GPU_ENV,
+        env={**GPU_ENV, **shared, **(env or {})},
         init_timeout=timeout,
         options=options,
         start_timeout=start_timeout,
@@ -151,17 +177,20 @@ def die_or_repeat(ctx: GpuCtx, victim: int, timeout: float, step: Any) -> tuple[
     return error, time.monotonic() - t0
 
 
-def check_killed_rank(warm: tuple, body: tuple, timeout: float, slack: float, what: str, name_victim: bool = False) -> None:
-    """A fresh cluster of the most GPUs the selected worlds allow (it ends broken), with
+def check_killed_rank(
+    warm: tuple, body: tuple, timeout: float, slack: float, what: str, name_victim: bool = False, own_gpus: bool = False
+) -> None:
+    """A fresh cluster of the largest selected world (it ends broken; of the largest that
+    gives each rank its own GPU if `own_gpus`, for bodies that run NCCL), with
     group timeout `timeout`: run `warm` = (body, *args), then `body` = (body, *args), whose
     last argument must be the timeout and which kills rank 1 (die_or_repeat). Every
     survivor must come back with an error of a failed group within the timeout plus
     `slack` (naming rank 1 if `name_victim`), and a working GPU."""
     from harness import ClusterError
 
-    worlds = [w for w in selected_worlds() if w <= gpu_count()]
+    worlds = [w for w in selected_worlds() if not own_gpus or not shares_gpus(w)]
     if not worlds:
-        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
+        pytest.skip(f"none of the world sizes {selected_worlds()} gives each rank its own GPU ({gpu_count()} visible)")
     world, victim = max(worlds), 1
     c = gpu_cluster(world, timeout=timeout, nccl_ref=False)
     try:

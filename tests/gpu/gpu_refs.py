@@ -1,7 +1,8 @@
 """Inputs and references for the GPU tests.
 
 Every rank makes its own random input on its GPU from the test's seed. The reference for
-a result is computed from every rank's exact input, gathered through the NCCL group, in
+a result is computed from every rank's exact input, gathered through the reference group
+(NCCL, or gloo on CPU copies where ranks share GPUs: `ref_call`), in
 float64 (floats) or int64 (integers, cast back with two's-complement wrap-around); it is
 compared chunk by chunk so that 1 GiB messages need no float64 copy of everything.
 
@@ -60,11 +61,36 @@ def rand(seed: int, rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt
     return torch.randint(-100, 100, (n,), generator=g, device=device).to(dtype)
 
 
+def ref_call(fn, *args, group, **kwargs):
+    """The reference's `fn(*args, group=group, **kwargs)` (a torch.distributed call): as it is
+    on an NCCL group; on a gloo group (ranks that share GPUs, where NCCL cannot run) on CPU
+    copies of every CUDA tensor argument, whose results are then copied back into them, so
+    the caller sees the same in-place effect."""
+    if dist.get_backend(group) != "gloo":
+        return fn(*args, group=group, **kwargs)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def to_cpu(a):
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            c = a.detach().cpu()
+            staged.append((a, c))
+            return c
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_cpu(v) for v in a)
+        return a
+
+    out = fn(*[to_cpu(a) for a in args], group=group, **{k: to_cpu(v) for k, v in kwargs.items()})
+    for a, c in staged:
+        a.copy_(c)
+    return out
+
+
 def gather_inputs(ctx, x: torch.Tensor) -> torch.Tensor:
-    """Every rank's `x` (same shape on every rank), through NCCL: shape (world, x.numel())."""
+    """Every rank's `x` (same shape on every rank), through the reference group: shape
+    (world, x.numel())."""
     flat = x.contiguous().view(-1)
     out = torch.empty(ctx.world * flat.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, flat, group=ctx.nccl)
+    ref_call(dist.all_gather_into_tensor, out, flat, group=ctx.nccl)
     return out.view(ctx.world, -1)
 
 
@@ -146,19 +172,20 @@ def check_vs_nccl(ours: torch.Tensor, theirs: torch.Tensor, op: str, what: str, 
 
 
 def nccl_result(fn, *args, **kwargs) -> bool:
-    """Run an NCCL call; False where NCCL refuses it (so the check falls back to the reference)."""
+    """Run a call of the reference group (`ref_call`); False where it refuses it (so the check
+    falls back to the float64/exact reference)."""
     try:
-        fn(*args, **kwargs)
+        ref_call(fn, *args, **kwargs)
         return True
     except (RuntimeError, ValueError, TypeError):
         return False
 
 
 def assert_same_on_all_ranks(ctx, t: torch.Tensor, what: str) -> None:
-    """`t` is bitwise identical on every rank (its bytes gathered through NCCL)."""
+    """`t` is bitwise identical on every rank (its bytes gathered through the reference group)."""
     b = t.contiguous().view(-1).view(torch.uint8)
     rows = torch.empty(ctx.world * b.numel(), dtype=torch.uint8, device=t.device)
-    dist.all_gather_into_tensor(rows, b, group=ctx.nccl)
+    ref_call(dist.all_gather_into_tensor, rows, b, group=ctx.nccl)
     rows = rows.view(ctx.world, -1)
     for r in range(1, ctx.world):
         if not torch.equal(rows[r], rows[0]):

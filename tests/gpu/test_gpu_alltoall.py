@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, rsccl_group
-from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any
+from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any, ref_call
 
 pytestmark = needs_gpus
 
@@ -108,7 +108,7 @@ def body_large_and_nccl(ctx, seed: int) -> None:
         ours = torch.zeros(n_out, COLS, dtype=dtype, device=ctx.device)
         f.run(what, dist.all_to_all_single, ours, x, *splits)
         theirs = torch.zeros_like(ours)
-        dist.all_to_all_single(theirs, x, *splits, group=ctx.nccl)
+        ref_call(dist.all_to_all_single, theirs, x, *splits, group=ctx.nccl)
         f.run(f"{what} vs NCCL", assert_equal, ours, theirs, f"{what} vs NCCL")
         f.run(f"{what} vs reference", assert_equal, ours, expected(xs, s, me), what)
         del xs, x, ours, theirs

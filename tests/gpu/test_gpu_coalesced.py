@@ -26,6 +26,7 @@ from gpu_refs import (
     gather_inputs,
     rand,
     rand_any,
+    ref_call,
 )
 
 pytestmark = needs_gpus
@@ -71,7 +72,7 @@ def body_all_reduce(ctx, seed: int, config: str, mode: str, op: str) -> None:
         f.items.append(f"{what}: {type(e).__name__}: {e}")
     theirs = [x.clone() for x in xs]
     for t in theirs:
-        dist.all_reduce(t, op=RED[op], group=ctx.nccl)
+        ref_call(dist.all_reduce, t, op=RED[op], group=ctx.nccl)
     for k, (o, t, ref) in enumerate(zip(ours, theirs, refs)):
         f.run(what, check_reduction, o, ref, op, f"{what} #{k} {o.dtype}[{o.numel()}]")
         f.run(what, check_vs_nccl, o, t, op, f"{what} #{k} {o.dtype}[{o.numel()}]", w)
@@ -139,7 +140,7 @@ def body_reduce_scatter(ctx, seed: int, mode: str, op: str) -> None:
         f.items.append(f"{what}: {type(e).__name__}: {e}")
     theirs = [torch.zeros_like(o) for o in outs]
     for t, x in zip(theirs, xs):
-        dist.reduce_scatter_tensor(t, x, op=RED[op], group=ctx.nccl)
+        ref_call(dist.reduce_scatter_tensor, t, x, op=RED[op], group=ctx.nccl)
     for k, ((m, dt), o, t, ref) in enumerate(zip(spec, outs, theirs, refs)):
         where = f"{what} #{k} {dt}[{m}]"
         f.run(where, check_reduction, o, ref[:, me * m : (me + 1) * m], op, where)

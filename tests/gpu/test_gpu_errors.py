@@ -13,8 +13,10 @@ import torch.distributed as dist
 from gpu_harness import (
     check_killed_rank,
     die_or_repeat,
+    gpu_cluster,
     needs_gpus,
 )
+from harness import ClusterError
 from gpu_refs import check_reduction, gather_inputs, rand
 
 pytestmark = needs_gpus
@@ -112,6 +114,17 @@ def body_warm(ctx) -> None:
 def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float) -> tuple[tuple[str, str, float] | None, float]:
     x = rand(seed, ctx.rank, 1 << 20, torch.float32)
     return die_or_repeat(ctx, victim, timeout, lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX))
+
+
+def test_two_ranks_on_one_gpu_are_refused_without_allow_shared_gpu():
+    """Without the option, two ranks on one GPU (usually a missing set_device) fail at
+    creation on both ranks, naming both and the option; nothing hangs."""
+    with pytest.raises(ClusterError) as e:
+        gpu_cluster(2, nccl_ref=False, env={"CUDA_VISIBLE_DEVICES": "0", "RSCCL_ALLOW_SHARED_GPU": "0"}, start_timeout=120).close()
+    msg = str(e.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank}: ValueError" in msg, f"rank {rank} did not raise ValueError at creation:\n{msg}"
+    assert "group ranks 0 and 1 both use the GPU" in msg and "RSCCL_ALLOW_SHARED_GPU" in msg, msg
 
 
 def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):

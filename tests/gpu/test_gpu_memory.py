@@ -15,7 +15,7 @@ import gc
 import rsccl
 import torch
 import torch.distributed as dist
-from gpu_harness import needs_gpus
+from gpu_harness import needs_gpus, needs_own_gpus
 from gpu_refs import DTYPES, RED, check_reduction, gather_inputs, ops_for, rand
 from rsccl._cuda import mapped_va_bytes
 
@@ -45,8 +45,23 @@ def _check_stats(stats: dict, cap: int, world: int, what: str) -> None:
 
 
 def body_memory_stats_and_va(ctx) -> dict:
-    cap = dict(rsccl._rsccl.resolve_options([]))["max_cuda_va_bytes"]  # env RSCCL_MAX_CUDA_VA_BYTES or the default
-    _check_stats(rsccl.memory_stats(), cap, ctx.world, "world group")
+    settings = dict(rsccl._rsccl.resolve_options([]))
+    cap = settings["max_cuda_va_bytes"]  # env RSCCL_MAX_CUDA_VA_BYTES or the default
+    stats = rsccl.memory_stats()
+    _check_stats(stats, cap, ctx.world, "world group")
+    # Ranks are placed round-robin over the GPUs: the ranks on this one, and grids that fit
+    # in this rank's share of it.
+    gpus = torch.cuda.device_count()
+    sharers = sum(1 for r in range(ctx.world) if r % gpus == ctx.rank % gpus)
+    assert stats["cuda_gpu_sharers"] == sharers, f"{sharers} ranks on this GPU: {stats}"
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    blocks, p2p = stats["cuda_blocks"], stats["cuda_p2p_blocks"]
+    assert 1 <= blocks <= settings["cuda_blocks"] and 1 <= p2p <= settings["cuda_p2p_blocks"], stats
+    if sharers > 1:
+        # Collective blocks take whole SMs; send/recv blocks take at least a whole SM per 4.
+        assert sharers * (blocks + -(-2 * (ctx.world - 1) * p2p // 4)) <= sms, f"{sharers} ranks x {blocks} + send/recv blocks do not fit on {sms} SMs: {stats}"
+    else:
+        assert blocks == settings["cuda_blocks"], f"a GPU of its own: the collective grid is the setting: {stats}"
 
     gc.collect()
     torch.cuda.synchronize()
@@ -151,6 +166,7 @@ def body_first_collectives_allocate_nothing(ctx, seed: int, rounds: int) -> dict
 
 
 def test_first_collectives_allocate_nothing(gpus, seed):
+    needs_own_gpus(gpus.world)  # reads the device's free memory, which sharing ranks move
     gpus.run(body_first_collectives_allocate_nothing, seed, 100, timeout=180)
 
 

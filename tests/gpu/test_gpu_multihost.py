@@ -33,6 +33,7 @@ from gpu_harness import (
     gpu_cluster,
     gpu_count,
     needs_gpus,
+    needs_own_gpus,
     selected_worlds,
 )
 from gpu_refs import (
@@ -48,6 +49,13 @@ from gpu_refs import (
 from harness import ClusterError
 
 pytestmark = needs_gpus
+
+
+@pytest.fixture(autouse=True)
+def _own_gpus(request):
+    """The emulated hosts run on NCCL, which refuses two ranks on one GPU."""
+    if "gpus" in request.fixturenames:
+        needs_own_gpus(request.getfixturevalue("gpus").world)
 
 GROUP_TIMEOUT = 60.0
 # Sizes in elements: 1 and odd counts (flat in every config: shards would not align);
@@ -352,7 +360,9 @@ def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float):
 
 
 def test_killed_rank_fails_the_survivors(seed):
-    check_killed_rank((body_emulated_warm, KILL_TIMEOUT), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce")
+    check_killed_rank(
+        (body_emulated_warm, KILL_TIMEOUT), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce", own_gpus=True
+    )
 
 
 # -- hierarchical all_gather and reduce_scatter --------------------------------------------
@@ -815,7 +825,9 @@ def body_die_or_keep_exchanging(ctx, seed: int, victim: int, timeout: float):
 
 
 def test_killed_rank_fails_the_survivors_of_send_recv(seed):
-    check_killed_rank((body_emulated_warm_p2p, KILL_TIMEOUT), (body_die_or_keep_exchanging, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "a send/recv ring")
+    check_killed_rank(
+        (body_emulated_warm_p2p, KILL_TIMEOUT), (body_die_or_keep_exchanging, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "a send/recv ring", own_gpus=True
+    )
 
 
 A2A_MISMATCH_TIMEOUT = 15.0

@@ -36,7 +36,7 @@ import rsccl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_harness import needs_gpus
+from gpu_harness import needs_gpus, needs_own_gpus
 from gpu_refs import (
     DTYPES,
     RED,
@@ -48,6 +48,7 @@ from gpu_refs import (
     nccl_result,
     ops_for,
     rand,
+    ref_call,
 )
 from torch import nn
 
@@ -237,7 +238,7 @@ def _run_case(ctx, seed: int, g, counter: _Counter, case: tuple, place, expect: 
 
         got = counter.run(what, exp, msg, fn)
         theirs = x.clone()
-        dist.broadcast(theirs, src=root, group=ctx.nccl)
+        ref_call(dist.broadcast, theirs, src=root, group=ctx.nccl)
         assert_equal(got, theirs, what)
     elif kind == "all_gather_into_tensor":
         x = rand(seed, me, n_part, dtype, salt=what)
@@ -456,20 +457,20 @@ def body_inplace_graph(ctx, seed: int, replays: int) -> dict:
         graph.replay()
         what = f"pool graph replay {i}"
         ref = fresh["ar"].clone()
-        dist.all_reduce(ref, group=ctx.nccl)
+        ref_call(dist.all_reduce, ref, group=ctx.nccl)
         check_vs_nccl(ar, ref, "SUM", f"{what}: in-place all_reduce bfloat16[{n_ar}]", w)
         ref = fresh["ar_small"].clone()
-        dist.all_reduce(ref, group=ctx.nccl)
+        ref_call(dist.all_reduce, ref, group=ctx.nccl)
         check_vs_nccl(ar_small, ref, "SUM", f"{what}: one-shot all_reduce float32[1003] from the pool", w)
         ref = torch.empty_like(ag_out)
-        dist.all_gather_into_tensor(ref, fresh["ag"], group=ctx.nccl)
+        ref_call(dist.all_gather_into_tensor, ref, fresh["ag"], group=ctx.nccl)
         assert_equal(ag_out, ref, f"{what}: in-place all_gather_into_tensor")
         ref = torch.empty_like(rs_out)
-        dist.reduce_scatter_tensor(ref, fresh["rs"], group=ctx.nccl)
+        ref_call(dist.reduce_scatter_tensor, ref, fresh["rs"], group=ctx.nccl)
         check_vs_nccl(rs_out, ref, "SUM", f"{what}: in-place reduce_scatter_tensor", w)
         assert_equal(rs_in, fresh["rs"], f"{what}: reduce_scatter input changed")
         ref = fresh["bc"].clone()
-        dist.broadcast(ref, src=w - 1, group=ctx.nccl)
+        ref_call(dist.broadcast, ref, src=w - 1, group=ctx.nccl)
         assert_equal(bc, ref, f"{what}: in-place broadcast")
     torch.cuda.synchronize()
     after = _counts(g)
@@ -694,6 +695,7 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
 
 
 def test_pool_exhaustion_and_accounting(pool_gpus, seed):
+    needs_own_gpus(pool_gpus.world)  # reads the device's free memory, which sharing ranks move
     res = pool_gpus.run(body_pool_exhaustion, seed, timeout=120)
     assert len({r["full_chunks"] for r in res}) == 1, f"ranks held different numbers of chunks before OutOfMemoryError: {[r['full_chunks'] for r in res]}"
 
@@ -802,6 +804,7 @@ def body_fsdp2(ctx, seed: int, steps: int) -> dict:
 
 
 def test_fsdp2_allocates_from_the_pool(pool_gpus, seed, capsys):
+    needs_own_gpus(pool_gpus.world)  # compared with FSDP2 over NCCL
     res = pool_gpus.run(body_fsdp2, seed, FSDP_STEPS, timeout=300)
     with capsys.disabled():
         print(f"\nFSDP2, {FSDP_LAYERS} layers d={FSDP_DIM}, bf16 params / fp32 reduce, {FSDP_STEPS} steps, world {pool_gpus.world}:")
@@ -934,6 +937,7 @@ def body_tp_mlp(ctx, seed: int, steps: int) -> dict:
 
 
 def test_tensor_parallel_mlp(pool_gpus, seed, capsys):
+    needs_own_gpus(pool_gpus.world)  # compared with the same step over NCCL
     res = pool_gpus.run(body_tp_mlp, seed, TP_STEPS, timeout=240)
     with capsys.disabled():
         print(f"\ntensor-parallel MLP, peak reserved MiB per rank (no all_reduce / rsccl pool / NCCL): {[(r['none'], r['rsccl'], r['nccl']) for r in res]}")

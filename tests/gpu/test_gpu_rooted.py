@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, rsccl_group
-from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand
+from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
 
 pytestmark = needs_gpus
 
@@ -63,7 +63,7 @@ def body_gather_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
                 ours = [torch.full_like(x, 3) for _ in range(w)] if me == root else None
                 theirs = [torch.empty_like(x) for _ in range(w)] if me == root else None
                 dist.gather(x, ours, dst=root, group=g)
-                dist.gather(x, theirs, dst=root, group=ctx.nccl)
+                ref_call(dist.gather, x, theirs, dst=root, group=ctx.nccl)
                 if me == root:
                     for j in range(w):
                         assert_equal(ours[j], theirs[j], f"{what}: slot {j}")
@@ -73,7 +73,7 @@ def body_gather_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
                 ours = torch.full((n,), 3, dtype=dtype, device=ctx.device)
                 theirs = torch.empty_like(ours)
                 dist.scatter(ours, chunks, src=root, group=g)
-                dist.scatter(theirs, chunks, src=root, group=ctx.nccl)
+                ref_call(dist.scatter, theirs, chunks, src=root, group=ctx.nccl)
                 assert_equal(ours, theirs, what)
                 assert_equal(ours, rand(seed, me, n, dtype, salt=what), f"{what}: not this rank's chunk")
     torch.cuda.synchronize()
@@ -110,7 +110,7 @@ def body_rooted_async_views_graph(ctx, seed: int) -> None:
     view = big[::2]
     ref = view.clone()
     dist.reduce(view, dst=0)
-    dist.reduce(ref, dst=0, group=ctx.nccl)
+    ref_call(dist.reduce, ref, dst=0, group=ctx.nccl)
     if me == 0:
         check_vs_nccl(view, ref, "SUM", "reduce of a strided view", w)
     else:

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus
-from gpu_refs import assert_equal, check_reduction, check_vs_nccl, gather_inputs, rand
+from gpu_refs import assert_equal, check_reduction, check_vs_nccl, gather_inputs, rand, ref_call
 
 pytestmark = needs_gpus
 
@@ -170,19 +170,19 @@ def body_cuda_graph(ctx, seed: int, replays: int) -> None:
         graph.replay()
         what = f"graph replay {i}"
         ref = fresh["ar_small"].clone()
-        dist.all_reduce(ref, group=ctx.nccl)
+        ref_call(dist.all_reduce, ref, group=ctx.nccl)
         check_vs_nccl(ar_small, ref, "SUM", f"{what}: all_reduce float32[{ref.numel()}]", w)
         ref = fresh["ar_big"].clone()
-        dist.all_reduce(ref, group=ctx.nccl)
+        ref_call(dist.all_reduce, ref, group=ctx.nccl)
         check_vs_nccl(ar_big, ref, "SUM", f"{what}: all_reduce bfloat16[{ref.numel()}]", w)
         ref = torch.empty_like(ag_out)
-        dist.all_gather_into_tensor(ref, fresh["ag"], group=ctx.nccl)
+        ref_call(dist.all_gather_into_tensor, ref, fresh["ag"], group=ctx.nccl)
         assert_equal(ag_out, ref, f"{what}: all_gather_into_tensor")
         ref = torch.empty_like(rs_out)
-        dist.reduce_scatter_tensor(ref, fresh["rs"], group=ctx.nccl)
+        ref_call(dist.reduce_scatter_tensor, ref, fresh["rs"], group=ctx.nccl)
         check_vs_nccl(rs_out, ref, "SUM", f"{what}: reduce_scatter_tensor", w)
         ref = fresh["bc"].clone()
-        dist.broadcast(ref, src=w - 1, group=ctx.nccl)
+        ref_call(dist.broadcast, ref, src=w - 1, group=ctx.nccl)
         assert_equal(bc, ref, f"{what}: broadcast")
     torch.cuda.synchronize()
 

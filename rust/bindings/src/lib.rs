@@ -362,6 +362,8 @@ impl Communicator {
             d.set_item("cuda_staged_collectives", c.staged_collectives)?;
             d.set_item("cuda_staged_bytes", c.staged_bytes)?;
             d.set_item("cuda_p2p_blocks", c.p2p_blocks)?;
+            d.set_item("cuda_blocks", c.blocks)?;
+            d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
         }
         if let Some(n) = self.0.nccl_stats() {
             d.set_item("cuda_device", n.device)?;

@@ -177,6 +177,18 @@ pub const SETTINGS: &[Setting] = &[
                creation; memory is still mapped and kernels loaded at creation)",
     },
     Setting {
+        field: "allow_shared_gpu",
+        env: "RSCCL_ALLOW_SHARED_GPU",
+        default: 0,
+        min: 0,
+        max: 1,
+        is_size: false,
+        help: "1: ranks of a group may share a GPU (tests, debugging, CI on one GPU); each \
+               rank's kernels are sized to its share of the GPU's SMs, so nothing deadlocks, \
+               with or without MPS, but timings mean nothing; 0: two ranks on one GPU are \
+               refused at group creation",
+    },
+    Setting {
         field: "cuda_sync_stream",
         env: "RSCCL_CUDA_SYNC_STREAM",
         default: 1,
@@ -272,6 +284,7 @@ pub struct Config {
     pub max_cuda_va_bytes: usize,
     pub cuda_warmup: bool,
     pub cuda_sync_stream: bool,
+    pub allow_shared_gpu: bool,
     pub cuda_pool_bytes: usize,
     pub cuda_inplace_min_bytes: usize,
     pub cuda_p2p_bytes: usize,
@@ -371,6 +384,7 @@ impl Config {
             max_cuda_va_bytes: v("max_cuda_va_bytes") as usize,
             cuda_warmup: v("cuda_warmup") != 0,
             cuda_sync_stream: v("cuda_sync_stream") != 0,
+            allow_shared_gpu: v("allow_shared_gpu") != 0,
             cuda_pool_bytes: v("cuda_pool_bytes") as usize,
             cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
             cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
@@ -402,6 +416,8 @@ impl Config {
             ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
             // The warm-up launches kernels on every rank: a collective.
             ("cuda_warmup", self.cuda_warmup as u64),
+            // Every rank must accept (or refuse) the same sharing of GPUs.
+            ("allow_shared_gpu", self.allow_shared_gpu as u64),
             // Pools map one another's memory, and ranks must agree on when to run in place.
             ("cuda_pool_bytes", self.cuda_pool_bytes as u64),
             ("cuda_inplace_min_bytes", self.cuda_inplace_min_bytes as u64),

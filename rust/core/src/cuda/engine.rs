@@ -132,10 +132,50 @@ pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, p2p_per_s
     (slots / kernels).min(setting as u64) as u32
 }
 
-/// The send/recv grid every local rank uses (`p2p_blocks_that_fit` on each rank's GPU,
-/// the least of them: the sender's and receiver's kernels must split messages alike), or
-/// an error on every rank alike when some GPU cannot hold even one block per kernel.
-fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, deadline: Instant) -> Result<u32> {
+/// The grids of one rank, (collective blocks, send/recv blocks), when `sharers` ranks of
+/// the group (this one included) run on its GPU of `sms` SMs. A pure function (tested
+/// without a GPU).
+///
+/// On a GPU of its own (`sharers` <= 1) the collective grid is `cuda_blocks` and the
+/// send/recv grid `p2p_blocks_that_fit`, as always.
+///
+/// Ranks that share a GPU (`allow_shared_gpu`) each get `sms / sharers` SMs and size both
+/// grids to fit in that share: first one block for each of the 2 x (local ranks - 1)
+/// send/recv kernels, then the collective's blocks (at most `cuda_blocks`) on the SMs left,
+/// then the send/recv grid again (`p2p_blocks_that_fit` on the share). Why this never
+/// deadlocks: the kernels of different ranks wait for one another (barriers, send/recv
+/// handshakes), so a waiting block only makes progress if its partner blocks can run too.
+/// The shares are disjoint and together no larger than the GPU, so every kernel that every
+/// co-located rank may have in flight at once (one collective and its send/recv kernels)
+/// can be resident at the same time: under MPS, where the ranks' kernels run side by side,
+/// they all fit together; time-sliced (no MPS), each rank's context holds at most its own
+/// share and the others run in their turns. (A single rank's collectives run one after the
+/// other, as on a GPU of its own; other work on the GPU only delays ours.) (0, 0) when a
+/// share cannot hold even one block of each kernel.
+pub fn grids_that_fit(cuda_blocks: u32, p2p_setting: u32, local_ranks: usize, sms: u32, p2p_per_sm: u32, collective_per_sm: u32, sharers: u32) -> (u32, u32) {
+    if sharers <= 1 {
+        return (cuda_blocks, p2p_blocks_that_fit(p2p_setting, local_ranks, sms, p2p_per_sm, cuda_blocks, collective_per_sm));
+    }
+    let share = sms / sharers;
+    let kernels = 2 * local_ranks.saturating_sub(1) as u32;
+    let p2p_sms = match (kernels, p2p_per_sm) {
+        (0, _) => 0,
+        (_, 0) => return (0, 0),
+        (k, per) => k.div_ceil(per),
+    };
+    let collective = cuda_blocks.min(share.saturating_sub(p2p_sms).saturating_mul(collective_per_sm));
+    if collective == 0 {
+        return (0, 0);
+    }
+    (collective, p2p_blocks_that_fit(p2p_setting, local_ranks, share, p2p_per_sm, collective, collective_per_sm))
+}
+
+/// The grids every local rank uses, (collective blocks, send/recv blocks): `grids_that_fit`
+/// on each rank's GPU, the least of each (ranks pair their blocks one to one, and senders
+/// and receivers must split messages alike), or an error on every rank alike when some GPU
+/// cannot hold even one block per kernel. `sharers` is how many of the group's ranks use
+/// this rank's GPU.
+fn agree_grids(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, sharers: u32, deadline: Instant) -> Result<(u32, u32)> {
     let n = mesh.size();
     let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
@@ -144,22 +184,38 @@ fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ran
         let coll = Kernels::min_blocks_per_sm(kernels.collectives())?;
         (sms, p2p, coll)
     };
-    let fit = p2p_blocks_that_fit(cfg.cuda_p2p_blocks, n, sms, per_sm, cfg.cuda_blocks, coll_per_sm);
+    let (coll_fit, p2p_fit) = grids_that_fit(cfg.cuda_blocks, cfg.cuda_p2p_blocks, n, sms, per_sm, coll_per_sm, sharers);
     let mut msg = [0u8; 64];
-    msg[..4].copy_from_slice(b"RSP1");
-    for (k, v) in [fit, sms, per_sm, coll_per_sm].into_iter().enumerate() {
+    msg[..4].copy_from_slice(b"RSP2");
+    for (k, v) in [p2p_fit, sms, per_sm, coll_per_sm, coll_fit, sharers].into_iter().enumerate() {
         msg[4 + 4 * k..8 + 4 * k].copy_from_slice(&v.to_le_bytes());
     }
     let got = mesh.all_gather(&msg, None, deadline)?;
     let word = |m: &[u8; 64], k: usize| u32::from_le_bytes(m[4 + 4 * k..8 + 4 * k].try_into().unwrap_or_default());
-    let (j, least) = got.iter().enumerate().map(|(j, (m, _))| (j, word(m, 0))).min_by_key(|&(_, f)| f).unwrap_or((0, fit));
-    if least == 0 {
+    let least = |k: usize| got.iter().enumerate().map(|(j, (m, _))| (j, word(m, k))).min_by_key(|&(_, f)| f).unwrap_or((0, 0));
+    let ((j, p2p), (_, coll)) = (least(0), least(4));
+    if p2p == 0 || coll == 0 {
+        let j = if p2p == 0 { j } else { least(4).0 };
         let m = &got[j].0;
+        let who = local_ranks.get(j).copied().unwrap_or(j);
+        let sharing = word(m, 5);
+        if sharing > 1 {
+            return Err(Error::Config(format!(
+                "{sharing} ranks of this group share the GPU of rank {who} ({} SMs, {} send/recv and {} collective blocks \
+                 per SM): each rank's share of {} SMs cannot hold one collective kernel and {} send/recv kernels (one per \
+                 local peer and direction) of even one block at once, which ranks on one GPU need to never wait on a kernel \
+                 that cannot start: put fewer ranks on each GPU",
+                word(m, 1),
+                word(m, 2),
+                word(m, 3),
+                word(m, 1) / sharing,
+                2 * (n - 1)
+            )));
+        }
         return Err(Error::Config(format!(
-            "the GPU of rank {} ({} SMs, {} send/recv and {} collective blocks per SM) cannot hold one collective \
+            "the GPU of rank {who} ({} SMs, {} send/recv and {} collective blocks per SM) cannot hold one collective \
              kernel (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
              at once, which send/recv need to never wait on a kernel that cannot start: lower cuda_blocks",
-            local_ranks.get(j).copied().unwrap_or(j),
             word(m, 1),
             word(m, 2),
             word(m, 3),
@@ -167,16 +223,24 @@ fn agree_p2p_blocks(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ran
             2 * (n - 1)
         )));
     }
-    if least < cfg.cuda_p2p_blocks {
+    if coll < cfg.cuda_blocks {
+        tracing::info!(
+            setting = cfg.cuda_blocks,
+            effective = coll,
+            "rsccl: collective kernels use {coll} blocks, not cuda_blocks = {}, so that the kernels of every rank sharing a GPU fit on it at once",
+            cfg.cuda_blocks
+        );
+    }
+    if p2p < cfg.cuda_p2p_blocks {
         tracing::info!(
             setting = cfg.cuda_p2p_blocks,
-            effective = least,
-            "rsccl: send/recv kernels use {least} blocks, not cuda_p2p_blocks = {}, so that all {} of them and a collective fit on the GPU at once",
+            effective = p2p,
+            "rsccl: send/recv kernels use {p2p} blocks, not cuda_p2p_blocks = {}, so that all {} of them and a collective fit on the GPU at once",
             cfg.cuda_p2p_blocks,
             2 * (n - 1)
         );
     }
-    Ok(least)
+    Ok((coll, p2p))
 }
 
 /// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
@@ -479,6 +543,10 @@ pub struct CudaStats {
     /// Blocks of each send/recv kernel: cuda_p2p_blocks, or fewer where the GPU could not
     /// hold them all at once (`p2p_blocks_that_fit`).
     pub p2p_blocks: u32,
+    /// Blocks of each collective kernel: cuda_blocks, or fewer where ranks share a GPU.
+    pub blocks: u32,
+    /// Ranks of this group on this rank's GPU, itself included (1: a GPU of its own).
+    pub gpu_sharers: u32,
 }
 
 struct Shared {
@@ -564,7 +632,11 @@ pub struct CudaEngine {
     internal: CUstream,
     order: Mutex<Ordering_>,
     base: Args,
+    /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
+    /// (`grids_that_fit`).
     blocks: u32,
+    /// Ranks of this group on this rank's GPU (itself included; 1 unless allow_shared_gpu).
+    gpu_sharers: u32,
     one_shot_max: usize,
     sync_on_caller: bool,
     local_ranks: Vec<usize>,
@@ -706,29 +778,35 @@ impl CudaEngine {
             return Err(Error::Config(format!("cuda_blocks = {} is over {MAX_BLOCKS}", cfg.cuda_blocks)));
         }
         let dev = Arc::new(Device::open(device)?);
-        // The GPUs of a group must be distinct: two ranks on one GPU is a set-up mistake
-        // (usually a missing torch.cuda.set_device) that would run but slowly and wrongly sized.
+        // The GPUs of a group must be distinct unless allow_shared_gpu: two ranks on one GPU is
+        // usually a set-up mistake (a missing torch.cuda.set_device). With the option, ranks
+        // that share a GPU size their grids to a share of it (`grids_that_fit`).
         let bus = dev.pci_bus_id()?;
         let mut msg = [0u8; 64];
         msg[..4].copy_from_slice(b"RSD1");
         let b = bus.as_bytes();
         msg[4..4 + b.len().min(40)].copy_from_slice(&b[..b.len().min(40)]);
         let got = mesh.all_gather(&msg, None, deadline)?;
-        for (j, (m, _)) in got.iter().enumerate() {
-            for (k, (m2, _)) in got.iter().enumerate().skip(j + 1) {
-                if m[4..44] == m2[4..44] {
-                    return Err(Error::InvalidArgument(format!(
-                        "group ranks {} and {} both use the GPU at PCI {}: call torch.cuda.set_device(local_rank) \
-                         before init_process_group/new_group, so each rank has its own GPU",
-                        local_ranks[j],
-                        local_ranks[k],
-                        String::from_utf8_lossy(&m[4..44]).trim_end_matches('\0')
-                    )));
+        if !cfg.allow_shared_gpu {
+            for (j, (m, _)) in got.iter().enumerate() {
+                for (k, (m2, _)) in got.iter().enumerate().skip(j + 1) {
+                    if m[4..44] == m2[4..44] {
+                        return Err(Error::InvalidArgument(format!(
+                            "group ranks {} and {} both use the GPU at PCI {}: call torch.cuda.set_device(local_rank) \
+                             before init_process_group/new_group, so each rank has its own GPU (or set allow_shared_gpu \
+                             / RSCCL_ALLOW_SHARED_GPU=1 to run several ranks on one GPU, for tests and debugging)",
+                            local_ranks[j],
+                            local_ranks[k],
+                            String::from_utf8_lossy(&m[4..44]).trim_end_matches('\0')
+                        )));
+                    }
                 }
             }
         }
+        let me = mesh.local_index();
+        let sharers = got.iter().filter(|(m, _)| m[4..44] == got[me].0[4..44]).count() as u32;
         let kernels = Kernels::load(&dev)?;
-        let p2p_blocks = agree_p2p_blocks(&dev, &kernels, &mesh, &local_ranks, cfg, deadline)?;
+        let (blocks, p2p_blocks) = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
         // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
         // the pool.
@@ -742,10 +820,10 @@ impl CudaEngine {
             cfg.max_cuda_va_bytes,
             deadline,
         )?);
-        let spb = stage_per_block(cfg.cuda_buffer_bytes, cfg.cuda_blocks);
+        let spb = stage_per_block(cfg.cuda_buffer_bytes, blocks);
         if spb < 4096 {
             return Err(Error::Config(format!(
-                "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for cuda_blocks = {}: \
+                "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for {blocks} blocks (cuda_blocks = {}): \
                  raise cuda_buffer_bytes or lower cuda_blocks",
                 cfg.cuda_buffer_bytes, cfg.cuda_blocks
             )));
@@ -838,13 +916,21 @@ impl CudaEngine {
             staging = pool.pool_off,
             pool = pool.pool_bytes,
             kernel_image = kernels.cubin_bytes,
-            "rsccl: CUDA engine ready: reserved {} MiB of GPU address space, mapped {} MiB own ({} MiB staging + {} MiB pool) and {} MiB of {} peers",
+            blocks,
+            p2p_blocks,
+            gpu_sharers = sharers,
+            "rsccl: CUDA engine ready: reserved {} MiB of GPU address space, mapped {} MiB own ({} MiB staging + {} MiB pool) and {} MiB of {} peers{}",
             pool.reserved_bytes() >> 20,
             pool.block >> 20,
             pool.pool_off >> 20,
             pool.pool_bytes >> 20,
             (pool.block * (n - 1)) >> 20,
-            n - 1
+            n - 1,
+            if sharers > 1 {
+                format!("; {sharers} ranks share this GPU (allow_shared_gpu): {blocks} collective and {p2p_blocks} send/recv blocks per kernel, timings are not meaningful")
+            } else {
+                String::new()
+            }
         );
         words.write(HostWords::POISON_SRC, 1 + mesh.local_index() as u32);
         let sh = Arc::new(Shared {
@@ -869,7 +955,8 @@ impl CudaEngine {
             internal,
             order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: None, end_event }),
             base,
-            blocks: cfg.cuda_blocks,
+            blocks,
+            gpu_sharers: sharers,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
             sync_on_caller: cfg.cuda_sync_stream,
             local_ranks: local_ranks.clone(),
@@ -1404,6 +1491,8 @@ impl CudaEngine {
             staged_collectives: total_n.saturating_sub(inplace_n),
             staged_bytes: total_b.saturating_sub(inplace_b),
             p2p_blocks: self.p2p_blocks,
+            blocks: self.blocks,
+            gpu_sharers: self.gpu_sharers,
         }
     }
 
@@ -1660,6 +1749,42 @@ mod tests {
         let (eff, set) = (fit(64, 4, 132, 2, 32, 1), 64);
         let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
         assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
+    }
+
+    #[test]
+    fn shared_gpu_grids_fit_in_each_ranks_share() {
+        // A GPU of its own: the collective grid is the setting, send/recv as before.
+        let g = |blocks, p2p, l, sms, p2p_sm, coll_sm, sharers| grids_that_fit(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+        assert_eq!(g(64, 32, 4, 132, 2, 1, 1), (64, p2p_blocks_that_fit(32, 4, 132, 2, 64, 1)));
+        assert_eq!(g(64, 32, 8, 16, 2, 1, 1), (64, 0), "unshared and too small: refused, as before");
+        // H100 (132 SMs), 2 send/recv and 1 collective block per SM: 2 ranks get 66 SMs
+        // each, 4 get 33, 8 get 16 (the measured-safe 4 x 8 and 8 x 4 blocks are below these).
+        assert_eq!(g(64, 32, 2, 132, 2, 1, 2), (64, 2), "66 SMs: 1 for send/recv, 64 collective, 2 left");
+        assert_eq!(g(64, 32, 4, 132, 2, 1, 4), (30, 1), "33 SMs: 3 for 6 send/recv kernels");
+        assert_eq!(g(64, 32, 8, 132, 2, 1, 8), (9, 1), "16 SMs: 7 for 14 send/recv kernels");
+        assert_eq!(g(64, 32, 16, 132, 2, 1, 16), (0, 0), "8 SMs cannot hold 30 send/recv kernels");
+        assert_eq!(g(4, 32, 4, 132, 2, 1, 4), (4, 32.min((33 - 4) * 2 / 6)), "a smaller setting stands");
+        assert_eq!(g(64, 32, 4, 132, 0, 1, 4), (0, 0), "a send/recv kernel that cannot run");
+        // The invariant: every co-located rank's collective and send/recv kernels fit on the
+        // GPU together, each at least one block, collective blocks taking whole SMs.
+        for sms in [1u32, 7, 20, 78, 108, 132, 144] {
+            for l in 2..=16usize {
+                for sharers in 2..=l as u32 {
+                    for (p2p_sm, coll_sm) in [(1, 1), (2, 1), (3, 2), (4, 1)] {
+                        for (blocks, p2p) in [(64, 32), (8, 4), (1, 1)] {
+                            let (c, p) = g(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+                            if c == 0 || p == 0 {
+                                assert_eq!((c, p), (0, 0));
+                                continue;
+                            }
+                            assert!(c <= blocks && p <= p2p);
+                            let sms_per_rank = c.div_ceil(coll_sm) + (2 * (l as u32 - 1) * p).div_ceil(p2p_sm);
+                            assert!(sharers * sms_per_rank <= sms, "{sms} SMs, {l} ranks, {sharers} sharers: {c} + {p}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
