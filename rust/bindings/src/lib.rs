@@ -458,6 +458,19 @@ fn prebuilt_kernels<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
     Ok(d)
 }
 
+/// The fat binary of `module` built into this wheel (None if there is none): for tests
+/// that read it with their own parser.
+#[pyfunction]
+fn prebuilt_image<'py>(py: Python<'py>, module: &str) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+    rsccl_core::cuda::kernels::prebuilt_images().iter().find(|m| m.0 == module).map(|m| pyo3::types::PyBytes::new(py, m.1))
+}
+
+/// Every kernel the loader looks up: (module, entry point).
+#[pyfunction]
+fn required_kernels() -> Vec<(&'static str, String)> {
+    rsccl_core::cuda::kernels::required_kernels()
+}
+
 /// Where a GPU of compute capability `major`.`minor` gets its kernels, under the current
 /// RSCCL_KERNELS: ("prebuilt", what runs, device code bytes) or ("nvrtc", why, 0). Raises
 /// where nothing can (RSCCL_KERNELS=prebuilt on an uncovered GPU) or on a bad value.
@@ -524,6 +537,8 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(prebuilt_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_choice, m)?)?;
+    m.add_function(wrap_pyfunction!(prebuilt_image, m)?)?;
+    m.add_function(wrap_pyfunction!(required_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_probe, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;
