@@ -34,10 +34,9 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def rank_main(rank: int, world: int, port: int, backend: str, env: dict, conn) -> None:
     os.environ.update(env)
     try:
+        import rsccl
         import torch
         import torch.distributed as dist
-
-        import rsccl
 
         dev = rank % torch.cuda.device_count()
         torch.cuda.set_device(dev)

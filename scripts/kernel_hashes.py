@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-import kernel_image as ki  # noqa: E402
+import kernel_image as ki
 
 KDIR = os.path.join(ROOT, "csrc_kernels")
 
@@ -45,9 +45,13 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     old = subprocess.run(["git", "-C", ROOT, "show", f"{a.old_rev}:csrc_kernels/rsccl_kernels.cu"], check=True, capture_output=True, text=True).stdout
-    headers = {h: open(os.path.join(KDIR, h)).read() for h in sorted(os.listdir(KDIR)) if h.endswith(".cuh")}
+    def read(name: str) -> str:
+        with open(os.path.join(KDIR, name)) as f:
+            return f.read()
+
+    headers = {h: read(h) for h in sorted(os.listdir(KDIR)) if h.endswith(".cuh")}
     families = sorted(f for f in os.listdir(KDIR) if f.endswith(".cu") and f != "rsccl_kernels.cu")
-    jobs = [("rsccl_kernels.cu", old, {}, a.arch)] + [(f, open(os.path.join(KDIR, f)).read(), headers, a.arch) for f in families]
+    jobs = [("rsccl_kernels.cu", old, {}, a.arch)] + [(f, read(f), headers, a.arch) for f in families]
     # The single file first: it is the longest job.
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(compile_one, jobs))

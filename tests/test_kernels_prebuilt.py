@@ -5,9 +5,7 @@ tests/kernel_image.py, a parser of its own (not the loader's), so a wrong embed,
 arch or a renamed kernel fails here, on the CPU, before any GPU sees the wheel."""
 
 import pytest
-
 import rsccl
-
 from kernel_image import KIND_ELF, KIND_PTX, fatbin_entries, kernel_names
 
 SASS = (80, 90, 100, 120)  # what the issue asks for: A100, H100/H200, B200, RTX 50xx/RTX PRO
