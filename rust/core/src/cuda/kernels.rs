@@ -580,10 +580,22 @@ impl Modules {
     fn load(images: &[(&'static str, &[u8])]) -> Result<Modules> {
         let mut out = Modules(Vec::new());
         for (name, img) in images {
+            // The driver reads the image's headers as 8-byte words; include_bytes! data is
+            // only byte-aligned, so an unaligned image is loaded from an aligned copy.
+            let copy: Vec<u64>;
+            let ptr = if img.as_ptr() as usize % 8 == 0 {
+                img.as_ptr() as *const std::ffi::c_void
+            } else {
+                let mut words = vec![0u64; img.len().div_ceil(8)];
+                // SAFETY: `words` holds at least img.len() bytes; the two do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(img.as_ptr(), words.as_mut_ptr() as *mut u8, img.len()) };
+                copy = words;
+                copy.as_ptr() as *const std::ffi::c_void
+            };
             let mut module: CUmodule = std::ptr::null_mut();
-            // SAFETY: `img` is a complete cubin or fat binary (NVRTC's or build.rs's),
-            // alive during the call; the driver copies what it loads.
-            check(unsafe { cu::cuModuleLoadData(&mut module, img.as_ptr() as *const std::ffi::c_void) }, &format!("cuModuleLoadData({name})"))?;
+            // SAFETY: `ptr` is a complete cubin or fat binary (NVRTC's or build.rs's), 8-byte
+            // aligned and alive during the call; the driver copies what it loads.
+            check(unsafe { cu::cuModuleLoadData(&mut module, ptr) }, &format!("cuModuleLoadData({name})"))?;
             out.0.push((name, module));
         }
         Ok(out)
