@@ -807,6 +807,29 @@ mod tests {
     }
 
     #[test]
+    fn the_cache_lock_makes_a_second_process_wait() {
+        // flock locks belong to the open file, so two opens in one process exclude each
+        // other as two processes' do.
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = std::env::temp_dir().join(format!("rsccl-lock-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kernels-test-sm_90.lock");
+        let first = lock_file(&path, "sm_90").unwrap();
+        let released = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let _second = lock_file(&path, "sm_90").unwrap();
+                released.load(Ordering::SeqCst)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            released.store(true, Ordering::SeqCst);
+            drop(first);
+            assert!(waiter.join().unwrap(), "the second lock was granted while the first was held");
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn cache_key_changes_with_input() {
         assert_ne!(fnv1a(&[b"a", b"b"]), fnv1a(&[b"ab"]));
         assert_eq!(fnv1a(&[b"x"]), fnv1a(&[b"x"]));
