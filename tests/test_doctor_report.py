@@ -53,7 +53,7 @@ def cpu_virtual_bits() -> int | None:
 
 @no_gpu
 def test_doctor_json_reports_no_gpu_and_this_machines_facts(tmp_path):
-    fake = tmp_path / "kernels-0123456789abcdef-sm_90.cubin"
+    fake = tmp_path / "kernels-0123456789abcdef-all_reduce-sm_90.cubin"
     fake.write_bytes(b"\x7fELF")
     r = run_doctor("--json", env={"RSCCL_CACHE_DIR": str(tmp_path), "RSCCL_SPIN_COUNT": "1234"})
     assert r.returncode == 1, r.stderr  # no GPU, no --cpu-ok: the CUDA engine cannot work here
@@ -80,8 +80,12 @@ def test_doctor_json_reports_no_gpu_and_this_machines_facts(tmp_path):
     assert "spin_count=1234" in checks["settings"]["summary"]
 
     assert checks["kernel cache"]["dir"] == str(tmp_path)
-    assert checks["kernel cache"]["cubins"] == {"sm_90": [str(fake)]}
+    assert checks["kernel cache"]["builds"] == {"sm_90": ["0123456789abcdef"]}
     assert checks["kernel cache"]["writable"] is True
+    # The wheel's kernels: every arch it was built for, and no GPU here to cover.
+    assert checks["kernels"]["sass"] == ["sm_80", "sm_90", "sm_100", "sm_120"] and checks["kernels"]["ptx"] == ["compute_120"]
+    assert checks["kernels"]["nvcc"].startswith("13.0.") and checks["kernels"]["gpus"] == {}
+    assert "prebuilt by nvcc" in checks["kernels"]["summary"]
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     assert checks["address space"]["cpu_virtual_bits"] == cpu_virtual_bits()
@@ -342,3 +346,20 @@ def test_memory_report_of_a_subgroup(cluster4):
         assert row["CPU ops"] == f"{got['stats']['collectives']} / {human_bytes(got['stats']['staged_bytes'])}"
         # Two ranks share a smaller region than the world's four.
         assert got["stats"]["host_mapped_bytes"] < got["world"]["host_mapped_bytes"]
+
+
+def test_kernels_check_says_where_each_gpus_kernels_come_from(monkeypatch):
+    monkeypatch.delenv("RSCCL_KERNELS", raising=False)
+    check, nvrtc_archs = doctor.check_kernels([fake_gpu(), fake_gpu(index=1)])
+    assert check.status == "ok" and nvrtc_archs == [], check
+    assert "sm_90 covered (sm_90 SASS" in check.summary and check.data["gpus"]["sm_90"]["source"] == "prebuilt"
+    turing = fake_gpu(name="Tesla T4", compute_capability=[7, 5], arch="sm_75")
+    check, nvrtc_archs = doctor.check_kernels([turing])
+    assert check.status == "warn" and nvrtc_archs == ["sm_75"] and "sm_75 uses NVRTC" in check.summary, check
+    assert "--fill-cache sm_75" in check.fix
+    monkeypatch.setenv("RSCCL_KERNELS", "prebuilt")
+    check, _ = doctor.check_kernels([turing])
+    assert check.status == "error" and check.needed_by == "cuda" and "sm_75" in check.summary, check
+    monkeypatch.setenv("RSCCL_KERNELS", "nvrtc")
+    check, nvrtc_archs = doctor.check_kernels([fake_gpu()])
+    assert check.status == "ok" and nvrtc_archs == ["sm_90"] and "RSCCL_KERNELS=nvrtc" in check.summary, check

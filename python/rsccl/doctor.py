@@ -19,7 +19,7 @@ Exit status, the rule a job's preflight step can rely on:
      without GPUs) should fail its preflight, not fall back to the CPU.
   2  bad command line.
 
-Warnings (no compiled kernels cached yet, a finite RLIMIT_AS) and information (NCCL,
+Warnings (a GPU the prebuilt kernels do not cover and no NVRTC cache for it, a finite RLIMIT_AS) and information (NCCL,
 topology, address width) never change the status. No check raises: a library that is
 missing or fails is reported as such.
 """
@@ -455,14 +455,55 @@ def check_nccl() -> Check:
 
 
 def kernel_cache_dir() -> str | None:
-    """Where compiled kernels are cached: the rule of kernels.rs's cache_dir()."""
-    if "RSCCL_CACHE_DIR" in os.environ:
+    """Where NVRTC-compiled kernels are cached: the rule of config.rs's kernel_cache_dir()."""
+    if os.environ.get("RSCCL_CACHE_DIR"):
         return os.environ["RSCCL_CACHE_DIR"]
-    if "XDG_CACHE_HOME" in os.environ:
+    if os.environ.get("XDG_CACHE_HOME"):
         return os.path.join(os.environ["XDG_CACHE_HOME"], "rsccl")
     if "HOME" in os.environ:
         return os.path.join(os.environ["HOME"], ".cache", "rsccl")
     return None
+
+
+def check_kernels(gpus: list[dict[str, Any]]) -> tuple[Check, list[str]]:
+    """Where each GPU's kernels come from: the fat binary built into the wheel (which archs
+    it holds, whether it covers the GPU) or NVRTC (RSCCL_KERNELS, or a GPU it does not
+    cover). Also returns the archs that will use NVRTC (their cache matters)."""
+    info = _rsccl.prebuilt_kernels()
+    modules = info["modules"]
+    sass = sorted({int(n[3:]) for imgs in modules.values() for n, _ in imgs if n.startswith("sm_")})
+    ptx = sorted({int(n[8:]) for imgs in modules.values() for n, _ in imgs if n.startswith("compute_")})
+    total = sum(b for imgs in modules.values() for _, b in imgs)
+    built = (
+        f"prebuilt by nvcc {info['nvcc']}: SASS {', '.join(f'sm_{a}' for a in sass)} + PTX {', '.join(f'compute_{a}' for a in ptx)} "
+        f"({human_bytes(total)} in {len(modules)} modules)"
+        if modules
+        else "this build has no prebuilt kernels (built without nvcc)"
+    )
+    data: dict[str, Any] = {"nvcc": info["nvcc"], "sass": [f"sm_{a}" for a in sass], "ptx": [f"compute_{a}" for a in ptx], "gpus": {}}
+    data["source_setting"] = os.environ.get("RSCCL_KERNELS", "auto") or "auto"
+    nvrtc_archs: list[str] = []
+    per_gpu = []
+    for arch, cc in sorted({(g["arch"], tuple(g["compute_capability"])) for g in gpus}):
+        try:
+            src, what, nbytes = _rsccl.kernel_choice(cc[0], cc[1])
+        except Exception as e:  # noqa: BLE001 - RSCCL_KERNELS=prebuilt on an uncovered GPU, or a bad value
+            data["gpus"][arch] = {"source": None, "detail": str(e)}
+            return Check("kernels", ERROR, f"{built}; {arch}: {e}", "unset RSCCL_KERNELS (auto falls back to NVRTC)", "cuda", data), nvrtc_archs
+        data["gpus"][arch] = {"source": src, "detail": what, "device_code_bytes": nbytes}
+        if src == "prebuilt":
+            per_gpu.append(f"{arch} covered ({what}, {human_bytes(nbytes)} of device code)")
+        else:
+            per_gpu.append(f"{arch} uses NVRTC ({what})")
+            nvrtc_archs.append(arch)
+    summary = built + ("; " + "; ".join(per_gpu) if per_gpu else "")
+    if not modules:
+        fix = "install rsccl's wheel, or build it with `pip install .` (nvcc comes from PyPI as a build requirement)"
+        return Check("kernels", WARN, summary + ": the first group on each GPU compiles them with NVRTC", fix, data=data), nvrtc_archs
+    if nvrtc_archs and data["source_setting"] != "nvrtc":
+        fix = f"python -m rsccl.doctor --fill-cache {' '.join(nvrtc_archs)} compiles them ahead"
+        return Check("kernels", WARN, summary + ": their first group compiles with NVRTC", fix, data=data), nvrtc_archs
+    return Check("kernels", OK if gpus else INFO, summary, data=data), nvrtc_archs
 
 
 def _writable(d: str) -> bool:
@@ -477,33 +518,37 @@ def _writable(d: str) -> bool:
 
 
 def check_kernel_cache(archs: list[str]) -> Check:
-    """Which architectures have a compiled cubin on disk. A file is named
-    kernels-<hash>-<arch>.cubin, the hash covering the kernel source, NVRTC's version and
-    the options; only rsccl knows this build's hash, so a file for an arch may be another
-    build's (then rsccl compiles again at the first group creation and caches that)."""
+    """Which architectures have NVRTC-compiled kernels on disk; `archs` are the GPUs' archs
+    that use NVRTC (the others run the prebuilt kernels and need no cache). A build's files
+    are kernels-<hash>-<module>-<arch>.cubin, one per module, the hash covering the kernel
+    sources, NVRTC's version and the options; only rsccl knows this build's hash, so a file
+    for an arch may be another build's (then the first group creation compiles again)."""
     d = kernel_cache_dir()
     if d is None:
-        return Check("kernel cache", WARN, "no cache directory (no RSCCL_CACHE_DIR, XDG_CACHE_HOME or HOME)", "set RSCCL_CACHE_DIR")
-    cubins: dict[str, list[str]] = {}
+        status = WARN if archs else INFO
+        return Check("kernel cache", status, "no cache directory (no RSCCL_CACHE_DIR, XDG_CACHE_HOME or HOME)", "set RSCCL_CACHE_DIR")
+    builds: dict[str, set[str]] = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(d), "kernels-*-sm_*.cubin"))):
-        arch = os.path.basename(path).rsplit("-", 1)[1].removesuffix(".cubin")
-        cubins.setdefault(arch, []).append(path)
+        parts = os.path.basename(path).removesuffix(".cubin").split("-")
+        builds.setdefault(parts[-1], set()).add(parts[1])
     writable = _writable(d)
-    data = {"dir": d, "writable": writable, "cubins": cubins}
-    cached = ", ".join(f"{a} ({len(v)} file{'s' if len(v) > 1 else ''})" for a, v in cubins.items()) or "nothing cached"
+    data = {"dir": d, "writable": writable, "builds": {a: sorted(k) for a, k in builds.items()}}
+    cached = ", ".join(f"{a} ({len(v)} build{'s' if len(v) > 1 else ''})" for a, v in builds.items()) or "nothing cached"
     summary = f"{d}: {cached}"
+    if not archs:
+        return Check("kernel cache", INFO, summary + " (no GPU here needs NVRTC)", data=data)
     if not writable:
         return Check("kernel cache", WARN, summary + "; not writable", "set RSCCL_CACHE_DIR to a writable directory", data=data)
-    uncached = [a for a in archs if a not in cubins]
+    uncached = [a for a in archs if a not in builds]
     if uncached:
         return Check(
             "kernel cache",
             WARN,
-            summary + f"; {', '.join(uncached)} not cached: the first group creation compiles (10-50 s)",
+            summary + f"; {', '.join(uncached)} not cached: the first group creation compiles with NVRTC (about 1 min on 16 cores)",
             f"python -m rsccl.doctor --fill-cache {' '.join(uncached)}",
             data=data,
         )
-    return Check("kernel cache", OK if archs else INFO, summary, data=data)
+    return Check("kernel cache", OK, summary, data=data)
 
 
 def check_address_space() -> Check:
@@ -559,7 +604,8 @@ def fill_cache(archs: list[str]) -> list[dict[str, Any]]:
         t = time.monotonic()
         try:
             _cuda.load_nvrtc()
-            path = _rsccl.cache_kernels(arch)
+            files = _rsccl.cache_kernels(arch)
+            path = os.path.dirname(files[0]) if files else None
             out.append({"arch": arch, "path": path, "seconds": round(time.monotonic() - t, 1), "error": None})
         except Exception as e:  # noqa: BLE001 - reported with the other findings
             out.append({"arch": arch, "path": None, "seconds": round(time.monotonic() - t, 1), "error": f"{type(e).__name__}: {e}"})
@@ -596,7 +642,9 @@ def diagnose(cpu_ok: bool = False, fill: list[str] | None = None) -> Report:
         filled = fill_cache(fill or archs)
         if not (fill or archs):
             filled = [{"arch": "-", "path": None, "seconds": 0.0, "error": "no GPU visible: name the archs, e.g. --fill-cache sm_90"}]
-    checks.append(_guard("kernel cache", "info", lambda: check_kernel_cache(archs)))
+    kernels, nvrtc_archs = _safe(lambda: check_kernels(gpus), lambda msg: (Check("kernels", ERROR, msg, "reinstall rsccl", "cuda"), archs))
+    checks.append(kernels)
+    checks.append(_guard("kernel cache", "info", lambda: check_kernel_cache(nvrtc_archs)))
     checks.append(_guard("address space", "info", check_address_space))
 
     report = Report(checks, gpus, matrix, topology, relevant_env(), rows, filled, cpu_ok)

@@ -421,23 +421,64 @@ impl CudaEvent {
     }
 }
 
-/// Compile rsccl's CUDA kernels for `arch` (e.g. "sm_90") with NVRTC and return the size
-/// of the image: a check that needs NVRTC, not a GPU.
+/// Compile rsccl's CUDA kernels for `arch` (e.g. "sm_90") with NVRTC and return each
+/// module's image size, in module order: a check that needs NVRTC, not a GPU.
 #[pyfunction]
-fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<usize> {
-    py.detach(|| rsccl_core::cuda::kernels::compile(arch)).py().map(|b| b.len())
+fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(&'static str, usize)>> {
+    py.detach(|| rsccl_core::cuda::kernels::compile(arch)).py().map(|v| v.into_iter().map(|(m, c)| (m, c.len())).collect())
 }
 
-/// Compile `arch`'s kernels into the disk cache now (a no-op if cached) and return the
-/// file: lets an image or job step pay the compilation once, before any group exists.
+/// Compile `arch`'s kernels with NVRTC into the disk cache now (a no-op if cached) and
+/// return the files: lets an image or job step pay the compilation once, before any group
+/// exists (needed only where the prebuilt kernels do not cover the GPU, or with
+/// RSCCL_KERNELS=nvrtc).
 #[pyfunction]
-fn cache_kernels(py: Python<'_>, arch: &str) -> PyResult<Option<String>> {
+fn cache_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<String>> {
     py.detach(|| {
         rsccl_core::cuda::kernels::cubin_for(arch)?;
-        rsccl_core::cuda::kernels::cache_path(arch)
+        rsccl_core::cuda::kernels::cache_paths(arch)
     })
     .py()
-    .map(|p| p.map(|p| p.display().to_string()))
+    .map(|p| p.unwrap_or_default().iter().map(|p| p.display().to_string()).collect())
+}
+
+/// The kernels built into this wheel: {"nvcc": version ("" if none), "targets": the
+/// build's target list, "modules": {module: [(image, bytes)]}} (empty modules: built
+/// without nvcc, every GPU uses NVRTC).
+#[pyfunction]
+fn prebuilt_kernels<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    use rsccl_core::cuda::kernels as k;
+    let d = PyDict::new(py);
+    d.set_item("nvcc", k::prebuilt_nvcc())?;
+    d.set_item("targets", k::prebuilt_targets())?;
+    let modules = PyDict::new(py);
+    for (name, img) in k::prebuilt_images() {
+        let entries = k::fatbin_entries(img).py()?;
+        modules.set_item(*name, entries.iter().map(|e| (e.name(), e.bytes)).collect::<Vec<_>>())?;
+    }
+    d.set_item("modules", modules)?;
+    Ok(d)
+}
+
+/// The fat binary of `module` built into this wheel (None if there is none): for tests
+/// that read it with their own parser.
+#[pyfunction]
+fn prebuilt_image<'py>(py: Python<'py>, module: &str) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+    rsccl_core::cuda::kernels::prebuilt_images().iter().find(|m| m.0 == module).map(|m| pyo3::types::PyBytes::new(py, m.1))
+}
+
+/// Every kernel the loader looks up: (module, entry point).
+#[pyfunction]
+fn required_kernels() -> Vec<(&'static str, String)> {
+    rsccl_core::cuda::kernels::required_kernels()
+}
+
+/// Where a GPU of compute capability `major`.`minor` gets its kernels, under the current
+/// RSCCL_KERNELS: ("prebuilt", what runs, device code bytes) or ("nvrtc", why, 0). Raises
+/// where nothing can (RSCCL_KERNELS=prebuilt on an uncovered GPU) or on a bad value.
+#[pyfunction]
+fn kernel_choice(major: u32, minor: u32) -> PyResult<(&'static str, String, usize)> {
+    rsccl_core::cuda::kernels::choice(major * 10 + minor).py()
 }
 
 /// Load NCCL from `path` (torch's libnccl.so.2) and return (version code, a fresh unique id):
@@ -496,6 +537,10 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CudaEvent>()?;
     m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(prebuilt_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_choice, m)?)?;
+    m.add_function(wrap_pyfunction!(prebuilt_image, m)?)?;
+    m.add_function(wrap_pyfunction!(required_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_probe, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_options, m)?)?;

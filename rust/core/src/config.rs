@@ -270,6 +270,60 @@ pub const SETTINGS: &[Setting] = &[
     },
 ];
 
+/// Where a GPU's kernels come from: `RSCCL_KERNELS`, a process-wide choice read when a group
+/// loads its kernels (not an Options field: every group of a process loads the same code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelSource {
+    /// `auto` (the default): the fat binary built into the wheel when it holds code for
+    /// this GPU, else NVRTC (with a warning saying why).
+    Auto,
+    /// `prebuilt`: the fat binary only; a GPU it does not cover is an error.
+    Prebuilt,
+    /// `nvrtc`: compile csrc_kernels/ with NVRTC for this GPU (cached on disk): the
+    /// developer's path, and the fallback for GPUs the fat binary does not cover.
+    Nvrtc,
+}
+
+pub const KERNELS_ENV: &str = "RSCCL_KERNELS";
+
+impl KernelSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelSource::Auto => "auto",
+            KernelSource::Prebuilt => "prebuilt",
+            KernelSource::Nvrtc => "nvrtc",
+        }
+    }
+
+    /// From `RSCCL_KERNELS` as `env` reads it (unset or empty: auto).
+    pub fn resolve(env: &dyn Fn(&str) -> Option<String>) -> Result<KernelSource> {
+        let v = env(KERNELS_ENV).unwrap_or_default();
+        match v.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(KernelSource::Auto),
+            "prebuilt" => Ok(KernelSource::Prebuilt),
+            "nvrtc" => Ok(KernelSource::Nvrtc),
+            _ => Err(Error::Config(format!("{KERNELS_ENV}={v:?} is not one of auto, prebuilt, nvrtc"))),
+        }
+    }
+
+    pub fn from_env() -> Result<KernelSource> {
+        KernelSource::resolve(&|k| std::env::var(k).ok())
+    }
+}
+
+/// Where NVRTC-compiled kernels are cached: `$RSCCL_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/rsccl`, else `~/.cache/rsccl`.
+pub fn kernel_cache_dir(env: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    if let Some(d) = env("RSCCL_CACHE_DIR").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = env("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(d).join("rsccl"));
+    }
+    env("HOME").map(|h| PathBuf::from(h).join(".cache").join("rsccl"))
+}
+
 /// Resolved configuration of one group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -455,6 +509,26 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_source_names_the_variable_on_a_bad_value() {
+        let env = |v: &'static str| move |k: &str| (k == KERNELS_ENV).then(|| v.to_string());
+        assert_eq!(KernelSource::resolve(&|_| None).unwrap(), KernelSource::Auto);
+        assert_eq!(KernelSource::resolve(&env("NVRTC")).unwrap(), KernelSource::Nvrtc);
+        assert_eq!(KernelSource::resolve(&env("prebuilt")).unwrap(), KernelSource::Prebuilt);
+        let e = KernelSource::resolve(&env("fatbin")).unwrap_err().to_string();
+        assert!(e.contains("RSCCL_KERNELS") && e.contains("fatbin"), "{e}");
+    }
+
+    #[test]
+    fn kernel_cache_dir_rule() {
+        use std::ffi::OsString;
+        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| OsString::from(p.1));
+        assert_eq!(kernel_cache_dir(&env(&[("RSCCL_CACHE_DIR", "/c"), ("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/c"));
+        assert_eq!(kernel_cache_dir(&env(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/x/rsccl"));
+        assert_eq!(kernel_cache_dir(&env(&[("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/h/.cache/rsccl"));
+        assert!(kernel_cache_dir(&env(&[])).is_none());
+    }
 
     #[test]
     fn every_setting_lands_in_its_field() {

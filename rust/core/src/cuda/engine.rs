@@ -2,7 +2,7 @@
 //! internal stream, and the ordering rules between them and the caller's streams.
 //!
 //! Streams: every kernel of a group must run after the previous one (the kernels' per-block
-//! counters assume it, see csrc_kernels/rsccl_kernels.cu). A launch goes to the caller's
+//! counters assume it, NOTE [Lockstep blocks] in csrc_kernels/protocol.cuh). A launch goes to the caller's
 //! current stream (blocking calls, `cuda_sync_stream = 1`) or to the internal stream (after
 //! an event makes it wait for the caller's stream). When a launch goes to a different
 //! stream than the previous launch, the new stream first waits on an event recorded on the
@@ -91,8 +91,8 @@ pub struct AllToAll {
     pub recv_bytes: Vec<u64>,
 }
 
-/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (see "Point to
-/// point" in the kernel source), or why the settings leave too little.
+/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to
+/// point] in csrc_kernels/protocol.cuh), or why the settings leave too little.
 pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
     let slots = local_ranks.saturating_sub(1).max(1);
     let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;

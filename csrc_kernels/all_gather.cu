@@ -1,0 +1,84 @@
+// all_gather (rs_all_gather).
+
+#include "common.cuh"
+
+// all_gather in place (out, world * count bytes, in the pool): push my input into slot
+// `rank` of every rank's output (my own too, unless the input already is that slot, as in
+// FSDP); barrier (every push has landed).
+__device__ void ag_in_place(const Args& a, BlockState& s) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    const bool self_copy = reinterpret_cast<const u8*>(a.out) + me * n != in;
+    u64 lo, hi;
+    block_range(n, 16, &lo, &hi);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+        [&](const Pack<u8>& p, u64 i) {
+            for (u32 j0 = 0; j0 < W; j0++) {
+                const u32 j = (me + j0) % W;
+                if (j != me || self_copy) store_pack(p, peer_out<u8>(a, j) + me * n, i, hi);
+            }
+        });
+    barrier(a, &s);
+}
+
+// all_gather (bytes): `in` holds count bytes, `out` world * count. Each step, block b
+// copies its piece of my input into my own output block and pushes it into my slot of
+// every peer's staging; barrier; the copy of the peers' slots into my output is deferred
+// to the next step's first phase (as in two-shot: the slots are rewritten two steps later,
+// after a barrier that needs my signal, given after the copy).
+__device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_step, u64 m, const u8* mine, u8* out) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u8* src = mine + slot_of(j, me) * m;
+        u8* dst = out + j * n;
+        for_packs<u8>(
+            lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, src, i - lo); },
+            [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
+    }
+}
+
+__device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for_packs<u8>(
+        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+        [&](const Pack<u8>& p, u64 i) {
+            store_pack(p, out + me * n, i, hi);
+            for (u32 j0 = 1; j0 < W; j0++) {
+                const u32 j = (me + j0) % W;
+                store_stage(p, stage_of(a, j, par) + slot_of(me, j) * m, i - lo);
+            }
+        });
+}
+
+extern "C" __global__ void __launch_bounds__(512) rs_all_gather(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    if (!staged_start(
+            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1); }, [&] { ag_in_place(a, s); }))
+        return;
+    for (u64 st = 1; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out);
+        ag_push(a, st, per_step, m, par);
+        BARRIER_OR_RETURN(a, s, steps)
+    }
+    copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out);
+    save_state(a, &s, steps);
+}

@@ -1,0 +1,174 @@
+// all_reduce: one-shot and two-shot (rs_ar_oneshot_*, rs_ar_twoshot_*).
+
+#include "common.cuh"
+
+// all_reduce, one-shot: count elements in `in`, result in `out` (may alias in).
+// Each step, block b takes m elements and writes them into its slot of every peer's
+// staging (remote stores over NVLink), passes a barrier, then reduces in rank order: its
+// own input for itself, the slots for the others (so every rank computes the same bits).
+template <typename T, typename Op>
+__device__ void ar_oneshot(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank;
+    const u64 m = per_block<T>(a, W - 1 ? W - 1 : 1, a.count);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(a.count, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, a.count);
+        for_packs<T>(
+            lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, hi); },
+            [&](const Pack<T>& p, u64 i) {
+                for (u32 j0 = 1; j0 < W; j0++) {
+                    const u32 j = (me + j0) % W;
+                    store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m, i - lo);
+                }
+            });
+        BARRIER_OR_RETURN(a, s, steps)
+        const T* mine = reinterpret_cast<const T*>(stage_of(a, me, par));
+        for_packs<T>(
+            lo, hi,
+            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, mine, me, W, m, i, lo, hi); },
+            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+    }
+    save_state(a, &s, steps);
+    note_call(a, a.count * sizeof(T), 2);
+}
+
+// all_reduce in place (in and out in the pool, out may alias in): rank r owns shard r;
+// for each element of it, one thread reads that element of every rank's input (rank
+// order), reduces, and writes the result into every rank's output; then one barrier.
+// No barrier is needed between the reads and the writes: an element index is read and
+// written, on every rank, by that one thread only (reads before its dependent writes), so
+// aliasing in and out is safe. The closing barrier orders every push before each rank's
+// later work, and every read of my buffers before I return.
+template <typename T, typename Op>
+__device__ void ar_in_place(const Args& a, BlockState& s) {
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count, P = Pack<T>::N;
+    const u64 shard = round_up((n + W - 1) / W, P);
+    u64 lo, hi;
+    block_range(shard, P, &lo, &hi);
+    const u64 slo = min64(me * shard + lo, n), shi = min64(me * shard + hi, n);
+    for_packs<T>(
+        slo, shi,
+        [&](Pack<T>& p, u64 i) {
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                load_pack(p, peer_in<T>(a, j), i, shi);
+                reduce_pack<T, Op>(p, acc, j == 0);
+            }
+            finish_pack<T, Op>(p, acc, W);
+        },
+        [&](const Pack<T>& p, u64 i) {
+            for (u32 j0 = 0; j0 < W; j0++) store_pack(p, peer_out<T>(a, (me + j0) % W), i, shi);
+        });
+    barrier(a, &s);
+}
+
+// all_reduce, two-shot: reduce-scatter then all-gather, both through staging, with ONE
+// barrier per step. Each step, block b takes m elements split into `world` shards.
+// Staging holds an RS area and an AG area of world - 1 shard slots each.
+//   A. push shard j of my input into rank j's RS slot for me;               barrier(s)
+//   B. copy the AG slots of step s - 1 into my output (they arrived before barrier(s):
+//      each peer pushed them before signalling it); reduce shard `rank` of step s in rank
+//      order (my own input for myself), write it to my output and push it into every
+//      peer's AG slot for me.
+// After the last step, one more barrier, then the last AG copy.
+// Reuse: a peer writes RS slots of parity p again in phase A of step s + 2, after passing
+// barrier(s + 1), which needs my signal given after my phase B of step s (my last read of
+// them); it writes AG slots of parity p again in phase B of step s + 2, after barrier(s + 2),
+// which needs my signal given after my phase B of step s + 1 (where I copy them out).
+template <typename T, typename Op>
+__device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, const T* ag, T* out) {
+    const u32 W = a.world, me = a.rank;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, a.count);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 slo = lo + j * shard;
+        const u64 shi = min64(slo + shard, hi);
+        const T* src = ag + slot_of(j, me) * shard;
+        for_packs<T>(
+            slo, shi, [&](Pack<T>& p, u64 i) { load_stage(p, src, i - slo); },
+            [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, shi); });
+    }
+}
+
+// Phase A of step st: shard j of my input into rank j's RS slot for me.
+template <typename T>
+__device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const T* in = reinterpret_cast<const T*>(a.in);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, a.count);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 slo = lo + j * shard;
+        const u64 shi = min64(slo + shard, hi);
+        T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * shard;
+        for_packs<T>(
+            slo, shi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
+            [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - slo); });
+    }
+}
+
+template <typename T, typename Op>
+__device__ void ar_twoshot(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank;
+    const u32 slots = W > 1 ? W - 1 : 1;
+    const u64 shard = per_block<T>(a, 2 * slots, (a.count + W - 1) / W);
+    const u64 m = shard * W;
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(a.count, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    if (!staged_start(
+            a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1); },
+            [&] { ar_in_place<T, Op>(a, s); }))
+        return;
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        const u64 lo = st * per_step + blockIdx.x * m;
+        const u64 hi = min64(lo + m, a.count);
+        if (st > 0) {
+            twoshot_push<T>(a, st, per_step, m, shard, par);
+            BARRIER_OR_RETURN(a, s, steps + 1)
+        }
+        if (st > 0) {
+            const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
+            copy_ag<T, Op>(a, st - 1, per_step, m, shard, ag, out);
+        }
+        const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+        const u64 slo = lo + me * shard;
+        const u64 shi = min64(slo + shard, hi);
+        for_packs<T>(
+            slo, shi,
+            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, rs, me, W, shard, i, slo, shi); },
+            [&](const Pack<T>& p, u64 i) {
+                store_pack(p, out, i, shi);
+                for (u32 j0 = 1; j0 < W; j0++) {
+                    const u32 j = (me + j0) % W;
+                    store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + (slots + slot_of(me, j)) * shard, i - slo);
+                }
+            });
+    }
+    // The AG pushes of the last step arrive before this barrier's signals.
+    BARRIER_OR_RETURN(a, s, steps + 1)
+    {
+        const u32 par = (s.step + (u32)(steps - 1)) & 1;
+        const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par)) + slots * shard;
+        copy_ag<T, Op>(a, steps - 1, per_step, m, shard, ag, out);
+    }
+    save_state(a, &s, steps);
+}
+
+RS_TYPES(ar_oneshot)
+RS_TYPES(ar_twoshot)

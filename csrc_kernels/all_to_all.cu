@@ -1,0 +1,137 @@
+// all_to_all (rs_all_to_all).
+
+#include "common.cuh"
+
+// all_to_all (bytes; NOTE [all_to_all]). Rank me's chunk for peer j is
+// send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
+// Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:
+// block b moves bytes [s * G * m + b * m, + m) of every chunk at step s, through its slot
+// of the receiver's staging (world - 1 slots of m bytes), and copies the slots it received
+// at step s - 1 while step s's pushes travel:
+//   barrier(tables) | push(0) barrier | copy(0) push(1) barrier | ... | copy(last)
+// Reuse: as in all_gather (a slot of parity p is rewritten at step s + 2, after a barrier
+// that needs the receiver's signal given after its copy of step s); the first push of a
+// kernel follows the table barrier, which every peer passed after its previous kernel.
+struct A2aArgs {
+    Args a;
+    u64 send[MAX_RANKS];
+    u64 send_n[MAX_RANKS];
+    u64 recv[MAX_RANKS];
+    u64 recv_n[MAX_RANKS];
+};
+
+__device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_block) {
+    return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
+}
+
+__device__ __forceinline__ void a2a_push(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+    const Args& a = x.a;
+    const u32 W = a.world, me = a.rank;
+    for (u32 j0 = 0; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const u64 n = x.send_n[j];
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
+        const u8* src = reinterpret_cast<const u8*>(x.send[j]);
+        if (j == me) {
+            u8* dst = reinterpret_cast<u8*>(x.recv[me]);
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
+        } else {
+            u8* dst = stage_of(a, j, par) + slot_of(me, j) * m;
+            for_packs_by<u8>(
+                lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, src, i, hi); },
+                [&](const Pack<u8>& p, u64 i) { store_stage(p, dst, i - lo); });
+        }
+    }
+}
+
+__device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
+    const Args& a = x.a;
+    const u32 W = a.world, me = a.rank;
+    const u8* mine = stage_of(a, me, par);
+    for (u32 i0 = 1; i0 < W; i0++) {
+        const u32 i = (me + i0) % W;
+        const u64 n = x.recv_n[i];
+        const u64 lo = st * per_step + blockIdx.x * m;
+        if (lo >= n) continue;
+        const u64 hi = min64(lo + m, n);
+        const u8* src = mine + slot_of(i, me) * m;
+        u8* dst = reinterpret_cast<u8*>(x.recv[i]);
+        for_packs_by<u8>(
+            lo, hi, tid, nt, [&](Pack<u8>& p, u64 i2) { load_stage(p, src, i2 - lo); },
+            [&](const Pack<u8>& p, u64 i2) { store_pack(p, dst, i2, hi); });
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x) {
+    const Args& a = x.a;
+    __shared__ BlockState s;
+    __shared__ unsigned long long s_max;
+    __shared__ u32 s_bad;
+    load_state(a, &s);
+    const u32 W = a.world, me = a.rank, t = threadIdx.x;
+    if (t < W) {
+        u64* mine = a2a_table(a.peer[me], s.epoch + 1, blockIdx.x);
+        mine[t] = x.send_n[t];
+        mine[MAX_RANKS + t] = x.recv_n[t];
+    }
+    if (t == 0) {
+        s_max = 0;
+        s_bad = 0xffffffffu;
+    }
+    // The barrier's first __syncthreads orders the table stores before the signal.
+    if (!barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return;
+    }
+    // Every rank checks every pair (i sends to j what j expects from i) and finds the
+    // largest chunk; the lowest bad pair is reported, so every rank reports the same one.
+    for (u32 k = t; k < W * W; k += blockDim.x) {
+        const u32 i = k / W, j = k % W;
+        const u64 sent = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
+        const u64 expected = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
+        if (sent != expected) atomicMin(&s_bad, k);
+        atomicMax(&s_max, (unsigned long long)sent);
+    }
+    __syncthreads();
+    if (s_bad != 0xffffffffu) {
+        if (t == 0 && blockIdx.x == 0) {
+            const u32 i = s_bad / W, j = s_bad % W;
+            volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+            h[4] = i;
+            h[5] = j;
+            h[6] = a2a_table(a.peer[i], s.epoch, blockIdx.x)[j];
+            h[7] = a2a_table(a.peer[j], s.epoch, blockIdx.x)[MAX_RANKS + i];
+            __threadfence_system();
+            st_volatile_host(a.err_host, (ERR_A2A << 16) | i);
+            __threadfence_system();
+        }
+        save_state(a, &s, 1);
+        return;
+    }
+    const u64 biggest = s_max;
+    const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, biggest);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(biggest, per_step);
+    u64 total = 0;
+    for (u32 j = 0; j < W; j++) total += x.send_n[j];
+    note_call(a, total, 2);
+    // Each step, half the threads push step st over NVLink while the other half copy
+    // step st - 1 out of local staging (different slots: parities differ), so the copy
+    // costs no step time; the barrier's bar.sync joins both halves before the signal.
+    const u32 half = blockDim.x / 2, t2 = t - (t < half ? 0 : half);
+    for (u64 st = 0; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        if (t >= half) {
+            if (st > 0) a2a_copy(x, st - 1, per_step, m, par ^ 1, t2, blockDim.x - half);
+        } else {
+            a2a_push(x, st, per_step, m, par, t2, half);
+        }
+        BARRIER_OR_RETURN(a, s, steps)
+    }
+    a2a_copy(x, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, t, blockDim.x);
+    save_state(a, &s, steps);
+}

@@ -1,0 +1,12 @@
+// rs_barrier: a device-side barrier of the group's local ranks.
+
+#include "common.cuh"
+
+// A device-side barrier of every local rank (all CUDA blocks, one epoch each).
+extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u64 steps = 0;
+    BARRIER_OR_RETURN(a, s, steps)
+    save_state(a, &s, steps);
+}

@@ -1,0 +1,298 @@
+// rsccl's kernels: what every family shares beyond the protocol (protocol.cuh): element
+// types and reduce ops, 16-byte packs, staging slots, the reduction in rank order, the
+// per-thread copy loops, the in-place helpers and the entry-point macros.
+
+#pragma once
+
+#include "protocol.cuh"
+
+// ---------------------------------------------------------------------------------------
+// Scalar types and reduction ops. fp16/bf16 are accumulated in float.
+
+struct f16 { u16 x; };
+struct bf16 { u16 x; };
+
+template <typename T> struct Acc { typedef T type; };
+template <> struct Acc<f16> { typedef float type; };
+template <> struct Acc<bf16> { typedef float type; };
+
+__device__ __forceinline__ float widen(f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+__device__ __forceinline__ float widen(bf16 v) { return __uint_as_float(((u32)v.x) << 16); }
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ i32 widen(i32 v) { return v; }
+__device__ __forceinline__ i64 widen(i64 v) { return v; }
+
+template <typename T> __device__ __forceinline__ T narrow(typename Acc<T>::type a) { return a; }
+template <> __device__ __forceinline__ f16 narrow<f16>(float a) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(a));
+    return r;
+}
+template <> __device__ __forceinline__ bf16 narrow<bf16>(float a) {
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(a));
+    return r;
+}
+
+struct OpSum { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
+struct OpProd { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a * b; } };
+struct OpMin { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b < a ? b : a; } };
+struct OpMax { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b > a ? b : a; } };
+// AVG: a sum, divided by the number of ranks at the end (integer division for integers).
+struct OpAvg { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
+
+template <typename Op> struct Finish {
+    template <typename A> __device__ __forceinline__ static A f(A a, u32) { return a; }
+};
+template <> struct Finish<OpAvg> {
+    template <typename A> __device__ __forceinline__ static A f(A a, u32 world) { return a / (A)world; }
+};
+
+// ---------------------------------------------------------------------------------------
+// 16-byte packs. A pack is 16 / sizeof(T) consecutive elements; a pack that runs past the
+// end, or sits at an address that is not 16-byte aligned, moves element by element.
+
+template <typename T> struct Pack {
+    enum { N = 16 / sizeof(T) };
+    T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_pack(Pack<T>& p, const T* base, u64 i, u64 n) {
+    const T* src = base + i;
+    if (i + Pack<T>::N <= n && (((u64)src) & 15) == 0) {
+        *reinterpret_cast<uint4*>(&p) = *reinterpret_cast<const uint4*>(src);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) {
+            if (i + k < n) p.v[k] = src[k];
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(const Pack<T>& p, T* base, u64 i, u64 n) {
+    T* dst = base + i;
+    if (i + Pack<T>::N <= n && (((u64)dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&p);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) {
+            if (i + k < n) dst[k] = p.v[k];
+        }
+    }
+}
+
+// Staging is always 16-byte aligned and sized in whole packs.
+template <typename T> __device__ __forceinline__ void load_stage(Pack<T>& p, const T* base, u64 i) {
+    *reinterpret_cast<uint4*>(&p) = *reinterpret_cast<const uint4*>(base + i);
+}
+template <typename T> __device__ __forceinline__ void store_stage(const Pack<T>& p, T* base, u64 i) {
+    *reinterpret_cast<uint4*>(base + i) = *reinterpret_cast<const uint4*>(&p);
+}
+
+// ---------------------------------------------------------------------------------------
+// Staging and the reduction in rank order.
+
+__device__ __forceinline__ u8* stage_of(const Args& a, u32 rank, u32 parity) {
+    return reinterpret_cast<u8*>(a.peer[rank] + STAGE_OFF + (2ull * blockIdx.x + parity) * a.stage_per_block);
+}
+
+__device__ __forceinline__ u64 round_down(u64 x, u64 m) { return x - x % m; }
+__device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
+__device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
+
+// Elements per block and step: at most what `slots` slots of the staging half hold, and no
+// more than an even share of `count` over the grid (so small messages use every block).
+// A multiple of the pack size, so slots and block ranges stay 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ u64 per_block(const Args& a, u64 slots, u64 count) {
+    const u64 P = Pack<T>::N;
+    const u64 cap = round_down(a.stage_per_block / slots / sizeof(T), P);
+    const u64 even = round_up((count + gridDim.x - 1) / gridDim.x, P);
+    const u64 m = min64(cap, even);
+    return m == 0 ? P : m;
+}
+
+// Steps of a kernel: at least one, so that even an empty message passes the first
+// barrier (the one that checks descriptors).
+__device__ __forceinline__ u64 steps_for(u64 count, u64 per_step) {
+    const u64 n = (count + per_step - 1) / per_step;
+    return n == 0 ? 1 : n;
+}
+
+// Staging slots hold data from the OTHER ranks only: at rank `me`, peer p's slot is
+// p - (p > me), so a staging half is split in world - 1 slots (or 2 (world - 1) areas).
+__device__ __forceinline__ u32 slot_of(u32 src, u32 me) { return src - (src > me ? 1 : 0); }
+
+template <typename T, typename Op>
+__device__ __forceinline__ void reduce_pack(Pack<T>& p, typename Acc<T>::type* acc, bool first) {
+    typedef typename Acc<T>::type A;
+    if (first) {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+    }
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ void finish_pack(Pack<T>& p, const typename Acc<T>::type* acc, u32 W) {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+}
+
+// Pack i of the reduction, in rank order, of rank `own`'s input `in` (valid below `hi`) and
+// the other ranks' staging slots (`slots` + slot_of(j, own) * width, at i - lo): every rank
+// that reduces an element adds the same values in the same order, so gets the same bits.
+template <typename T, typename Op>
+__device__ __forceinline__ void reduce_staged(Pack<T>& p, const T* in, const T* slots, u32 own, u32 W, u64 width, u64 i, u64 lo, u64 hi) {
+    typename Acc<T>::type acc[Pack<T>::N];
+    for (u32 j = 0; j < W; j++) {
+        if (j == own) load_pack(p, in, i, hi);
+        else load_stage(p, slots + slot_of(j, own) * width, i - lo);
+        reduce_pack<T, Op>(p, acc, j == 0);
+    }
+    finish_pack<T, Op>(p, acc, W);
+}
+
+// Count a collective of `bytes` (memory_stats) once it passed its first barrier (calls
+// that mismatched are not counted, nor empty ones: the warm-up): slots 2-3 for every
+// collective, 0-1 for those that ran in place; the host derives the staged ones. One thread of one block, with
+// reductions (red.global: no result, so no stall); counted on the GPU so that graph
+// replays count too.
+__device__ __forceinline__ void note_call(const Args& a, u64 bytes, u32 slot) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && bytes != 0) {
+        u64* st = reinterpret_cast<u64*>(a.peer[a.rank] + STATS_OFF);
+        atomicAdd(reinterpret_cast<unsigned long long*>(st + slot), 1ull);
+        atomicAdd(reinterpret_cast<unsigned long long*>(st + slot + 1), (unsigned long long)bytes);
+    }
+}
+__device__ __forceinline__ void note_in_place(const Args& a, u64 bytes) { note_call(a, bytes, 0); }
+
+// Every thread moves packs lo + (k * blockDim + threadIdx) * P, UNROLL packs at a time:
+// all UNROLL loads are issued before the first store, so each thread keeps several 16-byte
+// requests in flight (the compiler cannot hoist loads above stores that may alias).
+#define UNROLL 4
+// for_packs over the block's threads [t0, t0 + nt) only (`tid` = threadIdx.x - t0), so two
+// thread groups of a block can move different data at once.
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void for_packs_by(u64 lo, u64 hi, u32 tid, u32 nt, Load load, Store store) {
+    const u64 P = Pack<T>::N;
+    const u64 stride = (u64)nt * P;
+    for (u64 base = lo + tid * P; base < hi; base += stride * UNROLL) {
+        Pack<T> p[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) load(p[u], i);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) store(p[u], i);
+        }
+    }
+}
+
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store) {
+    const u64 P = Pack<T>::N;
+    const u64 stride = (u64)blockDim.x * P;
+    for (u64 base = lo + threadIdx.x * P; base < hi; base += stride * UNROLL) {
+        Pack<T> p[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) load(p[u], i);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) store(p[u], i);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// In place (NOTE [In place]). Called after the first barrier, when every
+// rank passed the same pool offsets; `peer[j] + offset` is rank j's buffer. Elements are
+// split in the same per-block ranges on every rank, so the per-block barriers order each
+// element's producer before its consumers. No staging: counters' step parity is untouched.
+
+__device__ __forceinline__ bool attempts(const Args& a) { return (a.place_in | a.place_out) != 0; }
+__device__ __forceinline__ bool in_place(const Args& a, const BlockState& s) { return attempts(a) && !s.place_differs; }
+
+template <typename T> __device__ __forceinline__ const T* peer_in(const Args& a, u32 j) {
+    return reinterpret_cast<const T*>(a.peer[j] + a.place_in - 1);
+}
+template <typename T> __device__ __forceinline__ T* peer_out(const Args& a, u32 j) {
+    return reinterpret_cast<T*>(a.peer[j] + a.place_out - 1);
+}
+
+// This block's share [lo, hi) of [0, n), in whole packs of P elements.
+__device__ __forceinline__ void block_range(u64 n, u64 P, u64* lo, u64* hi) {
+    const u64 per = round_up((n + gridDim.x - 1) / gridDim.x, P);
+    *lo = min64((u64)blockIdx.x * per, n);
+    *hi = min64(*lo + per, n);
+}
+
+// The start every kernel that may run in place shares (NOTE [In place]): pushes of step 0
+// (`push0`) go before the first barrier unless this rank offered to run in place; after
+// it, either the in-place algorithm runs (`inplace`, then the kernel returns) or the ranks
+// that offered push their step 0 and, if any rank offered, all pass one more barrier.
+// Returns false when the kernel must return (mismatch, abort, or done in place).
+template <typename Push0, typename InPlace>
+__device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 bytes, Push0 push0, InPlace inplace) {
+    const bool offer = attempts(a);
+    if (!offer) push0();
+    if (!barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return false;
+    }
+    note_call(a, bytes, 2);
+    if (in_place(a, s)) {
+        note_in_place(a, bytes);
+        inplace();
+        save_state(a, &s, 0);
+        return false;
+    }
+    if (offer) push0();
+    if (s.any_attempt && !barrier(a, &s)) {
+        save_state(a, &s, 1);
+        return false;
+    }
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points: rs_<algorithm>_<dtype>_<op>. AVG is defined on floating types only
+// (ReduceOp::check rejects it on integers before any launch), so integer types get the
+// four other ops.
+
+#define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
+    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
+        ALG<T, OP>(a);                                                                      \
+    }
+
+#define RS_INT_OPS(ALG, T, TN)         \
+    RS_ENTRY(ALG, T, TN, OpSum, sum)   \
+    RS_ENTRY(ALG, T, TN, OpProd, prod) \
+    RS_ENTRY(ALG, T, TN, OpMin, min)   \
+    RS_ENTRY(ALG, T, TN, OpMax, max)
+
+#define RS_FLOAT_OPS(ALG, T, TN) \
+    RS_INT_OPS(ALG, T, TN)       \
+    RS_ENTRY(ALG, T, TN, OpAvg, avg)
+
+#define RS_TYPES(ALG)              \
+    RS_FLOAT_OPS(ALG, float, f32)  \
+    RS_FLOAT_OPS(ALG, f16, f16)    \
+    RS_FLOAT_OPS(ALG, bf16, bf16)  \
+    RS_INT_OPS(ALG, i32, i32)      \
+    RS_INT_OPS(ALG, i64, i64)

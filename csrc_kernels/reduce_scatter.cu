@@ -1,0 +1,93 @@
+// reduce_scatter (rs_reduce_scatter_*).
+
+#include "common.cuh"
+
+// reduce_scatter in place (in, world * count elements, in the pool): pull shard `rank` of
+// every peer's input, reduce in rank order into my output; barrier (peers are done reading
+// my input).
+template <typename T, typename Op>
+__device__ void rs_in_place(const Args& a, BlockState& s) {
+    typedef typename Acc<T>::type A;
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count, P = Pack<T>::N;
+    T* out = reinterpret_cast<T*>(a.out);
+    u64 lo, hi;
+    block_range(n, P, &lo, &hi);
+    for_packs<T>(
+        lo, hi,
+        [&](Pack<T>& p, u64 i) {
+            A acc[Pack<T>::N];
+            for (u32 j = 0; j < W; j++) {
+                load_pack(p, peer_in<T>(a, j) + me * n, i, hi);
+                reduce_pack<T, Op>(p, acc, j == 0);
+            }
+            finish_pack<T, Op>(p, acc, W);
+        },
+        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+    barrier(a, &s);
+}
+
+// reduce_scatter: `in` holds world * count elements, `out` count (this rank's shard).
+// Each step, block b takes m elements of every shard and pushes shard j's piece into rank
+// j's slot for me; barrier; then, while the next step's pushes go out over NVLink, it
+// reduces this step's slots in rank order (own input for myself) into the output:
+//   push(0) barrier(0) | push(1) reduce(0) barrier(1) | ... | reduce(last)
+// Reuse: a peer writes parity p's slots again at push(s + 2), after barrier(s + 1), which
+// needs my signal given after reduce(s) (my last read of them).
+template <typename T, typename Op>
+__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+    const T* own = in + me * n;
+    for_packs<T>(
+        lo, hi,
+        [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, own, rs, me, W, m, i, lo, hi); },
+        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+}
+
+template <typename T>
+__device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const T* in = reinterpret_cast<const T*>(a.in);
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    for (u32 j0 = 1; j0 < W; j0++) {
+        const u32 j = (me + j0) % W;
+        const T* src = in + j * n;
+        T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m;
+        for_packs<T>(
+            lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
+            [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
+    }
+}
+
+template <typename T, typename Op>
+__device__ void reduce_scatter(const Args& a) {
+    __shared__ BlockState s;
+    load_state(a, &s);
+    const u32 W = a.world;
+    const u64 n = a.count;
+    const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
+    const u64 per_step = m * gridDim.x;
+    const u64 steps = steps_for(n, per_step);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    if (!staged_start(
+            a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1); },
+            [&] { rs_in_place<T, Op>(a, s); }))
+        return;
+    for (u64 st = 1; st < steps; st++) {
+        const u32 par = (s.step + (u32)st) & 1;
+        rs_push<T>(a, st, per_step, m, par);
+        rs_reduce_step<T, Op>(a, st - 1, per_step, m, par ^ 1, in, out);
+        BARRIER_OR_RETURN(a, s, steps)
+    }
+    rs_reduce_step<T, Op>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out);
+    save_state(a, &s, steps);
+}
+
+RS_TYPES(reduce_scatter)
