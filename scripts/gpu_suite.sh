@@ -16,12 +16,14 @@
 #   GPU_MPS=0         do not start the MPS daemon (default: start it, if the machine has
 #                     nvidia-cuda-mps-control and ranks will share a GPU, and stop it at the end)
 #   PYTEST_X          pytest's stop-at-first-failure flag (default -x; "" runs everything)
+#   COLD_INIT=0       skip timing the first init_process_group with an empty kernel cache
+#                     (cold_init.log); COLD_INIT_NVRTC=1 adds the NVRTC fallback's rows
 #
 # On a machine with fewer than 2 GPUs the benchmark is skipped: ranks that share a GPU
 # check correctness, their timings mean nothing.
 #
-# Results (few files: the device tool brings back at most 8): env.log, gpu_tests_w<N>.log
-# per world size, bench.log, and what the benchmark writes. Exits non-zero if the tests failed (the
+# Results (few files: the device tool brings back at most 8): env.log, cold_init.log,
+# gpu_tests_w<N>.log per world size, bench.log, and what the benchmark writes. Exits non-zero if the tests failed (the
 # benchmark runs anyway), else with the benchmark's status.
 set -u -o pipefail
 
@@ -53,10 +55,16 @@ fi
     echo "## nvidia-smi topo -m"
     nvidia-smi topo -m
     env | grep -E '^(RSCCL_|NCCL_|TORCH_SYMM|NVSHMEM_|CUDA_)' | sort
-    # Compile (or find) the kernels once, here, rather than in every rank of the first
-    # cluster at once; the doctor's report goes into the log too.
-    echo "## python3 -m rsccl.doctor --fill-cache"
-    python3 -m rsccl.doctor --fill-cache
+    # Where the kernels come from (the wheel's fat binary, or NVRTC) and whether they cover
+    # this GPU; with RSCCL_KERNELS=nvrtc, compile them once here rather than in every rank
+    # of the first cluster at once.
+    if [[ ${RSCCL_KERNELS:-auto} == nvrtc ]]; then
+        echo "## python3 -m rsccl.doctor --fill-cache"
+        python3 -m rsccl.doctor --fill-cache
+    else
+        echo "## python3 -m rsccl.doctor"
+        python3 -m rsccl.doctor
+    fi
     exit 0
 ) >"$ENV_LOG" 2>&1
 setup=$?
@@ -91,6 +99,14 @@ if [[ -n "${GPU_TESTS:-}" ]]; then
         selection=(tests/gpu -k "$GPU_TESTS")
     fi
 fi
+# The first init_process_group on this (fresh) machine, with an empty kernel cache: rsccl
+# against NCCL, at world 1 and the largest world (cold_init.py); COLD_INIT=0 skips it,
+# COLD_INIT_NVRTC=1 adds the NVRTC fallback's rows.
+if [[ ${COLD_INIT:-1} != 0 ]]; then
+    python3 scripts/cold_init.py --worlds "1,$max_world" $([[ ${COLD_INIT_NVRTC:-0} == 1 ]] && echo --nvrtc) 2>&1 |
+        tee "$RESULTS/cold_init.log"
+fi
+
 # One pytest run per world size, in the order given, each with its own log
 # (gpu_tests_w<N>.log), so a world's counts stand on their own.
 tests_rc=0

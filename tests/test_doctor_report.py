@@ -267,6 +267,10 @@ def test_format_report_shows_the_pool_figures_of_cuda_ranks():
     }
     assert (rows[1]["pool alloc"], rows[1]["in place"], rows[1]["CPU ops"]) == ("101 MiB", "2 / 3 GiB", "3 / 4 KiB")
     assert "in place: CUDA collectives on pool buffers" in legend
+    shared = row(0, 3)
+    shared["stats"]["cuda_gpu_sharers"] = 4
+    _, rows, legend = split_table(format_report([shared], "T"))
+    assert rows[0]["gpu"] == "0 (x4)" and "share it (allow_shared_gpu)" in legend
 
 
 # --- memory_report on real groups -------------------------------------------------------------------

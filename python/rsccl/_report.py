@@ -79,11 +79,17 @@ def _rsccl_va(row: dict[str, Any]) -> str:
     return human_bytes(sum(int(p) for p in parts)) if parts else "-"
 
 
+def _gpu(row: dict[str, Any]) -> str:
+    s = row["stats"]
+    sharers = int(s.get("cuda_gpu_sharers", 1))
+    return str(s.get("cuda_device", "-")) + (f" (x{sharers})" if sharers > 1 else "")
+
+
 COLUMNS = (
     Column("rank", (), lambda r: str(r["rank"])),
     Column("host", (), lambda r: str(r["host"]), numeric=False),
     Column("engine", ("engine",), lambda r: str(r["stats"].get("engine", "-")), numeric=False),
-    Column("gpu", ("cuda_device",), lambda r: str(r["stats"].get("cuda_device", "-"))),
+    Column("gpu", ("cuda_device",), _gpu, "CUDA device; (xk): k ranks of the group share it (allow_shared_gpu)"),
     Column(
         "rsccl VA",
         ("cuda_va_reserved_bytes", "host_mapped_bytes"),

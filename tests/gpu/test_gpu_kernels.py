@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import GPU_ENV, _gpu_worker, gpu_count, needs_gpus, selected_worlds
+from gpu_harness import gpu_cluster, needs_gpus, selected_worlds
 from gpu_refs import check_reduction, gather_inputs, rand
 from harness import Cluster
 
@@ -52,10 +52,9 @@ def body_collectives(ctx, seed: int) -> str:
 
 
 def _nvrtc_cluster(world: int, cache: str) -> tuple[Cluster, float]:
-    env = {**GPU_ENV, "RSCCL_KERNELS": "nvrtc", "RSCCL_CACHE_DIR": cache}
     t = time.monotonic()
     # Start-up includes the compilation (about a minute on 16 cores for every module).
-    c = Cluster(world, env=env, init_timeout=120, start_timeout=900, worker=_gpu_worker, worker_kwargs={"nccl_ref": True})
+    c = gpu_cluster(world, timeout=120, start_timeout=900, env={"RSCCL_KERNELS": "nvrtc", "RSCCL_CACHE_DIR": cache})
     return c, time.monotonic() - t
 
 
@@ -63,10 +62,7 @@ def _nvrtc_cluster(world: int, cache: str) -> tuple[Cluster, float]:
 # minute on 16 cores, more on a busy host).
 @pytest.mark.timeout(900)
 def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
-    worlds = [w for w in selected_worlds() if w <= gpu_count()]
-    if not worlds:
-        pytest.skip(f"none of the world sizes {selected_worlds()} fits on {gpu_count()} GPUs")
-    world = max(worlds)
+    world = min(max(selected_worlds()), 4)  # ranks share GPUs where they outnumber them
     cache = str(tmp_path / "kernel-cache")
     c, cold = _nvrtc_cluster(world, cache)
     try:
