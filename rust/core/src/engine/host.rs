@@ -1287,10 +1287,11 @@ impl P2pExec {
                         return true;
                     }
                     self.active[i] = Some(p);
-                } else if !self.recvs[i].is_empty()
+                } else if (!self.recvs[i].is_empty() || !self.any.is_empty())
                     && self.unexpected_bytes[i] + hdr.total_bytes as usize <= UNEXPECTED_LIMIT
                 {
-                    // A recv for another tag waits behind this message: hold it aside.
+                    // A recv for another tag (from this sender or from any) waits behind
+                    // this message: hold it aside.
                     self.unexpected_bytes[i] += hdr.total_bytes as usize;
                     self.unexpected[i].push_back(Unexpected {
                         tag: hdr.tag,
