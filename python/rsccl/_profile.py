@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ class _Closer:
             try:
                 if event is not None:
                     event.synchronize()  # the collective's end on the GPU (GIL released)
-            except Exception:  # noqa: BLE001 - the Work reports the failure; the record just ends
+            except Exception:  # noqa: BLE001, S110 - the Work reports the failure; the record just ends
                 pass
             done()
 
