@@ -79,8 +79,9 @@ GLOO_ONLY = {
 
 # The subset CI runs (--fast): every fix this suite asked of rsccl (recv from any source,
 # timeout wording, sparse all_reduce, profiler events) and one test per area (collectives,
-# p2p, async, objects, subgroups, coalescing, DDP with a comm hook and with sparse
-# gradients), kept short: each test starts one process per rank.
+# p2p, async, objects, coalescing, DDP, futures), kept short: each test starts one process
+# per rank. (test_accumulate_gradients_no_sync_allreduce_hook fails on gloo too when run by
+# this script on torch 2.11: "bucket annotation should be dist.GradBucket"; not in FAST.)
 FAST = [
     "test_send_recv_any_source",
     "test_send_recv_any_source_autograd_profiler",
@@ -91,9 +92,9 @@ FAST = [
     "test_all_reduce_sum",
     "test_all_reduce_coalesced_group_sum",
     "test_scatter_object_list",
-    "test_new_subgroups",
-    "test_accumulate_gradients_no_sync_allreduce_hook",
-    "test_ddp_profiling_autograd_profiler",
+    "test_accumulate_gradients_no_sync",
+    "test_get_future",
+    "test_DistributedDataParallelCPU",
 ]
 
 SUITE = "torch.testing._internal.distributed.distributed_test"
