@@ -183,7 +183,7 @@ def test_p2p_mismatch_and_unmatched_send():
         assert "rank 0 sent 300000 float32 elements" in res[1][1], res
         assert res[0][0] == "ValueError" and res[1][1].removeprefix("rsccl: ") in res[0][1], f"the sender must fail with the receiver's message: {res}"
         res = c.run(body_tag_nobody_receives, timeout=60)
-        assert res[0][0] == "TimeoutError" and "recv of 10 float32 elements from rank 2 (tag 6) timed out" in res[0][1], res
+        assert res[0][0] == "TimeoutError" and "recv of 10 float32 elements from rank 2 (tag 6): Timed out" in res[0][1], res
         # The tag-5 message was taken aside (its send completed) so that it would not
         # block other tags; the recv's timeout says it is there.
         assert "messages from rank 2 with tags [5] arrived and wait for matching recvs" in res[0][1], res
@@ -191,7 +191,7 @@ def test_p2p_mismatch_and_unmatched_send():
         res = c.run(body_send_without_recv, timeout=60)
         kind, msg, took = res[2]
         assert kind == "TimeoutError", res
-        assert "send of 400000 float32 elements to rank 1 (tag 1) timed out after 4.0 s: rank 1 posted no matching recv" in msg
+        assert "send of 400000 float32 elements to rank 1 (tag 1): Timed out after 4.0 s: rank 1 posted no matching recv" in msg
         assert 3.5 < took < 15, took
     finally:
         c.close()
@@ -224,10 +224,10 @@ def test_rank_that_never_calls_times_out_naming_it():
         for r in (0, 1):
             kind, msg, took = res[r]
             assert kind == "TimeoutError", res
-            assert "waiting for rank 2 (pid" in msg and "timed out after 2.0 s in all_reduce" in msg, msg
+            assert "waiting for rank 2 (pid" in msg and "Timed out after 2.0 s in all_reduce" in msg, msg
             # The rank whose own wait timed out waited the whole timeout; a rank that learns it
             # from that rank's abort started its call later, so it may have waited less.
-            own = f"rank {r} timed out after" in msg and "aborted the group" not in msg
+            own = f"rank {r}: Timed out after" in msg and "aborted the group" not in msg
             assert (1.9 if own else 0.0) < took < 8, (r, took, msg)
         # The group is aborted now: every rank, the late one included, gets an error.
         after = c.run(body_after_abort, timeout=60)
@@ -410,7 +410,7 @@ def test_work_wait_timeout_and_shutdown_with_pending_work(seed):
     c = Cluster(2, init_timeout=30.0)
     try:
         res = c.run(body_wait_timeout_then_complete, seed, timeout=60)
-        assert "Work.wait timed out after 0.2" in res[0], res
+        assert "Work.wait: Timed out after 0.2" in res[0], res
         res = c.run(body_destroy_with_pending_work, timeout=60)
         kind, took = res[0]
         assert kind.startswith("GroupAbortedError") and "destroyed" in kind, res

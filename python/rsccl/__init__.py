@@ -1,6 +1,7 @@
 """rsccl: a torch.distributed backend with a Rust core.
 
-``import rsccl`` registers the backend "rsccl"; then
+``import rsccl`` registers the backend "rsccl" (torch >= 2.15 also finds it through the
+``torch.distributed.backends`` entry point, without the import); then
 ``torch.distributed.init_process_group("rsccl")`` runs collectives on CPU tensors through
 shared memory among ranks of one host (gloo across hosts).
 """
@@ -26,10 +27,20 @@ __all__ = [
     "memory_stats",
     "memory_report",
     "settings_table",
+    "register",
 ]
 
-if "RSCCL" not in dist.Backend._plugins:
-    dist.Backend.register_backend("rsccl", create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def register() -> None:
+    """Register the backend "rsccl" with torch.distributed (done at import; idempotent).
+    torch >= 2.15 calls it through the `torch.distributed.backends` entry point when a
+    program names "rsccl" without importing rsccl."""
+    if "RSCCL" not in dist.Backend._plugins:
+        dist.Backend.register_backend("rsccl", create, extended_api=True, devices=["cpu", "cuda"])
+
+
+register()
 
 
 def _rsccl_pg(group: object | None) -> ProcessGroupRsccl:

@@ -31,7 +31,8 @@ from ._cuda import (
     nccl_library_path,
     raw_stream,
 )
-from ._work import DoneWork, RsWork
+from ._profile import instrument as instrument_profiler
+from ._work import DoneWork, RecvAnyWork, RsWork
 from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
@@ -941,6 +942,8 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return self._sparse_allreduce(tensors, op, opts)
         if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             t = tensors[0]
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
@@ -956,6 +959,48 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             return _Plan([lambda b: self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op, blocking=b)], tensors, s, s.post)
 
         return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare, opts=opts)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Any:
+        """Sum of sparse COO tensors (DDP's path for nn.Embedding(sparse=True)), as gloo
+        computes it: every rank's coalesced indices and values are gathered through host
+        memory and summed in rank order, so every rank gets the same coalesced result, in
+        place. A CUDA sparse tensor takes the same path through host memory, as on gloo.
+        Runs before returning (the Work is complete)."""
+        if self._gloo is not None:
+            return self._gloo.allreduce(tensors, opts)
+        t = tensors[0]
+        if op != "SUM":
+            raise TypeError(f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op}")
+        local = t.detach().to("cpu").coalesce()
+        idx, vals = local.indices().contiguous(), local.values().contiguous()
+        n = self.size()
+        counts = torch.empty(n, dtype=torch.int64)
+        mine = torch.tensor([idx.shape[1]], dtype=torch.int64)
+        self._comm.all_gather(_buf(mine), _buf(counts), "int64", blocking=True)
+        # Pad every rank's entries to the largest count: all_gather moves equal blocks.
+        m = int(counts.max())
+        pad_idx = torch.zeros((idx.shape[0], m), dtype=idx.dtype)
+        pad_idx[:, : idx.shape[1]] = idx
+        pad_vals = torch.zeros((m, *vals.shape[1:]), dtype=vals.dtype)
+        pad_vals[: vals.shape[0]] = vals
+        parts_i, parts_v = [], []
+        if m > 0:
+            gathered = []
+            for x in (pad_idx, pad_vals):
+                b = _as_bytes(x)
+                out = torch.empty(n * b.numel(), dtype=torch.uint8)
+                self._comm.all_gather(_buf(b), _buf(out), "uint8", blocking=True)
+                gathered.append(out.view(n, -1))
+            for r in range(n):
+                k = int(counts[r])
+                parts_i.append(gathered[0][r].view(idx.dtype).view(idx.shape[0], m)[:, :k])
+                parts_v.append(gathered[1][r].view(vals.dtype).view(m, *vals.shape[1:])[:k])
+        else:
+            parts_i, parts_v = [idx], [vals]
+        total = torch.sparse_coo_tensor(torch.cat(parts_i, dim=1), torch.cat(parts_v), local.shape, check_invariants=True).coalesce()
+        with torch.no_grad():
+            t.copy_(total.to(t.device))
+        return DoneWork(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
@@ -1326,25 +1371,44 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._p2p(tensors, srcRank, tag, False)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RsWork:
-        """dist.recv/irecv without a source: gloo's for a group across hosts; rsccl's own
-        engines match every message by its sender."""
+        """dist.recv/irecv without a source, on CPU tensors: the first message with `tag`
+        from any rank (a recv posted for that sender takes it first); the Work's
+        _source_rank() names the sender. Gloo's for a group across hosts. CUDA tensors
+        have no such call (NCCL has none): a clear TypeError."""
+        if isinstance(tensors, (list, tuple)) and any(getattr(t, "is_cuda", False) for t in tensors):
+            raise TypeError(
+                f"rsccl: rank {self.rank()}: recv from any source (dist.recv/irecv without src) takes CPU tensors; "
+                "on CUDA tensors pass the sender's rank as src (NCCL has no receive from any source)"
+            )
         if self._gloo is not None:
             return self._gloo.recv_anysource(tensors, tag)
-        raise TypeError(
-            f"rsccl: rank {self.rank()}: recv from any source (dist.recv/irecv without src) is not supported; "
-            "pass the sender's rank as src"
-        )
+        try:
+            t = _one(tensors, "recv")
+        except ArgumentError as e:
+            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
+        s = _Staged(t, copy_in=False)
+        part, source = self._comm.recv_any(_buf(s.buf), _dtype(s.buf), tag)
+        return RecvAnyWork(source, [part], tensors, s, s.post)
+
+
+# torch.profiler events per call ("rsccl:all_reduce", ...), as gloo records them.
+instrument_profiler(ProcessGroupRsccl)
 
 
 def create(dist_backend_opts: Any, pg_options: object) -> ProcessGroupRsccl:
     """The creator torch calls (extended API) for init_process_group/new_group."""
-    return ProcessGroupRsccl(
+    pg = ProcessGroupRsccl(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
         pg_options,
     )
+    # A subgroup's messages name group ranks and global ranks (the default group: []).
+    global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or [])
+    if len(global_ranks) == pg.size():
+        pg._comm.name_global_ranks(global_ranks)
+    return pg
 
 
 @atexit.register

@@ -125,7 +125,7 @@ from ._bench_fsdp import (
     run_fsdp,
 )
 from . import _rsccl
-from ._cuda import mapped_va_bytes
+from ._cuda import mapped_va_bytes, nccl_baseline
 from .bench import TOLERANCES, bus_factor, human, message_sizes, numels
 from .options import as_items
 
@@ -673,7 +673,7 @@ class Rank:
         for what, b in probes.items():
             nc.call(b)()
             mem.append(snapshot(f"nccl: after first {what}"))
-        self.log("nccl initialized")
+        self.log(f"nccl initialized: {nccl_baseline(self.nccl)}")
         del probes
         self.backends = [rs] + ([pool_backend] if pool_backend is not None else [])
         if cfg.sweep_one_shot and "all_reduce" in cfg.collectives:
@@ -701,7 +701,7 @@ class Rank:
         all_stats = self.agree.gather(stats)
         self.meta = {
             "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rsccl": rsccl.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nccl_backend": nccl_baseline(self.nccl), "rsccl": rsccl.__version__,
             "python": platform.python_version(), "memory": mems, "rsccl_memory_stats": all_stats, "symm": symm_note,
             "backends": [b.name for b in self.backends], "graph_failures": {}, "pool": pool_note,
         }
@@ -1118,7 +1118,7 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
     date = datetime.now().astimezone().isoformat(timespec="seconds")
     return [
         (f"- date {date}, host {platform.node()}, {meta.get('gpu', '?')}; torch {meta.get('torch', '?')} "
-        f"(CUDA {meta.get('cuda', '?')}), NCCL {meta.get('nccl', '?')}, rsccl {meta.get('rsccl', '?')}, "
+        f"(CUDA {meta.get('cuda', '?')}), NCCL {meta.get('nccl', '?')} as {meta.get('nccl_backend', 'ProcessGroupNCCL')}, rsccl {meta.get('rsccl', '?')}, "
         f"python {meta.get('python', '?')}"),
         f"- command: `{command}`",
         f"- rsccl options: {cfg.rsccl_options or 'defaults'}; environment: "

@@ -203,7 +203,12 @@ def new_group(r: Any, backend: str, pool: int) -> Any:
 
         return dist.new_group(backend="rsccl", timeout=timeout, pg_options=Options(**rsccl_options(r, pool)))
     if r.dev.type == "cuda":
-        return dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
+        from ._cuda import nccl_baseline
+
+        g = dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
+        if r.rank == 0:
+            print(f"FSDP2 bench: backend \"nccl\" is {nccl_baseline(g)}", flush=True)
+        return g
     return dist.new_group(backend="gloo", timeout=timeout)  # the CPU dry run of this module
 
 

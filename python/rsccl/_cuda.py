@@ -87,6 +87,18 @@ def mapped_va_bytes() -> int:
     return total
 
 
+def nccl_baseline(group: Any) -> str:
+    """Which NCCL `group` (made with backend="nccl") runs: torch 2.15 builds
+    ProcessGroupNCCL2 (communicators made eagerly) for "nccl", and the old ProcessGroupNCCL
+    for "nccl-legacy" (or with TORCH_DIST_USE_NCCL2=0); torch 2.11 has only the old one.
+    Benches and GPU tests print it beside every comparison with NCCL."""
+    try:
+        impl = type(group._get_backend(torch.device("cuda", torch.cuda.current_device()))).__name__
+    except Exception:  # noqa: BLE001 - a description, never a failure
+        impl = "unknown ProcessGroup"
+    return f"{impl} (NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__})"
+
+
 def raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 

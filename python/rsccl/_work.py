@@ -85,7 +85,7 @@ class RsWork(dist._Work):
                     raise  # this wait timed out; the operation goes on
         
         if not self._done.wait(limit):
-            raise TimeoutError(f"rsccl: Work.wait timed out after {seconds} s")
+            raise TimeoutError(f"rsccl: Work.wait: Timed out after {seconds} s")
         if self._exc is not None:
             raise self._exc
         return True
@@ -116,6 +116,20 @@ class RsWork(dist._Work):
         return fut
 
 
+
+
+class RecvAnyWork(RsWork):
+    """A recv from any source: also names the sender (torch's dist.recv asks)."""
+
+    def __init__(self, source: Any, *args: Any):
+        super().__init__(*args)
+        self._source = source
+
+    def _source_rank(self) -> int:
+        rank = self._source.rank()
+        if rank is None:
+            raise RuntimeError("rsccl: _source_rank() of a recv from any source that has not received a message")
+        return rank
 
 
 class DoneWork(dist._Work):

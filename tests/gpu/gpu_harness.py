@@ -14,6 +14,7 @@ starts and drives these processes too.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,6 +107,11 @@ def _gpu_worker(
             warm = torch.ones(1, device="cuda")
             dist.all_reduce(warm, group=nccl)
             torch.cuda.synchronize()
+            if rank == 0:
+                from rsccl._cuda import nccl_baseline
+
+                # torch 2.15's "nccl" is ProcessGroupNCCL2; say which one the checks compare with.
+                print(f"GPU tests: reference backend \"nccl\" is {nccl_baseline(nccl)}", file=sys.stderr, flush=True)
         ctx = GpuCtx(rank, world, torch.device("cuda", torch.cuda.current_device()), nccl, {}, shared)
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent

@@ -5,6 +5,7 @@ mod completion;
 mod errors;
 mod store;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -232,6 +233,19 @@ impl Communicator {
         Ok(Work(self.0.submit_p2p(op, None).py()?))
     }
 
+    /// The global rank of each group rank, named in this subgroup's error messages.
+    fn name_global_ranks(&self, global_ranks: Vec<usize>) -> PyResult<()> {
+        self.0.name_global_ranks(global_ranks).py()
+    }
+
+    /// A recv from whichever rank sends a message with `tag` first (CPU buffers); the
+    /// RecvSource names that rank once the Work completed.
+    fn recv_any(&self, b: PyBuf, dtype: &str, tag: i64) -> PyResult<(Work, RecvSource)> {
+        let source = Arc::new(AtomicUsize::new(usize::MAX));
+        let op = P2p::RecvAny { buf: buf(b), dtype: DType::from_name(dtype).py()?, tag, source: source.clone() };
+        Ok((Work(self.0.submit_p2p(op, None).py()?), RecvSource(source)))
+    }
+
     /// Whether the group has a CUDA engine (rsccl's or, across hosts, NCCL).
     #[getter]
     fn has_cuda(&self) -> bool {
@@ -399,6 +413,18 @@ impl Communicator {
     }
 }
 
+/// The sender of a recv from any source.
+#[pyclass(module = "rsccl._rsccl", frozen)]
+struct RecvSource(Arc<AtomicUsize>);
+
+#[pymethods]
+impl RecvSource {
+    /// The sender's group rank, or None while no message matched the recv.
+    fn rank(&self) -> Option<usize> {
+        Some(self.0.load(Ordering::Acquire)).filter(|&r| r != usize::MAX)
+    }
+}
+
 /// The end of an asynchronous CUDA collective.
 #[pyclass(module = "rsccl._rsccl", frozen)]
 struct CudaEvent(rsccl_core::cuda::CudaEvent);
@@ -535,6 +561,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Communicator>()?;
     m.add_class::<Work>()?;
     m.add_class::<CudaEvent>()?;
+    m.add_class::<RecvSource>()?;
     m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(cache_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(prebuilt_kernels, m)?)?;

@@ -160,6 +160,21 @@ impl Group {
         self.engine()?.run_now(c, timeout.unwrap_or(self.timeout))
     }
 
+    /// Name the global rank of each group rank in this group's messages (a subgroup's).
+    pub fn name_global_ranks(&self, global: Vec<usize>) -> Result<()> {
+        if global.len() != self.topo.size {
+            return Err(Error::InvalidArgument(format!(
+                "{} global ranks given for a group of {} ranks",
+                global.len(),
+                self.topo.size
+            )));
+        }
+        if let Some(e) = &*self.engine.lock() {
+            e.name_global_ranks(global);
+        }
+        Ok(())
+    }
+
     pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
         Ok(self.engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
     }

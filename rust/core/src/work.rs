@@ -70,7 +70,7 @@ impl WorkState {
                 Some(d) => {
                     if self.cv.wait_until(&mut g, d).timed_out() && g.result.is_none() {
                         return Err(Error::Timeout(format!(
-                            "Work.wait timed out after {:.3} s; the operation is still running",
+                            "Work.wait: Timed out after {:.3} s; the operation is still running",
                             timeout.unwrap_or_default().as_secs_f64()
                         )));
                     }

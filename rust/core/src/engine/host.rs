@@ -37,6 +37,8 @@ struct Shared {
     n: usize,
     mesh: Arc<LocalMesh>,
     pids: Vec<u32>,
+    /// Global rank of each group rank, for messages; set (once) only for subgroups.
+    global: std::sync::OnceLock<Vec<usize>>,
     shutdown: AtomicBool,
     /// Set once a collective failed in a way that leaves the shared state out of step.
     broken: Mutex<Option<Error>>,
@@ -65,6 +67,15 @@ impl Shared {
         let bell = &self.ctrl().doorbells[rank].0;
         bell.fetch_add(1, Ordering::Release);
         futex_wake_all(bell);
+    }
+
+    /// Group rank `r` as messages name it: in a subgroup also its global rank, so a user
+    /// reading a timeout knows which process is meant.
+    fn who(&self, r: usize) -> String {
+        match self.global.get().and_then(|g| g.get(r)) {
+            Some(g) => format!("group rank {r} (global rank {g})"),
+            None => format!("rank {r}"),
+        }
     }
 
     fn pid(&self, r: usize) -> u32 {
@@ -202,6 +213,7 @@ impl HostEngine {
             n,
             mesh,
             pids,
+            global: std::sync::OnceLock::new(),
             shutdown: AtomicBool::new(false),
             broken: Mutex::new(None),
             collectives: AtomicU64::new(0),
@@ -280,9 +292,10 @@ impl Engine for HostEngine {
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
         let peer = match &op {
-            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => Some(*peer),
+            P2p::RecvAny { .. } => None,
         };
-        if peer >= self.sh.n || peer == self.sh.me {
+        if let Some(peer) = peer.filter(|&p| p >= self.sh.n || p == self.sh.me) {
             work.complete(Err(Error::InvalidArgument(format!(
                 "send/recv peer {peer} is invalid for rank {} of a group of size {}",
                 self.sh.me, self.sh.n
@@ -310,6 +323,10 @@ impl Engine for HostEngine {
             p2p_messages: self.sh.p2p_messages.load(Ordering::Relaxed),
             staged_bytes: self.sh.staged_bytes.load(Ordering::Relaxed),
         }
+    }
+
+    fn name_global_ranks(&self, global: Vec<usize>) {
+        let _ = self.sh.global.set(global); // named once, at creation
     }
 
     fn shutdown(&self) {
@@ -467,11 +484,12 @@ impl CollExec {
                     let c = sh.ctrl();
                     let missing: Vec<String> = (0..n)
                         .filter(|&r| (c.arrivals[r].0.load(Ordering::Relaxed).wrapping_sub(epoch) as i32) < 0)
-                        .map(|r| format!("rank {r} (pid {})", sh.pid(r)))
+                        .map(|r| format!("{} (pid {})", sh.who(r), sh.pid(r)))
                         .collect();
                     format!(
-                        "rank {me} timed out after {:.1} s in {kind} (collective #{seq} of this group) \
+                        "{}: Timed out after {:.1} s in {kind} (collective #{seq} of this group) \
                          waiting for {}: they have not called it",
+                        sh.who(me),
                         timeout.as_secs_f64(),
                         missing.join(", ")
                     )
@@ -759,13 +777,13 @@ impl Drop for Pending {
 impl Pending {
     fn buf(&self) -> Buf {
         match &self.op {
-            P2p::Send { buf, .. } | P2p::Recv { buf, .. } => *buf,
+            P2p::Send { buf, .. } | P2p::Recv { buf, .. } | P2p::RecvAny { buf, .. } => *buf,
         }
     }
 
     fn tag_dtype(&self) -> (i64, crate::dtype::DType) {
         match &self.op {
-            P2p::Send { tag, dtype, .. } | P2p::Recv { tag, dtype, .. } => (*tag, *dtype),
+            P2p::Send { tag, dtype, .. } | P2p::Recv { tag, dtype, .. } | P2p::RecvAny { tag, dtype, .. } => (*tag, *dtype),
         }
     }
 
@@ -777,6 +795,7 @@ impl Pending {
         let (what, dir) = match &self.op {
             P2p::Send { peer, .. } => ("send", format!("to rank {peer}")),
             P2p::Recv { peer, .. } => ("recv", format!("from rank {peer}")),
+            P2p::RecvAny { .. } => ("recv", "from any rank".to_string()),
         };
         let (tag, dtype) = self.tag_dtype();
         format!("{what} of {} {} elements {dir} (tag {tag})", self.buf().len / dtype.size(), dtype.name())
@@ -808,6 +827,9 @@ struct P2pExec {
     /// `Unexpected`), oldest first, per source; and their total size.
     unexpected: Vec<VecDeque<Unexpected>>,
     unexpected_bytes: Vec<usize>,
+    /// Recvs from any source (`P2p::RecvAny`), oldest first: a message none of the
+    /// recvs posted for its sender matches goes to the oldest of these with its tag.
+    any: VecDeque<Pending>,
 }
 
 /// A message whose tag no posted recv matched while a recv for another tag waited behind
@@ -862,11 +884,12 @@ impl P2pExec {
             recv_broken: vec![None; n],
             unexpected: (0..n).map(|_| VecDeque::new()).collect(),
             unexpected_bytes: vec![0; n],
+            any: VecDeque::new(),
         }
     }
 
     fn pending(&self) -> bool {
-        self.sends.iter().chain(self.recvs.iter()).any(|q| !q.is_empty())
+        self.sends.iter().chain(self.recvs.iter()).chain(std::iter::once(&self.any)).any(|q| !q.is_empty())
             || self.active.iter().any(Option::is_some)
             || self.unexpected.iter().any(|q| q.back().is_some_and(|u| !u.complete))
     }
@@ -895,7 +918,8 @@ impl P2pExec {
             let new: Vec<P2pJob> = self.incoming.lock().jobs.drain(..).collect();
             for job in new {
                 let peer = match &job.op {
-                    P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+                    P2p::Send { peer, .. } | P2p::Recv { peer, .. } => Some(*peer),
+                    P2p::RecvAny { .. } => None,
                 };
                 let is_send = matches!(job.op, P2p::Send { .. });
                 let p = Pending {
@@ -906,10 +930,10 @@ impl P2pExec {
                     done: 0,
                     end: None,
                 };
-                if is_send {
-                    self.sends[peer].push_back(p);
-                } else {
-                    self.recvs[peer].push_back(p);
+                match peer {
+                    None => self.any.push_back(p),
+                    Some(peer) if is_send => self.sends[peer].push_back(p),
+                    Some(peer) => self.recvs[peer].push_back(p),
                 }
             }
             let mut progressed = false;
@@ -953,6 +977,7 @@ impl P2pExec {
     }
 
     fn fail_everything(&mut self, e: &Error) {
+        complete_all(self.any.drain(..), e);
         for r in 0..self.sh.n {
             complete_all(self.sends[r].drain(..), e);
             complete_all(self.recvs[r].drain(..), e);
@@ -977,6 +1002,16 @@ impl P2pExec {
     fn expire(&mut self) {
         let now = Instant::now();
         let me = self.sh.me;
+        while let Some(i) = self.any.iter().position(|p| now >= p.deadline) {
+            let p = self.any.remove(i).expect("index in range");
+            let e = Error::Timeout(format!(
+                "{}: {}: Timed out after {:.1} s: no rank sent a matching message",
+                self.sh.who(me),
+                p.describe(),
+                p.timeout.as_secs_f64()
+            ));
+            p.work.complete(Err(e));
+        }
         for r in 0..self.sh.n {
             if r == me {
                 continue;
@@ -988,9 +1023,11 @@ impl P2pExec {
             let timed_out = |p: &Pending, is_send: bool| {
                 let waiting = if is_send { "" } else { recv_note.as_str() };
                 Error::Timeout(format!(
-                    "rank {me}: {} timed out after {:.1} s: rank {r} {}{waiting}",
+                    "{}: {}: Timed out after {:.1} s: {} {}{waiting}",
+                    self.sh.who(me),
                     p.describe(),
                     p.timeout.as_secs_f64(),
+                    self.sh.who(r),
                     if is_send { "posted no matching recv" } else { "sent nothing matching" }
                 ))
             };
@@ -1171,6 +1208,29 @@ impl P2pExec {
             }
             progressed = true;
         }
+        // Then recvs from any source, oldest first.
+        let mut k = 0;
+        while k < self.any.len() {
+            let tag = self.any[k].tag_dtype().0;
+            let Some(u) = self.unexpected[i].iter().position(|u| u.complete && u.tag == tag) else {
+                k += 1;
+                continue;
+            };
+            let msg = self.unexpected[i].remove(u).expect("index in range");
+            self.unexpected_bytes[i] -= msg.total;
+            let p = self.any.remove(k).expect("index in range");
+            set_source(&p, i);
+            let buf = p.buf();
+            if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
+                let e = self.mismatch(&p, i, msg.data.len() as u64, msg.dtype);
+                p.work.complete(Err(e));
+            } else {
+                // SAFETY: as above.
+                unsafe { copy(buf.ptr, msg.data.as_ptr(), buf.len) };
+                p.work.complete(Ok(()));
+            }
+            progressed = true;
+        }
         progressed
     }
 
@@ -1178,7 +1238,7 @@ impl P2pExec {
         let me = self.sh.me;
         let half = self.sh.layout.p2p_half;
         let capturing = self.unexpected[i].back().is_some_and(|u| !u.complete);
-        if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing {
+        if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing && self.any.is_empty() {
             return false;
         }
         // Messages already held are delivered even if the channel has failed since.
@@ -1210,8 +1270,14 @@ impl P2pExec {
                 // SAFETY: chunk g is published (Acquire load of `sent` above); the sender
                 // does not touch half h until we ack it.
                 let hdr = unsafe { std::ptr::read(ch.headers[h].get()) };
-                if let Some(idx) = self.recvs[i].iter().position(|p| p.tag_dtype().0 == hdr.tag) {
-                    let p = self.recvs[i].remove(idx).expect("index in range");
+                // The oldest recv posted for this sender with the tag, else the oldest
+                // recv from any source with it.
+                let matched = match self.recvs[i].iter().position(|p| p.tag_dtype().0 == hdr.tag) {
+                    Some(idx) => self.recvs[i].remove(idx),
+                    None => self.any.iter().position(|p| p.tag_dtype().0 == hdr.tag).and_then(|idx| self.any.remove(idx)),
+                };
+                if let Some(p) = matched {
+                    set_source(&p, i);
                     if hdr.total_bytes != p.buf().len as u64 || hdr.dtype != p.tag_dtype().1 as u8 {
                         let e = self.mismatch(&p, i, hdr.total_bytes, hdr.dtype);
                         poison(ch, &e);
@@ -1221,10 +1287,11 @@ impl P2pExec {
                         return true;
                     }
                     self.active[i] = Some(p);
-                } else if !self.recvs[i].is_empty()
+                } else if (!self.recvs[i].is_empty() || !self.any.is_empty())
                     && self.unexpected_bytes[i] + hdr.total_bytes as usize <= UNEXPECTED_LIMIT
                 {
-                    // A recv for another tag waits behind this message: hold it aside.
+                    // A recv for another tag (from this sender or from any) waits behind
+                    // this message: hold it aside.
                     self.unexpected_bytes[i] += hdr.total_bytes as usize;
                     self.unexpected[i].push_back(Unexpected {
                         tag: hdr.tag,
@@ -1270,6 +1337,14 @@ impl P2pExec {
             }
         }
         progressed
+    }
+}
+
+/// Record the sender of a recv from any source (no-op for other operations); the Release
+/// store is seen by whoever reads `source` after the Work completed.
+fn set_source(p: &Pending, rank: usize) {
+    if let P2p::RecvAny { source, .. } = &p.op {
+        source.store(rank, Ordering::Release);
     }
 }
 

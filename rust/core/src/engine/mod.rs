@@ -3,6 +3,7 @@
 
 pub mod host;
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +16,9 @@ use crate::work::WorkState;
 pub enum P2p {
     Send { buf: Buf, dtype: DType, peer: usize, tag: i64 },
     Recv { buf: Buf, dtype: DType, peer: usize, tag: i64 },
+    /// A recv from whichever rank's message with this tag comes first (dist.recv/irecv
+    /// without src, CPU tensors): `source` holds that rank once the Work completes.
+    RecvAny { buf: Buf, dtype: DType, tag: i64, source: Arc<AtomicUsize> },
 }
 
 /// What an engine has reserved, mapped and uses, in bytes.
@@ -35,6 +39,9 @@ pub trait Engine: Send + Sync {
     }
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState>;
     fn stats(&self) -> MemoryStats;
+    /// The global rank of each group rank, for error messages of a subgroup (called once,
+    /// right after creation; engines without such messages ignore it).
+    fn name_global_ranks(&self, _global: Vec<usize>) {}
     /// Stop the engine's threads; pending operations fail with `Error::Aborted`.
     fn shutdown(&self);
 }
