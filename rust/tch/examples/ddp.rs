@@ -40,6 +40,8 @@ fn args() -> Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args();
+    // libtorch sees the GPUs only once libtorch_cuda is loaded (tch's link line may drop it).
+    rsccl_tch::cuda::load_torch_cuda();
     // No RANK: one process, no group (the reference run).
     let pg = if std::env::var("RANK").is_ok() { Some(ProcessGroup::from_env()?) } else { None };
     let (rank, world) = pg.as_ref().map_or((0, 1), |p| (p.rank(), p.size()));

@@ -297,19 +297,11 @@ impl ProcessGroup {
         Ok(Work::host(g.submit(plan.op, None)?, plan.keep, plan.post))
     }
 
-    /// Launch a CUDA operation after libtorch's current stream of `device`. If `prepare`
-    /// fails, this rank takes part in the collective's first barrier as "invalid", so the
-    /// peers report a mismatch instead of waiting (not for send/recv: only the peer is
-    /// involved, and it times out), and this rank returns its own error.
-    fn cuda(&self, device: i32, blocking: bool, prepare: impl FnOnce() -> Result<Plan<Launch>>) -> Result<Work> {
+    /// Launch a CUDA operation after libtorch's current stream of `device` (its
+    /// arguments were checked: see `cuda_coll`).
+    fn cuda(&self, device: i32, blocking: bool, plan: Plan<Launch>) -> Result<Work> {
         let g = &self.inner.group;
         let stream = crate::cuda::current_stream(device)?;
-        let plan = match prepare() {
-            Ok(p) => p,
-            Err(e) => {
-                return Err(e);
-            }
-        };
         self.inner.release_finished();
         let asynchronous = !blocking;
         let ev = match plan.op {
@@ -373,9 +365,13 @@ impl ProcessGroup {
         e
     }
 
+    /// A CUDA collective: if `prepare` (the checks and buffers) fails, this rank takes part
+    /// in the collective's first barrier as "invalid", so the peers report a mismatch
+    /// instead of waiting, and returns its own error (send/recv do not: only the peer is
+    /// involved, and it times out).
     fn cuda_coll(&self, device: i32, blocking: bool, prepare: impl FnOnce() -> Result<Plan<Launch>>) -> Result<Work> {
         match prepare() {
-            Ok(plan) => self.cuda(device, blocking, || Ok(plan)),
+            Ok(plan) => self.cuda(device, blocking, plan),
             Err(e) => Err(self.cuda_failed(device, e)),
         }
     }
@@ -841,7 +837,7 @@ impl ProcessGroup {
             Place::Cuda(d) => {
                 self.cuda_arg(t, &format!("{what} tensor"), None)?;
                 let (ptr, bytes) = (tensor::ptr(&c), tensor::nbytes(&c, a.dtype) as u64);
-                self.cuda(d, false, || Ok(op_plan(Launch::P2p { send, ptr, bytes, peer }, vec![t.shallow_clone(), c], post)))
+                self.cuda(d, false, op_plan(Launch::P2p { send, ptr, bytes, peer }, vec![t.shallow_clone(), c], post))
             }
         }
     }
