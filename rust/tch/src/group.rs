@@ -101,6 +101,20 @@ fn op_plan<Op>(op: Op, keep: Vec<Tensor>, post: Option<CopyBack>) -> Plan<Op> {
     Plan { op, keep, post }
 }
 
+/// The staged buffers of an (input, output) collective (see `ProcessGroup::in_out`).
+struct InOut {
+    arg: tensor::Arg,
+    inp: Tensor,
+    out: Tensor,
+    post: Option<CopyBack>,
+}
+
+/// all_to_all split sizes (elements of 1-D buffers) per rank.
+struct Splits {
+    output: Vec<i64>,
+    input: Vec<i64>,
+}
+
 /// Memory and traffic counters of a group (rsccl.ProcessGroup.memory_stats() in Python).
 #[derive(Debug, Clone)]
 pub struct MemoryStats {
@@ -380,6 +394,36 @@ impl ProcessGroup {
         Launch::Coll(CudaCall { kind, dtype, op, root, inp, out, count, stream: 0, asynchronous: false })
     }
 
+    /// Check the (input, output) pair of collective `what`: same dtype and device (CUDA:
+    /// the group's GPU and, with `op`, a dtype its kernels reduce), then `sizes`; and stage
+    /// it: the input contiguous (a copy if it overlaps the output: a collective must not
+    /// read what it writes), the output itself or a contiguous stand-in copied back after.
+    fn in_out(&self, what: &str, input: &Tensor, output: &Tensor, cuda: bool, op: Option<ReduceOp>, sizes: impl FnOnce() -> Result<()>) -> Result<InOut> {
+        let me = self.rank();
+        let (win, wout) = (format!("{what} input"), format!("{what} output"));
+        let (a, b) = if cuda {
+            (self.cuda_arg(input, &win, op)?, self.cuda_arg(output, &wout, op)?)
+        } else {
+            (check(input, &win, me)?, check(output, &wout, me)?)
+        };
+        if a.dtype != b.dtype || a.place != b.place {
+            return Err(Error::InvalidType(format!(
+                "{what}: rank {me} passed output {} on {:?} for input {} on {:?}",
+                b.dtype.name(),
+                output.device(),
+                a.dtype.name(),
+                input.device()
+            )));
+        }
+        sizes()?;
+        let mut inp = tensor::contiguous(input, what)?;
+        if tensor::may_overlap(&inp, output, a.dtype) {
+            inp = tensor::copy(&inp, what)?;
+        }
+        let (out, post) = tensor::output(output, what)?;
+        Ok(InOut { arg: a, inp, out, post })
+    }
+
     fn check_root(&self, root: usize, what: &str) -> Result<()> {
         if root >= self.size() {
             return Err(Error::InvalidArgument(format!(
@@ -505,43 +549,26 @@ impl ProcessGroup {
 
     fn all_gather_impl(&self, output: &Tensor, input: &Tensor, extra: Option<CopyBack>, blocking: bool) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
-        let pair = |cuda: bool| -> Result<(tensor::Arg, Tensor, Tensor, Option<CopyBack>)> {
-            let (a, b) = if cuda {
-                (self.cuda_arg(input, "all_gather input", None)?, self.cuda_arg(output, "all_gather output", None)?)
-            } else {
-                (check(input, "all_gather input", me)?, check(output, "all_gather output", me)?)
-            };
-            if a.dtype != b.dtype || b.place != a.place {
-                return Err(Error::InvalidType(format!(
-                    "all_gather: rank {me} passed output {} on {:?} for input {} on {:?}",
-                    b.dtype.name(),
-                    output.device(),
-                    a.dtype.name(),
-                    input.device()
-                )));
-            }
-            if output.numel() != n * input.numel() {
-                return Err(Error::InvalidArgument(format!(
-                    "all_gather: rank {me} passed output of {} elements for input of {} (the output holds group size {n} inputs)",
-                    output.numel(),
-                    input.numel()
-                )));
-            }
-            let mut i = tensor::contiguous(input, "all_gather")?;
-            if tensor::may_overlap(&i, output, a.dtype) {
-                i = tensor::copy(&i, "all_gather")?;
-            }
-            let (o, post) = tensor::output(output, "all_gather")?;
-            Ok((a, i, o, post))
+        let pair = |cuda: bool| {
+            self.in_out("all_gather", input, output, cuda, None, || {
+                if output.numel() != n * input.numel() {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_gather: rank {me} passed output of {} elements for input of {} (the output holds group size {n} inputs)",
+                        output.numel(),
+                        input.numel()
+                    )));
+                }
+                Ok(())
+            })
         };
         match tensor::place_of(&[input]) {
             Place::Cpu => self.host(Kind::AllGather, blocking, || {
-                let (a, i, o, post) = pair(false)?;
+                let InOut { arg: a, inp: i, out: o, post } = pair(false)?;
                 let c = Collective::AllGather { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype };
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
             }),
             Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let (a, i, o, post) = pair(true)?;
+                let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
                 let bytes = tensor::nbytes(&i, a.dtype) as u64;
                 let l = Self::cuda_call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0, tensor::ptr(&i), tensor::ptr(&o), bytes);
                 Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
@@ -602,43 +629,26 @@ impl ProcessGroup {
 
     fn reduce_scatter_impl(&self, output: &Tensor, input: &Tensor, op: ReduceOp, blocking: bool) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
-        let pair = |cuda: bool| -> Result<(tensor::Arg, Tensor, Tensor, Option<CopyBack>)> {
-            let (a, b) = if cuda {
-                (self.cuda_arg(input, "reduce_scatter input", Some(op))?, self.cuda_arg(output, "reduce_scatter output", Some(op))?)
-            } else {
-                (check(input, "reduce_scatter input", me)?, check(output, "reduce_scatter output", me)?)
-            };
-            if a.dtype != b.dtype || a.place != b.place {
-                return Err(Error::InvalidType(format!(
-                    "reduce_scatter: rank {me} passed output {} on {:?} for input {} on {:?}",
-                    b.dtype.name(),
-                    output.device(),
-                    a.dtype.name(),
-                    input.device()
-                )));
-            }
-            if input.numel() != n * output.numel() {
-                return Err(Error::InvalidArgument(format!(
-                    "reduce_scatter: rank {me} passed input of {} elements for output of {} (the input holds group size {n} outputs)",
-                    input.numel(),
-                    output.numel()
-                )));
-            }
-            let mut i = tensor::contiguous(input, "reduce_scatter")?;
-            if tensor::may_overlap(&i, output, a.dtype) {
-                i = tensor::copy(&i, "reduce_scatter")?;
-            }
-            let (o, post) = tensor::output(output, "reduce_scatter")?;
-            Ok((a, i, o, post))
+        let pair = |cuda: bool| {
+            self.in_out("reduce_scatter", input, output, cuda, Some(op), || {
+                if input.numel() != n * output.numel() {
+                    return Err(Error::InvalidArgument(format!(
+                        "reduce_scatter: rank {me} passed input of {} elements for output of {} (the input holds group size {n} outputs)",
+                        input.numel(),
+                        output.numel()
+                    )));
+                }
+                Ok(())
+            })
         };
         match tensor::place_of(&[input]) {
             Place::Cpu => self.host(Kind::ReduceScatter, blocking, || {
-                let (a, i, o, post) = pair(false)?;
+                let InOut { arg: a, inp: i, out: o, post } = pair(false)?;
                 let c = Collective::ReduceScatter { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype, op };
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
             }),
             Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let (a, i, o, post) = pair(true)?;
+                let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
                 let l = Self::cuda_call(CudaKind::ReduceScatter, a.dtype, op, 0, tensor::ptr(&i), tensor::ptr(&o), o.numel() as u64);
                 Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
             }),
@@ -666,38 +676,26 @@ impl ProcessGroup {
         blocking: bool,
     ) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
-        let prep = |cuda: bool| -> Result<(tensor::Arg, Tensor, Tensor, Option<CopyBack>, Vec<u64>, Vec<u64>)> {
-            let (a, b) = if cuda {
-                (self.cuda_arg(input, "all_to_all input", None)?, self.cuda_arg(output, "all_to_all output", None)?)
-            } else {
-                (check(input, "all_to_all input", me)?, check(output, "all_to_all output", me)?)
-            };
-            if a.dtype != b.dtype || a.place != b.place {
-                return Err(Error::InvalidType(format!(
-                    "all_to_all: rank {me} passed output {} on {:?} for input {} on {:?}",
-                    b.dtype.name(),
-                    output.device(),
-                    a.dtype.name(),
-                    input.device()
-                )));
-            }
-            let send = tensor::split_bytes(input, a.dtype, in_splits, n, &format!("all_to_all: rank {me}'s input"))?;
-            let recv = tensor::split_bytes(output, b.dtype, out_splits, n, &format!("all_to_all: rank {me}'s output"))?;
-            let mut i = tensor::contiguous(input, "all_to_all")?;
-            if tensor::may_overlap(&i, output, a.dtype) {
-                i = tensor::copy(&i, "all_to_all")?;
-            }
-            let (o, post) = tensor::output(output, "all_to_all")?;
-            Ok((a, i, o, post, send, recv))
+        let prep = |cuda: bool| -> Result<(InOut, Vec<u64>, Vec<u64>)> {
+            let mut splits = None;
+            let st = self.in_out("all_to_all", input, output, cuda, None, || {
+                let dtype = tensor::dtype_of_kind(input.f_kind().map_err(|e| tensor::torch_err("all_to_all", e))?).unwrap_or(DType::U8);
+                let send = tensor::split_bytes(input, dtype, in_splits, n, &format!("all_to_all: rank {me}'s input"))?;
+                let recv = tensor::split_bytes(output, dtype, out_splits, n, &format!("all_to_all: rank {me}'s output"))?;
+                splits = Some((send, recv));
+                Ok(())
+            })?;
+            let (send, recv) = splits.expect("set by the size check");
+            Ok((st, send, recv))
         };
         match tensor::place_of(&[input]) {
             Place::Cpu => self.host(Kind::AllToAll, blocking, || {
-                let (a, i, o, post, send, recv) = prep(false)?;
+                let (InOut { arg: a, inp: i, out: o, post }, send, recv) = prep(false)?;
                 let c = Collective::AllToAll { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype, send_bytes: send, recv_bytes: recv };
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
             }),
             Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let (_, i, o, post, send, recv) = prep(true)?;
+                let (InOut { inp: i, out: o, post, .. }, send, recv) = prep(true)?;
                 if send[me] != recv[me] {
                     return Err(Error::InvalidArgument(format!(
                         "all_to_all: rank {me} sends itself {} bytes but expects {} bytes from itself",
@@ -731,7 +729,7 @@ impl ProcessGroup {
         let place = tensor::place_of(&first);
         let cuda = matches!(place, Place::Cuda(_));
         // One flat input and output; splits of one row per element (1-D views).
-        let prep = || -> Result<(Tensor, Tensor, Vec<i64>, Vec<i64>, CopyBack)> {
+        let prep = || -> Result<(Tensor, Tensor, Splits, CopyBack)> {
             if outputs.len() != n || inputs.len() != n {
                 return Err(Error::InvalidArgument(format!(
                     "all_to_all: rank {me} passed {} inputs and {} outputs; expected group size {n} of each",
@@ -753,16 +751,11 @@ impl ProcessGroup {
             let total: usize = outputs.iter().map(|t| t.numel()).sum();
             let flat_out = Tensor::f_empty([total as i64], (kind, device)).map_err(|e| tensor::torch_err("all_to_all", e))?;
             let post = CopyBack::split(&flat_out, outputs)?;
-            Ok((
-                flat_in,
-                flat_out,
-                outputs.iter().map(|t| t.numel() as i64).collect(),
-                inputs.iter().map(|t| t.numel() as i64).collect(),
-                post,
-            ))
+            let splits = Splits { output: outputs.iter().map(|t| t.numel() as i64).collect(), input: inputs.iter().map(|t| t.numel() as i64).collect() };
+            Ok((flat_in, flat_out, splits, post))
         };
         match prep() {
-            Ok((fi, fo, os, is, post)) => self.all_to_all_single_impl(&fo, &fi, &os, &is, Some(post), blocking),
+            Ok((fi, fo, sp, post)) => self.all_to_all_single_impl(&fo, &fi, &sp.output, &sp.input, Some(post), blocking),
             Err(e) => match place {
                 Place::Cpu => self.host(Kind::AllToAll, blocking, || Err(e)),
                 Place::Cuda(d) => Err(self.cuda_failed(d, e)),
