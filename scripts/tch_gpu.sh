@@ -45,10 +45,11 @@ run)
     export RSCCL_ALLOW_SHARED_GPU=1 RSCCL_TCH_TEST_DEVICE=cuda
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     ranks=${2:-$([ "$gpus" -le 1 ] && echo 2 || echo "$gpus")}
+    export RSCCL_TCH_TEST_RANKS=$ranks
     echo "== $gpus GPU(s), $ranks ranks; torch lib $TL"
     # Every collective on CUDA tensors vs the float64/exact reference, through Python's
-    # TCPStore (3 ranks) and rank 0's Rust store (2 ranks); then the CPU error paths, with a
-    # CUDA engine in each group.
+    # TCPStore ($ranks ranks) and rank 0's Rust store (2 ranks); the error scenarios run on
+    # CPU tensors in groups without a CUDA engine.
     "$OUT/collectives" --test-threads=1 --nocapture
     # The example on the GPU: float32 losses at $ranks ranks vs one process.
     "$OUT/ddp" --device cuda --steps 25 > /tmp/rsccl_tch_ddp_1.txt
