@@ -764,17 +764,22 @@ impl ProcessGroup {
     }
 
     /// Block until every rank got here (with a CUDA engine: and every rank's GPU work
-    /// queued before it finished, as NCCL's barrier).
+    /// queued on its current stream before it finished, as NCCL's barrier).
     pub fn barrier(&self) -> Result<()> {
         if let Some(d) = self.inner.cuda_device {
+            // The barrier kernel runs after the current stream's earlier work; its end event
+            // completing means both are done. synchronize() is bounded by the group timeout.
             let stream = crate::cuda::current_stream(d)?;
-            self.inner.group.cuda_launch(&CudaCall::bare(CudaKind::Barrier, 0, stream, false))?;
-            tch::Cuda::synchronize(d as i64);
+            if let Some(ev) = self.inner.group.cuda_launch(&CudaCall::bare(CudaKind::Barrier, 0, stream, true))? {
+                ev.wait_on(stream)?;
+                ev.synchronize()?;
+            }
             return self.inner.group.cuda_health();
         }
         self.host(Kind::Barrier, true, || Ok(op_plan(Collective::Barrier, vec![], None)))?.wait()
     }
 
+    /// With a CUDA engine this is `barrier()` (it waits on the CPU, as NCCL's does).
     pub fn barrier_async(&self) -> Result<Work> {
         if self.inner.cuda_device.is_some() {
             self.barrier()?;
