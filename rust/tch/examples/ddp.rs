@@ -50,6 +50,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (None, true) => Device::Cuda(0),
         _ => Device::Cpu,
     };
+    if a.cuda && !tch::Cuda::is_available() {
+        return Err("--device cuda, but libtorch sees no GPU".into());
+    }
     let kind = if a.cuda { Kind::Float } else { Kind::Double };
     if a.global_batch % world as i64 != 0 {
         return Err(format!("--global-batch {} is not divisible by the {world} ranks", a.global_batch).into());
