@@ -371,10 +371,12 @@ fn collectives(seed: u64) {
     assert_eq!(sub.is_some(), me == 0 || me == n - 1);
     if let Some(sub) = &sub {
         let t = next();
-        let xs: Vec<Tensor> = [0, n - 1].iter().map(|&r| input(seed, t, r, &[40], Kind::Double)).collect();
+        // float64 on CPU; CUDA reductions take float32 (and float16, bfloat16, int32/64).
+        let kind = if cuda { Kind::Float } else { Kind::Double };
+        let xs: Vec<Tensor> = [0, n - 1].iter().map(|&r| input(seed, t, r, &[40], kind)).collect();
         let mine = on(&xs[sub.rank()], dev);
-        pg_ok(sub.all_reduce(&mine, ReduceOp::Sum));
-        assert_close("new_group all_reduce", &mine, &reference(&xs, ReduceOp::Sum, Kind::Double));
+        sub.all_reduce(&mine, ReduceOp::Sum).unwrap();
+        assert_close("new_group all_reduce", &mine, &reference(&xs, ReduceOp::Sum, kind).to_kind(kind));
         assert_eq!(sub.global_ranks(), &[0, n - 1]);
     }
     pg.barrier().unwrap();
@@ -386,10 +388,6 @@ fn collectives(seed: u64) {
         assert!(stats.host.collectives > 0 && stats.host.host_region_bytes > 0, "{stats:?}");
     }
     println!("rank {me}: every collective matched its reference");
-}
-
-fn pg_ok(r: rsccl_tch::Result<()>) {
-    r.unwrap()
 }
 
 /// The error scenarios test the CPU paths, also on a GPU machine (where CUDA errors
