@@ -23,17 +23,25 @@ fn seed() -> u64 {
         .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 % 1_000_000)
 }
 
-/// Python's torch TCPStore (libuv backend, torch's default) on a free port; killed on drop.
+/// Python's torch TCPStore on a free port (the libuv backend, torch's default, or the
+/// classic one); killed on drop.
 struct PyStore(Child, u16);
 
 impl PyStore {
     fn start() -> PyStore {
-        let py = "import sys, datetime, torch.distributed as d\n\
-                  s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300))\n\
-                  print(s.port, flush=True)\n\
-                  sys.stdin.read()\n";
+        PyStore::with_backend(true)
+    }
+
+    fn with_backend(libuv: bool) -> PyStore {
+        let py = format!(
+            "import sys, datetime, torch.distributed as d\n\
+             s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300), use_libuv={})\n\
+             print(s.port, flush=True)\n\
+             sys.stdin.read()\n",
+            if libuv { "True" } else { "False" }
+        );
         let mut child = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-            .args(["-c", py])
+            .args(["-c", &py])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -144,7 +152,8 @@ fn dead_peer_fails_the_others() {
 
 #[test]
 fn missing_rank_times_out_at_creation() {
-    let store = PyStore::start();
+    // torch's classic (non-libuv) store: its WAIT / CANCEL_WAIT answer as the libuv one's.
+    let store = PyStore::with_backend(false);
     let s = seed();
     // WORLD_SIZE 2, but only rank 0 starts.
     let res = run("join_timeout", 2, &[0], store.1, true, s, &[]);
