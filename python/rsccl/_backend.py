@@ -142,6 +142,8 @@ def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[
     and an empty list splits the rows evenly. `what` starts the error message."""
     rows = t.shape[0] if t.dim() > 0 else t.numel()
     row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
+        raise ArgumentError(f"{what} split sizes {list(splits)} must be integers (rows per rank)", "type")
     if not splits:
         if rows % n:
             raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
@@ -155,7 +157,7 @@ def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int
     """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
     check (and report) the splits."""
     rows = t.shape[0]
-    if rows == 0:
+    if rows == 0 or not all(type(s) is int for s in splits):
         return None
     row_bytes = t.nbytes // rows
     if not splits:
@@ -270,14 +272,19 @@ def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
 class ProcessGroupRsccl(dist.ProcessGroup):
     """torch.distributed backend "rsccl" (see README.md)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, pg_options: object = None):
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, pg_options: object = None, global_ranks: list[int] | None = None
+    ):
         super().__init__(rank, size)
         self._timeout = timeout
         self._options = pg_options
         device = device_for_new_group()
         # A group whose ranks span hosts runs its CUDA collectives on NCCL (torch's library).
         nccl_path = nccl_library_path() if device is not None else None
-        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path)
+        global_rank = global_ranks[rank] if global_ranks and len(global_ranks) == size else None
+        self._comm = _rsccl.Communicator(
+            store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path, global_rank
+        )
         self._cuda_device = device if self._comm.has_cuda else None
         # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
         self._cuda_engine = self._comm.cuda_engine
@@ -411,7 +418,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if self._gloo is not None:
             return gloo_call(self._gloo)
         try:
-            plan = prepare()
+            try:
+                plan = prepare()
+            except (TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                # Something the checks did not foresee failed on this rank's arguments (a
+                # torch op refusing them, say): still a bad argument of this rank, which the
+                # peers must hear of rather than wait for.
+                raise ArgumentError(f"{kind}: {type(e).__name__}: {e}", "type" if isinstance(e, (TypeError, AttributeError)) else "value") from e
         except ArgumentError as e:
             works = [self._comm.invalid(kind, e.cls, str(e)) for _ in range(max(n_ops, 1))]
             errors = []
@@ -1344,6 +1357,7 @@ def create(dist_backend_opts: Any, pg_options: object) -> ProcessGroupRsccl:
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
         pg_options,
+        list(getattr(dist_backend_opts, "global_ranks_in_group", None) or []),
     )
 
 

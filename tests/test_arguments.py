@@ -1,0 +1,197 @@
+"""A bad argument is rejected before anything is exchanged: the rank that passed it raises
+ValueError or TypeError naming the argument, the other ranks raise the same error through
+the agreement step, and the group stays usable (a checked all_reduce follows every case).
+
+Table-driven: each case is a call with a good and a bad form; it runs with the bad form on
+one rank (the others pass the good one) and on every rank. CPU tensors here; the CUDA
+table is in tests/gpu/test_gpu_arguments.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refs import assert_close, make, reduce_ref
+
+WORLD = 3
+
+
+def _a2a_single(splits_in, splits_out=None):
+    def call(r):
+        dist.all_to_all_single(torch.empty(6), torch.arange(6, dtype=torch.float32), splits_out or [2, 2, 2], splits_in)
+
+    return call
+
+
+def _a2a_list(dtypes):
+    # On the group directly: dist.all_to_all checks dtypes itself, on the calling rank
+    # only, before any backend sees the call (docs/errors.md).
+    def call(r):
+        ins = [torch.full((2,), float(r), dtype=d) for d in dtypes]
+        outs = [torch.empty(2, dtype=d) for d in dtypes]
+        dist.group.WORLD.alltoall(outs, ins, dist.AllToAllOptions()).wait()
+
+    return call
+
+
+def _opts_call(method, opts_cls, tensors_of, **fields):
+    """Call the group's method directly with options torch would not build itself (negative
+    roots pass torch's checks only this way on some paths)."""
+
+    def call(r):
+        opts = opts_cls()
+        for k, v in fields.items():
+            setattr(opts, k, v)
+        getattr(dist.group.WORLD, method)(*tensors_of(r), opts).wait()
+
+    return call
+
+
+# case -> (good call, bad call, exception class, fragments every rank's message contains)
+CASES = {
+    "broadcast_negative_src": (
+        lambda r: dist.broadcast(torch.ones(4), src=0),
+        _opts_call("broadcast", dist.BroadcastOptions, lambda r: ([torch.ones(4)],), rootRank=-1),
+        "ValueError",
+        ["broadcast: root/src rank -1 is out of range for a group of size 3"],
+    ),
+    "broadcast_src_too_large": (
+        lambda r: dist.broadcast(torch.ones(4), src=0),
+        _opts_call("broadcast", dist.BroadcastOptions, lambda r: ([torch.ones(4)],), rootRank=3),
+        "ValueError",
+        ["broadcast: root/src rank 3 is out of range for a group of size 3"],
+    ),
+    "reduce_negative_dst": (
+        lambda r: dist.reduce(torch.ones(4), dst=0),
+        _opts_call("reduce", dist.ReduceOptions, lambda r: ([torch.ones(4)],), rootRank=-2),
+        "ValueError",
+        ["reduce: root/src rank -2 is out of range"],
+    ),
+    "gather_negative_dst": (
+        _opts_call("gather", dist.GatherOptions, lambda r: ([[torch.empty(2) for _ in range(WORLD)]] if r == 0 else [], [torch.ones(2)]), rootRank=0),
+        _opts_call("gather", dist.GatherOptions, lambda r: ([], [torch.ones(2)]), rootRank=-1),
+        "ValueError",
+        ["gather: root/src rank -1 is out of range"],
+    ),
+    "scatter_negative_src": (
+        _opts_call("scatter", dist.ScatterOptions, lambda r: ([torch.empty(2)], [[torch.ones(2) for _ in range(WORLD)]] if r == 0 else []), rootRank=0),
+        _opts_call("scatter", dist.ScatterOptions, lambda r: ([torch.empty(2)], []), rootRank=-1),
+        "ValueError",
+        ["scatter: root/src rank -1 is out of range"],
+    ),
+    "a2a_float_splits": (
+        _a2a_single([2, 2, 2]),
+        _a2a_single([2.0, 2.0, 2.0]),
+        "TypeError",
+        ["all_to_all: input split sizes [2.0, 2.0, 2.0] must be integers"],
+    ),
+    "a2a_negative_split": (
+        _a2a_single([2, 2, 2]),
+        _a2a_single([4, -2, 4]),
+        "ValueError",
+        ["all_to_all: input split sizes [4, -2, 4] do not divide its 6 rows among 3 ranks"],
+    ),
+    "a2a_split_count": (
+        _a2a_single([2, 2, 2]),
+        _a2a_single([3, 3]),
+        "ValueError",
+        ["all_to_all: input split sizes [3, 3] do not divide its 6 rows among 3 ranks"],
+    ),
+    "a2a_list_mixed_dtypes": (
+        _a2a_list([torch.float32] * 3),
+        _a2a_list([torch.float32, torch.float64, torch.float32]),
+        "TypeError",
+        ["all_to_all: tensors must share one dtype"],
+    ),
+    "all_reduce_non_tensor": (
+        lambda r: dist.group.WORLD.allreduce([torch.ones(5)]).wait(),
+        lambda r: dist.group.WORLD.allreduce([[1.0, 2.0]]).wait(),
+        "TypeError",
+        ["all_reduce must be a torch.Tensor, got list"],
+    ),
+    "all_reduce_two_tensors": (
+        lambda r: dist.group.WORLD.allreduce([torch.ones(5)]).wait(),
+        lambda r: dist.group.WORLD.allreduce([torch.ones(5), torch.ones(5)]).wait(),
+        "ValueError",
+        ["all_reduce takes exactly one tensor per rank, got 2"],
+    ),
+    "all_gather_non_tensor_output": (
+        lambda r: dist.all_gather([torch.empty(2) for _ in range(WORLD)], torch.ones(2)),
+        lambda r: dist.group.WORLD.allgather([[torch.empty(2), 7, torch.empty(2)]], [torch.ones(2)]).wait(),
+        "TypeError",
+        ["all_gather tensor_list must be a torch.Tensor, got int"],
+    ),
+    "all_reduce_bitwise_op_on_floats": (
+        lambda r: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.BAND),
+        lambda r: dist.all_reduce(torch.ones(4, dtype=torch.float64), op=dist.ReduceOp.BAND),
+        "TypeError",
+        ["ReduceOp.BAND is not defined on dtype float64"],
+    ),
+    "all_reduce_unsupported_dtype": (
+        lambda r: dist.all_reduce(torch.ones(4)),
+        lambda r: dist.all_reduce(torch.ones(4, dtype=torch.uint16)),
+        "TypeError",
+        ["uint16"],
+    ),
+    "all_gather_output_size": (
+        lambda r: dist.all_gather_into_tensor(torch.empty(3 * 4), torch.ones(4)),
+        lambda r: dist.all_gather_into_tensor(torch.empty(3 * 4 + 1), torch.ones(4)),
+        "ValueError",
+        ["all_gather: output has 13 elements, expected group size 3 x input 4 = 12"],
+    ),
+    "reduce_scatter_dtype": (
+        lambda r: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(6)),
+        lambda r: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64), torch.ones(6)),
+        "TypeError",
+        ["reduce_scatter: output dtype torch.float64 differs from input dtype torch.float32"],
+    ),
+    "sparse_broadcast": (
+        lambda r: dist.broadcast(torch.ones(4), src=0),
+        lambda r: dist.group.WORLD.broadcast([torch.ones(4).to_sparse()], dist.BroadcastOptions()).wait(),
+        "TypeError",
+        ["broadcast has layout torch.sparse_coo"],
+    ),
+}
+
+
+def body_argument(ctx, case: str, bad_ranks: list[int]) -> tuple[str, str]:
+    good, bad, _, _ = CASES[case]
+    r = ctx.rank
+    try:
+        (bad if r in bad_ranks else good)(r)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        result = (type(e).__name__, str(e))
+    else:
+        result = ("no error", "")
+    # The group is still in step and usable.
+    x = make(11, r, 257, torch.float32)
+    dist.all_reduce(x)
+    assert_close(x, reduce_ref([make(11, q, 257, torch.float32) for q in range(ctx.world)], "SUM"), f"after {case}", 3)
+    return result
+
+
+@pytest.fixture(scope="module")
+def trio():
+    from harness import Cluster
+
+    c = Cluster(WORLD, init_timeout=5.0)
+    yield c
+    assert c.close() == [0] * WORLD
+
+
+@pytest.mark.parametrize("where", ["one_rank", "all_ranks"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_argument_is_named_on_every_rank(trio, case, where, seed):
+    bad_rank = seed % WORLD
+    bad_ranks = [bad_rank] if where == "one_rank" else list(range(WORLD))
+    _, _, kind, fragments = CASES[case]
+    results = trio.run(body_argument, case, bad_ranks, timeout=60)
+    for rank, (got_kind, msg) in enumerate(results):
+        assert got_kind == kind, f"{case} on {bad_ranks}: rank {rank} raised {got_kind}: {msg}"
+        for f in fragments:
+            assert f in msg, f"{case} on {bad_ranks}: rank {rank}'s message lacks {f!r}: {msg}"
+        # Every rank names a rank that passed the bad argument.
+        assert any(f"rank {b}" in msg for b in bad_ranks), f"{case}: rank {rank}'s message names none of {bad_ranks}: {msg}"
+    assert len({m for _, m in results}) == 1, f"{case}: ranks raised different messages: {results}"
