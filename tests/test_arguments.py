@@ -195,3 +195,57 @@ def test_bad_argument_is_named_on_every_rank(trio, case, where, seed):
         # Every rank names a rank that passed the bad argument.
         assert any(f"rank {b}" in msg for b in bad_ranks), f"{case}: rank {rank}'s message names none of {bad_ranks}: {msg}"
     assert len({m for _, m in results}) == 1, f"{case}: ranks raised different messages: {results}"
+
+
+# send/recv: (sender, receiver, sender's call, receiver's call, fragment both messages hold).
+# Each case has its own ordered pair: an error ends that pair's channel (docs/errors.md).
+P2P_CASES = {
+    "negative_tag_on_send": (0, 1, lambda: dist.send(torch.ones(8), dst=1, tag=-1), lambda: dist.recv(torch.empty(8), src=0, tag=0),
+                             "rank 0 posted a send to rank 1 with tag -1, out of range"),
+    "tag_2_31_on_recv": (1, 2, lambda: dist.send(torch.ones(8), dst=2, tag=5), lambda: dist.recv(torch.empty(8), src=1, tag=2**31),
+                         "rank 2 posted a recv from rank 1 with tag 2147483648, out of range"),
+    "tag_past_64_bits": (0, 2, lambda: dist.send(torch.ones(8), dst=2, tag=2**70), lambda: dist.recv(torch.empty(8), src=0, tag=2**70),
+                         "with tag 9223372036854775807, out of range"),
+    "dtype_mismatch": (2, 0, lambda: dist.send(torch.ones(8), dst=0, tag=3), lambda: dist.recv(torch.empty(8, dtype=torch.int32), src=2, tag=3),
+                       "rank 0 posted a recv of 8 int32 elements from rank 2 (tag 3), but rank 2 sent 8 float32 elements"),
+    "count_mismatch": (1, 0, lambda: dist.send(torch.ones(8), dst=0, tag=4), lambda: dist.recv(torch.empty(6), src=1, tag=4),
+                       "rank 0 posted a recv of 6 float32 elements from rank 1 (tag 4), but rank 1 sent 8 float32 elements"),
+}
+
+
+def body_p2p_case(ctx, case: str) -> tuple[str, str]:
+    src, dst, send, recv, _ = P2P_CASES[case]
+    try:
+        if ctx.rank == src:
+            send()
+        elif ctx.rank == dst:
+            recv()
+        else:
+            return ("idle", "")
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return (type(e).__name__, str(e))
+    return ("no error", "")
+
+
+def body_checked_all_reduce(ctx) -> None:
+    x = make(13, ctx.rank, 100, torch.float32)
+    dist.all_reduce(x)
+    assert_close(x, reduce_ref([make(13, q, 100, torch.float32) for q in range(ctx.world)], "SUM"), "after send/recv errors", 3)
+
+
+def test_send_recv_errors_raise_on_both_sides_naming_both():
+    from harness import Cluster
+
+    c = Cluster(WORLD, init_timeout=10.0)
+    try:
+        for case, (src, dst, _, _, fragment) in P2P_CASES.items():
+            res = c.run(body_p2p_case, case, timeout=60)
+            for r in (src, dst):
+                kind, msg = res[r]
+                assert kind == "ValueError", f"{case}: rank {r} raised {kind}: {msg}"
+                assert fragment in msg, f"{case}: rank {r}'s message lacks {fragment!r}: {msg}"
+                assert f"rank {src}" in msg and f"rank {dst}" in msg, f"{case}: rank {r}'s message does not name both ranks: {msg}"
+        # Collectives are not affected.
+        c.run(body_checked_all_reduce, timeout=60)
+    finally:
+        assert c.close() == [0] * WORLD

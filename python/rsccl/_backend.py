@@ -1319,6 +1319,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
         if not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(f"rsccl: {what} peer {peer} is invalid for rank {self.rank()} of a group of size {self.size()}")
+        # Tags past 64 bits are clamped so that the engine refuses them (with this clamped
+        # value in its message) and tells the peer, as it does any tag out of 0..2^31-1.
+        tag = max(min(int(tag), 2**63 - 1), -(2**63))
         if send:
             c = t.contiguous()
             return RsWork([self._comm.send(_buf(c), _dtype(c), peer, tag)], tensors, c)

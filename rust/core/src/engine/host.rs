@@ -279,14 +279,25 @@ impl Engine for HostEngine {
 
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
-        let peer = match &op {
-            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
-        };
+        let peer = op.peer();
         if peer >= self.sh.n || peer == self.sh.me {
             work.complete(Err(Error::InvalidArgument(format!(
                 "send/recv peer {peer} is invalid for rank {} of a group of size {}",
                 self.sh.me, self.sh.n
             ))));
+            return work;
+        }
+        if let Err(e) = op.check_tag(self.sh.me) {
+            // The peer hears of it through the channel between the two, as of a mismatch:
+            // its operations on that channel fail with this message instead of waiting
+            // (and the channel stays ended, see ChannelCtrl::poisoned).
+            let ch = match op {
+                P2p::Send { .. } => self.sh.channel(self.sh.me, peer),
+                P2p::Recv { .. } => self.sh.channel(peer, self.sh.me),
+            };
+            poison(ch, &e);
+            self.sh.ring(peer);
+            work.complete(Err(e));
             return work;
         }
         {

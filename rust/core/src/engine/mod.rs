@@ -17,6 +17,33 @@ pub enum P2p {
     Recv { buf: Buf, dtype: DType, peer: usize, tag: i64 },
 }
 
+/// Tags run from 0 to 2^31 - 1, as gloo's (a 32-bit slot) do: a tag outside is a bad
+/// argument, refused on both sides (see `P2p::check_tag`).
+pub const P2P_TAG_LIMIT: i64 = 1 << 31;
+
+impl P2p {
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
+    }
+
+    /// This rank's (`me`) tag is in range, or the error that names both ranks.
+    pub fn check_tag(&self, me: usize) -> crate::Result<()> {
+        let (what, tag) = match self {
+            P2p::Send { tag, .. } => ("send to", *tag),
+            P2p::Recv { tag, .. } => ("recv from", *tag),
+        };
+        if (0..P2P_TAG_LIMIT).contains(&tag) {
+            return Ok(());
+        }
+        Err(crate::Error::InvalidArgument(format!(
+            "rank {me} posted a {what} rank {} with tag {tag}, out of range: tags run from 0 to 2^31 - 1",
+            self.peer()
+        )))
+    }
+}
+
 /// What an engine has reserved, mapped and uses, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoryStats {
