@@ -23,7 +23,6 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
 from harness import free_port, fresh_seed
 
 WORLD = 3
@@ -48,37 +47,40 @@ def _fd_kinds() -> dict[str, int]:
     return kinds
 
 
-def _rank(rank: int, port: int, q, second: bool, exit_at: str, store_in_rank0: bool) -> None:
+def _rank(rank: int, port: int, q, second: bool, exit_at: str, store_in_rank0: bool, world: int = WORLD, cuda: bool = False) -> None:
     os.environ["RSCCL_TEST_EXIT_AT"] = exit_at
+    if cuda:
+        os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     # A survivor that hangs shows where (the parent's deadline comes later).
     faulthandler.dump_traceback_later(60, exit=False)
+    import rsccl  # noqa: F401 - registers the backend
     import torch
 
-    import rsccl  # noqa: F401 - registers the backend
-
+    if cuda:
+        torch.cuda.set_device(rank)  # rsccl builds its CUDA engine at creation (phase "cuda")
     start = None
     result: tuple = ("no error", "", 0.0, {}, {})
     before = _fd_kinds()
     group = None
     try:
         master = store_in_rank0 and rank == 0
-        store = dist.TCPStore("127.0.0.1", port, WORLD, master, timeout=timedelta(seconds=30), wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", port, world, master, timeout=timedelta(seconds=30), wait_for_workers=False)
         # Every rank has connected to the store before any can die: a client that connects
         # after the server's process died waits out torch's own store timeout, which is
         # torch's set-up, not rsccl's.
         store.add("connected", 1)
-        while int(store.add("connected", 0)) < WORLD:
+        while int(store.add("connected", 0)) < world:
             time.sleep(0.005)
         before = _fd_kinds()
         start = time.monotonic()
-        dist.init_process_group("rsccl", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
         if second:
             before = _fd_kinds()
             start = time.monotonic()
-            group = dist.new_group(list(range(WORLD)), backend="rsccl", timeout=timedelta(seconds=TIMEOUT_S))
+            group = dist.new_group(list(range(world)), backend="rsccl", timeout=timedelta(seconds=TIMEOUT_S))
         # A rank that dies after its group was made shows at the next collective: run
         # them until one fails (the victim dies within a few hundred ms at most).
-        x = torch.ones(1000)
+        x = torch.ones(1000, device=f"cuda:{rank}" if cuda else "cpu")
         until = time.monotonic() + 10
         while time.monotonic() < until:
             dist.all_reduce(x, group=group)
@@ -101,19 +103,21 @@ def _rank(rank: int, port: int, q, second: bool, exit_at: str, store_in_rank0: b
         q.put((rank, os.getpid(), result))
 
 
-def _trial(phase: str, victim: int, second: bool, delay_ms: int, store_in_rank0: bool) -> None:
+def _trial(phase: str, victim: int, second: bool, delay_ms: int, store_in_rank0: bool, world: int = WORLD, cuda: bool = False) -> None:
+    """One trial; `cuda`: every rank sets its device (GPU = rank) first, so that its groups
+    have a CUDA engine (tests/gpu/test_gpu_setup_faults.py)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     server = None
     if store_in_rank0:
         port = free_port()
     else:
-        server = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30), wait_for_workers=False)
         port = server.port
     exit_at = f"phase={phase},rank={victim},group={2 if second else 1},delay_ms={delay_ms}"
     where = "rank 0" if store_in_rank0 else "the parent"
     exit_at_msg = f"{exit_at} (store in {where})"
-    procs = [ctx.Process(target=_rank, args=(r, port, q, second, exit_at, store_in_rank0)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, q, second, exit_at, store_in_rank0, world, cuda)) for r in range(world)]
     for p in procs:
         p.start()
     # The outer deadline: start-up (imports on a loaded 2-core machine) plus twice the
@@ -121,11 +125,11 @@ def _trial(phase: str, victim: int, second: bool, delay_ms: int, store_in_rank0:
     deadline = time.monotonic() + 90
     got = {}
     try:
-        while len(got) < WORLD - 1:
+        while len(got) < world - 1:
             left = deadline - time.monotonic()
-            assert left > 0, f"{exit_at_msg}: survivors {sorted(set(range(WORLD)) - {victim} - set(got))} hung"
+            assert left > 0, f"{exit_at_msg}: survivors {sorted(set(range(world)) - {victim} - set(got))} hung"
             try:
-                rank, pid, res = q.get(timeout=min(left, 1.0))
+                rank, _pid, res = q.get(timeout=min(left, 1.0))
             except Exception:  # noqa: BLE001 - queue.Empty: poll again
                 if procs[victim].exitcode is not None and procs[victim].exitcode != -signal.SIGKILL:
                     raise AssertionError(f"{exit_at_msg}: the victim exited with {procs[victim].exitcode}, not by its hook") from None
