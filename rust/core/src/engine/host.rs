@@ -117,6 +117,40 @@ impl Shared {
         Some(Error::from_class_code(class as u8, format!("rank {rank} aborted the group: {text}")))
     }
 
+    /// Whom rank `r` waits for, as far as this engine can know: ", which waits for rank 3
+    /// (pid 77), which is stopped" — following each rank's `waits_for` word (set by its
+    /// send/recv thread) until a rank waits for nobody, or for a rank already named; and
+    /// saying of each rank named whether its process is stopped (SIGSTOP, a debugger).
+    fn waits_chain(&self, r: usize) -> String {
+        let mut out = String::new();
+        let mut seen = vec![false; self.n];
+        let mut cur = r;
+        seen[self.me] = true;
+        loop {
+            if cur >= self.n {
+                break;
+            }
+            if process_stopped(self.pid(cur)) {
+                out.push_str(", which is stopped (SIGSTOP or a debugger)");
+                break;
+            }
+            if seen[cur] {
+                break;
+            }
+            seen[cur] = true;
+            let next = self.ctrl().waits_for[cur].0.load(Ordering::Relaxed) as usize;
+            if next == 0 || next > self.n {
+                break;
+            }
+            cur = next - 1;
+            out.push_str(&format!(", which waits for rank {cur} (pid {})", self.pid(cur)));
+            if cur == self.me {
+                break;
+            }
+        }
+        out
+    }
+
     fn dead_peers(&self) -> Option<Error> {
         let gone = self.mesh.gone();
         if gone.is_empty() {
@@ -478,7 +512,7 @@ impl CollExec {
                     let c = sh.ctrl();
                     let missing: Vec<String> = (0..n)
                         .filter(|&r| (c.arrivals[r].0.load(Ordering::Relaxed).wrapping_sub(epoch) as i32) < 0)
-                        .map(|r| format!("rank {r} (pid {})", sh.pid(r)))
+                        .map(|r| format!("rank {r} (pid {}){}", sh.pid(r), sh.waits_chain(r)))
                         .collect();
                     format!(
                         "rank {me} timed out after {:.1} s in {kind} (collective #{seq} of this group) \
@@ -931,6 +965,7 @@ impl P2pExec {
                 }
             }
             let pending = self.pending();
+            self.publish_waits_for();
             // Deadlines and dead peers are checked at least every SLICE, also while a
             // long transfer on another channel keeps making progress.
             if pending && (!progressed || last_check.elapsed() >= SLICE) {
@@ -960,6 +995,23 @@ impl P2pExec {
             if bell_word.load(Ordering::Acquire) == bell {
                 futex_wait(bell_word, bell, if pending { SLICE } else { Duration::from_secs(1) });
             }
+        }
+    }
+
+    /// Publish whom this rank's oldest pending send or recv waits for (see
+    /// `ControlBlock::waits_for`).
+    fn publish_waits_for(&self) {
+        let oldest = (0..self.sh.n)
+            .flat_map(|r| {
+                let s = self.sends[r].front().map(|p| (p.deadline, r));
+                let v = self.recvs[r].front().or(self.active[r].as_ref()).map(|p| (p.deadline, r));
+                s.into_iter().chain(v)
+            })
+            .min();
+        let word = oldest.map_or(0, |(_, r)| r as u32 + 1);
+        let w = &self.sh.ctrl().waits_for[self.sh.me].0;
+        if w.load(Ordering::Relaxed) != word {
+            w.store(word, Ordering::Relaxed);
         }
     }
 
@@ -996,10 +1048,11 @@ impl P2pExec {
             self.progress_send(r);
             self.progress_recv(r);
             let recv_note = self.channel_note(r);
+            let chain = self.sh.waits_chain(r);
             let timed_out = |p: &Pending, is_send: bool| {
                 let waiting = if is_send { "" } else { recv_note.as_str() };
                 Error::Timeout(format!(
-                    "rank {me}: {} timed out after {:.1} s: rank {r} {}{waiting}",
+                    "rank {me}: {} timed out after {:.1} s: rank {r} {}{waiting}{chain}",
                     p.describe(),
                     p.timeout.as_secs_f64(),
                     if is_send { "posted no matching recv" } else { "sent nothing matching" }
@@ -1282,6 +1335,17 @@ impl P2pExec {
         }
         progressed
     }
+}
+
+/// Whether process `pid` is stopped (state T or t in /proc/<pid>/stat): a peer that waits
+/// forever without having died.
+fn process_stopped(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // The state follows the command name, which is in parentheses and may hold spaces.
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|st| st == "T" || st == "t")
 }
 
 /// `ChannelCtrl::poisoned` while the poisoning end writes the text.
