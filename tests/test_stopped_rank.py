@@ -11,7 +11,6 @@ import signal
 
 import torch
 import torch.distributed as dist
-
 from harness import Cluster
 
 
