@@ -107,7 +107,7 @@ impl LocalMesh {
     }
 
     /// Name the peer (local index `j`) in an error from its connection.
-    fn from_peer(&self, j: usize, e: Error) -> Error {
+    fn naming_peer(&self, j: usize, e: Error) -> Error {
         let r = self.ranks.get(j).copied().unwrap_or(j);
         match e {
             Error::Timeout(m) => Error::Timeout(format!("rank {r} did not answer in time: {m}")),
@@ -126,14 +126,14 @@ impl LocalMesh {
             msg[4..].copy_from_slice(&(len as u64).to_le_bytes());
             for (j, c) in self.conns.iter().enumerate() {
                 if let Some(c) = c {
-                    c.send(&msg, Some(region.fd().as_raw_fd())).map_err(|e| self.from_peer(j, e))?;
+                    c.send(&msg, Some(region.fd().as_raw_fd())).map_err(|e| self.naming_peer(j, e))?;
                 }
             }
             Ok(region)
         } else {
             let c = self.conns[0].as_ref().ok_or_else(|| Error::Internal("no connection to local leader".into()))?;
             let mut msg = [0u8; 12];
-            let fd = c.recv(&mut msg, deadline, &self.watch()).map_err(|e| self.from_peer(0, e))?;
+            let fd = c.recv(&mut msg, deadline, &self.watch()).map_err(|e| self.naming_peer(0, e))?;
             let got = u64::from_le_bytes(msg[4..].try_into().unwrap()) as usize;
             if &msg[..4] != REGION_MAGIC || got != len {
                 return Err(Error::PeerFailure(format!(
@@ -154,7 +154,7 @@ impl LocalMesh {
     pub fn all_gather(&self, msg: &[u8; 64], fd: Option<std::os::fd::RawFd>, deadline: Instant) -> Result<Vec<([u8; 64], Option<OwnedFd>)>> {
         for (j, c) in self.conns.iter().enumerate() {
             if let Some(c) = c {
-                c.send(msg, fd).map_err(|e| self.from_peer(j, e))?;
+                c.send(msg, fd).map_err(|e| self.naming_peer(j, e))?;
             }
         }
         let watch = self.watch();
@@ -164,7 +164,7 @@ impl LocalMesh {
                 None => out.push((*msg, None)),
                 Some(c) => {
                     let mut buf = [0u8; 64];
-                    let got = c.recv(&mut buf, deadline, &watch).map_err(|e| self.from_peer(j, e))?;
+                    let got = c.recv(&mut buf, deadline, &watch).map_err(|e| self.naming_peer(j, e))?;
                     out.push((buf, got));
                 }
             }
