@@ -248,3 +248,36 @@ def test_send_recv_errors_raise_on_both_sides_naming_both():
         c.run(body_checked_all_reduce, timeout=60)
     finally:
         assert c.close() == [0] * WORLD
+
+
+def body_destroy_with_pending(ctx) -> tuple[str, str]:
+    w = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+    try:
+        if ctx.rank == 0:
+            dist.group.WORLD.shutdown()
+        w.wait()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return (type(e).__name__, str(e))
+    return ("no error", "")
+
+
+def test_destroy_with_a_pending_async_op_gives_consistent_errors():
+    """Rank 0 destroys the group while its async all_reduce (and the others') is pending:
+    rank 0's Work fails as destroyed, every other rank's names rank 0 as gone (or, raced,
+    completes if rank 0's part finished before the destroy)."""
+    from harness import Cluster
+
+    c = Cluster(WORLD, init_timeout=10.0)
+    try:
+        res = c.run(body_destroy_with_pending, timeout=60)
+        pid0 = c.procs[0].pid
+        assert res[0][0] in ("GroupAbortedError", "no error"), res
+        for r in range(1, WORLD):
+            kind, msg = res[r]
+            if res[0][0] == "no error":
+                continue
+            assert kind in ("PeerFailureError", "no error"), res
+            if kind == "PeerFailureError":
+                assert f"rank 0 (pid {pid0})" in msg, res
+    finally:
+        c.kill()

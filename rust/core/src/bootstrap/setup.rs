@@ -269,10 +269,10 @@ impl SetupWatch {
         f().map_err(|e| self.explain(phase, e))
     }
 
-    /// Name the rank that exited if one did; else keep the error's class and say which
-    /// phase it came from.
+    /// Name the rank that exited if one did (whatever failed here: a socket, a CUDA
+    /// import of its memory); else keep the error's class and say which phase it came from.
     pub fn explain(&self, phase: Phase, e: Error) -> Error {
-        if e.keeps_group_usable() || matches!(e, Error::Cuda(_) | Error::Internal(_)) {
+        if e.keeps_group_usable() || matches!(e, Error::Internal(_)) {
             return e;
         }
         let gone = self.exited(Duration::from_millis(500));
@@ -289,7 +289,8 @@ impl SetupWatch {
         match e {
             Error::Timeout(m) => Error::Timeout(format!("{m} ({ctx})")),
             Error::PeerFailure(m) => Error::PeerFailure(format!("{m} ({ctx})")),
-            Error::Os { context, source } => Error::PeerFailure(format!("{context}: {source} ({ctx})")),
+            Error::Os { context, source } => Error::Os { context: format!("{context} ({ctx})"), source },
+            Error::Cuda(m) => Error::Cuda(format!("{m} ({ctx})")),
             other => other,
         }
     }
