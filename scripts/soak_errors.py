@@ -34,10 +34,9 @@ def _fds() -> int:
 
 
 def _rank(rank: int, world: int, port: int, calls: int, groups: int, every: int, q) -> None:
+    import rsccl  # noqa: F401
     import torch
     import torch.distributed as dist
-
-    import rsccl  # noqa: F401
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=120), wait_for_workers=False)
@@ -125,14 +124,26 @@ def _rank(rank: int, world: int, port: int, calls: int, groups: int, every: int,
         dist.destroy_process_group(pg)
     end = (_rss_kib(), _fds(), _threads())
     dist.destroy_process_group()
-    q.put(("done", rank, base, end, time.monotonic() - start))
+    q.put(("done", rank, base, end, time.monotonic() - start, _own_rsccl_sockets()))
 
 
-def _leftovers(pids: list[int]) -> tuple[list[str], list[str]]:
-    shm = [f for f in os.listdir("/dev/shm") if "rsccl" in f]
+def _own_rsccl_sockets() -> list[str]:
+    """Names of this process's Unix sockets on rsccl's abstract names (/proc/net/unix lists
+    every process's: other jobs on the machine must not count)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
     with open("/proc/net/unix") as f:
-        socks = [ln.split()[-1] for ln in f if "@rsccl-" in ln]
-    return shm, socks
+        return [ln.split()[-1] for ln in f if "@rsccl-" in ln and ln.split()[6] in inodes]
+
+
+def _leftovers() -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if "rsccl" in f]
 
 
 def main() -> int:
@@ -165,8 +176,9 @@ def main() -> int:
             done[m[1]] = m
     for p in procs:
         p.join(120)
-    shm, socks = _leftovers([p.pid for p in procs])
-    for r, (_, _, base, end, t) in sorted(done.items()):
+    shm = _leftovers()
+    socks = [n for m in done.values() for n in m[5]]
+    for r, (_, _, base, end, t, _) in sorted(done.items()):
         print(
             f"rank {r}: after warm-up RSS {base[0] / 1024:.0f} MiB, {base[1]} fds, {base[2]} threads; at the end "
             f"RSS {end[0] / 1024:.0f} MiB, {end[1]} fds, {end[2]} threads; {t:.0f} s"
@@ -176,7 +188,10 @@ def main() -> int:
         if end[1] > base[1] or end[2] > base[2] + 4 or end[0] > base[0] + 64 * 1024:
             print(f"rank {r}: LEAK (over 64 MiB more RSS, more fds, or over 4 more threads)")
             failed = True
-    print(f"left in /dev/shm: {shm or 'nothing'}; rsccl sockets left: {socks or 'none'}; exit codes {[p.exitcode for p in procs]}")
+    print(
+        f"rsccl entries in /dev/shm: {shm or 'none'}; rsccl sockets a rank held after destroying its groups: "
+        f"{socks or 'none'}; exit codes {[p.exitcode for p in procs]}"
+    )
     failed |= bool(shm or socks) or any(p.exitcode != 0 for p in procs)
     return 1 if failed else 0
 
