@@ -281,3 +281,27 @@ def test_destroy_with_a_pending_async_op_gives_consistent_errors():
                 assert f"rank 0 (pid {pid0})" in msg, res
     finally:
         c.kill()
+
+
+def body_unforeseen(ctx, bad_rank: int) -> tuple[str, str]:
+    splits = None if ctx.rank == bad_rank else [2, 2, 2]  # list(None) fails inside rsccl's preparation
+    try:
+        dist.group.WORLD.alltoall_base(torch.empty(6), torch.ones(6), [2, 2, 2], splits, dist.AllToAllOptions()).wait()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        result = (type(e).__name__, str(e))
+    else:
+        result = ("no error", "")
+    body_checked_all_reduce(ctx)
+    return result
+
+
+def test_unforeseen_failure_while_preparing_reaches_the_peers(trio, seed):
+    """An exception no check of rsccl's foresaw, raised while one rank prepares its call:
+    that rank raises the original; the others raise it named through the agreement step;
+    the group stays usable."""
+    bad = seed % WORLD
+    res = trio.run(body_unforeseen, bad, timeout=60)
+    assert res[bad] == ("TypeError", "'NoneType' object is not iterable"), res
+    for r in set(range(WORLD)) - {bad}:
+        assert res[r][0] == "TypeError", res
+        assert f"rank {bad}: all_to_all: preparing the call failed: TypeError: 'NoneType' object is not iterable" in res[r][1], res

@@ -418,22 +418,19 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if self._gloo is not None:
             return gloo_call(self._gloo)
         try:
-            try:
-                plan = prepare()
-            except (TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
-                # Something the checks did not foresee failed on this rank's arguments (a
-                # torch op refusing them, say): still a bad argument of this rank, which the
-                # peers must hear of rather than wait for.
-                raise ArgumentError(f"{kind}: {type(e).__name__}: {e}", "type" if isinstance(e, (TypeError, AttributeError)) else "value") from e
+            plan = prepare()
         except ArgumentError as e:
-            works = [self._comm.invalid(kind, e.cls, str(e)) for _ in range(max(n_ops, 1))]
-            errors = []
-            for w in works:
-                try:
-                    w.wait()
-                except Exception as err:  # noqa: BLE001 - the first agreed error is raised
-                    errors.append(err)
-            raise errors[0] if errors else RuntimeError(f"rsccl: {e}")
+            self._submit_invalid(kind, e.cls, str(e), n_ops)
+        except Exception as e:
+            # Not a check of ours: something unforeseen failed while this rank prepared its
+            # call (a torch op refusing an argument, memory for a staging copy). The peers
+            # must hear of it rather than wait; this rank raises the original.
+            cls = "type" if isinstance(e, (TypeError, AttributeError)) else "value"
+            try:
+                self._submit_invalid(kind, cls, f"{kind}: preparing the call failed: {type(e).__name__}: {e}", n_ops)
+            except Exception:  # noqa: BLE001, S110 - the original error is the one to raise
+                pass
+            raise
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
         # call runs on this thread when nothing is queued before it, raises here if it
         # fails, and needs none of an asynchronous Work's bookkeeping.
@@ -456,6 +453,19 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     pass
             raise
         return RsWork(parts, plan.result, plan.keep, plan.post)
+
+    def _submit_invalid(self, kind: str, cls: str, message: str, n_ops: int) -> NoReturn:
+        """Take part in `n_ops` operations of collective `kind` (as many as a healthy rank
+        submits for this call) as "invalid", so every rank stays in step and raises the
+        same error; raise it."""
+        works = [self._comm.invalid(kind, cls, message) for _ in range(max(n_ops, 1))]
+        errors = []
+        for w in works:
+            try:
+                w.wait()
+            except Exception as err:  # noqa: BLE001 - the first agreed error is raised
+                errors.append(err)
+        raise errors[0] if errors else RuntimeError(f"rsccl: {message}")
 
     # -- CUDA ------------------------------------------------------------------------
     def _cuda_check(self, t: torch.Tensor, what: str, reduce_op: str | None) -> None:
