@@ -143,6 +143,8 @@ def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[
     and an empty list splits the rows evenly. `what` starts the error message."""
     rows = t.shape[0] if t.dim() > 0 else t.numel()
     row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
+        raise ArgumentError(f"{what} split sizes {list(splits)} must be integers (rows per rank)", "type")
     if not splits:
         if rows % n:
             raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
@@ -156,7 +158,7 @@ def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int
     """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
     check (and report) the splits."""
     rows = t.shape[0]
-    if rows == 0:
+    if rows == 0 or not all(type(s) is int for s in splits):
         return None
     row_bytes = t.nbytes // rows
     if not splits:
@@ -271,14 +273,19 @@ def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
 class ProcessGroupRsccl(dist.ProcessGroup):
     """torch.distributed backend "rsccl" (see README.md)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, pg_options: object = None):
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: timedelta, pg_options: object = None, global_ranks: list[int] | None = None
+    ):
         super().__init__(rank, size)
         self._timeout = timeout
         self._options = pg_options
         device = device_for_new_group()
         # A group whose ranks span hosts runs its CUDA collectives on NCCL (torch's library).
         nccl_path = nccl_library_path() if device is not None else None
-        self._comm = _rsccl.Communicator(store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path)
+        global_rank = global_ranks[rank] if global_ranks and len(global_ranks) == size else None
+        self._comm = _rsccl.Communicator(
+            store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path, global_rank
+        )
         self._cuda_device = device if self._comm.has_cuda else None
         # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
         self._cuda_engine = self._comm.cuda_engine
@@ -414,14 +421,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         try:
             plan = prepare()
         except ArgumentError as e:
-            works = [self._comm.invalid(kind, e.cls, str(e)) for _ in range(max(n_ops, 1))]
-            errors = []
-            for w in works:
-                try:
-                    w.wait()
-                except Exception as err:  # noqa: BLE001 - the first agreed error is raised
-                    errors.append(err)
-            raise errors[0] if errors else RuntimeError(f"rsccl: {e}")
+            self._submit_invalid(kind, e.cls, str(e), n_ops)
+        except Exception as e:
+            # Not a check of ours: something unforeseen failed while this rank prepared its
+            # call (a torch op refusing an argument, memory for a staging copy). The peers
+            # must hear of it rather than wait; this rank raises the original.
+            cls = "type" if isinstance(e, (TypeError, AttributeError)) else "value"
+            try:
+                self._submit_invalid(kind, cls, f"{kind}: preparing the call failed: {type(e).__name__}: {e}", n_ops)
+            except Exception:  # noqa: BLE001, S110 - the original error is the one to raise
+                pass
+            raise
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
         # call runs on this thread when nothing is queued before it, raises here if it
         # fails, and needs none of an asynchronous Work's bookkeeping.
@@ -444,6 +454,19 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                     pass
             raise
         return RsWork(parts, plan.result, plan.keep, plan.post)
+
+    def _submit_invalid(self, kind: str, cls: str, message: str, n_ops: int) -> NoReturn:
+        """Take part in `n_ops` operations of collective `kind` (as many as a healthy rank
+        submits for this call) as "invalid", so every rank stays in step and raises the
+        same error; raise it."""
+        works = [self._comm.invalid(kind, cls, message) for _ in range(max(n_ops, 1))]
+        errors = []
+        for w in works:
+            try:
+                w.wait()
+            except Exception as err:  # noqa: BLE001 - the first agreed error is raised
+                errors.append(err)
+        raise errors[0] if errors else RuntimeError(f"rsccl: {message}")
 
     # -- CUDA ------------------------------------------------------------------------
     def _cuda_check(self, t: torch.Tensor, what: str, reduce_op: str | None) -> None:
@@ -1351,6 +1374,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
         if not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(f"rsccl: {what} peer {peer} is invalid for rank {self.rank()} of a group of size {self.size()}")
+        # Tags past 64 bits are clamped so that the engine refuses them (with this clamped
+        # value in its message) and tells the peer, as it does any tag out of 0..2^31-1.
+        tag = max(min(int(tag), 2**63 - 1), -(2**63))
         if send:
             c = t.contiguous()
             return RsWork([self._comm.send(_buf(c), _dtype(c), peer, tag)], tensors, c)
@@ -1403,6 +1429,7 @@ def create(dist_backend_opts: Any, pg_options: object) -> ProcessGroupRsccl:
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
         pg_options,
+        list(getattr(dist_backend_opts, "global_ranks_in_group", None) or []),
     )
     # A subgroup's messages name group ranks and global ranks (the default group: []).
     global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or [])

@@ -28,6 +28,7 @@ class Communicator:
         options: list[tuple[str, str]] | None = None,
         cuda_device: int | None = None,
         nccl_path: str | None = None,
+        global_rank: int | None = None,
     ) -> Communicator: ...
     @property
     def rank(self) -> int: ...

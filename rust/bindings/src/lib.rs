@@ -88,8 +88,10 @@ impl Communicator {
     /// Rendezvous through `store` and build everything the group needs (blocks, GIL released).
     /// `nccl_path`: torch's libnccl.so.2, loaded if given (a group that spans hosts runs
     /// its CUDA collectives on it).
+    /// `global_rank`: this rank's rank in the default group (named in errors); its group
+    /// rank if not given.
     #[new]
-    #[pyo3(signature = (store, rank, size, timeout_s, options=None, cuda_device=None, nccl_path=None))]
+    #[pyo3(signature = (store, rank, size, timeout_s, options=None, cuda_device=None, nccl_path=None, global_rank=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -100,6 +102,7 @@ impl Communicator {
         options: Option<Vec<(String, String)>>,
         cuda_device: Option<i32>,
         nccl_path: Option<String>,
+        global_rank: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = Config::from_env(&options.unwrap_or_default()).py()?;
         if let Some(p) = &nccl_path {
@@ -107,7 +110,7 @@ impl Communicator {
         }
         let timeout = Duration::from_secs_f64(timeout_s.max(0.001));
         let store = store::PyStore(store);
-        let g = py.detach(move || Group::create(&store, rank, size, timeout, cfg, cuda_device)).py()?;
+        let g = py.detach(move || Group::create_as(&store, rank, global_rank.unwrap_or(rank), size, timeout, cfg, cuda_device)).py()?;
         Ok(Communicator(g))
     }
 
@@ -143,14 +146,17 @@ impl Communicator {
     }
 
     #[pyo3(signature = (b, dtype, root, blocking=false))]
-    fn broadcast(&self, b: PyBuf, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root }), Kind::Broadcast, blocking)
+    fn broadcast(&self, b: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
+        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root: self.root(Kind::Broadcast, root)? }), Kind::Broadcast, blocking)
     }
 
     #[pyo3(signature = (b, dtype, op, root, blocking=false))]
-    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: usize, blocking: bool) -> PyResult<Work> {
+    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: i64, blocking: bool) -> PyResult<Work> {
         self.collective(
-            || Ok(Collective::Reduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)?, root }),
+            || {
+                let root = self.root(Kind::Reduce, root)?;
+                Ok(Collective::Reduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)?, root })
+            },
             Kind::Reduce,
             blocking,
         )
@@ -187,13 +193,21 @@ impl Communicator {
     }
 
     #[pyo3(signature = (input, output, dtype, root, blocking=false))]
-    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root }), Kind::Gather, blocking)
+    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
+        self.collective(
+            || Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root: self.root(Kind::Gather, root)? }),
+            Kind::Gather,
+            blocking,
+        )
     }
 
     #[pyo3(signature = (input, output, dtype, root, blocking=false))]
-    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: usize, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root }), Kind::Scatter, blocking)
+    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
+        self.collective(
+            || Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root: self.root(Kind::Scatter, root)? }),
+            Kind::Scatter,
+            blocking,
+        )
     }
 
     #[pyo3(signature = (blocking=false))]
@@ -400,6 +414,11 @@ impl Communicator {
 }
 
 impl Communicator {
+    /// A root as Python gave it (negative included), checked: see collective::root_index.
+    fn root(&self, kind: Kind, root: i64) -> rsccl_core::Result<usize> {
+        rsccl_core::collective::root_index(kind, root, self.0.topo.size)
+    }
+
     /// Build the collective; if this rank's arguments are invalid, submit them as
     /// `Invalid` so the other ranks learn of it instead of waiting. A blocking call runs
     /// it (GIL released), raises its error, or returns an already completed Work.

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::mesh::socket_name;
 use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::unix::Listener;
-use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, RankInfo, Store, Topology};
+use crate::bootstrap::setup;
+use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
@@ -73,9 +74,30 @@ impl Group {
     /// CUDA engine on that GPU). Blocks until every rank has joined, or fails after
     /// `timeout` naming the ranks that did not.
     pub fn create(store: &dyn Store, rank: usize, size: usize, timeout: Duration, cfg: Config, cuda_device: Option<i32>) -> Result<Group> {
+        Self::create_as(store, rank, rank, size, timeout, cfg, cuda_device)
+    }
+
+    /// `create` for a rank whose rank in the default group is `global_rank` (named in
+    /// errors beside its group rank).
+    ///
+    /// Set-up's contract with failures (bootstrap/setup.rs): each phase is bounded by the
+    /// timeout, a local rank that dies ends every wait at once, and the error names it,
+    /// its pid and the phase. What was built so far is dropped on failure, which releases
+    /// it (abstract socket names, the memfd region, CUDA mappings): nothing is left behind.
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_as(
+        store: &dyn Store,
+        rank: usize,
+        global_rank: usize,
+        size: usize,
+        timeout: Duration,
+        cfg: Config,
+        cuda_device: Option<i32>,
+    ) -> Result<Group> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is invalid for a group of size {size}")));
         }
+        let creation = setup::count_creation();
         let (mut settings, mut names) = cfg.layout_settings();
         // Whether this rank builds a CUDA engine: its set-up is collective, so every rank
         // must agree (a rank that never initialized CUDA would leave the others waiting).
@@ -84,14 +106,18 @@ impl Group {
             "whether CUDA was initialized at group creation (1 = yes)",
             "call torch.cuda.set_device(local_rank) on every rank, or on none, before creating the group",
         ));
-        let info = RankInfo::current(host_identity(), settings);
+        let info = RankInfo::current(host_identity(), settings, global_rank);
         let mut listener = None;
-        let (nonce, infos) = exchange(store, rank, size, &info, timeout, |nonce| {
-            listener = Some(Listener::bind(&socket_name(nonce, rank), size as i32)?);
-            Ok(())
+        let (nonce, infos) = SetupWatch::none(rank, creation).during(Phase::Rendezvous, || {
+            exchange(store, rank, size, &info, timeout, |nonce| {
+                listener = Some(Listener::bind(&socket_name(nonce, rank), size as i32)?);
+                Ok(())
+            })
         })?;
         check_same_settings(&infos, &names)?;
         let topo = Topology::from_infos(rank, &infos);
+        // From here every wait also watches the other local ranks' processes.
+        let watch = SetupWatch::new(&topo, &infos, creation);
         // Every rank has published its record by now, so the local set-up gets the whole
         // timeout again rather than what the slowest rank left of it.
         let deadline = Instant::now() + timeout;
@@ -108,7 +134,7 @@ impl Group {
                                 .into(),
                         )
                     })?;
-                    let e = NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline)?;
+                    let e = watch.during(Phase::Nccl, || NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline))?;
                     cuda = Some(CudaSide::Nccl(e));
                 }
                 None
@@ -117,15 +143,16 @@ impl Group {
                 let ranks = topo.local_ranks().to_vec();
                 let me = topo.local_index();
                 let layout = Layout::new(ranks.len(), &cfg)?;
-                let mesh = Arc::new(LocalMesh::connect(listener, &nonce, &ranks, me, deadline)?);
-                let region = mesh.share_region(layout.total, deadline)?;
+                let mesh = Arc::new(watch.during(Phase::Mesh, || LocalMesh::connect(listener, &nonce, &ranks, me, deadline, &watch.fds()))?);
+                let region = watch.during(Phase::Region, || mesh.share_region(layout.total, deadline))?;
                 // The CUDA set-up talks over the mesh, so it runs before the host engine
                 // starts watching the mesh for peers that leave.
                 if let Some(d) = cuda_device {
-                    cuda = Some(CudaSide::Local(CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline)?));
+                    let c = watch.during(Phase::Cuda, || CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline))?;
+                    cuda = Some(CudaSide::Local(c));
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
-                Some(Arc::new(HostEngine::start(region, layout, cfg.clone(), me, mesh, pids)?))
+                Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids))?))
             }
         };
         let g = Group { topo, cfg, timeout, kind, engine: parking_lot::Mutex::new(engine), cuda: parking_lot::Mutex::new(cuda) };
@@ -329,7 +356,7 @@ mod tests {
 
     #[test]
     fn engine_choice_follows_topology() {
-        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into(), settings: vec![] };
+        let i = |h: &str| RankInfo { pid: 1, host_id: h.into(), ..Default::default() };
         let one = Topology::from_infos(0, &[i("a"), i("a")]);
         assert_eq!(choose_engine(&one).0, EngineKind::Host);
         let two = Topology::from_infos(0, &[i("a"), i("b")]);

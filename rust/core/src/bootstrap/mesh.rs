@@ -3,7 +3,7 @@
 //! kernel closes a process's sockets when it exits, however it exits, so a peer's
 //! end-of-file means that rank is gone.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Instant;
 
 use super::unix::{Conn, Listener};
@@ -27,6 +27,8 @@ pub struct LocalMesh {
     conns: Vec<Option<Conn>>,
     pidfds: Vec<Option<OwnedFd>>,
     me: usize,
+    /// Group rank of each local index (for messages).
+    ranks: Vec<usize>,
 }
 
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
@@ -47,23 +49,37 @@ impl LocalMesh {
     /// Connect to every lower local index, accept every higher one. `ranks` are the group
     /// ranks on this host (local index -> group rank); `listener` was bound at
     /// `socket_name(nonce, ranks[me])` before this rank published its record, so peers that
-    /// read the record can connect.
-    pub fn connect(listener: Listener, nonce: &[u8; 16], ranks: &[usize], me: usize, deadline: Instant) -> Result<LocalMesh> {
+    /// read the record can connect. `watch`: the peers' pidfds (`SetupWatch::fds`), so a
+    /// peer that dies ends the waits at once.
+    pub fn connect(listener: Listener, nonce: &[u8; 16], ranks: &[usize], me: usize, deadline: Instant, watch: &[RawFd]) -> Result<LocalMesh> {
         let n = ranks.len();
         let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
         for (j, slot) in conns.iter_mut().enumerate().take(me) {
-            let c = Conn::connect(&socket_name(nonce, ranks[j]), deadline)?;
+            let c = Conn::connect(&socket_name(nonce, ranks[j]), deadline, watch).map_err(|e| match e {
+                Error::Timeout(m) => Error::Timeout(format!("rank {} did not accept a connection from rank {} in time: {m}", ranks[j], ranks[me])),
+                other => other,
+            })?;
             c.send(&hello(nonce, me), None)?;
             *slot = Some(c);
         }
         let mut missing = n - 1 - me;
         while missing > 0 {
-            let c = listener.accept(deadline)?;
+            let c = listener.accept(deadline, watch).map_err(|e| match e {
+                Error::Timeout(m) => {
+                    let late: Vec<String> =
+                        (me + 1..n).filter(|&j| conns[j].is_none()).map(|j| format!("rank {}", ranks[j])).collect();
+                    Error::Timeout(format!("{} did not connect to rank {} in time ({m})", late.join(", "), ranks[me]))
+                }
+                other => other,
+            })?;
             // A peer of this group sends its hello right after connecting; anything else
             // (a stranger who found the name) is dropped without failing set-up.
             let hello_deadline = deadline.min(Instant::now() + std::time::Duration::from_secs(10));
             let mut buf = [0u8; 24];
-            if let Err(e) = c.recv(&mut buf, hello_deadline) {
+            if let Err(e) = c.recv(&mut buf, hello_deadline, watch) {
+                if watch_fired(watch) {
+                    return Err(e);
+                }
                 tracing::warn!(error = %e, "dropped a local connection that sent no hello");
                 continue;
             }
@@ -82,7 +98,23 @@ impl LocalMesh {
             .iter()
             .map(|c| c.as_ref().and_then(|c| c.peer_cred().ok()).and_then(|cred| pidfd_open(cred.pid as u32)))
             .collect();
-        Ok(LocalMesh { conns, pidfds, me })
+        Ok(LocalMesh { conns, pidfds, me, ranks: ranks.to_vec() })
+    }
+
+    /// The peers' pidfds, for waits that should end when one exits.
+    fn watch(&self) -> Vec<RawFd> {
+        self.pidfds.iter().flatten().map(|fd| fd.as_raw_fd()).collect()
+    }
+
+    /// Name the peer (local index `j`) in an error from its connection.
+    fn naming_peer(&self, j: usize, e: Error) -> Error {
+        let r = self.ranks.get(j).copied().unwrap_or(j);
+        match e {
+            Error::Timeout(m) => Error::Timeout(format!("rank {r} did not answer in time: {m}")),
+            Error::PeerFailure(m) => Error::PeerFailure(format!("rank {r}: {m}")),
+            Error::Os { context, source } => Error::Os { context: format!("{context} (rank {r})"), source },
+            other => other,
+        }
     }
 
     /// Local index 0 creates the region and sends it to the others; they map it.
@@ -92,14 +124,16 @@ impl LocalMesh {
             let mut msg = [0u8; 12];
             msg[..4].copy_from_slice(REGION_MAGIC);
             msg[4..].copy_from_slice(&(len as u64).to_le_bytes());
-            for c in self.conns.iter().flatten() {
-                c.send(&msg, Some(region.fd().as_raw_fd()))?;
+            for (j, c) in self.conns.iter().enumerate() {
+                if let Some(c) = c {
+                    c.send(&msg, Some(region.fd().as_raw_fd())).map_err(|e| self.naming_peer(j, e))?;
+                }
             }
             Ok(region)
         } else {
             let c = self.conns[0].as_ref().ok_or_else(|| Error::Internal("no connection to local leader".into()))?;
             let mut msg = [0u8; 12];
-            let fd = c.recv(&mut msg, deadline)?;
+            let fd = c.recv(&mut msg, deadline, &self.watch()).map_err(|e| self.naming_peer(0, e))?;
             let got = u64::from_le_bytes(msg[4..].try_into().unwrap()) as usize;
             if &msg[..4] != REGION_MAGIC || got != len {
                 return Err(Error::PeerFailure(format!(
@@ -118,19 +152,19 @@ impl LocalMesh {
     /// for long (messages are small and socket buffers hold them), so every rank can send
     /// first and receive after.
     pub fn all_gather(&self, msg: &[u8; 64], fd: Option<std::os::fd::RawFd>, deadline: Instant) -> Result<Vec<([u8; 64], Option<OwnedFd>)>> {
-        for c in self.conns.iter().flatten() {
-            c.send(msg, fd)?;
+        for (j, c) in self.conns.iter().enumerate() {
+            if let Some(c) = c {
+                c.send(msg, fd).map_err(|e| self.naming_peer(j, e))?;
+            }
         }
+        let watch = self.watch();
         let mut out = Vec::with_capacity(self.conns.len());
         for (j, c) in self.conns.iter().enumerate() {
             match c {
                 None => out.push((*msg, None)),
                 Some(c) => {
                     let mut buf = [0u8; 64];
-                    let got = c.recv(&mut buf, deadline).map_err(|e| match e {
-                        Error::Timeout(m) => Error::Timeout(format!("local rank {j} did not answer during CUDA set-up: {m}")),
-                        other => other,
-                    })?;
+                    let got = c.recv(&mut buf, deadline, &watch).map_err(|e| self.naming_peer(j, e))?;
                     out.push((buf, got));
                 }
             }
@@ -155,6 +189,12 @@ impl LocalMesh {
             })
             .collect()
     }
+}
+
+fn watch_fired(watch: &[RawFd]) -> bool {
+    let mut p: Vec<libc::pollfd> = watch.iter().map(|&w| libc::pollfd { fd: w, events: libc::POLLIN, revents: 0 }).collect();
+    // SAFETY: `p` is a valid array of pollfds of the length given; timeout 0 never blocks.
+    !p.is_empty() && unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 0) } > 0
 }
 
 fn hello(nonce: &[u8; 16], me: usize) -> [u8; 24] {

@@ -3,6 +3,7 @@
 
 pub mod mesh;
 pub mod rendezvous;
+pub mod setup;
 pub mod unix;
 
 use std::time::Duration;
@@ -21,3 +22,4 @@ pub trait Store: Send + Sync {
 
 pub use mesh::LocalMesh;
 pub use rendezvous::{check_same_settings, host_identity, RankInfo, Topology};
+pub use setup::{Phase, SetupWatch};

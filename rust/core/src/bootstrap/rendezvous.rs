@@ -8,29 +8,44 @@ use crate::error::{Error, Result};
 
 /// What a rank tells the others at group creation. Encoded as a versioned binary record,
 /// not a string protocol.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RankInfo {
     pub pid: u32,
     pub uid: u32,
+    /// Its rank in the default group (what torch users call "the rank"), for messages.
+    pub global_rank: u32,
+    /// Its pid namespace (`setup::pid_namespace`): `pid` is meaningful to a peer only if
+    /// theirs is the same.
+    pub pid_ns: u64,
     pub host_id: String,
     /// The settings that shape the shared region and the algorithms
     /// (`Config::layout_settings`): every rank must have the same.
     pub settings: Vec<u64>,
 }
 
-const INFO_MAGIC: &[u8; 4] = b"RSI2";
+const INFO_MAGIC: &[u8; 4] = b"RSI3";
+const INFO_FIXED: usize = 32;
 
 impl RankInfo {
-    pub fn current(host_id: String, settings: Vec<u64>) -> RankInfo {
-        // SAFETY: getuid cannot fail.
-        RankInfo { pid: std::process::id(), uid: unsafe { libc::getuid() }, host_id, settings }
+    pub fn current(host_id: String, settings: Vec<u64>, global_rank: usize) -> RankInfo {
+        RankInfo {
+            pid: std::process::id(),
+            // SAFETY: getuid cannot fail.
+            uid: unsafe { libc::getuid() },
+            global_rank: global_rank as u32,
+            pid_ns: super::setup::pid_namespace(),
+            host_id,
+            settings,
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(24 + self.host_id.len() + 8 * self.settings.len());
+        let mut v = Vec::with_capacity(INFO_FIXED + self.host_id.len() + 8 * self.settings.len());
         v.extend_from_slice(INFO_MAGIC);
         v.extend_from_slice(&self.pid.to_le_bytes());
         v.extend_from_slice(&self.uid.to_le_bytes());
+        v.extend_from_slice(&self.global_rank.to_le_bytes());
+        v.extend_from_slice(&self.pid_ns.to_le_bytes());
         v.extend_from_slice(&(self.host_id.len() as u32).to_le_bytes());
         v.extend_from_slice(&(self.settings.len() as u32).to_le_bytes());
         v.extend_from_slice(self.host_id.as_bytes());
@@ -42,17 +57,24 @@ impl RankInfo {
 
     pub fn decode(b: &[u8]) -> Result<RankInfo> {
         let bad = || Error::Internal(format!("malformed rank record of {} bytes in the store", b.len()));
-        if b.len() < 20 || &b[..4] != INFO_MAGIC {
+        if b.len() < INFO_FIXED || &b[..4] != INFO_MAGIC {
             return Err(Error::PeerFailure(
                 "a rank published an incompatible record: are all ranks running the same rsccl version?".into(),
             ));
         }
         let u = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-        let (n, k) = (u(12) as usize, u(16) as usize);
-        let host = b.get(20..20 + n).ok_or_else(bad)?;
-        let raw = b.get(20 + n..20 + n + 8 * k).ok_or_else(bad)?;
+        let (n, k) = (u(24) as usize, u(28) as usize);
+        let host = b.get(INFO_FIXED..INFO_FIXED + n).ok_or_else(bad)?;
+        let raw = b.get(INFO_FIXED + n..INFO_FIXED + n + 8 * k).ok_or_else(bad)?;
         let settings = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
-        Ok(RankInfo { pid: u(4), uid: u(8), host_id: String::from_utf8(host.to_vec()).map_err(|_| bad())?, settings })
+        Ok(RankInfo {
+            pid: u(4),
+            uid: u(8),
+            global_rank: u(12),
+            pid_ns: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            host_id: String::from_utf8(host.to_vec()).map_err(|_| bad())?,
+            settings,
+        })
     }
 }
 
@@ -147,17 +169,23 @@ pub fn exchange(
     timeout: Duration,
     before_publish: impl FnOnce(&[u8; 16]) -> Result<()>,
 ) -> Result<([u8; 16], Vec<RankInfo>)> {
-    let ticket = store.add("rsccl/creations", 1)?;
+    let ticket = store.add("rsccl/creations", 1).map_err(store_failed)?;
     let gen = (ticket - 1).max(0) as u64 / size as u64;
     let key = |k: &str| format!("rsccl/{gen}/{k}");
     if rank == 0 {
-        store.set(&key("nonce"), &random_nonce()?)?;
+        store.set(&key("nonce"), &random_nonce()?).map_err(store_failed)?;
     }
-    let nonce_v = store.get(&key("nonce"), timeout)?;
+    let nonce_v = store.get(&key("nonce"), timeout).map_err(|e| match e {
+        Error::Timeout(_) => Error::Timeout(format!(
+            "rank 0 did not start the group within {:.1} s (rank {rank} waited for its nonce at group creation)",
+            timeout.as_secs_f64()
+        )),
+        other => store_failed(other),
+    })?;
     let nonce: [u8; 16] =
         nonce_v.as_slice().try_into().map_err(|_| Error::Internal("bad nonce record in the store".into()))?;
     before_publish(&nonce)?;
-    store.set(&key(&format!("info/{rank}")), &info.encode())?;
+    store.set(&key(&format!("info/{rank}")), &info.encode()).map_err(store_failed)?;
     let mut infos = Vec::with_capacity(size);
     for r in 0..size {
         let raw = store.get(&key(&format!("info/{r}")), timeout).map_err(|e| match e {
@@ -165,11 +193,23 @@ pub fn exchange(
                 "rank {r} did not join the group within {:.1} s (rank {rank} waited for it at group creation)",
                 timeout.as_secs_f64()
             )),
-            other => other,
+            other => store_failed(other),
         })?;
         infos.push(RankInfo::decode(&raw)?);
     }
     Ok((nonce, infos))
+}
+
+/// A store call failed (not a timeout): with a TCPStore the usual cause is that the
+/// process hosting its server exited, and that process is often one of the ranks.
+fn store_failed(e: Error) -> Error {
+    match e {
+        Error::PeerFailure(m) => Error::PeerFailure(format!(
+            "the c10d store failed ({m}): the process that hosts it (the TCPStore server; rank 0's with \
+             init_method env:// or tcp://) has probably exited"
+        )),
+        other => other,
+    }
 }
 
 fn random_nonce() -> Result<[u8; 16]> {
@@ -187,12 +227,12 @@ mod tests {
     use super::*;
 
     fn info(h: &str) -> RankInfo {
-        RankInfo { pid: 7, uid: 0, host_id: h.into(), settings: vec![1, 2] }
+        RankInfo { pid: 7, host_id: h.into(), settings: vec![1, 2], ..Default::default() }
     }
 
     #[test]
     fn record_round_trip() {
-        let i = RankInfo { pid: 123, uid: 1000, host_id: "node-1:abc".into(), settings: vec![4 << 20, 0, 7] };
+        let i = RankInfo { pid: 123, uid: 1000, global_rank: 9, pid_ns: 4026531836, host_id: "node-1:abc".into(), settings: vec![4 << 20, 0, 7] };
         assert_eq!(RankInfo::decode(&i.encode()).unwrap(), i);
         assert!(RankInfo::decode(b"garbage").is_err());
     }

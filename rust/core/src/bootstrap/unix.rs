@@ -62,9 +62,10 @@ impl Listener {
     /// Accept one connection from a process of our own user before `deadline`.
     /// Connections from other users are closed and skipped: anyone can see an abstract
     /// name in /proc/net/unix, and a stranger must not be able to break set-up.
-    pub fn accept(&self, deadline: Instant) -> Result<Conn> {
+    /// `watch`: descriptors that become readable when a peer exits (see `wait_fd`).
+    pub fn accept(&self, deadline: Instant, watch: &[RawFd]) -> Result<Conn> {
         loop {
-            wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, || {
+            wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, watch, || {
                 format!("no local rank connected to @{} in time", self.name)
             })?;
             // SAFETY: `self.fd` is a listening socket; null address arguments are allowed.
@@ -88,18 +89,25 @@ impl Listener {
     }
 }
 
-/// Poll one descriptor for `events` until `deadline`.
-fn wait_fd(fd: RawFd, events: libc::c_short, deadline: Instant, what: impl FnOnce() -> String) -> Result<()> {
+/// Poll one descriptor for `events` until `deadline`, and the `watch` descriptors (local
+/// peers' pidfds, see `SetupWatch`) beside it: one of those readable means a peer exited,
+/// an error that the caller's `SetupWatch::explain` turns into one naming that peer.
+fn wait_fd(fd: RawFd, events: libc::c_short, deadline: Instant, watch: &[RawFd], what: impl FnOnce() -> String) -> Result<()> {
+    let mut p: Vec<libc::pollfd> = std::iter::once(libc::pollfd { fd, events, revents: 0 })
+        .chain(watch.iter().map(|&w| libc::pollfd { fd: w, events: libc::POLLIN, revents: 0 }))
+        .collect();
     loop {
         let now = Instant::now();
         if now >= deadline {
             return Err(Error::Timeout(what()));
         }
         let ms = (deadline - now).as_millis().min(i32::MAX as u128) as i32;
-        let mut p = libc::pollfd { fd, events, revents: 0 };
-        // SAFETY: `p` is one valid pollfd.
-        let rc = unsafe { libc::poll(&mut p, 1, ms.max(1)) };
+        // SAFETY: `p` is a valid array of pollfds of the length given.
+        let rc = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms.max(1)) };
         if rc > 0 {
+            if p[1..].iter().any(|q| q.revents != 0) {
+                return Err(Error::PeerFailure("a local rank exited".into()));
+            }
             return Ok(());
         }
         if rc < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
@@ -114,8 +122,9 @@ pub struct Conn {
 }
 
 impl Conn {
-    /// Connect to `name`, retrying while the peer is not listening yet.
-    pub fn connect(name: &str, deadline: Instant) -> Result<Conn> {
+    /// Connect to `name`, retrying while the peer is not listening yet (and none of the
+    /// `watch` descriptors says a peer exited, see `wait_fd`).
+    pub fn connect(name: &str, deadline: Instant, watch: &[RawFd]) -> Result<Conn> {
         let (addr, len) = abstract_addr(name.as_bytes())?;
         loop {
             let fd = new_socket()?;
@@ -131,10 +140,23 @@ impl Conn {
                 err.raw_os_error(),
                 Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN) | Some(libc::EINTR)
             );
-            if !retry || Instant::now() >= deadline {
+            if !retry {
                 return Err(Error::os(format!("connecting to local rank socket @{name}"), err));
             }
-            std::thread::sleep(Duration::from_millis(2));
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(format!("connecting to local rank socket @{name}: {err}")));
+            }
+            // Sleeps 2 ms unless a watched peer exits first.
+            let wait_until = (Instant::now() + Duration::from_millis(2)).min(deadline);
+            if !watch.is_empty() {
+                let mut p: Vec<libc::pollfd> = watch.iter().map(|&w| libc::pollfd { fd: w, events: libc::POLLIN, revents: 0 }).collect();
+                // SAFETY: `p` is a valid array of pollfds of the length given.
+                if unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 2) } > 0 {
+                    return Err(Error::PeerFailure("a local rank exited".into()));
+                }
+            } else {
+                std::thread::sleep(wait_until.saturating_duration_since(Instant::now()));
+            }
         }
     }
 
@@ -204,8 +226,9 @@ impl Conn {
     }
 
     /// Receive exactly `buf.len()` bytes (sent in one `send`), and a descriptor if one came.
-    pub fn recv(&self, buf: &mut [u8], deadline: Instant) -> Result<Option<OwnedFd>> {
-        wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, || "a local rank did not answer in time".into())?;
+    /// `watch`: see `wait_fd`.
+    pub fn recv(&self, buf: &mut [u8], deadline: Instant, watch: &[RawFd]) -> Result<Option<OwnedFd>> {
+        wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, watch, || "a local rank did not answer in time".into())?;
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
         let mut cmsg_buf = [0u64; 8];
         // SAFETY: msghdr is plain old data.
@@ -281,15 +304,15 @@ mod tests {
         let client = std::thread::spawn({
             let name = name.clone();
             move || {
-                let c = Conn::connect(&name, deadline).unwrap();
+                let c = Conn::connect(&name, deadline, &[]).unwrap();
                 let mut buf = [0u8; 5];
-                let fd = c.recv(&mut buf, deadline).unwrap().expect("an fd");
+                let fd = c.recv(&mut buf, deadline, &[]).unwrap().expect("an fd");
                 assert_eq!(&buf, b"hello");
                 assert!(fd.as_raw_fd() >= 0);
                 c
             }
         });
-        let server = l.accept(deadline).unwrap();
+        let server = l.accept(deadline, &[]).unwrap();
         let devnull = std::fs::File::open("/dev/null").unwrap();
         server.send(b"hello", Some(devnull.as_raw_fd())).unwrap();
         let c = client.join().unwrap();

@@ -24,6 +24,19 @@ impl Buf {
     }
 }
 
+/// A root (src/dst) rank as the caller gave it, checked against a group of `n` ranks: the
+/// one place its message is made, for negative roots (refused before they become an index)
+/// and roots past the group alike.
+pub fn root_index(kind: Kind, root: i64, n: usize) -> Result<usize> {
+    match usize::try_from(root) {
+        Ok(r) if r < n => Ok(r),
+        _ => Err(Error::InvalidArgument(format!(
+            "{}: root/src rank {root} is out of range for a group of size {n}",
+            kind.name()
+        ))),
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
@@ -126,16 +139,7 @@ impl Collective {
         let dt = self.dtype();
         let elems = |b: &Buf| b.len / dt.map_or(1, |d| d.size());
         let bad = |msg: String| Err(Error::InvalidArgument(msg));
-        let root_ok = |root: usize| {
-            if root >= n {
-                Err(Error::InvalidArgument(format!(
-                    "{}: root/src rank {root} is out of range for a group of size {n}",
-                    self.kind().name()
-                )))
-            } else {
-                Ok(())
-            }
-        };
+        let root_ok = |root: usize| root_index(self.kind(), root as i64, n).map(|_| ());
         match self {
             Collective::AllReduce { dtype, op, .. } => op.check(*dtype)?,
             Collective::Reduce { dtype, op, root, .. } => {

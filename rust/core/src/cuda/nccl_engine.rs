@@ -883,7 +883,7 @@ impl NcclEngine {
         };
         let hier = || -> Result<(Arc<CudaEngine>, NcclComm, u64)> {
             let ranks = topo.local_ranks().to_vec();
-            let mesh = Arc::new(LocalMesh::connect(listener, nonce, &ranks, li, deadline)?);
+            let mesh = Arc::new(LocalMesh::connect(listener, nonce, &ranks, li, deadline, &[])?);
             let local = CudaEngine::create(dev.ordinal, mesh, ranks, cfg, timeout, deadline)?;
             let hosts = topo.hosts.len();
             let id = share_id(store, nccl, nonce, CommRole::Cross(li), host == 0, hosts, deadline)?;
@@ -1873,7 +1873,7 @@ mod tests {
         // What Topology builds from RSCCL_HOST_ID = "emul-host-{rank // 2}" and from hosts
         // that take turns.
         use crate::bootstrap::RankInfo;
-        let i = |h: &str| RankInfo { pid: 1, uid: 0, host_id: h.into(), settings: vec![] };
+        let i = |h: &str| RankInfo { pid: 1, host_id: h.into(), ..Default::default() };
         let emul = Topology::from_infos(0, &[i("h0"), i("h0"), i("h1"), i("h1")]);
         assert!(host_major(&emul.hosts));
         let turns = Topology::from_infos(0, &[i("h0"), i("h1"), i("h0"), i("h1")]);

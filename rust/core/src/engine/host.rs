@@ -128,6 +128,40 @@ impl Shared {
         Some(Error::from_class_code(class as u8, format!("rank {rank} aborted the group: {text}")))
     }
 
+    /// Whom rank `r` waits for, as far as this engine can know: ", which waits for rank 3
+    /// (pid 77), which is stopped" — following each rank's `waits_for` word (set by its
+    /// send/recv thread) until a rank waits for nobody, or for a rank already named; and
+    /// saying of each rank named whether its process is stopped (SIGSTOP, a debugger).
+    fn waits_chain(&self, r: usize) -> String {
+        let mut out = String::new();
+        let mut seen = vec![false; self.n];
+        let mut cur = r;
+        seen[self.me] = true;
+        loop {
+            if cur >= self.n {
+                break;
+            }
+            if process_stopped(self.pid(cur)) {
+                out.push_str(", which is stopped (SIGSTOP or a debugger)");
+                break;
+            }
+            if seen[cur] {
+                break;
+            }
+            seen[cur] = true;
+            let next = self.ctrl().waits_for[cur].0.load(Ordering::Relaxed) as usize;
+            if next == 0 || next > self.n {
+                break;
+            }
+            cur = next - 1;
+            out.push_str(&format!(", which waits for rank {cur} (pid {})", self.pid(cur)));
+            if cur == self.me {
+                break;
+            }
+        }
+        out
+    }
+
     fn dead_peers(&self) -> Option<Error> {
         let gone = self.mesh.gone();
         if gone.is_empty() {
@@ -291,15 +325,28 @@ impl Engine for HostEngine {
 
     fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
-        let peer = match &op {
-            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => Some(*peer),
-            P2p::RecvAny { .. } => None,
-        };
-        if let Some(peer) = peer.filter(|&p| p >= self.sh.n || p == self.sh.me) {
+        if let Some(peer) = op.peer().filter(|&p| p >= self.sh.n || p == self.sh.me) {
             work.complete(Err(Error::InvalidArgument(format!(
                 "send/recv peer {peer} is invalid for rank {} of a group of size {}",
                 self.sh.me, self.sh.n
             ))));
+            return work;
+        }
+        if let Err(e) = op.check_tag(self.sh.me) {
+            // The peer hears of it through the channel between the two, as of a mismatch:
+            // its operations on that channel fail with this message instead of waiting
+            // (and the channel stays ended, see ChannelCtrl::poisoned).
+            // A recv from any source has no one channel: it fails here alone.
+            let ch = match op {
+                P2p::Send { peer, .. } => Some((self.sh.channel(self.sh.me, peer), peer)),
+                P2p::Recv { peer, .. } => Some((self.sh.channel(peer, self.sh.me), peer)),
+                P2p::RecvAny { .. } => None,
+            };
+            if let Some((ch, peer)) = ch {
+                poison(ch, &e);
+                self.sh.ring(peer);
+            }
+            work.complete(Err(e));
             return work;
         }
         {
@@ -484,7 +531,7 @@ impl CollExec {
                     let c = sh.ctrl();
                     let missing: Vec<String> = (0..n)
                         .filter(|&r| (c.arrivals[r].0.load(Ordering::Relaxed).wrapping_sub(epoch) as i32) < 0)
-                        .map(|r| format!("{} (pid {})", sh.who(r), sh.pid(r)))
+                        .map(|r| format!("{} (pid {}){}", sh.who(r), sh.pid(r), sh.waits_chain(r)))
                         .collect();
                     format!(
                         "{}: Timed out after {:.1} s in {kind} (collective #{seq} of this group) \
@@ -944,6 +991,7 @@ impl P2pExec {
                 }
             }
             let pending = self.pending();
+            self.publish_waits_for();
             // Deadlines and dead peers are checked at least every SLICE, also while a
             // long transfer on another channel keeps making progress.
             if pending && (!progressed || last_check.elapsed() >= SLICE) {
@@ -973,6 +1021,23 @@ impl P2pExec {
             if bell_word.load(Ordering::Acquire) == bell {
                 futex_wait(bell_word, bell, if pending { SLICE } else { Duration::from_secs(1) });
             }
+        }
+    }
+
+    /// Publish whom this rank's oldest pending send or recv waits for (see
+    /// `ControlBlock::waits_for`).
+    fn publish_waits_for(&self) {
+        let oldest = (0..self.sh.n)
+            .flat_map(|r| {
+                let s = self.sends[r].front().map(|p| (p.deadline, r));
+                let v = self.recvs[r].front().or(self.active[r].as_ref()).map(|p| (p.deadline, r));
+                s.into_iter().chain(v)
+            })
+            .min();
+        let word = oldest.map_or(0, |(_, r)| r as u32 + 1);
+        let w = &self.sh.ctrl().waits_for[self.sh.me].0;
+        if w.load(Ordering::Relaxed) != word {
+            w.store(word, Ordering::Relaxed);
         }
     }
 
@@ -1020,10 +1085,11 @@ impl P2pExec {
             self.progress_send(r);
             self.progress_recv(r);
             let recv_note = self.channel_note(r);
+            let chain = self.sh.waits_chain(r);
             let timed_out = |p: &Pending, is_send: bool| {
                 let waiting = if is_send { "" } else { recv_note.as_str() };
                 Error::Timeout(format!(
-                    "{}: {}: Timed out after {:.1} s: {} {}{waiting}",
+                    "{}: {}: Timed out after {:.1} s: {} {}{waiting}{chain}",
                     self.sh.who(me),
                     p.describe(),
                     p.timeout.as_secs_f64(),
@@ -1346,6 +1412,17 @@ fn set_source(p: &Pending, rank: usize) {
     if let P2p::RecvAny { source, .. } = &p.op {
         source.store(rank, Ordering::Release);
     }
+}
+
+/// Whether process `pid` is stopped (state T or t in /proc/<pid>/stat): a peer that waits
+/// forever without having died.
+fn process_stopped(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // The state follows the command name, which is in parentheses and may hold spaces.
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|st| st == "T" || st == "t")
 }
 
 /// `ChannelCtrl::poisoned` while the poisoning end writes the text.

@@ -21,6 +21,35 @@ pub enum P2p {
     RecvAny { buf: Buf, dtype: DType, tag: i64, source: Arc<AtomicUsize> },
 }
 
+/// Tags run from 0 to 2^31 - 1, as gloo's (a 32-bit slot) do: a tag outside is a bad
+/// argument, refused on both sides (see `P2p::check_tag`).
+pub const P2P_TAG_LIMIT: i64 = 1 << 31;
+
+impl P2p {
+    /// The peer of a send or recv; None for a recv from any source.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => Some(*peer),
+            P2p::RecvAny { .. } => None,
+        }
+    }
+
+    /// This rank's (`me`) tag is in range, or the error that names both ranks.
+    pub fn check_tag(&self, me: usize) -> crate::Result<()> {
+        let (what, tag) = match self {
+            P2p::Send { peer, tag, .. } => (format!("send to rank {peer}"), *tag),
+            P2p::Recv { peer, tag, .. } => (format!("recv from rank {peer}"), *tag),
+            P2p::RecvAny { tag, .. } => ("recv from any rank".to_string(), *tag),
+        };
+        if (0..P2P_TAG_LIMIT).contains(&tag) {
+            return Ok(());
+        }
+        Err(crate::Error::InvalidArgument(format!(
+            "rank {me} posted a {what} with tag {tag}, out of range: tags run from 0 to 2^31 - 1"
+        )))
+    }
+}
+
 /// What an engine has reserved, mapped and uses, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoryStats {

@@ -61,6 +61,10 @@ pub struct ControlBlock {
     /// Barriers each rank has arrived at: names the missing ranks on a timeout.
     pub arrivals: [PaddedU32; MAX_LOCAL_RANKS],
     pub doorbells: [PaddedU32; MAX_LOCAL_RANKS],
+    /// Per rank, the peer (+1; 0 = none) its oldest pending send or recv waits for,
+    /// written by that rank's send/recv thread (Relaxed: a diagnostic read only to name
+    /// whom a peer waits for in a timeout message, never to synchronize).
+    pub waits_for: [PaddedU32; MAX_LOCAL_RANKS],
 }
 
 /// Per-rank description of a collective, written before the collective's first barrier
