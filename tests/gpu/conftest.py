@@ -57,6 +57,14 @@ def gpus(request):
     return SharedCluster(request.param)
 
 
+@pytest.fixture(scope="session")
+def gpus3():
+    """A cluster of 3 ranks (on whatever GPUs there are), for tables written for 3 ranks."""
+    if gpu_count() < 1:
+        pytest.skip("no CUDA GPU visible")
+    return SharedCluster(3)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for w in list(_live):
         _live.pop(w).close(timeout=60)

@@ -101,6 +101,12 @@ impl LocalMesh {
         Ok(LocalMesh { conns, pidfds, me, ranks: ranks.to_vec() })
     }
 
+    /// The pid of the peer at local index `j`, as the kernel reports it for its connection
+    /// (SO_PEERCRED); None for this rank itself or a connection that is gone.
+    pub fn peer_pid(&self, j: usize) -> Option<u32> {
+        self.conns.get(j)?.as_ref()?.peer_cred().ok().map(|c| c.pid as u32)
+    }
+
     /// The peers' pidfds, for waits that should end when one exits.
     fn watch(&self) -> Vec<RawFd> {
         self.pidfds.iter().flatten().map(|fd| fd.as_raw_fd()).collect()

@@ -1807,14 +1807,17 @@ fn new_event() -> Result<CUevent> {
 }
 
 fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
+    // Read while the connections are up: a peer that died can no longer be asked.
+    let pids: Vec<Option<u32>> = (0..mesh.size()).map(|j| mesh.peer_pid(j)).collect();
     while !sh.stop.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_millis(50));
         let gone = mesh.gone();
         if let Some(&j) = gone.first() {
             let mut p = sh.poisoned.lock();
             if p.is_none() {
+                let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
                 *p = Some(Error::PeerFailure(format!(
-                    "rank {} (local rank {j}) is gone: its process exited or closed its connection",
+                    "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
                     local_ranks.get(j).copied().unwrap_or(j)
                 )));
             }

@@ -125,7 +125,8 @@ impl Shared {
         // and never written again.
         let (rank, len, class, text) = unsafe { (*c.abort_rank.get(), *c.abort_len.get(), *c.abort_class.get(), *c.abort_text.get()) };
         let text = String::from_utf8_lossy(&text[..(len as usize).min(text.len())]).into_owned();
-        Some(Error::from_class_code(class as u8, format!("rank {rank} aborted the group: {text}")))
+        let rank = rank as usize;
+        Some(Error::from_class_code(class as u8, format!("{} (pid {}) aborted the group: {text}", self.who(rank), self.pid(rank))))
     }
 
     /// Whom rank `r` waits for, as far as this engine can know: ", which waits for rank 3
