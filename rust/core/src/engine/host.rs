@@ -1239,6 +1239,20 @@ impl P2pExec {
         progressed
     }
 
+    /// Complete recv `p` with message `msg` that rank `i` sent before the recv was posted
+    /// (held aside), or with the mismatch error when its size or dtype differs.
+    fn deliver_held(&self, p: Pending, i: usize, msg: &Unexpected) {
+        let buf = p.buf();
+        if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
+            let e = self.mismatch(&p, i, msg.data.len() as u64, msg.dtype);
+            p.work.complete(Err(e));
+        } else {
+            // SAFETY: `buf` is valid for its len (kept alive by the Work), equal to the data's.
+            unsafe { copy(buf.ptr, msg.data.as_ptr(), buf.len) };
+            p.work.complete(Ok(()));
+        }
+    }
+
     fn mismatch(&self, p: &Pending, i: usize, total_bytes: u64, dtype_code: u8) -> Error {
         let (tag, _) = p.tag_dtype();
         let sent_dt = crate::dtype::DType::from_code(dtype_code);
@@ -1264,15 +1278,7 @@ impl P2pExec {
             let msg = self.unexpected[i].remove(u).expect("index in range");
             self.unexpected_bytes[i] -= msg.total;
             let p = self.recvs[i].remove(k).expect("index in range");
-            let buf = p.buf();
-            if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
-                let e = self.mismatch(&p, i, msg.data.len() as u64, msg.dtype);
-                p.work.complete(Err(e));
-            } else {
-                // SAFETY: `buf` is valid for its len (kept alive by the Work), equal to the data's.
-                unsafe { copy(buf.ptr, msg.data.as_ptr(), buf.len) };
-                p.work.complete(Ok(()));
-            }
+            self.deliver_held(p, i, &msg);
             progressed = true;
         }
         // Then recvs from any source, oldest first.
@@ -1287,15 +1293,7 @@ impl P2pExec {
             self.unexpected_bytes[i] -= msg.total;
             let p = self.any.remove(k).expect("index in range");
             set_source(&p, i);
-            let buf = p.buf();
-            if msg.data.len() != buf.len || msg.dtype != p.tag_dtype().1 as u8 {
-                let e = self.mismatch(&p, i, msg.data.len() as u64, msg.dtype);
-                p.work.complete(Err(e));
-            } else {
-                // SAFETY: as above.
-                unsafe { copy(buf.ptr, msg.data.as_ptr(), buf.len) };
-                p.work.complete(Ok(()));
-            }
+            self.deliver_held(p, i, &msg);
             progressed = true;
         }
         progressed
