@@ -57,7 +57,11 @@ def rank_main(rank: int, world: int, port: int, steps: int) -> None:
     torch.cuda.set_device(rank)  # before init: the group's CUDA engine and pool go on this GPU
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group(
-        "rsccl", store=store, rank=rank, world_size=world, pg_options=rsccl.Options(cuda_pool_bytes="1GiB")  # setting 1
+        "rsccl",
+        store=store,
+        rank=rank,
+        world_size=world,
+        pg_options=rsccl.Options(cuda_pool_bytes="1GiB"),  # setting 1
     )
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
 

@@ -136,7 +136,9 @@ def main() -> int:
                 src, what = r["kernels"]
                 label = "-" if backend == "nccl" else f"{extra.get('RSCCL_KERNELS', 'auto')}: {src} {what}"[:44]
                 image = f"{r['image'] / 1e6:.1f}" if backend == "rsccl" else "-"
-                print(f"{world:>5}  {backend:<8} {label:<44} {r['init']:>8.2f} {r['first']:>8.2f} {files if backend == 'rsccl' else '-':>5} {image:>8}")
+                print(
+                    f"{world:>5}  {backend:<8} {label:<44} {r['init']:>8.2f} {r['first']:>8.2f} {files if backend == 'rsccl' else '-':>5} {image:>8}"
+                )
     return 1 if failed else 0
 
 

@@ -12,7 +12,6 @@ new group per setting (16 and 256 MiB).
 
 import os
 import sys
-import time
 import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -23,7 +22,6 @@ MiB = 1 << 20
 
 
 def rank_main(rank, world, port, q):
-    import rsccl
     import torch
     import torch.distributed as dist
     from rsccl import _rsccl_pg
@@ -52,22 +50,35 @@ def rank_main(rank, world, port, q):
             for s in recv_rows[:-1]:
                 ro.append(ro[-1] + s)
             ev = comm.cuda_all_to_all(
-                [inp.data_ptr() + o * row for o in so], [s * row for s in send_rows],
-                [out.data_ptr() + o * row for o in ro], [s * row for s in recv_rows],
-                stream(), asynchronous)
+                [inp.data_ptr() + o * row for o in so],
+                [s * row for s in send_rows],
+                [out.data_ptr() + o * row for o in ro],
+                [s * row for s in recv_rows],
+                stream(),
+                asynchronous,
+            )
             return ev
 
         # 1. all_to_all_single, uneven, vs NCCL
-        for total_rows, dt, zeros in [(1, torch.float32, True), (4096, torch.bfloat16, True), (1 << 20, torch.float32, False),
-                                      (123457, torch.int64, True), (16 << 20, torch.bfloat16, False), (64 << 20, torch.uint8, False)]:
+        for total_rows, dt, zeros in [
+            (1, torch.float32, True),
+            (4096, torch.bfloat16, True),
+            (1 << 20, torch.float32, False),
+            (123457, torch.int64, True),
+            (16 << 20, torch.bfloat16, False),
+            (64 << 20, torch.uint8, False),
+        ]:
             # splits[i][j]: rows rank i sends to rank j
             splits = torch.randint(0, max(1, 2 * total_rows // (world * world)) + 1, (world, world), generator=g)
             if zeros:
                 splits[0, world - 1] = 0
             send = splits[rank].tolist()
             recv = splits[:, rank].tolist()
-            x = torch.randint(-1000, 1000, (sum(send),), generator=None, device="cuda").to(dt) if not dt.is_floating_point \
+            x = (
+                torch.randint(-1000, 1000, (sum(send),), generator=None, device="cuda").to(dt)
+                if not dt.is_floating_point
                 else torch.randn(sum(send), device="cuda", generator=gl).to(dt)
+            )
             out = torch.full((sum(recv),), 7, device="cuda").to(dt)
             ref = torch.empty_like(out)
             a2a(x, out, send, recv)
@@ -121,23 +132,30 @@ def rank_main(rank, world, port, q):
             b = torch.randint(0, 255, (nbytes,), device="cuda", dtype=torch.uint8, generator=gl)
             ra = torch.zeros(nbytes, device="cuda", dtype=torch.uint8)
             rb = torch.zeros(nbytes, device="cuda", dtype=torch.uint8)
-            evs = [comm.cuda_p2p(True, a.data_ptr(), nbytes, nxt, stream(), True),
-                   comm.cuda_p2p(False, ra.data_ptr(), nbytes, prv, stream(), True),
-                   comm.cuda_p2p(True, b.data_ptr(), nbytes, prv, stream(), True),
-                   comm.cuda_p2p(False, rb.data_ptr(), nbytes, nxt, stream(), True)]
+            evs = [
+                comm.cuda_p2p(True, a.data_ptr(), nbytes, nxt, stream(), True),
+                comm.cuda_p2p(False, ra.data_ptr(), nbytes, prv, stream(), True),
+                comm.cuda_p2p(True, b.data_ptr(), nbytes, prv, stream(), True),
+                comm.cuda_p2p(False, rb.data_ptr(), nbytes, nxt, stream(), True),
+            ]
             for ev in evs:
                 ev.wait_on(stream())
             # reference: NCCL ring
             ea = torch.empty_like(ra)
             eb = torch.empty_like(rb)
-            ops = [dist.P2POp(dist.isend, a, nxt, nccl), dist.P2POp(dist.irecv, ea, prv, nccl),
-                   dist.P2POp(dist.isend, b, prv, nccl), dist.P2POp(dist.irecv, eb, nxt, nccl)]
+            ops = [
+                dist.P2POp(dist.isend, a, nxt, nccl),
+                dist.P2POp(dist.irecv, ea, prv, nccl),
+                dist.P2POp(dist.isend, b, prv, nccl),
+                dist.P2POp(dist.irecv, eb, nxt, nccl),
+            ]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
             torch.cuda.synchronize()
             comm.cuda_health()
             if not (torch.equal(ra, ea) and torch.equal(rb, eb)):
                 errors.append(f"rank {rank} p2p {nbytes} B wrong")
+
         # 5. timings: a2a even, send/recv 0 -> 1
         def timeit(fn, iters):
             for _ in range(3):
@@ -151,6 +169,7 @@ def rank_main(rank, world, port, q):
             e.record()
             torch.cuda.synchronize()
             return s.elapsed_time(e) / iters * 1000
+
         rows = []
         for size in [64 << 10, 256 << 10, 16 << 20, 64 << 20, 256 << 20]:
             x = torch.empty(size // 4, device="cuda")
@@ -159,19 +178,25 @@ def rank_main(rank, world, port, q):
             t_rs = timeit(lambda: a2a(x, o, [k] * world, [k] * world), 20)
             t_nc = timeit(lambda: dist.all_to_all_single(o, x, group=nccl), 20)
             bus = size * (world - 1) / world
-            rows.append(f"a2a {size >> 10:>7} KiB: rsccl {t_rs:8.1f} us {bus / t_rs / 1e3:6.1f} GB/s | nccl {t_nc:8.1f} us {bus / t_nc / 1e3:6.1f} GB/s")
+            rows.append(
+                f"a2a {size >> 10:>7} KiB: rsccl {t_rs:8.1f} us {bus / t_rs / 1e3:6.1f} GB/s | nccl {t_nc:8.1f} us {bus / t_nc / 1e3:6.1f} GB/s"
+            )
         for size in [1 << 20, 16 << 20, 256 << 20]:
             x = torch.empty(size, dtype=torch.uint8, device="cuda")
             if rank in (0, 1):
+
                 def rs():
                     comm.cuda_p2p(rank == 0, x.data_ptr(), size, 1 - rank, stream(), False)
+
                 def nc():
                     (dist.send if rank == 0 else dist.recv)(x, 1 - rank, group=nccl)
             else:
                 rs = nc = lambda: None
             t_rs = timeit(rs, 10)
             t_nc = timeit(nc, 10)
-            rows.append(f"p2p {size >> 20:>4} MiB: rsccl {t_rs:8.1f} us {size / t_rs / 1e3:6.1f} GB/s | nccl {t_nc:8.1f} us {size / t_nc / 1e3:6.1f} GB/s")
+            rows.append(
+                f"p2p {size >> 20:>4} MiB: rsccl {t_rs:8.1f} us {size / t_rs / 1e3:6.1f} GB/s | nccl {t_nc:8.1f} us {size / t_nc / 1e3:6.1f} GB/s"
+            )
         if rank == 0:
             print("\n".join(rows), flush=True)
         # 6. optional: send/recv 0 -> 1 for inbox sizes and block counts, each its own group
@@ -197,8 +222,9 @@ def rank_main(rank, world, port, q):
 
 
 def main():
-    import torch.multiprocessing as mp
     import socket
+
+    import torch.multiprocessing as mp
 
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     with socket.socket() as s:

@@ -15,10 +15,9 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def rank_main(rank, world, port, q):
+    import rsccl  # noqa: F401 - registers the backend
     import torch
     import torch.distributed as dist
-
-    import rsccl  # noqa: F401 - registers the backend
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
@@ -32,7 +31,9 @@ def rank_main(rank, world, port, q):
     comm = pg._comm
     cases = {
         "python loop only": lambda: None,
-        "comm.cuda_collective (Rust launch)": lambda: comm.cuda_collective("all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(rank), False),
+        "comm.cuda_collective (Rust launch)": lambda: comm.cuda_collective(
+            "all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(rank), False
+        ),
         "pg.allreduce([x], opts)": lambda: pg.allreduce([x], opts),
         "dist.all_reduce(x)": lambda: dist.all_reduce(x),
         "dist.all_reduce(x, group=nccl)": lambda: dist.all_reduce(x, group=nccl),
@@ -44,12 +45,16 @@ def rank_main(rank, world, port, q):
     a2a_opts.asyncOp = False
     half = x.nbytes // world
     sp, sb, rp = [p, p + half], [half, half], [o.data_ptr(), o.data_ptr() + half]
-    cases.update({
-        "comm.cuda_all_to_all (Rust launch)": lambda: comm.cuda_all_to_all(sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(rank), False),
-        "pg.alltoall_base(o, x, [], [], opts)": lambda: pg.alltoall_base(o, x, [], [], a2a_opts),
-        "dist.all_to_all_single(o, x)": lambda: dist.all_to_all_single(o, x),
-        "dist.all_to_all_single(o, x, group=nccl)": lambda: dist.all_to_all_single(o, x, group=nccl),
-    })
+    cases.update(
+        {
+            "comm.cuda_all_to_all (Rust launch)": lambda: comm.cuda_all_to_all(
+                sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(rank), False
+            ),
+            "pg.alltoall_base(o, x, [], [], opts)": lambda: pg.alltoall_base(o, x, [], [], a2a_opts),
+            "dist.all_to_all_single(o, x)": lambda: dist.all_to_all_single(o, x),
+            "dist.all_to_all_single(o, x, group=nccl)": lambda: dist.all_to_all_single(o, x, group=nccl),
+        }
+    )
     out = {}
     for name, fn in cases.items():
         for _ in range(50):

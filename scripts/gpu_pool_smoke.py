@@ -38,7 +38,11 @@ def rank_main(rank, world, port, q):
         free0 = torch.cuda.mem_get_info()[0]
 
         def check(name, got, ref, exact):
-            ok = torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=2e-2, atol=1e-2 * max(ref.double().abs().max().item(), 1.0))
+            ok = (
+                torch.equal(got, ref)
+                if exact
+                else torch.allclose(got.double(), ref.double(), rtol=2e-2, atol=1e-2 * max(ref.double().abs().max().item(), 1.0))
+            )
             if not ok:
                 d = (got.double() - ref.double()).abs()
                 errors.append(f"rank {rank} {name}: max err {d.max().item():.3g} at {d.argmax().item()} of {got.numel()}")
@@ -61,7 +65,12 @@ def rank_main(rank, world, port, q):
             ref = x.clone()
             dist.all_reduce(a, op=op)
             dist.all_reduce(ref, op=op, group=nccl)
-            check(f"{label} all_reduce {dt} {op} n={n}", a, ref, exact=not dt.is_floating_point or op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN))
+            check(
+                f"{label} all_reduce {dt} {op} n={n}",
+                a,
+                ref,
+                exact=not dt.is_floating_point or op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN),
+            )
             # all_gather: output in the pool, input = this rank's slot of it (FSDP's layout)
             out = where(n * world, dt)
             out.narrow(0, rank * n, n).copy_(x)
@@ -77,7 +86,12 @@ def rank_main(rank, world, port, q):
             r = torch.empty(n, dtype=dt, device="cuda")
             dist.reduce_scatter_tensor(o, inp, op=op)
             dist.reduce_scatter_tensor(r, big, op=op, group=nccl)
-            check(f"{label} reduce_scatter {dt} {op} n={n}", o, r, exact=not dt.is_floating_point or op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN))
+            check(
+                f"{label} reduce_scatter {dt} {op} n={n}",
+                o,
+                r,
+                exact=not dt.is_floating_point or op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN),
+            )
             # broadcast from the last rank
             b = where(n, dt)
             b.copy_(x)

@@ -37,12 +37,20 @@ def rank_main(rank, world, port, q):
         errors = []
 
         def check(name, got, ref, exact=False):
-            ok = torch.equal(got, ref) if exact else torch.allclose(got.double(), ref.double(), rtol=2e-2, atol=1e-2 * max(ref.double().abs().max().item(), 1.0))
+            ok = (
+                torch.equal(got, ref)
+                if exact
+                else torch.allclose(got.double(), ref.double(), rtol=2e-2, atol=1e-2 * max(ref.double().abs().max().item(), 1.0))
+            )
             if not ok:
                 d = (got.double() - ref.double()).abs()
                 errors.append(f"{name}: max err {d.max().item():.3g} at {d.argmax().item()} of {got.numel()}")
 
-        rnd = lambda n, dt: (torch.randn(n, device="cuda", generator=g) * 4).to(dt) if dt.is_floating_point else torch.randint(-100, 100, (n,), device="cuda", generator=g, dtype=dt)
+        rnd = lambda n, dt: (
+            (torch.randn(n, device="cuda", generator=g) * 4).to(dt)
+            if dt.is_floating_point
+            else torch.randint(-100, 100, (n,), device="cuda", generator=g, dtype=dt)
+        )
         sizes = [1, 7, 1000, 4099, 65536 + 3, 1 << 20, (8 << 20) + 5]
         for dt in [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]:
             for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT, dist.ReduceOp.AVG]:
@@ -51,14 +59,24 @@ def rank_main(rank, world, port, q):
                 for n in sizes if op == dist.ReduceOp.SUM else sizes[:4]:
                     x = rnd(n, dt)
                     if op == dist.ReduceOp.PRODUCT:
-                        x = (1 + 0.01 * torch.randn(n, device="cuda", generator=g)).to(dt) if dt.is_floating_point else torch.randint(-2, 3, (n,), device="cuda", generator=g, dtype=dt)
+                        x = (
+                            (1 + 0.01 * torch.randn(n, device="cuda", generator=g)).to(dt)
+                            if dt.is_floating_point
+                            else torch.randint(-2, 3, (n,), device="cuda", generator=g, dtype=dt)
+                        )
                     a, b = x.clone(), x.clone()
                     dist.all_reduce(a, op=op)
                     dist.all_reduce(b, op=op, group=nccl)
                     check(f"all_reduce {dt} {op} n={n}", a, b, exact=not dt.is_floating_point)
                     if n % world == 0 or True:
                         m = max(n // world, 1)
-                        inp = rnd(m * world, dt) if op != dist.ReduceOp.PRODUCT else x[: m * world].clone() if n >= m * world else rnd(m * world, dt)
+                        inp = (
+                            rnd(m * world, dt)
+                            if op != dist.ReduceOp.PRODUCT
+                            else x[: m * world].clone()
+                            if n >= m * world
+                            else rnd(m * world, dt)
+                        )
                         o1 = torch.empty(m, device="cuda", dtype=dt)
                         o2 = torch.empty(m, device="cuda", dtype=dt)
                         dist.reduce_scatter_tensor(o1, inp, op=op)
@@ -125,7 +143,6 @@ def rank_main(rank, world, port, q):
                 res[name] = e0.elapsed_time(e1) * 1000 / iters
             rows.append((nbytes, res["rsccl"], res["nccl"]))
         torch.cuda.synchronize()
-        free2 = torch.cuda.mem_get_info()[0]
         q.put((rank, errors, t_init, (free0 - free1) >> 20, rows, dict(rsccl.memory_stats())))
         dist.destroy_process_group()
     except BaseException:

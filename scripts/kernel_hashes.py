@@ -44,7 +44,10 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
-    old = subprocess.run(["git", "-C", ROOT, "show", f"{a.old_rev}:csrc_kernels/rsccl_kernels.cu"], check=True, capture_output=True, text=True).stdout
+    old = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{a.old_rev}:csrc_kernels/rsccl_kernels.cu"], check=True, capture_output=True, text=True
+    ).stdout
+
     def read(name: str) -> str:
         with open(os.path.join(KDIR, name)) as f:
             return f.read()
@@ -77,7 +80,9 @@ def main() -> int:
         state = "same" if k in same else "DIFFERS" if k in differ else "removed" if k in removed else "ADDED"
         code = (after[k][1] if k in after else before[k]).split()[0].removeprefix(".text.=")[:16]
         print(f"{k:40s} {after[k][0] if k in after else '-':20s} {code} {state}")
-    print(f"{a.arch}: {len(same)} kernels with identical code, {len(differ)} differ, {len(removed)} removed ({', '.join(removed) or 'none'}), {len(added)} added")
+    print(
+        f"{a.arch}: {len(same)} kernels with identical code, {len(differ)} differ, {len(removed)} removed ({', '.join(removed) or 'none'}), {len(added)} added"
+    )
     return 1 if differ or added else 0
 
 

@@ -101,7 +101,9 @@ def _rank(rank: int, world: int, port: int, calls: int, groups: int, every: int,
             works = [dist.all_reduce(b, async_op=True) for b in bufs]
             for w in works:
                 w.wait()
-            ok = all(torch.allclose(b.double(), torch.stack([t.double() for t in x]).sum(0), rtol=1e-5, atol=1e-4) for b, x in zip(bufs, xs))
+            ok = all(
+                torch.allclose(b.double(), torch.stack([t.double() for t in x]).sum(0), rtol=1e-5, atol=1e-4) for b, x in zip(bufs, xs)
+            )
         else:
             xs = inputs(world * 4, torch.int32, 6)
             out = torch.empty(world * 4, dtype=torch.int32)
@@ -159,7 +161,9 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     server = dist.TCPStore("127.0.0.1", 0, args.world, True, timeout=timedelta(seconds=120), wait_for_workers=False)
-    procs = [ctx.Process(target=_rank, args=(r, args.world, server.port, args.calls, args.groups, args.every, q)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.world, server.port, args.calls, args.groups, args.every, q)) for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     done, failed = {}, False

@@ -226,7 +226,10 @@ def _run_config(backend: str, world_size: int, names: list[str], log_dir: str, v
     with open(out) as f:
         outcomes = json.load(f)
     counts = {k: sum(1 for v in outcomes.values() if v[0] == k) for k in ("passed", "failed", "skipped")}
-    print(f"{backend:6s} {world_size} ranks: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped ({secs:.0f} s; log {log})", flush=True)
+    print(
+        f"{backend:6s} {world_size} ranks: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped ({secs:.0f} s; log {log})",
+        flush=True,
+    )
     return outcomes
 
 

@@ -14,9 +14,10 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -41,10 +42,9 @@ class Ctx:
 
 def _worker(rank: int, world: int, port: int, conn: Any, env: dict, init_timeout: float, options: Any) -> None:
     os.environ.update(env)
+    import rsccl  # noqa: F401 - registers the backend
     import torch
     import torch.distributed as dist
-
-    import rsccl  # noqa: F401 - registers the backend
 
     torch.set_num_threads(1)
     try:

@@ -77,7 +77,9 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, n_inputs: int
     assert ours.dtype == ref.dtype and ours.shape == ref.shape, f"{what}: {ours.dtype}{tuple(ours.shape)} vs {ref.dtype}{tuple(ref.shape)}"
     if ref.dtype not in FLOATS:
         bad = (ours != ref).nonzero()
-        assert bad.numel() == 0, f"{what}: {bad.numel()} elements differ, first at {bad[0].tolist()}: {ours[bad[0]].tolist()} vs {ref[bad[0]].tolist()}"
+        assert bad.numel() == 0, (
+            f"{what}: {bad.numel()} elements differ, first at {bad[0].tolist()}: {ours[bad[0]].tolist()} vs {ref[bad[0]].tolist()}"
+        )
         return
     eps = {torch.float32: 1e-6, torch.float64: 1e-14, torch.float16: 1e-3, torch.bfloat16: 8e-3}[ref.dtype]
     tol = eps * max(n_inputs, 1) * 2

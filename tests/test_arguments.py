@@ -69,13 +69,23 @@ CASES = {
         ["reduce: root/src rank -2 is out of range"],
     ),
     "gather_negative_dst": (
-        _opts_call("gather", dist.GatherOptions, lambda r: ([[torch.empty(2) for _ in range(WORLD)]] if r == 0 else [], [torch.ones(2)]), rootRank=0),
+        _opts_call(
+            "gather",
+            dist.GatherOptions,
+            lambda r: ([[torch.empty(2) for _ in range(WORLD)]] if r == 0 else [], [torch.ones(2)]),
+            rootRank=0,
+        ),
         _opts_call("gather", dist.GatherOptions, lambda r: ([], [torch.ones(2)]), rootRank=-1),
         "ValueError",
         ["gather: root/src rank -1 is out of range"],
     ),
     "scatter_negative_src": (
-        _opts_call("scatter", dist.ScatterOptions, lambda r: ([torch.empty(2)], [[torch.ones(2) for _ in range(WORLD)]] if r == 0 else []), rootRank=0),
+        _opts_call(
+            "scatter",
+            dist.ScatterOptions,
+            lambda r: ([torch.empty(2)], [[torch.ones(2) for _ in range(WORLD)]] if r == 0 else []),
+            rootRank=0,
+        ),
         _opts_call("scatter", dist.ScatterOptions, lambda r: ([torch.empty(2)], []), rootRank=-1),
         "ValueError",
         ["scatter: root/src rank -1 is out of range"],
@@ -199,16 +209,41 @@ def test_bad_argument_is_named_on_every_rank(trio, case, where, seed):
 # send/recv: (sender, receiver, sender's call, receiver's call, fragment both messages hold).
 # Each case has its own ordered pair: an error ends that pair's channel (docs/errors.md).
 P2P_CASES = {
-    "negative_tag_on_send": (0, 1, lambda: dist.send(torch.ones(8), dst=1, tag=-1), lambda: dist.recv(torch.empty(8), src=0, tag=0),
-                             "rank 0 posted a send to rank 1 with tag -1, out of range"),
-    "tag_2_31_on_recv": (1, 2, lambda: dist.send(torch.ones(8), dst=2, tag=5), lambda: dist.recv(torch.empty(8), src=1, tag=2**31),
-                         "rank 2 posted a recv from rank 1 with tag 2147483648, out of range"),
-    "tag_past_64_bits": (0, 2, lambda: dist.send(torch.ones(8), dst=2, tag=2**70), lambda: dist.recv(torch.empty(8), src=0, tag=2**70),
-                         "with tag 9223372036854775807, out of range"),
-    "dtype_mismatch": (2, 0, lambda: dist.send(torch.ones(8), dst=0, tag=3), lambda: dist.recv(torch.empty(8, dtype=torch.int32), src=2, tag=3),
-                       "rank 0 posted a recv of 8 int32 elements from rank 2 (tag 3), but rank 2 sent 8 float32 elements"),
-    "count_mismatch": (1, 0, lambda: dist.send(torch.ones(8), dst=0, tag=4), lambda: dist.recv(torch.empty(6), src=1, tag=4),
-                       "rank 0 posted a recv of 6 float32 elements from rank 1 (tag 4), but rank 1 sent 8 float32 elements"),
+    "negative_tag_on_send": (
+        0,
+        1,
+        lambda: dist.send(torch.ones(8), dst=1, tag=-1),
+        lambda: dist.recv(torch.empty(8), src=0, tag=0),
+        "rank 0 posted a send to rank 1 with tag -1, out of range",
+    ),
+    "tag_2_31_on_recv": (
+        1,
+        2,
+        lambda: dist.send(torch.ones(8), dst=2, tag=5),
+        lambda: dist.recv(torch.empty(8), src=1, tag=2**31),
+        "rank 2 posted a recv from rank 1 with tag 2147483648, out of range",
+    ),
+    "tag_past_64_bits": (
+        0,
+        2,
+        lambda: dist.send(torch.ones(8), dst=2, tag=2**70),
+        lambda: dist.recv(torch.empty(8), src=0, tag=2**70),
+        "with tag 9223372036854775807, out of range",
+    ),
+    "dtype_mismatch": (
+        2,
+        0,
+        lambda: dist.send(torch.ones(8), dst=0, tag=3),
+        lambda: dist.recv(torch.empty(8, dtype=torch.int32), src=2, tag=3),
+        "rank 0 posted a recv of 8 int32 elements from rank 2 (tag 3), but rank 2 sent 8 float32 elements",
+    ),
+    "count_mismatch": (
+        1,
+        0,
+        lambda: dist.send(torch.ones(8), dst=0, tag=4),
+        lambda: dist.recv(torch.empty(6), src=1, tag=4),
+        "rank 0 posted a recv of 6 float32 elements from rank 1 (tag 4), but rank 1 sent 8 float32 elements",
+    ),
 }
 
 

@@ -9,7 +9,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from refs import DTYPES, OPS, assert_close, assert_identical_across_ranks, make, reduce_ref, valid_ops
 
 SIZES = [0, 1, 7, 1000, 5003, 300_001]

@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 import rsccl
+import torch
 from rsccl import _cuda
 from rsccl.options import as_items
 
@@ -76,7 +75,6 @@ def test_no_cuda_engine_without_cuda():
     assert _cuda.device_for_new_group() is None
 
 
-
 def test_nccl_loads_from_torchs_package():
     """The NCCL engine's first step, without a GPU: rsccl opens torch's libnccl.so.2 (a name
     cudarc's loader does not try), reads its version and makes a unique id."""
@@ -92,14 +90,13 @@ def test_nccl_loads_from_torchs_package():
 def test_nccl_bad_path_is_an_exception():
     # NCCL is loaded once per process: a fresh interpreter tries the bad path first.
     code = (
-        "import rsccl\n"
-        "try:\n"
-        "    rsccl._rsccl.nccl_probe('/nonexistent/libnccl.so.2')\n"
-        "except RuntimeError as e:\n"
-        "    print('raised:', e)\n"
+        "import rsccl\ntry:\n    rsccl._rsccl.nccl_probe('/nonexistent/libnccl.so.2')\nexcept RuntimeError as e:\n    print('raised:', e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "raised: " in r.stdout and "cannot load NCCL from /nonexistent/libnccl.so.2" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 0 and "raised: " in r.stdout and "cannot load NCCL from /nonexistent/libnccl.so.2" in r.stdout, (
+        r.stdout,
+        r.stderr,
+    )
 
 
 def test_nccl_p2p_setting(monkeypatch):

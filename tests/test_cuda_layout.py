@@ -7,19 +7,26 @@ import pytest
 import torch
 from rsccl._backend import (
     ArgumentError,
+    _even_or_split_bytes,
     _gather_layout,
     _gathered,
     _offsets,
     _pack_bytes,
     _reduce_scatter_pack,
-    _even_or_split_bytes,
     _split_bytes,
 )
 
 # Mixed dtypes and sizes, a 0-element input and a 0-dim one: every input of a coalesced
 # all_gather must come back at its own offset, with its own dtype.
-SHAPES = [((7,), torch.float32), ((0,), torch.int64), ((3, 5), torch.bfloat16), ((), torch.int64), ((13,), torch.bool),
-          ((33,), torch.uint8), ((2, 2), torch.float64)]
+SHAPES = [
+    ((7,), torch.float32),
+    ((0,), torch.int64),
+    ((3, 5), torch.bfloat16),
+    ((), torch.int64),
+    ((13,), torch.bool),
+    ((33,), torch.uint8),
+    ((2, 2), torch.float64),
+]
 
 
 def _rand(g: torch.Generator, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

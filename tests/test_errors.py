@@ -11,13 +11,11 @@ import time
 from datetime import timedelta
 
 import pytest
+import rsccl
 import torch
 import torch.distributed as dist
-
 from harness import Cluster
 from refs import assert_close, make, reduce_ref
-
-import rsccl
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +101,10 @@ CASES = {
     "split_sum": ("ValueError", ["rank 0: all_to_all: input split sizes [1, 1, 1]"]),
     "split_pairing": ("ValueError", ["all_to_all split sizes disagree", "rank 1 sends 2 elements to rank 0, but rank 0 expects 1"]),
     "coalesced_output_size": ("ValueError", ["rank 1: all_gather_into_tensor_coalesced #1: output has 14 elements, expected 3 x 5"]),
-    "coalesced_rs_dtype": ("TypeError", ["rank 1: reduce_scatter_tensor_coalesced #0: output dtype torch.float64 differs from input dtype torch.float32"]),
+    "coalesced_rs_dtype": (
+        "TypeError",
+        ["rank 1: reduce_scatter_tensor_coalesced #0: output dtype torch.float64 differs from input dtype torch.float32"],
+    ),
     "gather_output_size": ("ValueError", ["rank 1:", "all_gather: output has 11 elements, expected group size 3 x input 4 = 12"]),
 }
 
@@ -181,7 +182,9 @@ def test_p2p_mismatch_and_unmatched_send():
         assert res[1][0] == "ValueError", res
         assert "rank 1 posted a recv of 200000 float32 elements from rank 0 (tag 5)" in res[1][1], res
         assert "rank 0 sent 300000 float32 elements" in res[1][1], res
-        assert res[0][0] == "ValueError" and res[1][1].removeprefix("rsccl: ") in res[0][1], f"the sender must fail with the receiver's message: {res}"
+        assert res[0][0] == "ValueError" and res[1][1].removeprefix("rsccl: ") in res[0][1], (
+            f"the sender must fail with the receiver's message: {res}"
+        )
         res = c.run(body_tag_nobody_receives, timeout=60)
         assert res[0][0] == "TimeoutError" and "recv of 10 float32 elements from rank 2 (tag 6): Timed out" in res[0][1], res
         # The tag-5 message was taken aside (its send completed) so that it would not
@@ -289,7 +292,7 @@ def test_rank_that_never_joins_fails_group_creation():
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
-    for rank, kind, msg, took in got:
+    for _rank, kind, msg, took in got:
         assert kind == "TimeoutError", got
         assert "rank 2 did not join the group within 3.0 s" in msg, msg
         assert took < 15

@@ -10,7 +10,6 @@ import signal
 
 import torch
 import torch.distributed as dist
-
 from harness import Cluster
 from refs import assert_close, make, reduce_ref
 

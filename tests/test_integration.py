@@ -10,7 +10,6 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-
 from refs import assert_close
 
 
@@ -104,7 +103,10 @@ def test_exit_with_pending_works_and_callbacks(tmp_path):
     script = tmp_path / "exit_job.py"
     script.write_text(EXIT_JOB)
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=180)
         assert p.returncode == 0, out
@@ -128,7 +130,7 @@ def body_many_blocked_callbacks(ctx, n: int) -> int:
         for i in range(n):
             t = torch.empty(3)
             futs.append(dist.irecv(t, 1, tag=1000 + i).get_future().then(then(i)))
-        for i, f in enumerate(futs):
+        for f in futs:
             got.append(f.wait())
         for i, t in enumerate(got):
             assert torch.equal(t, torch.full((3,), float(i))), (i, t)

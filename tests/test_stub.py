@@ -5,7 +5,5 @@ import sys
 
 
 def test_stub_matches_extension():
-    out = subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "rsccl._rsccl"], capture_output=True, text=True, timeout=300
-    )
+    out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "rsccl._rsccl"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -35,7 +35,9 @@ def body_recv_any_source(ctx, seed: int) -> list[tuple[int, int]]:
     Then a recv with a named sender still works beside them."""
     g = torch.Generator().manual_seed(seed)
     size = {tag: int(torch.randint(1, 70_000, (1,), generator=g)) for tag in (1, 2)}
-    data = {(r, t): torch.randn(size[t], generator=torch.Generator().manual_seed(seed + 7 * r + t)) for r in range(1, ctx.world) for t in (1, 2)}
+    data = {
+        (r, t): torch.randn(size[t], generator=torch.Generator().manual_seed(seed + 7 * r + t)) for r in range(1, ctx.world) for t in (1, 2)
+    }
     got = []
     if ctx.rank == 0:
         for tag in (2, 1):  # the other order than sent: matching is by tag

@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 
-
 def register() -> None:
     """Register the backend "rsccl" with torch.distributed (done at import; idempotent).
     torch >= 2.15 calls it through the `torch.distributed.backends` entry point when a

@@ -113,7 +113,14 @@ def _check_cuda_tensor(t: Any, what: str) -> torch.Tensor:
 
 
 def _rank_list(
-    lists: Any, ref: torch.Tensor, size: int, what: str, list_name: str, ref_name: str, owner: str = "", check: Callable[[Any, str], torch.Tensor] = _check_tensor
+    lists: Any,
+    ref: torch.Tensor,
+    size: int,
+    what: str,
+    list_name: str,
+    ref_name: str,
+    owner: str = "",
+    check: Callable[[Any, str], torch.Tensor] = _check_tensor,
 ) -> list[torch.Tensor]:
     """Check torch's `[[t_0, ..., t_{size-1}]]` argument: one tensor per rank, each like
     `ref` (same dtype and element count). Returns the tensors."""
@@ -122,9 +129,7 @@ def _rank_list(
     ts = [check(t, f"{what} {list_name}") for t in lists[0]]
     for i, t in enumerate(ts):
         if t.numel() != ref.numel() or t.dtype != ref.dtype:
-            raise ArgumentError(
-                f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]"
-            )
+            raise ArgumentError(f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]")
     return ts
 
 
@@ -327,7 +332,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     @property
     def engine(self) -> str:
-        """"host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
+        """ "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
         tensors go through gloo, CUDA tensors through NCCL)."""
         return self._comm.engine
 
@@ -406,9 +411,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._comm.shutdown()
 
     # -- the single seam ---------------------------------------------------------------
-    def _run(
-        self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], _Plan], n_ops: int = 1, opts: Any = None
-    ) -> Any:
+    def _run(self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], _Plan], n_ops: int = 1, opts: Any = None) -> Any:
         """Delegate to gloo for multi-host groups; else prepare, then submit.
 
         `prepare` validates every argument and builds every buffer before anything is
@@ -516,7 +519,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._cuda("all_reduce", prepare, opts, [t])
 
-    def _cuda_all_gather(self, out: torch.Tensor, inp: torch.Tensor, opts: Any, result: Any, post_extra: Callable[[], None] | None = None) -> Any:
+    def _cuda_all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, opts: Any, result: Any, post_extra: Callable[[], None] | None = None
+    ) -> Any:
         def prepare() -> tuple:
             self._cuda_check(inp, "all_gather input", None)
             self._cuda_check(out, "all_gather output", None)
@@ -577,7 +582,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             i = inp.contiguous()
             flat, post = i, None
             if self.rank() == root:
-                outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor)
+                outs = _rank_list(
+                    output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor
+                )
                 for o in outs:
                     self._cuda_check(o, "gather output", None)
                 flat = torch.empty(self.size() * i.numel(), dtype=i.dtype, device=i.device)
@@ -594,7 +601,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             copy_back = None if o is out else (lambda: out.copy_(o))
             flat = o
             if self.rank() == root:
-                ins = _rank_list(input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor)
+                ins = _rank_list(
+                    input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor
+                )
                 for x in ins:
                     self._cuda_check(x, "scatter input", None)
                 flat = _flat_cat(ins)
@@ -772,7 +781,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 self._cuda_check(t, "all_to_all", None)
             dts = {t.dtype for t in ins + outs}
             if len(dts) != 1:
-                raise ArgumentError(f"all_to_all: rank {me} passed tensors of several dtypes {sorted(map(str, dts))}; give one dtype", "type")
+                raise ArgumentError(
+                    f"all_to_all: rank {me} passed tensors of several dtypes {sorted(map(str, dts))}; give one dtype", "type"
+                )
             # Each tensor is used where it is: no flattening. An input that shares storage with
             # an output (in place) or is not contiguous is copied; a non-contiguous output gets a
             # contiguous stand-in, copied back after.
@@ -831,6 +842,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         _gather_layout). `outputs[k]` receives input k of every rank: a tensor of world x
         numel_k elements, rank-major (all_gather_into_tensor), or a list of one tensor per
         rank (all_gather_coalesced)."""
+
         def prepare() -> tuple:
             me, n = self.rank(), self.size()
             if len(outputs) != len(inputs):
@@ -926,7 +938,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         stream = raw_stream(device)
         try:
             if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
-                raise ArgumentError(f"{what}: rank {self.rank()} passed {len(tensors) if isinstance(tensors, (list, tuple)) else 'a non-list'}; give one tensor")
+                raise ArgumentError(
+                    f"{what}: rank {self.rank()} passed {len(tensors) if isinstance(tensors, (list, tuple)) else 'a non-list'}; give one tensor"
+                )
             t = _check_cuda_tensor(tensors[0], what)
             self._cuda_check(t, what, None)
             if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
@@ -971,7 +985,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             t = tensors[0]
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
             name = _FAST_ALLREDUCE.get((t.dtype, op))
-            if name is not None and opts is not None and opts.asyncOp is False and t.get_device() == self._cuda_device and t.is_contiguous():
+            if (
+                name is not None
+                and opts is not None
+                and opts.asyncOp is False
+                and t.get_device() == self._cuda_device
+                and t.is_contiguous()
+            ):
                 p = t.data_ptr()
                 self._comm.cuda_collective("all_reduce", p, p, t.numel(), name, op, 0, raw_stream(self._cuda_device), False)
                 return self._done
@@ -993,7 +1013,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
         if op != "SUM":
-            raise TypeError(f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op}")
+            raise TypeError(
+                f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op}"
+            )
         local = t.detach().to("cpu").coalesce()
         idx, vals = local.indices().contiguous(), local.values().contiguous()
         n = self.size()
@@ -1081,6 +1103,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         if self._cuda_ok(input):
             return self._cuda_all_gather(output, input, opts, [output])
+
         def prepare() -> _Plan:
             submit, keep, post = self._all_gather_one(output, input)
             return _Plan([submit], [output], keep, post)
@@ -1095,11 +1118,14 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             try:
                 outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input", check=_check_cuda_tensor)
                 if any(t.device != inp.device for t in outs):
-                    raise ArgumentError(f"all_gather: rank {self.rank()} passed tensor_list tensors on devices other than the input's {inp.device}")
+                    raise ArgumentError(
+                        f"all_gather: rank {self.rank()} passed tensor_list tensors on devices other than the input's {inp.device}"
+                    )
             except ArgumentError as e:
                 return self._cuda("all_gather", _raiser(e), opts, None)
             flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
             return self._cuda_all_gather(flat, inp, opts, output_tensors, _scatter_back(flat, outs))
+
         def prepare() -> _Plan:
             inp = _one(input_tensors, "all_gather input")
             outs = _rank_list(output_tensors, inp, self.size(), "all_gather", "tensor_list", "input")
@@ -1145,7 +1171,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if inputs and self._cuda_ok(inputs[0]):
             if len(inputs) == 1 and len(outputs) == 1 and isinstance(outputs[0], torch.Tensor):
                 return self._noted(self._cuda_all_gather(outputs[0], inputs[0], opts, list(outputs)))
-            return self._noted(self._cuda_gather_bytes("all_gather_into_tensor_coalesced", list(inputs), list(outputs), opts, list(outputs)))
+            return self._noted(
+                self._cuda_gather_bytes("all_gather_into_tensor_coalesced", list(inputs), list(outputs), opts, list(outputs))
+            )
 
         def prepare() -> _Plan:
             if len(outputs) != len(inputs):
@@ -1154,7 +1182,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             for k, (o, i) in enumerate(zip(outputs, inputs)):
                 _check_tensor(o, "all_gather output")
                 if o.numel() != self.size() * i.numel():
-                    raise ArgumentError(f"all_gather_into_tensor_coalesced #{k}: output has {o.numel()} elements, expected {self.size()} x {i.numel()}")
+                    raise ArgumentError(
+                        f"all_gather_into_tensor_coalesced #{k}: output has {o.numel()} elements, expected {self.size()} x {i.numel()}"
+                    )
                 pairs.append((list(o.reshape(-1).chunk(self.size())) if i.numel() else [o.reshape(-1)[:0]] * self.size(), i))
             plan = self._gather_bytes(pairs)
             # Chunks of a non-contiguous output are copies: write them back.
@@ -1191,7 +1221,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         return self._run("all_gather", lambda g: g.allgather_coalesced(output_lists, input_list, opts), prepare, opts=opts)
 
-    def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
+    def _reduce_scatter_one(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str
+    ) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "reduce_scatter output")
         inp = _check_tensor(inp, "reduce_scatter input").contiguous()
         if out.dtype != inp.dtype:
@@ -1219,7 +1251,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             try:
                 ins = _rank_list(input_tensors, out, self.size(), "reduce_scatter", "input_list", "output", check=_check_cuda_tensor)
                 if any(t.device != out.device for t in ins):
-                    raise ArgumentError(f"reduce_scatter: rank {self.rank()} passed input_list tensors on devices other than the output's {out.device}")
+                    raise ArgumentError(
+                        f"reduce_scatter: rank {self.rank()} passed input_list tensors on devices other than the output's {out.device}"
+                    )
             except ArgumentError as e:
                 return self._cuda("reduce_scatter", _raiser(e), opts, None)
             flat = torch.cat([t.reshape(-1) for t in ins])
@@ -1248,7 +1282,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 _check_tensor(o, "reduce_scatter output")
                 _check_tensor(i, "reduce_scatter input")
                 if o.dtype != i.dtype:
-                    raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", "type")
+                    raise ArgumentError(
+                        f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", "type"
+                    )
                 if i.numel() != n * o.numel():
                     raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
             if not one_dtype:
@@ -1263,9 +1299,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
         n_ops = 1 if one_dtype else len(inputs)
-        return self._noted(self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts))
+        return self._noted(
+            self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts)
+        )
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> RsWork:
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None
+    ) -> RsWork:
         if self._on_cuda(input, "all_to_all_single"):
             if opts is not None and opts.asyncOp is False and self._a2a_fast(output, input, output_split_sizes, input_split_sizes):
                 return self._done
@@ -1299,7 +1339,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         def prepare() -> _Plan:
             n = self.size()
             if len(output_tensors) != n or len(input_tensors) != n:
-                raise ArgumentError(f"all_to_all: expected {n} input and output tensors, got {len(input_tensors)} and {len(output_tensors)}")
+                raise ArgumentError(
+                    f"all_to_all: expected {n} input and output tensors, got {len(input_tensors)} and {len(output_tensors)}"
+                )
             ins = [_check_tensor(t, "all_to_all input") for t in input_tensors]
             outs = [_check_tensor(t, "all_to_all output") for t in output_tensors]
             dts = {t.dtype for t in ins + outs}

@@ -116,6 +116,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from . import _rsccl
 from ._bench_fsdp import (
     FSDP_ALLOWANCE_S,
     FsdpConfig,
@@ -124,7 +125,6 @@ from ._bench_fsdp import (
     fsdp_summary_lines,
     run_fsdp,
 )
-from . import _rsccl
 from ._cuda import mapped_va_bytes, nccl_baseline
 from .bench import TOLERANCES, bus_factor, human, message_sizes, numels
 from .options import as_items
@@ -141,10 +141,24 @@ DONE_GRACE_S = 30.0  # after rank 0 wrote its results, how long the ranks may ta
 SYMM_BACKENDS = ("symm-1shot", "symm-2shot")
 SWEEP: dict[str, int | str] = {"rsccl-2shot": 1, "rsccl-1shot": "1GiB"}  # cuda_allreduce_one_shot_max_bytes per extra group
 BACKEND_ORDER = ("rsccl", "rsccl-pool", "rsccl-2shot", "rsccl-1shot", "nccl", "symm-1shot", "symm-2shot")
-SHORT = {"rsccl": "rsccl", "rsccl-pool": "rs-pool", "rsccl-2shot": "rs-2shot", "rsccl-1shot": "rs-1shot", "nccl": "nccl",
-         "symm-1shot": "symm1", "symm-2shot": "symm2"}
-COLORS = {"rsccl": "tab:blue", "rsccl-pool": "tab:brown", "rsccl-2shot": "tab:purple", "rsccl-1shot": "tab:cyan",
-          "nccl": "tab:orange", "symm-1shot": "tab:green", "symm-2shot": "tab:red"}
+SHORT = {
+    "rsccl": "rsccl",
+    "rsccl-pool": "rs-pool",
+    "rsccl-2shot": "rs-2shot",
+    "rsccl-1shot": "rs-1shot",
+    "nccl": "nccl",
+    "symm-1shot": "symm1",
+    "symm-2shot": "symm2",
+}
+COLORS = {
+    "rsccl": "tab:blue",
+    "rsccl-pool": "tab:brown",
+    "rsccl-2shot": "tab:purple",
+    "rsccl-1shot": "tab:cyan",
+    "nccl": "tab:orange",
+    "symm-1shot": "tab:green",
+    "symm-2shot": "tab:red",
+}
 # rsccl-pool: the default rsccl group again, on buffers from rsccl.mem_pool() (in place).
 POOL_BACKEND = "rsccl-pool"
 POOL_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -164,8 +178,22 @@ A2A_LATENCY_TARGET = 0.5
 P2P_TARGET_BYTES = 256 * MiB
 P2P_TARGET_GBPS = 340.0  # ~0.91 x the 373 GB/s P2P copy of an NV18 H200 pair (DESIGN.md)
 EXACT_COLLECTIVES = ("all_gather_into_tensor", "broadcast", A2A, P2P)  # data movement: checked bit for bit
-CSV_COLUMNS = ("device", "world_size", "collective", "bytes", "backend", "eager_us", "async_us", "graph_us",
-               "algbw_GBps", "busbw_GBps", "vs_nccl", "iters", "check", "note")
+CSV_COLUMNS = (
+    "device",
+    "world_size",
+    "collective",
+    "bytes",
+    "backend",
+    "eager_us",
+    "async_us",
+    "graph_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "vs_nccl",
+    "iters",
+    "check",
+    "note",
+)
 
 
 @dataclass(frozen=True)
@@ -263,13 +291,10 @@ def pool_options(cfg: Config, world: int) -> dict[str, int | str]:
 # -- inside a rank ---------------------------------------------------------------------------
 
 
-
-
 def snapshot(label: str) -> dict:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    return {"label": label, "used": total - free, "total": total, "va": mapped_va_bytes(),
-            "torch_reserved": torch.cuda.memory_reserved()}
+    return {"label": label, "used": total - free, "total": total, "va": mapped_va_bytes(), "torch_reserved": torch.cuda.memory_reserved()}
 
 
 class Agree:
@@ -567,10 +592,20 @@ class Rank:
         key = f"{collective}|{nbytes}|{backend}"
         if key not in self.rows:
             self.rows[key] = {
-                "world_size": self.world, "collective": collective, "bytes": nbytes, "backend": backend,
-                "eager_s": None, "async_s": None, "graph_s": None, "graph_note": "", "iters": 0, "check": "-", "note": "",
+                "world_size": self.world,
+                "collective": collective,
+                "bytes": nbytes,
+                "backend": backend,
+                "eager_s": None,
+                "async_s": None,
+                "graph_s": None,
+                "graph_note": "",
+                "iters": 0,
+                "check": "-",
+                "note": "",
                 # rsccl-pool: calls memory_stats() counted in place / staged (None: not counted)
-                "inplace_calls": None, "staged_calls": None,
+                "inplace_calls": None,
+                "staged_calls": None,
             }
             if backend == POOL_BACKEND and collective == "all_reduce":
                 limit = one_shot_limit(self.world, self.cfg.rsccl_options)
@@ -593,8 +628,11 @@ class Rank:
         """Add the calls made since `before` (path_counts()) to the row's in-place/staged counts."""
         after = self.path_counts()
         if before is None or after is None:
-            row["note"] = row["note"] if "path n/a" in row["note"] else "; ".join(
-                filter(None, (row["note"], "path n/a (memory_stats has no cuda_inplace_collectives)")))
+            row["note"] = (
+                row["note"]
+                if "path n/a" in row["note"]
+                else "; ".join(filter(None, (row["note"], "path n/a (memory_stats has no cuda_inplace_collectives)")))
+            )
             return
         row["inplace_calls"] = (row["inplace_calls"] or 0) + after[0] - before[0]
         row["staged_calls"] = (row["staged_calls"] or 0) + after[1] - before[1]
@@ -623,22 +661,24 @@ class Rank:
         user: dict[str, Any] = dict(cfg.rsccl_options)
         # The default group gets a pool for the rsccl-pool rows; nothing else differs from --rsccl-options.
         extra = pool_options(cfg, self.world)
-        pool_note = "" if pool_sizes(cfg) else (
-            "none (--no-pool)" if not cfg.pool else f"none (no pooled collective, or no size >= {human(POOL_MIN_BYTES)})")
+        pool_note = (
+            ""
+            if pool_sizes(cfg)
+            else ("none (--no-pool)" if not cfg.pool else f"none (no pooled collective, or no size >= {human(POOL_MIN_BYTES)})")
+        )
         try:
             opts = Options(**{**user, **extra}) if (user or extra) else None
-            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
-                                    pg_options=opts)
+            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout, pg_options=opts)
         except Exception as e:  # retried below without the pool, so the rest still runs
             if not extra:
                 raise
             pool_note = f"n/a: the default group with {extra} failed: {describe(e)}"
-            print(f"rank {self.rank}: rsccl.bench: {pool_note}; creating it without a pool (no rsccl-pool rows)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rank {self.rank}: rsccl.bench: {pool_note}; creating it without a pool (no rsccl-pool rows)", file=sys.stderr, flush=True
+            )
             extra = {}
             opts = Options(**user) if user else None
-            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout,
-                                    pg_options=opts)
+            dist.init_process_group("rsccl", store=store, rank=self.rank, world_size=self.world, timeout=timeout, pg_options=opts)
         mem.append(snapshot("rsccl: after init"))
         self.log(f"rsccl initialized ({human(mem[-1]['used'] - mem[0]['used'])} more device memory)")
         # The harness's own group (CPU only), before rsccl's first collectives so that their
@@ -678,8 +718,9 @@ class Rank:
         self.backends = [rs] + ([pool_backend] if pool_backend is not None else [])
         if cfg.sweep_one_shot and "all_reduce" in cfg.collectives:
             for name, threshold in SWEEP.items():
-                g = dist.new_group(backend="rsccl", timeout=timeout,
-                                   pg_options=Options(**{**user, "cuda_allreduce_one_shot_max_bytes": threshold}))
+                g = dist.new_group(
+                    backend="rsccl", timeout=timeout, pg_options=Options(**{**user, "cuda_allreduce_one_shot_max_bytes": threshold})
+                )
                 self.backends.append(Backend(name, g))
         self.backends.append(nc)
         symm_note = "all_reduce not benchmarked"
@@ -700,10 +741,19 @@ class Rank:
         mems = self.agree.gather(mem)
         all_stats = self.agree.gather(stats)
         self.meta = {
-            "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nccl_backend": nccl_baseline(self.nccl), "rsccl": rsccl.__version__,
-            "python": platform.python_version(), "memory": mems, "rsccl_memory_stats": all_stats, "symm": symm_note,
-            "backends": [b.name for b in self.backends], "graph_failures": {}, "pool": pool_note,
+            "gpu": torch.cuda.get_device_name(dev),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl_backend": nccl_baseline(self.nccl),
+            "rsccl": rsccl.__version__,
+            "python": platform.python_version(),
+            "memory": mems,
+            "rsccl_memory_stats": all_stats,
+            "symm": symm_note,
+            "backends": [b.name for b in self.backends],
+            "graph_failures": {},
+            "pool": pool_note,
         }
         if self.rank == 0:
             print(f"rsccl.memory_stats() per rank: {json.dumps(all_stats)}", flush=True)
@@ -757,8 +807,11 @@ class Rank:
             row["note"] = f"differs from nccl ({bad})"
             if self.rank == 0:
                 bar = "!" * 100
-                print(f"{bar}\nWRONG RESULT: {b.name} {collective} {human(nbytes)} world {self.world}: differs from "
-                      f"nccl on the same input, seed {self.cfg.seed} ({bad})\n{bar}", flush=True)
+                print(
+                    f"{bar}\nWRONG RESULT: {b.name} {collective} {human(nbytes)} world {self.world}: differs from "
+                    f"nccl on the same input, seed {self.cfg.seed} ({bad})\n{bar}",
+                    flush=True,
+                )
         self.row(collective, nbytes, "nccl")["check"] = "ref"
 
     def eager(self, collective: str, counts: tuple[int, int], nbytes: int) -> None:
@@ -937,10 +990,8 @@ def run_world(world: int, cfg: Config) -> tuple[dict | None, str]:
     """(rank 0's results or None, "" or why the world did not finish)."""
     with tempfile.TemporaryDirectory(prefix="rsccl-bench-cuda-") as tmp:
         path = os.path.join(tmp, "results.json")
-        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=cfg.timeout_s),
-                              wait_for_workers=False)
-        ctx = mp.start_processes(rank_main, args=(world, store.port, cfg, path), nprocs=world, join=False,
-                                 start_method="spawn")
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+        ctx = mp.start_processes(rank_main, args=(world, store.port, cfg, path), nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + cfg.timeout_s + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
         done_at: float | None = None
         error = ""
@@ -1022,8 +1073,11 @@ def note_of(r: dict) -> str:
 
 def failed_rows(rows: list[dict]) -> list[dict]:
     """rsccl rows that failed or gave a wrong result (symmetric memory's failures are only reported)."""
-    return [r for r in rows if r["backend"].startswith("rsccl") and (
-        r["check"] in ("WRONG", "fail") or "eager:" in r["note"] or "async:" in r["note"])]
+    return [
+        r
+        for r in rows
+        if r["backend"].startswith("rsccl") and (r["check"] in ("WRONG", "fail") or "eager:" in r["note"] or "async:" in r["note"])
+    ]
 
 
 def graph_cell(r: dict, cfg: Config) -> str:
@@ -1050,8 +1104,10 @@ def memory_table(meta: dict) -> list[str]:
     """Per rank: device memory each backend holds after init and adds at its first
     collectives; VA added by init."""
     lines = [
-        ("| backend | rank | held after init MiB | + first all_reduce | + first all_gather | + first reduce_scatter "
-         "| VA added by init GiB | VA added by first collectives GiB |"),
+        (
+            "| backend | rank | held after init MiB | + first all_reduce | + first all_gather | + first reduce_scatter "
+            "| VA added by init GiB | VA added by first collectives GiB |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     symm_lines = []
@@ -1065,25 +1121,33 @@ def memory_table(meta: dict) -> list[str]:
             start = before_first(snaps, backend) or i
             prev, cells = start, []
             for f in firsts:
-                cells.append(f"{(f['used'] - prev['used']) / MiB:+.0f}{' FAILED' if 'FAILED' in f['label'] else ''}"
-                             if f else "n/a")
+                cells.append(f"{(f['used'] - prev['used']) / MiB:+.0f}{' FAILED' if 'FAILED' in f['label'] else ''}" if f else "n/a")
                 prev = f or prev
             va_first = (prev["va"] - start["va"]) / 2**30
-            lines.append(f"| {backend} | {rank} | {(i['used'] - b['used']) / MiB:.0f} | {' | '.join(cells)} "
-                         f"| {(i['va'] - b['va']) / 2**30:.2f} | {va_first:+.2f} |")
+            lines.append(
+                f"| {backend} | {rank} | {(i['used'] - b['used']) / MiB:.0f} | {' | '.join(cells)} "
+                f"| {(i['va'] - b['va']) / 2**30:.2f} | {va_first:+.2f} |"
+            )
         before_symm = by.get("symm: before setup")
         after_symm = [s for s in snaps if s["label"].startswith("symm: after setup")]
         if before_symm and after_symm:
             a = after_symm[0]
-            symm_lines.append(f"rank {rank}: {a['label']}: +{(a['used'] - before_symm['used']) / MiB:.0f} MiB device, "
-                              f"+{(a['va'] - before_symm['va']) / 2**30:.2f} GiB VA")
+            symm_lines.append(
+                f"rank {rank}: {a['label']}: +{(a['used'] - before_symm['used']) / MiB:.0f} MiB device, "
+                f"+{(a['va'] - before_symm['va']) / 2**30:.2f} GiB VA"
+            )
     if symm_lines:
         lines += ["", "torch symmetric memory (its buffer included): " + "; ".join(symm_lines)]
     pools = pool_per_rank(meta)
     if any(pools):
-        lines += ["", ("rsccl's \"held after init\" includes the default group's pool, made for the rsccl-pool rows "
-                       "(cuda_pool_bytes per rank, from memory_stats(); mapped at creation; --no-pool leaves it out): "
-                       + ", ".join(f"rank {k} {v / MiB:.0f} MiB" for k, v in enumerate(pools)))]
+        lines += [
+            "",
+            (
+                "rsccl's \"held after init\" includes the default group's pool, made for the rsccl-pool rows "
+                "(cuda_pool_bytes per rank, from memory_stats(); mapped at creation; --no-pool leaves it out): "
+                + ", ".join(f"rank {k} {v / MiB:.0f} MiB" for k, v in enumerate(pools))
+            ),
+        ]
     return lines
 
 
@@ -1102,40 +1166,53 @@ def memory_summary(world: int, meta: dict) -> str:
             start = before_first(snaps, backend)
             last = first_snapshot(snaps, backend, "reduce_scatter")
             if b and i and start and last:
-                vals[backend].append(((i["used"] - b["used"]) / MiB, (last["used"] - start["used"]) / MiB,
-                                      (i["va"] - b["va"] + last["va"] - start["va"]) / 2**30))
+                vals[backend].append(
+                    (
+                        (i["used"] - b["used"]) / MiB,
+                        (last["used"] - start["used"]) / MiB,
+                        (i["va"] - b["va"] + last["va"] - start["va"]) / 2**30,
+                    )
+                )
     parts = []
     pool = max(pool_per_rank(meta), default=0)
     for backend, v in vals.items():
         if v:
             of_pool = f" (its pool {pool / MiB:.0f} MiB of it)" if backend == "rsccl" and pool else ""
-            parts.append(f"{backend} held {max(x[0] for x in v):.0f} MiB{of_pool}, +{max(x[1] for x in v):.0f} MiB at "
-                         f"first collectives, VA {max(x[2] for x in v):.1f} GiB")
+            parts.append(
+                f"{backend} held {max(x[0] for x in v):.0f} MiB{of_pool}, +{max(x[1] for x in v):.0f} MiB at "
+                f"first collectives, VA {max(x[2] for x in v):.1f} GiB"
+            )
     return f"w{world} memory per rank (max over ranks): " + ("; ".join(parts) if parts else "n/a")
 
 
 def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
     date = datetime.now().astimezone().isoformat(timespec="seconds")
     return [
-        (f"- date {date}, host {platform.node()}, {meta.get('gpu', '?')}; torch {meta.get('torch', '?')} "
-        f"(CUDA {meta.get('cuda', '?')}), NCCL {meta.get('nccl', '?')} as {meta.get('nccl_backend', 'ProcessGroupNCCL')}, rsccl {meta.get('rsccl', '?')}, "
-        f"python {meta.get('python', '?')}"),
+        (
+            f"- date {date}, host {platform.node()}, {meta.get('gpu', '?')}; torch {meta.get('torch', '?')} "
+            f"(CUDA {meta.get('cuda', '?')}), NCCL {meta.get('nccl', '?')} as {meta.get('nccl_backend', 'ProcessGroupNCCL')}, rsccl {meta.get('rsccl', '?')}, "
+            f"python {meta.get('python', '?')}"
+        ),
         f"- command: `{command}`",
         f"- rsccl options: {cfg.rsccl_options or 'defaults'}; environment: "
         + " ".join(f"{k}={v}" for k, v in GPU_ENV.items())
         + "".join(f" {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RSCCL_")),
-        (f"- message size = bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor OUTPUT = "
-        f"the reduce_scatter_tensor INPUT = the all_to_all_single input (even splits) = the message rank 0 sends "
-        f"rank 1 (send_recv), per rank; dtype {cfg.dtype}; seed {cfg.seed}"),
-        (f"- eager: CUDA events around N back-to-back blocking calls after {cfg.warmup} warm-up calls, slowest rank, "
-        f"median of {cfg.repeats}, per call; async: async_op=True + wait() per call; graph: {GRAPH_CALLS} calls "
-        f"captured in one CUDA graph, {GRAPH_REPLAYS} replays per repeat (sizes <= {human(cfg.graph_max_bytes)}); "
-        f"busbw from eager (nccl-tests factors); vs nccl = nccl eager time / this eager time; "
-        f"check: same random input as nccl (sizes <= {human(cfg.check_max_bytes)}); "
-        f"symm-1shot/-2shot: torch.ops.symm_mem.one_shot_all_reduce_out / two_shot_all_reduce_ "
-        f"(sizes <= {human(cfg.symm_max_bytes)}); rsccl-pool: the default rsccl group on buffers from "
-        f"rsccl.mem_pool() (sizes >= {human(POOL_MIN_BYTES)}; note: inplace / STAGED = how memory_stats() "
-        f"counted its calls)"),
+        (
+            f"- message size = bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor OUTPUT = "
+            f"the reduce_scatter_tensor INPUT = the all_to_all_single input (even splits) = the message rank 0 sends "
+            f"rank 1 (send_recv), per rank; dtype {cfg.dtype}; seed {cfg.seed}"
+        ),
+        (
+            f"- eager: CUDA events around N back-to-back blocking calls after {cfg.warmup} warm-up calls, slowest rank, "
+            f"median of {cfg.repeats}, per call; async: async_op=True + wait() per call; graph: {GRAPH_CALLS} calls "
+            f"captured in one CUDA graph, {GRAPH_REPLAYS} replays per repeat (sizes <= {human(cfg.graph_max_bytes)}); "
+            f"busbw from eager (nccl-tests factors); vs nccl = nccl eager time / this eager time; "
+            f"check: same random input as nccl (sizes <= {human(cfg.check_max_bytes)}); "
+            f"symm-1shot/-2shot: torch.ops.symm_mem.one_shot_all_reduce_out / two_shot_all_reduce_ "
+            f"(sizes <= {human(cfg.symm_max_bytes)}); rsccl-pool: the default rsccl group on buffers from "
+            f"rsccl.mem_pool() (sizes >= {human(POOL_MIN_BYTES)}; note: inplace / STAGED = how memory_stats() "
+            f"counted its calls)"
+        ),
         f"- torch symmetric memory: {meta.get('symm', 'n/a')}",
         f"- rsccl pool (rsccl-pool rows): {meta.get('pool', 'n/a')}",
     ]
@@ -1149,34 +1226,50 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
     bad = [r for r in rows if r["check"] in ("WRONG", "fail") or r["note"]]
     if bad:
         out += ["", "**WRONG RESULTS OR FAILURES:**", ""] + [
-            f"- {r['backend']} {r['collective']} {human(r['bytes'])}: check {r['check']}; {r['note']}" for r in bad]
+            f"- {r['backend']} {r['collective']} {human(r['bytes'])}: check {r['check']}; {r['note']}" for r in bad
+        ]
     staged = [r for r in rows if r["backend"] == POOL_BACKEND and not path_ok(r)]
     if staged:
         out += ["", "**rsccl-pool rows NOT run in place** (memory_stats counted them otherwise):", ""] + [
-            f"- {r['collective']} {human(r['bytes'])}: {path_label(r) or 'not counted'}" for r in staged]
+            f"- {r['collective']} {human(r['bytes'])}: {path_label(r) or 'not counted'}" for r in staged
+        ]
     for name, why in meta.get("graph_failures", {}).items():
         out += ["", f"CUDA graph capture failed for {name}: {why}"]
     for collective in dict.fromkeys(r["collective"] for r in rows):
-        out += ["", f"## {collective}", "",
-                "| size | backend | eager us | async us | graph us | busbw GB/s | algbw GB/s | vs nccl | check | iters | note |",
-                "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+        out += [
+            "",
+            f"## {collective}",
+            "",
+            "| size | backend | eager us | async us | graph us | busbw GB/s | algbw GB/s | vs nccl | check | iters | note |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        ]
         mine = [r for r in rows if r["collective"] == collective]
         for r in sorted(mine, key=lambda r: (r["bytes"], BACKEND_ORDER.index(r["backend"]))):
             vs = f"{r['vs_nccl']:.2f}x" if r["vs_nccl"] else ""
             note = note_of(r).replace("|", "/").replace("\n", " ")[:300]
-            out.append(f"| {human(r['bytes'])} | {r['backend']} | {time_cell(r, 'eager_s')} | {time_cell(r, 'async_s')} "
-                       f"| {graph_cell(r, cfg)} | {fmt(r['busbw_GBps'], 1, 2)} | {fmt(r['algbw_GBps'], 1, 2)} "
-                       f"| {vs} | {r['check']} | {r['iters']} | {note} |")
+            out.append(
+                f"| {human(r['bytes'])} | {r['backend']} | {time_cell(r, 'eager_s')} | {time_cell(r, 'async_s')} "
+                f"| {graph_cell(r, cfg)} | {fmt(r['busbw_GBps'], 1, 2)} | {fmt(r['algbw_GBps'], 1, 2)} "
+                f"| {vs} | {r['check']} | {r['iters']} | {note} |"
+            )
     if meta.get("memory"):
-        out += ["", "## Memory per rank", "",
-                ("Device memory used = total - free (torch.cuda.mem_get_info after synchronize; device-wide), "
-                f"{human(PROBE_BYTES)} probes; VA = the process's mappings (/proc/self/maps)."), ""]
+        out += [
+            "",
+            "## Memory per rank",
+            "",
+            (
+                "Device memory used = total - free (torch.cuda.mem_get_info after synchronize; device-wide), "
+                f"{human(PROBE_BYTES)} probes; VA = the process's mappings (/proc/self/maps)."
+            ),
+            "",
+        ]
         out += memory_table(meta)
         out += ["", "Snapshots (MiB used, GiB VA, MiB torch reserved):", ""]
         for rank, snaps in enumerate(meta["memory"]):
-            out.append(f"- rank {rank}: " + "; ".join(
-                f"{s['label']} {s['used'] / MiB:.0f} / {s['va'] / 2**30:.1f} / {s['torch_reserved'] / MiB:.0f}"
-                for s in snaps))
+            out.append(
+                f"- rank {rank}: "
+                + "; ".join(f"{s['label']} {s['used'] / MiB:.0f} / {s['va'] / 2**30:.1f} / {s['torch_reserved'] / MiB:.0f}" for s in snaps)
+            )
         out += ["", "rsccl.memory_stats() (default group):", ""]
         for rank, st in enumerate(meta.get("rsccl_memory_stats", [])):
             out.append(f"- rank {rank}: `{json.dumps(st)}`")
@@ -1199,11 +1292,11 @@ def rendered(what: str, fn: Callable[..., list[str]], *args: Any) -> list[str]:
 def pool_pairs(rows: list[dict]) -> list[tuple[dict, dict | None, dict | None]]:
     """(rsccl-pool row, rsccl row, nccl row) per pooled collective and size, in table order."""
     by = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
-    pool = sorted((r for r in rows if r["backend"] == POOL_BACKEND),
-                  key=lambda r: (POOL_COLLECTIVES.index(r["collective"]) if r["collective"] in POOL_COLLECTIVES else 9,
-                                 r["bytes"]))
-    return [(r, by.get((r["collective"], r["bytes"], "rsccl")), by.get((r["collective"], r["bytes"], "nccl")))
-            for r in pool]
+    pool = sorted(
+        (r for r in rows if r["backend"] == POOL_BACKEND),
+        key=lambda r: (POOL_COLLECTIVES.index(r["collective"]) if r["collective"] in POOL_COLLECTIVES else 9, r["bytes"]),
+    )
+    return [(r, by.get((r["collective"], r["bytes"], "rsccl")), by.get((r["collective"], r["bytes"], "nccl"))) for r in pool]
 
 
 def ratio(num: dict | None, den: dict | None, key: str = "eager_s") -> float | None:
@@ -1217,25 +1310,36 @@ def pool_markdown(rows: list[dict]) -> list[str]:
     pairs = pool_pairs(rows)
     if not pairs:
         return []
-    out = ["", "## In place (rsccl-pool) vs staged (rsccl)", "",
-           ("Same default rsccl group, same sizes, eager: rsccl on torch's buffers (staged through rsccl's buffer) and "
+    out = [
+        "",
+        "## In place (rsccl-pool) vs staged (rsccl)",
+        "",
+        (
+            "Same default rsccl group, same sizes, eager: rsccl on torch's buffers (staged through rsccl's buffer) and "
             "rsccl-pool on buffers from rsccl.mem_pool() (the all_reduce tensor, the all_gather output, the "
             "reduce_scatter input; the other buffer from torch), allocated in the same order on every rank. "
             "in-place/staged = rsccl us / rsccl-pool us; vs nccl = nccl us / rsccl-pool us; path = what "
             "rsccl.memory_stats() counted for rsccl-pool's calls (cuda_inplace_collectives / "
             f"cuda_staged_collectives deltas). Target: in-place/staged >= {POOL_SPEEDUP_TARGET}x from "
-            f"{human(POOL_SPEEDUP_MIN_BYTES)}."), "",
-           ("| collective | size | rsccl us | rsccl-pool us | in-place/staged | nccl us | rsccl-pool vs nccl "
-            "| rsccl-pool busbw GB/s | path (in place / staged calls) |"),
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            f"{human(POOL_SPEEDUP_MIN_BYTES)}."
+        ),
+        "",
+        (
+            "| collective | size | rsccl us | rsccl-pool us | in-place/staged | nccl us | rsccl-pool vs nccl "
+            "| rsccl-pool busbw GB/s | path (in place / staged calls) |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for p, st, nc in pairs:
         sp, vs = ratio(st, p), ratio(nc, p)
         label = path_label(p).split(" (")[0] if path_label(p).startswith(("MIXED", "NOT")) else path_label(p)
         counts = f" ({p['inplace_calls']} / {p['staged_calls']})" if p.get("inplace_calls") is not None else ""
-        out.append(f"| {p['collective']} | {human(p['bytes'])} | {time_cell(st, 'eager_s') if st else 'n/a'} "
-                   f"| {time_cell(p, 'eager_s')} | {f'{sp:.2f}x' if sp else 'n/a'} "
-                   f"| {time_cell(nc, 'eager_s') if nc else 'n/a'} | {f'{vs:.2f}x' if vs else 'n/a'} "
-                   f"| {fmt(p['busbw_GBps'], 1, 1)} | {label or 'n/a'}{counts} |")
+        out.append(
+            f"| {p['collective']} | {human(p['bytes'])} | {time_cell(st, 'eager_s') if st else 'n/a'} "
+            f"| {time_cell(p, 'eager_s')} | {f'{sp:.2f}x' if sp else 'n/a'} "
+            f"| {time_cell(nc, 'eager_s') if nc else 'n/a'} | {f'{vs:.2f}x' if vs else 'n/a'} "
+            f"| {fmt(p['busbw_GBps'], 1, 1)} | {label or 'n/a'}{counts} |"
+        )
     return out
 
 
@@ -1292,8 +1396,15 @@ def target_lines(world: int, rows: list[dict]) -> list[str]:
             r = ratio(by.get((A2A, nb, "rsccl")), by.get((A2A, nb, "nccl")))  # rsccl time / nccl time
             cells.append(f"{human(nb)} {f'{r:.2f}x' if r else 'n/a'}")
             values += [r] if r else []
-        lines.append(line(f"{A2A} eager latency <= {A2A_LATENCY_TARGET}x nccl up to {human(A2A_LATENCY_UP_TO_BYTES)}",
-                          cells, values, lambda v: v <= A2A_LATENCY_TARGET, max))
+        lines.append(
+            line(
+                f"{A2A} eager latency <= {A2A_LATENCY_TARGET}x nccl up to {human(A2A_LATENCY_UP_TO_BYTES)}",
+                cells,
+                values,
+                lambda v: v <= A2A_LATENCY_TARGET,
+                max,
+            )
+        )
     if any(r["collective"] == P2P for r in rows):
         rs, nc = by.get((P2P, P2P_TARGET_BYTES, "rsccl")), by.get((P2P, P2P_TARGET_BYTES, "nccl"))
         got = rs["algbw_GBps"] if rs else None
@@ -1335,8 +1446,7 @@ def summary_lines(world: int, rows: list[dict], cfg: Config) -> list[str]:
                 if b == POOL_BACKEND and not path_ok(r):
                     flags.append(f"{SHORT[b]} {path_label(r).split(' ')[0] or 'path n/a'}")
             if graph_backends:
-                line += " |       " + "".join(
-                    f"{graph_cell(by[(nbytes, b)], cfg) if (nbytes, b) in by else '':>7}" for b in graph_backends)
+                line += " |       " + "".join(f"{graph_cell(by[(nbytes, b)], cfg) if (nbytes, b) in by else '':>7}" for b in graph_backends)
             lines.append(line + ("  " + ", ".join(flags) if flags else ""))
     return lines
 
@@ -1348,13 +1458,25 @@ def write_csv(path: Path, rows: list[dict], header: str) -> None:
         w.writerow(CSV_COLUMNS)
         for r in rows:
             graph = f"{r['graph_s'] * 1e6:.3f}" if r["graph_s"] is not None else (r["graph_note"].split(" ")[0] or "")
-            eager, async_ = (fmt(r[k], 1e6, 3) if r[k] is not None else time_cell(r, k).replace("n/a", "")
-                             for k in ("eager_s", "async_s"))
-            w.writerow([
-                "cuda", r["world_size"], r["collective"], r["bytes"], r["backend"], eager, async_, graph,
-                fmt(r["algbw_GBps"], 1, 4), fmt(r["busbw_GBps"], 1, 4),
-                f"{r['vs_nccl']:.3f}" if r["vs_nccl"] else "", r["iters"], r["check"], note_of(r),
-            ])
+            eager, async_ = (fmt(r[k], 1e6, 3) if r[k] is not None else time_cell(r, k).replace("n/a", "") for k in ("eager_s", "async_s"))
+            w.writerow(
+                [
+                    "cuda",
+                    r["world_size"],
+                    r["collective"],
+                    r["bytes"],
+                    r["backend"],
+                    eager,
+                    async_,
+                    graph,
+                    fmt(r["algbw_GBps"], 1, 4),
+                    fmt(r["busbw_GBps"], 1, 4),
+                    f"{r['vs_nccl']:.3f}" if r["vs_nccl"] else "",
+                    r["iters"],
+                    r["check"],
+                    note_of(r),
+                ]
+            )
 
 
 def write_png(path: Path, rows: list[dict], cfg: Config, title: str) -> bool:
@@ -1378,21 +1500,49 @@ def write_png(path: Path, rows: list[dict], cfg: Config, title: str) -> bool:
         top, bottom = axes[0][col], axes[1][col]
         for backend in BACKEND_ORDER:
             for world, marker, style in zip(worlds, markers, styles):
-                mine = sorted((r for r in rows if (r["collective"], r["backend"], r["world_size"]) == (collective, backend, world)
-                               and r["eager_s"] is not None), key=lambda r: r["bytes"])
+                mine = sorted(
+                    (
+                        r
+                        for r in rows
+                        if (r["collective"], r["backend"], r["world_size"]) == (collective, backend, world) and r["eager_s"] is not None
+                    ),
+                    key=lambda r: r["bytes"],
+                )
                 if not mine:
                     continue
                 label = f"{backend}, {world} GPUs"
-                top.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], style, marker=marker,
-                         color=COLORS[backend], markersize=4, label=label)
+                top.plot(
+                    [r["bytes"] for r in mine],
+                    [r["busbw_GBps"] for r in mine],
+                    style,
+                    marker=marker,
+                    color=COLORS[backend],
+                    markersize=4,
+                    label=label,
+                )
                 lat = [r for r in mine if r["bytes"] <= small]
                 if lat:
-                    bottom.plot([r["bytes"] for r in lat], [r["eager_s"] * 1e6 for r in lat], style, marker=marker,
-                                color=COLORS[backend], markersize=4, label=label)
+                    bottom.plot(
+                        [r["bytes"] for r in lat],
+                        [r["eager_s"] * 1e6 for r in lat],
+                        style,
+                        marker=marker,
+                        color=COLORS[backend],
+                        markersize=4,
+                        label=label,
+                    )
                     g = [r for r in lat if r["graph_s"] is not None]
                     if g:
-                        bottom.plot([r["bytes"] for r in g], [r["graph_s"] * 1e6 for r in g], ":", marker="x",
-                                    color=COLORS[backend], markersize=4, alpha=0.7, label="_nolegend_")
+                        bottom.plot(
+                            [r["bytes"] for r in g],
+                            [r["graph_s"] * 1e6 for r in g],
+                            ":",
+                            marker="x",
+                            color=COLORS[backend],
+                            markersize=4,
+                            alpha=0.7,
+                            label="_nolegend_",
+                        )
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_locator(LogLocator(base=4))
@@ -1413,15 +1563,17 @@ def write_png(path: Path, rows: list[dict], cfg: Config, title: str) -> bool:
     return True
 
 
-
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.update(GPU_ENV)
     # Counting GPUs does not create a CUDA context in this process (which would take memory on GPU 0).
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2:
-        print(f"rsccl.bench: --device cuda needs at least 2 visible CUDA GPUs; this machine has {gpus} "
-              f"(torch {torch.__version__}, torch.cuda.is_available() = {torch.cuda.is_available()}). "
-              "Use --device cpu here.", file=sys.stderr)
+        print(
+            f"rsccl.bench: --device cuda needs at least 2 visible CUDA GPUs; this machine has {gpus} "
+            f"(torch {torch.__version__}, torch.cuda.is_available() = {torch.cuda.is_available()}). "
+            "Use --device cpu here.",
+            file=sys.stderr,
+        )
         return 2
     worlds = [w for w in args.world_sizes if w <= gpus]
     if left := [w for w in args.world_sizes if w > gpus]:
@@ -1431,27 +1583,51 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
     cfg = Config(
-        collectives=tuple(args.collectives), sizes=message_sizes(args.min_bytes, args.max_bytes), dtype=args.dtype,
-        iters=args.iters, warmup=args.warmup, repeats=args.repeats, seed=seed, graph=not args.no_graph,
-        graph_max_bytes=args.graph_max_bytes, check_max_bytes=args.check_max_bytes, symm_max_bytes=args.symm_max_bytes,
-        sweep_one_shot=args.sweep_one_shot, rsccl_options=dict(args.rsccl_options), timeout_s=args.timeout,
+        collectives=tuple(args.collectives),
+        sizes=message_sizes(args.min_bytes, args.max_bytes),
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=seed,
+        graph=not args.no_graph,
+        graph_max_bytes=args.graph_max_bytes,
+        check_max_bytes=args.check_max_bytes,
+        symm_max_bytes=args.symm_max_bytes,
+        sweep_one_shot=args.sweep_one_shot,
+        rsccl_options=dict(args.rsccl_options),
+        timeout_s=args.timeout,
         pool=not args.no_pool,
-        fsdp=FsdpConfig(layers=args.fsdp_layers, dim=args.fsdp_dim, steps=args.fsdp_steps, warmup=args.fsdp_warmup,
-                        pool_bytes=args.fsdp_pool_bytes or 0) if args.fsdp else None,
+        fsdp=FsdpConfig(
+            layers=args.fsdp_layers, dim=args.fsdp_dim, steps=args.fsdp_steps, warmup=args.fsdp_warmup, pool_bytes=args.fsdp_pool_bytes or 0
+        )
+        if args.fsdp
+        else None,
     )
     command = "python -m rsccl.bench " + shlex.join(argv)
-    print(f"rsccl.bench: device cuda ({gpus} GPUs visible), world sizes {worlds}, {cfg.dtype}, "
-          f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, collectives {','.join(cfg.collectives)}, seed {seed}, "
-          f"rsccl options {cfg.rsccl_options or 'defaults'}{', one-shot sweep' if cfg.sweep_one_shot else ''}", flush=True)
+    print(
+        f"rsccl.bench: device cuda ({gpus} GPUs visible), world sizes {worlds}, {cfg.dtype}, "
+        f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, collectives {','.join(cfg.collectives)}, seed {seed}, "
+        f"rsccl options {cfg.rsccl_options or 'defaults'}{', one-shot sweep' if cfg.sweep_one_shot else ''}",
+        flush=True,
+    )
     pooled = pool_sizes(cfg)
-    print(f"rsccl-pool rows: {f'{human(pooled[0])}..{human(pooled[-1])}' if pooled else 'none'}"
-          + "".join(f"; w{w} default group adds {options_text(pool_options(cfg, w)) or 'nothing (given in --rsccl-options)'}"
-                    for w in worlds if pooled)
-          + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
-          + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else ""), flush=True)
-    print("message size = all_reduce tensor bytes = all_gather_into_tensor OUTPUT bytes = "
-          "reduce_scatter_tensor INPUT bytes = all_to_all_single input bytes = send_recv message bytes (per rank)",
-          flush=True)
+    print(
+        f"rsccl-pool rows: {f'{human(pooled[0])}..{human(pooled[-1])}' if pooled else 'none'}"
+        + "".join(
+            f"; w{w} default group adds {options_text(pool_options(cfg, w)) or 'nothing (given in --rsccl-options)'}"
+            for w in worlds
+            if pooled
+        )
+        + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
+        + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else ""),
+        flush=True,
+    )
+    print(
+        "message size = all_reduce tensor bytes = all_gather_into_tensor OUTPUT bytes = "
+        "reduce_scatter_tensor INPUT bytes = all_to_all_single input bytes = send_recv message bytes (per rank)",
+        flush=True,
+    )
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     all_rows: list[dict] = []
@@ -1481,9 +1657,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             problems += rendered("FSDP2 verdict", fsdp_problems, world, meta.get("fsdp"))
         if error:
             summaries.append(f"w{world} INCOMPLETE: {error}")
-    header = (f"# date={datetime.now().astimezone().isoformat(timespec='seconds')} host={platform.node()} "
-              f"torch={torch.__version__} dtype={cfg.dtype} seed={seed} repeats={cfg.repeats} "
-              f"rsccl_options={json.dumps(cfg.rsccl_options)} command={json.dumps(command)}")
+    header = (
+        f"# date={datetime.now().astimezone().isoformat(timespec='seconds')} host={platform.node()} "
+        f"torch={torch.__version__} dtype={cfg.dtype} seed={seed} repeats={cfg.repeats} "
+        f"rsccl_options={json.dumps(cfg.rsccl_options)} command={json.dumps(command)}"
+    )
     csv_path, png_path = args.out / "bench_cuda.csv", args.out / "bench_cuda.png"
     write_csv(csv_path, all_rows, header)
     print(f"wrote {csv_path}", flush=True)
@@ -1496,18 +1674,23 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - a plot is not worth losing the run's exit status over
             print(f"note: plotting failed: {describe(e)}", flush=True)
     wrong = failed_rows(all_rows)
-    print("\n== summary: eager us per call / busbw GB/s; graph us for sizes <= "
-          f"{human(cfg.graph_max_bytes)}; n/a = not run; WRONG = differs from nccl; in-place/staged = rsccl eager "
-          "time / rsccl-pool eager time", flush=True)
+    print(
+        "\n== summary: eager us per call / busbw GB/s; graph us for sizes <= "
+        f"{human(cfg.graph_max_bytes)}; n/a = not run; WRONG = differs from nccl; in-place/staged = rsccl eager "
+        "time / rsccl-pool eager time",
+        flush=True,
+    )
     for line in summaries:
         print(line, flush=True)
     for r in wrong:
-        print(f"{'WRONG' if r['check'] == 'WRONG' else 'FAILED'}: w{r['world_size']} {r['backend']} {r['collective']} "
-              f"{human(r['bytes'])}: {r['note']}", flush=True)
+        print(
+            f"{'WRONG' if r['check'] == 'WRONG' else 'FAILED'}: w{r['world_size']} {r['backend']} {r['collective']} "
+            f"{human(r['bytes'])}: {r['note']}",
+            flush=True,
+        )
     print(f"total time {time.perf_counter() - start:.0f} s; results in {args.out}", flush=True)
     for line in problems:
         print(f"FAILED: {line.strip()}", flush=True)
     if failed:
         print("FAILED: " + "; ".join(failed), flush=True)
     return 1 if (failed or wrong or problems) else 0
-

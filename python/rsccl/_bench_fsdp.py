@@ -77,9 +77,11 @@ class FsdpConfig:
         return self.layers * self.layer_params() + self.root_params()
 
     def describe(self) -> str:
-        return (f"{self.layers} layers, d_model {self.dim}, {self.heads} heads, FFN {self.ffn_mult * self.dim}, "
-                f"vocab {self.vocab}, seq {self.seq}, batch {self.batch} per rank, "
-                f"{self.params() / 1e6:.0f}M parameters")
+        return (
+            f"{self.layers} layers, d_model {self.dim}, {self.heads} heads, FFN {self.ffn_mult * self.dim}, "
+            f"vocab {self.vocab}, seq {self.seq}, batch {self.batch} per rank, "
+            f"{self.params() / 1e6:.0f}M parameters"
+        )
 
 
 def pool_bytes_for(fc: FsdpConfig, world: int) -> int:
@@ -91,10 +93,13 @@ def pool_bytes_for(fc: FsdpConfig, world: int) -> int:
     if fc.pool_bytes:
         return fc.pool_bytes
     unit = max(fc.layer_params(), fc.root_params())
-    need = (4 * fc.params() // world  # gradient shards
-            + 2 * fc.root_params() + 3 * 2 * fc.layer_params()  # all-gather outputs
-            + 2 * 4 * unit  # reduce-scatter inputs
-            + 256 * MiB)
+    need = (
+        4 * fc.params() // world  # gradient shards
+        + 2 * fc.root_params()
+        + 3 * 2 * fc.layer_params()  # all-gather outputs
+        + 2 * 4 * unit  # reduce-scatter inputs
+        + 256 * MiB
+    )
     return -(-int(need * 1.25) // (2 * MiB)) * (2 * MiB)
 
 
@@ -207,7 +212,7 @@ def new_group(r: Any, backend: str, pool: int) -> Any:
 
         g = dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
         if r.rank == 0:
-            print(f"FSDP2 bench: backend \"nccl\" is {nccl_baseline(g)}", flush=True)
+            print(f'FSDP2 bench: backend "nccl" is {nccl_baseline(g)}', flush=True)
         return g
     return dist.new_group(backend="gloo", timeout=timeout)  # the CPU dry run of this module
 
@@ -324,6 +329,7 @@ def train_one(r: Any, backend: str, master: Transformer, ids: torch.Tensor, targ
 
 def combine(per_rank: list[dict]) -> dict:
     """The ranks' figures as one row: times and memory of the worst rank, losses averaged."""
+
     def mx(key: str) -> Any:
         vals = [p[key] for p in per_rank if p.get(key) is not None]
         return max(vals) if vals else None
@@ -331,17 +337,23 @@ def combine(per_rank: list[dict]) -> dict:
     steps = [max(col) for col in zip(*(p["step_ms"] for p in per_rank))]
     used_peak = [max(p["used_after_warmup"], p["used_after_steps"]) for p in per_rank]
     row = {
-        "mean_ms": mx("mean_ms"), "step_min_ms": min(steps), "step_max_ms": max(steps),
+        "mean_ms": mx("mean_ms"),
+        "step_min_ms": min(steps),
+        "step_max_ms": max(steps),
         "median_ms": sorted(steps)[len(steps) // 2],
-        "peak_reserved": mx("peak_reserved"), "reserved_start": mx("reserved_start"),
-        "used_peak": max(used_peak), "used_start": mx("used_start"),
+        "peak_reserved": mx("peak_reserved"),
+        "reserved_start": mx("reserved_start"),
+        "used_peak": max(used_peak),
+        "used_start": mx("used_start"),
         "used_added": max(u - p["used_start"] for u, p in zip(used_peak, per_rank)),
         "group_init": max(p["used_after_group"] - p["used_start"] for p in per_rank),
         "loss_first": sum(p["losses"][0] for p in per_rank) / len(per_rank),
         "loss_final": sum(p["losses"][-1] for p in per_rank) / len(per_rank),
         "pool_alloc": per_rank[0].get("pool_alloc"),
-        "inplace": per_rank[0].get("inplace_collectives"), "staged": per_rank[0].get("staged_collectives"),
-        "pool_bytes": per_rank[0].get("pool_bytes"), "pool_peak_bytes": mx("pool_peak_bytes"),
+        "inplace": per_rank[0].get("inplace_collectives"),
+        "staged": per_rank[0].get("staged_collectives"),
+        "pool_bytes": per_rank[0].get("pool_bytes"),
+        "pool_peak_bytes": mx("pool_peak_bytes"),
         "ranks": len(per_rank),
     }
     # Every rank counts the same collectives; say so if they did not agree.
@@ -355,8 +367,14 @@ def run_fsdp(r: Any) -> None:
     """The section, on every rank: results in r.meta["fsdp"] (rank 0's are saved)."""
     fc: FsdpConfig = r.cfg.fsdp
     pool = pool_bytes_for(fc, r.world)
-    res: dict[str, Any] = {"config": asdict(fc), "describe": fc.describe(), "pool_bytes": pool, "runs": {},
-                           "errors": {}, "order": list(TIMED_ORDER)}
+    res: dict[str, Any] = {
+        "config": asdict(fc),
+        "describe": fc.describe(),
+        "pool_bytes": pool,
+        "runs": {},
+        "errors": {},
+        "order": list(TIMED_ORDER),
+    }
     r.meta["fsdp"] = res
     r.log(f"FSDP2: {fc.describe()}; rsccl group pool {pool / MiB:.0f} MiB")
     dev = r.dev
@@ -400,9 +418,11 @@ def run_fsdp(r: Any) -> None:
             else:
                 first["round_ms"].append(row["mean_ms"])
                 first["mean_ms"] = sum(first["round_ms"]) / len(first["round_ms"])
-            r.log(f"FSDP2 {backend}: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, "
-                  f"device used {mib(row['used_peak'])} MiB, final loss {row['loss_final']:.4f}, in place / staged "
-                  f"{calls_text(row)} ({time.perf_counter() - start:.1f} s)")
+            r.log(
+                f"FSDP2 {backend}: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, "
+                f"device used {mib(row['used_peak'])} MiB, final loss {row['loss_final']:.4f}, in place / staged "
+                f"{calls_text(row)} ({time.perf_counter() - start:.1f} s)"
+            )
         except PhaseError as e:
             res["errors"][backend] = str(e)
             r.log(f"FSDP2 {backend} FAILED: {e}")
@@ -443,23 +463,33 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
     if not fsdp:
         return []
     c = fsdp.get("config", {})
-    out = ["", "## FSDP2 training steps: rsccl (pool buffers, in place) vs NCCL", "",
-           (f"- model: {fsdp.get('describe', '?')}; float32 master weights, MixedPrecisionPolicy(param_dtype=bfloat16, "
+    out = [
+        "",
+        "## FSDP2 training steps: rsccl (pool buffers, in place) vs NCCL",
+        "",
+        (
+            f"- model: {fsdp.get('describe', '?')}; float32 master weights, MixedPrecisionPolicy(param_dtype=bfloat16, "
             "reduce_dtype=float32), fully_shard on every layer and on the root, AdamW; DeviceMesh.from_group(group, "
-            "\"cuda\") over a group created for this section (rsccl: `new_group(backend=\"rsccl\")` with "
+            '"cuda") over a group created for this section (rsccl: `new_group(backend="rsccl")` with '
             f"cuda_pool_bytes {mib(fsdp.get('pool_bytes'))} MiB and "
             "`set_allocate_memory_from_process_group_for_comm(True)` on every FSDP module, so FSDP's all-gather "
             "outputs and reduce-scatter buffers, and with them its float32 gradient shards, come from rsccl's pool; "
-            "NCCL: `new_group(backend=\"nccl\")`, FSDP's default buffers)"),
-           (f"- same seed, same weights, same data per rank for both; {c.get('warmup', '?')} warm-up steps, then "
+            'NCCL: `new_group(backend="nccl")`, FSDP\'s default buffers)'
+        ),
+        (
+            f"- same seed, same weights, same data per rank for both; {c.get('warmup', '?')} warm-up steps, then "
             f"{c.get('steps', '?')} timed ones; step time: CUDA events around each step on the compute stream, a "
             "rank's mean = first start to last end / steps, the slowest rank's reported; min / max over steps of "
-            "the slowest rank at each step; final loss: the last timed step's, averaged over ranks"),
-           (f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))} (step time: the mean of a backend's runs, "
+            "the slowest rank at each step; final loss: the last timed step's, averaged over ranks"
+        ),
+        (
+            f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))} (step time: the mean of a backend's runs, "
             "each run's in parentheses; memory: its first run's); before each: gc, torch.cuda.empty_cache(), "
             "torch.cuda.reset_peak_memory_stats(); one unsharded layer ran forward and backward before both "
-            "(kernels, math-library handles)"),
-           ("- memory, max over ranks: *peak reserved* = torch.cuda.max_memory_reserved() over the run (what torch's "
+            "(kernels, math-library handles)"
+        ),
+        (
+            "- memory, max over ranks: *peak reserved* = torch.cuda.max_memory_reserved() over the run (what torch's "
             "caching allocator held, including the segments it took from rsccl's pool; it does not count the rest "
             "of the pool, which rsccl maps at group creation outside torch's allocator, nor NCCL's own buffers, "
             "which NCCL allocates itself, partly at its first collective); *reserved at start*: what torch already "
@@ -468,16 +498,22 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
             "everything the process holds, both libraries' memory, rsccl's whole pool and the benchmark's earlier "
             "groups included); *added* = device used minus device used at the run's start: the backend's group, "
             "model, optimizer state, activations and library buffers, the fair comparison of the two; *group "
-            "creation* = what creating the group took"),
-           ""]
+            "creation* = what creating the group took"
+        ),
+        "",
+    ]
     runs, errors = fsdp.get("runs", {}), fsdp.get("errors", {})
     for what, why in errors.items():
         out += [f"**FSDP2 {what} FAILED: {why}**", ""]
     if runs:
-        out += [("| backend | step ms (mean, slowest rank) | per step min / max | peak reserved MiB | reserved at "
-                 "start MiB | device used MiB | added MiB | group creation MiB | first / final loss | collectives in "
-                 "place / staged | pool MiB (capacity / peak) |"),
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            (
+                "| backend | step ms (mean, slowest rank) | per step min / max | peak reserved MiB | reserved at "
+                "start MiB | device used MiB | added MiB | group creation MiB | first / final loss | collectives in "
+                "place / staged | pool MiB (capacity / peak) |"
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for name in dict.fromkeys(fsdp.get("order", RUN_ORDER)):
             row = runs.get(name)
             if not row:
@@ -487,11 +523,11 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
                 f"| {name} | {ms(row['mean_ms'])} ({' / '.join(ms(v) for v in row.get('round_ms', []))}) | {ms(row['step_min_ms'])} / {ms(row['step_max_ms'])} "
                 f"| {mib(row['peak_reserved'])} | {mib(row['reserved_start'])} | {mib(row['used_peak'])} "
                 f"| {mib(row['used_added'])} | {mib(row['group_init'])} | {row['loss_first']:.4f} / {row['loss_final']:.4f} "
-                f"| {calls_text(row) if name == 'rsccl' else '-'} | {pool} |")
+                f"| {calls_text(row) if name == 'rsccl' else '-'} | {pool} |"
+            )
         rs = runs.get("rsccl")
         if rs and rs.get("pool_alloc") is False:
-            out += ["", ("**rsccl's group did not offer pool allocation (supports_tensor_alloc False): FSDP used "
-                         "torch's allocator**")]
+            out += ["", ("**rsccl's group did not offer pool allocation (supports_tensor_alloc False): FSDP used torch's allocator**")]
         if rs and rs.get("counts_per_rank"):
             out += ["", f"In-place / staged counts differ between ranks: {rs['counts_per_rank']}"]
         out += ["", "Verdicts: " + "; ".join(verdicts(runs))]
@@ -501,22 +537,30 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
 def verdicts(runs: dict) -> list[str]:
     rs, nc = runs.get("rsccl"), runs.get("nccl")
     if not (rs and nc):
-        return [f"{name} n/a (did not finish)" if not row else
-                f"{name} only: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
-                f"memory added {mib(row['used_added'])} MiB, final loss {row['loss_final']:.4f}"
-                for name, row in (("rsccl", rs), ("nccl", nc))]
+        return [
+            f"{name} n/a (did not finish)"
+            if not row
+            else f"{name} only: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
+            f"memory added {mib(row['used_added'])} MiB, final loss {row['loss_final']:.4f}"
+            for name, row in (("rsccl", rs), ("nccl", nc))
+        ]
     out = []
     ratio = nc["mean_ms"] / rs["mean_ms"] if rs["mean_ms"] else float("nan")
+
     def runs_of(row: dict) -> str:
         r = row.get("round_ms") or []
         return f" ({' / '.join(f'{v:.2f}' for v in r)})" if len(r) > 1 else ""
 
-    out.append(f"step time rsccl {rs['mean_ms']:.2f} ms{runs_of(rs)} / nccl {nc['mean_ms']:.2f} ms{runs_of(nc)} = "
-               f"nccl/rsccl {ratio:.2f}x, "
-               f"target rsccl <= nccl: {'met' if rs['mean_ms'] <= nc['mean_ms'] else 'NOT MET'}")
+    out.append(
+        f"step time rsccl {rs['mean_ms']:.2f} ms{runs_of(rs)} / nccl {nc['mean_ms']:.2f} ms{runs_of(nc)} = "
+        f"nccl/rsccl {ratio:.2f}x, "
+        f"target rsccl <= nccl: {'met' if rs['mean_ms'] <= nc['mean_ms'] else 'NOT MET'}"
+    )
     if rs["peak_reserved"] is not None and nc["peak_reserved"] is not None:
-        out.append(f"peak reserved rsccl {mib(rs['peak_reserved'])} / nccl {mib(nc['peak_reserved'])} MiB, target "
-                   f"rsccl <= nccl: {'met' if rs['peak_reserved'] <= nc['peak_reserved'] else 'NOT MET'}")
+        out.append(
+            f"peak reserved rsccl {mib(rs['peak_reserved'])} / nccl {mib(nc['peak_reserved'])} MiB, target "
+            f"rsccl <= nccl: {'met' if rs['peak_reserved'] <= nc['peak_reserved'] else 'NOT MET'}"
+        )
     out.append(f"device memory added by the run rsccl {mib(rs['used_added'])} / nccl {mib(nc['used_added'])} MiB")
     out.append("final loss " + loss_check(runs)[1])
     return out
@@ -526,15 +570,19 @@ def fsdp_summary_lines(world: int, fsdp: dict | None) -> list[str]:
     if not fsdp:
         return []
     c = fsdp.get("config", {})
-    head = (f"w{world} fsdp2 ({c.get('layers', '?')} layers, d {c.get('dim', '?')}, seq {c.get('seq', '?')} x batch "
-            f"{c.get('batch', '?')}, {c.get('steps', '?')} steps)")
+    head = (
+        f"w{world} fsdp2 ({c.get('layers', '?')} layers, d {c.get('dim', '?')}, seq {c.get('seq', '?')} x batch "
+        f"{c.get('batch', '?')}, {c.get('steps', '?')} steps)"
+    )
     lines = [f"{head}: " + "; ".join(verdicts(fsdp.get("runs", {})))]
     rs = fsdp.get("runs", {}).get("rsccl")
     if rs:
-        lines.append(f"w{world} fsdp2 rsccl: collectives in place / staged {calls_text(rs)}; pool "
-                     f"{mib(rs['pool_bytes'])} MiB, peak used {mib(rs['pool_peak_bytes'])} MiB; device used peak "
-                     f"{mib(rs['used_peak'])} MiB (nccl run: "
-                     f"{mib(fsdp['runs']['nccl']['used_peak']) if 'nccl' in fsdp.get('runs', {}) else 'n/a'} MiB)")
+        lines.append(
+            f"w{world} fsdp2 rsccl: collectives in place / staged {calls_text(rs)}; pool "
+            f"{mib(rs['pool_bytes'])} MiB, peak used {mib(rs['pool_peak_bytes'])} MiB; device used peak "
+            f"{mib(rs['used_peak'])} MiB (nccl run: "
+            f"{mib(fsdp['runs']['nccl']['used_peak']) if 'nccl' in fsdp.get('runs', {}) else 'n/a'} MiB)"
+        )
     for what, why in fsdp.get("errors", {}).items():
         lines.append(f"w{world} fsdp2 {what} FAILED: {why}")
     return lines

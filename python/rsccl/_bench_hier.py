@@ -74,7 +74,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         if rank == 0:
             from ._cuda import nccl_baseline
 
-            print(f"hier bench: torch's backend \"nccl\" is {nccl_baseline(nccl)}", flush=True)
+            print(f'hier bench: torch\'s backend "nccl" is {nccl_baseline(nccl)}', flush=True)
         old = os.environ.get("RSCCL_HOST_ID")
         os.environ["RSCCL_HOST_ID"] = f"emul-host-{rank // per_host}"
         try:
@@ -131,8 +131,14 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
                     for name in order:
                         t[name].append(timeit(kind, {"nccl": nccl, "flat": flat, "hier": hier}[name], big, sm))
                 out["rows"].append(
-                    {"kind": kind, "bytes": size, **{k: min(v) for k, v in t.items()}, "ok_flat": ok["flat"], "ok_hier": ok["hier"],
-                     "hier_calls": hier_calls() - start_calls}
+                    {
+                        "kind": kind,
+                        "bytes": size,
+                        **{k: min(v) for k, v in t.items()},
+                        "ok_flat": ok["flat"],
+                        "ok_hier": ok["hier"],
+                        "hier_calls": hier_calls() - start_calls,
+                    }
                 )
         # send/recv across hosts: rank 0 to the first rank of the second host.
         src, dst = 0, per_host

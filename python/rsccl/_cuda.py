@@ -106,7 +106,9 @@ def raw_stream(device: int) -> int:
 class CudaWork(dist._Work):
     """An asynchronous CUDA collective: its end event, and the tensors it uses."""
 
-    def __init__(self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None, stream: int | None = None):
+    def __init__(
+        self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None, stream: int | None = None
+    ):
         super().__init__()
         self._pg = pg
         self._device = device

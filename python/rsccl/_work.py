@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class RsWork(dist._Work):
             except Exception:  # noqa: BLE001 - an operation's own error is raised below
                 if not p.is_completed():
                     raise  # this wait timed out; the operation goes on
-        
+
         if not self._done.wait(limit):
             raise TimeoutError(f"rsccl: Work.wait: Timed out after {seconds} s")
         if self._exc is not None:
@@ -114,8 +115,6 @@ class RsWork(dist._Work):
         if self._done.is_set():
             self._settle(fut)
         return fut
-
-
 
 
 class RecvAnyWork(RsWork):

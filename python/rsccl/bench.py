@@ -69,7 +69,15 @@ MIN_ITERS, MAX_ITERS = 3, 200
 ROOT = 0
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 CSV_COLUMNS = (
-    "device", "world_size", "collective", "bytes", "backend", "latency_us", "algbw_GBps", "busbw_GBps", "iters",
+    "device",
+    "world_size",
+    "collective",
+    "bytes",
+    "backend",
+    "latency_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "iters",
 )
 Groups = dict[str, "dist.ProcessGroup | None"]  # backend name -> group (None: the default group)
 
@@ -126,7 +134,10 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"collectives": COLLECTIVES, "min_bytes": 4, "max_bytes": 64 << 20, "warmup": 2, "dtype": "float32"},
     "cuda": {
         "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor") + CUDA_ONLY_COLLECTIVES,
-        "min_bytes": 1 << 10, "max_bytes": 1 << 30, "warmup": 20, "dtype": "bfloat16",
+        "min_bytes": 1 << 10,
+        "max_bytes": 1 << 30,
+        "warmup": 20,
+        "dtype": "bfloat16",
     },
 }
 QUICK_MAX_BYTES = 1 << 20
@@ -147,79 +158,128 @@ def parse_options(text: str) -> dict[str, int | str]:
         key, sep, val = item.partition("=")
         key, val = key.strip(), val.strip()
         if not sep or not val or key not in known:
-            raise argparse.ArgumentTypeError(
-                f"{item!r}: give KEY=VALUE pairs with KEY one of rsccl.Options' fields: {', '.join(known)}"
-            )
+            raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE pairs with KEY one of rsccl.Options' fields: {', '.join(known)}")
         out[key] = int(val) if re.fullmatch(r"-?\d+", val) else val
     return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m rsccl.bench", description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1],
+        prog="python -m rsccl.bench",
+        description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1],
     )
     add = p.add_argument
     cpu, cuda = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
     # String defaults go through `type` too, so they are written the way a user types them.
     add("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
-    add("--world-sizes", type=parse_world_sizes, default="2,4",
-        help="ranks per run, comma-separated (cuda: those above the number of visible GPUs are left out); "
-             "default: %(default)s")
-    add("--collectives", type=parse_collectives, default=None,
-        help=f"comma-separated; default: {','.join(cpu['collectives'])} (cpu), {','.join(cuda['collectives'])} (cuda)")
-    add("--min-bytes", type=parse_bytes, default=None,
-        help=f"smallest per-rank message; default: {human(cpu['min_bytes'])} (cpu), {human(cuda['min_bytes'])} (cuda)")
-    add("--max-bytes", type=parse_bytes, default=None,
-        help=f"largest per-rank message; default: {human(cpu['max_bytes'])} (cpu), {human(cuda['max_bytes'])} (cuda)")
-    add("--iters", type=int, default=None,
+    add(
+        "--world-sizes",
+        type=parse_world_sizes,
+        default="2,4",
+        help="ranks per run, comma-separated (cuda: those above the number of visible GPUs are left out); default: %(default)s",
+    )
+    add(
+        "--collectives",
+        type=parse_collectives,
+        default=None,
+        help=f"comma-separated; default: {','.join(cpu['collectives'])} (cpu), {','.join(cuda['collectives'])} (cuda)",
+    )
+    add(
+        "--min-bytes",
+        type=parse_bytes,
+        default=None,
+        help=f"smallest per-rank message; default: {human(cpu['min_bytes'])} (cpu), {human(cuda['min_bytes'])} (cuda)",
+    )
+    add(
+        "--max-bytes",
+        type=parse_bytes,
+        default=None,
+        help=f"largest per-rank message; default: {human(cpu['max_bytes'])} (cpu), {human(cuda['max_bytes'])} (cuda)",
+    )
+    add(
+        "--iters",
+        type=int,
+        default=None,
         help=f"timed calls per size; default (cpu): about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}; "
-             "(cuda): 50 up to 16 MiB, then fewer, at least 5")
-    add("--warmup", type=int, default=None,
-        help=f"untimed calls before each measurement; default: {cpu['warmup']} (cpu), {cuda['warmup']} (cuda)")
-    add("--repeats", type=int, default=3,
-        help="measurements per size and backend; the median is reported; default: %(default)s")
-    add("--out-dir", "--out", dest="out", metavar="DIR", type=Path, default="bench-results",
-        help="directory for the results (CSV, plot; cuda: Markdown tables too); default: %(default)s")
-    add("--dtype", choices=tuple(TOLERANCES), default=None,
-        help=f"default: {cpu['dtype']} (cpu), {cuda['dtype']} (cuda)")
+        "(cuda): 50 up to 16 MiB, then fewer, at least 5",
+    )
+    add(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed calls before each measurement; default: {cpu['warmup']} (cpu), {cuda['warmup']} (cuda)",
+    )
+    add("--repeats", type=int, default=3, help="measurements per size and backend; the median is reported; default: %(default)s")
+    add(
+        "--out-dir",
+        "--out",
+        dest="out",
+        metavar="DIR",
+        type=Path,
+        default="bench-results",
+        help="directory for the results (CSV, plot; cuda: Markdown tables too); default: %(default)s",
+    )
+    add("--dtype", choices=tuple(TOLERANCES), default=None, help=f"default: {cpu['dtype']} (cpu), {cuda['dtype']} (cuda)")
     add("--seed", type=int, default=None, help="seed of the checked inputs; default: random")
-    add("--quick", action="store_true",
-        help=f"smoke run: world size 2, messages up to {human(QUICK_MAX_BYTES)}")
+    add("--quick", action="store_true", help=f"smoke run: world size 2, messages up to {human(QUICK_MAX_BYTES)}")
     g = p.add_argument_group("--device cuda only")
-    g.add_argument("--rsccl-options", type=parse_options, default={}, metavar="KEY=VAL,...",
-                   help="rsccl.Options fields for the rsccl group, e.g. cuda_blocks=16,cuda_buffer_bytes=64MiB")
-    g.add_argument("--sweep-one-shot", action="store_true",
-                   help="all_reduce also on two extra rsccl groups, one-shot never (rsccl-2shot) and always "
-                        "(rsccl-1shot), to read the crossover off one table")
+    g.add_argument(
+        "--rsccl-options",
+        type=parse_options,
+        default={},
+        metavar="KEY=VAL,...",
+        help="rsccl.Options fields for the rsccl group, e.g. cuda_blocks=16,cuda_buffer_bytes=64MiB",
+    )
+    g.add_argument(
+        "--sweep-one-shot",
+        action="store_true",
+        help="all_reduce also on two extra rsccl groups, one-shot never (rsccl-2shot) and always "
+        "(rsccl-1shot), to read the crossover off one table",
+    )
     g.add_argument("--no-graph", action="store_true", help="skip the CUDA graph measurements")
-    g.add_argument("--graph-max-bytes", type=parse_bytes, default="1MiB",
-                   help="largest message timed in a CUDA graph; default: %(default)s")
-    g.add_argument("--check-max-bytes", type=parse_bytes, default="64MiB",
-                   help="largest message checked against NCCL; default: %(default)s")
-    g.add_argument("--symm-max-bytes", type=parse_bytes, default="64MiB",
-                   help="largest all_reduce on torch symmetric memory; default: %(default)s")
-    g.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds one world size may take before its ranks are stopped (the FSDP2 section gets "
-                        "300 s more); default: %(default)s")
-    g.add_argument("--no-pool", action="store_true",
-                   help="skip the rsccl-pool rows (the same collectives in place on buffers from rsccl.mem_pool()); "
-                        "the default rsccl group is then created without a pool")
-    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP2 training steps over rsccl (FSDP's buffers from its pool) and over NCCL; "
-                        "default: on for --device cuda, off with --quick")
+    g.add_argument(
+        "--graph-max-bytes", type=parse_bytes, default="1MiB", help="largest message timed in a CUDA graph; default: %(default)s"
+    )
+    g.add_argument(
+        "--check-max-bytes", type=parse_bytes, default="64MiB", help="largest message checked against NCCL; default: %(default)s"
+    )
+    g.add_argument(
+        "--symm-max-bytes", type=parse_bytes, default="64MiB", help="largest all_reduce on torch symmetric memory; default: %(default)s"
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds one world size may take before its ranks are stopped (the FSDP2 section gets 300 s more); default: %(default)s",
+    )
+    g.add_argument(
+        "--no-pool",
+        action="store_true",
+        help="skip the rsccl-pool rows (the same collectives in place on buffers from rsccl.mem_pool()); "
+        "the default rsccl group is then created without a pool",
+    )
+    g.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="FSDP2 training steps over rsccl (FSDP's buffers from its pool) and over NCCL; "
+        "default: on for --device cuda, off with --quick",
+    )
     g.add_argument("--fsdp-steps", type=int, default=20, help="timed FSDP2 steps per backend; default: %(default)s")
-    g.add_argument("--fsdp-warmup", type=int, default=5,
-                   help="untimed FSDP2 steps before them; default: %(default)s")
+    g.add_argument("--fsdp-warmup", type=int, default=5, help="untimed FSDP2 steps before them; default: %(default)s")
     g.add_argument("--fsdp-layers", type=int, default=8, help="transformer layers of the FSDP2 model; default: %(default)s")
-    g.add_argument("--fsdp-dim", type=int, default=2048,
-                   help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
-    g.add_argument("--fsdp-pool-bytes", type=parse_bytes, default=None,
-                   help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model")
-    g.add_argument("--hier", action="store_true",
-                   help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
-                        "flat all_reduce, all_gather and reduce_scatter on rsccl's NCCL engine against torch's NCCL, "
-                        "and send/recv across hosts (pair communicators), written to hier.md (gets --timeout + 360 s: "
-                        "three collectives and send/recv)")
+    g.add_argument("--fsdp-dim", type=int, default=2048, help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
+    g.add_argument(
+        "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"
+    )
+    g.add_argument(
+        "--hier",
+        action="store_true",
+        help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
+        "flat all_reduce, all_gather and reduce_scatter on rsccl's NCCL engine against torch's NCCL, "
+        "and send/recv across hosts (pair communicators), written to hier.md (gets --timeout + 360 s: "
+        "three collectives and send/recv)",
+    )
     args = p.parse_args(argv)
     defaults = DEVICE_DEFAULTS[args.device]
     for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
@@ -230,9 +290,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.max_bytes = min(args.max_bytes, QUICK_MAX_BYTES)
         args.min_bytes = min(args.min_bytes, args.max_bytes)
     if args.device == "cpu":
-        cuda_only = [flag for flag, used in (("--rsccl-options", args.rsccl_options), ("--sweep-one-shot", args.sweep_one_shot),
-                                             ("--no-graph", args.no_graph), ("--no-pool", args.no_pool),
-                                             ("--fsdp", args.fsdp)) if used]
+        cuda_only = [
+            flag
+            for flag, used in (
+                ("--rsccl-options", args.rsccl_options),
+                ("--sweep-one-shot", args.sweep_one_shot),
+                ("--no-graph", args.no_graph),
+                ("--no-pool", args.no_pool),
+                ("--fsdp", args.fsdp),
+            )
+            if used
+        ]
         cuda_only += [c for c in args.collectives if c in CUDA_ONLY_COLLECTIVES]
         if cuda_only:
             p.error(f"{', '.join(cuda_only)}: only with --device cuda")
@@ -283,9 +351,7 @@ def is_in_place(collective: str) -> bool:
     return collective in ("all_reduce", "broadcast")
 
 
-def make_call(
-    collective: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None
-) -> Callable[[], None]:
+def make_call(collective: str, inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], None]:
     if collective == "all_reduce":
         return lambda: dist.all_reduce(inp, group=group)
     if collective == "broadcast":
@@ -320,9 +386,7 @@ def max_over_ranks(value: float, gloo: dist.ProcessGroup) -> float:
     return t.item()
 
 
-def check(
-    collective: str, counts: tuple[int, int], label: str, groups: Groups, cfg: Config, gen: torch.Generator
-) -> None:
+def check(collective: str, counts: tuple[int, int], label: str, groups: Groups, cfg: Config, gen: torch.Generator) -> None:
     """Run once on each backend from the same input; raise on every rank if any differs.
     `label` names the case in the error."""
     dtype = getattr(torch, cfg.dtype)
@@ -339,8 +403,7 @@ def check(
     if max_over_ranks(0.0 if ok else 1.0, gloo_of(groups)):
         diff = (results[0].double() - results[1].double()).abs().max().item()
         raise MismatchError(
-            f"{label}: rsccl's result differs from gloo's "
-            f"(this rank's max |diff| {diff:.3g}, rtol {rtol}, atol {atol}, seed {cfg.seed})"
+            f"{label}: rsccl's result differs from gloo's (this rank's max |diff| {diff:.3g}, rtol {rtol}, atol {atol}, seed {cfg.seed})"
         )
 
 
@@ -388,8 +451,16 @@ def bench_collective(collective: str, world: int, groups: Groups, cfg: Config, g
                 samples[backend].append(latency)
                 iters_done[backend] += iters
         for backend in BACKENDS:
-            rows.append({"world_size": world, "collective": collective, "bytes": message, "backend": backend,
-                             "latency_s": statistics.median(samples[backend]), "iters": iters_done[backend]})
+            rows.append(
+                {
+                    "world_size": world,
+                    "collective": collective,
+                    "bytes": message,
+                    "backend": backend,
+                    "latency_s": statistics.median(samples[backend]),
+                    "iters": iters_done[backend],
+                }
+            )
     return rows
 
 
@@ -447,8 +518,7 @@ def add_bandwidth(row: dict) -> dict:
 def format_table(world: int, rows: list[dict]) -> str:
     cores = os.cpu_count()
     by_key = {(r["collective"], r["bytes"], r["backend"]): r for r in rows}
-    head = (f"{'collective':<24}{'size':>10}{'rsccl us':>12}{'gloo us':>12}"
-            f"{'rsccl busbw GB/s':>18}{'gloo busbw GB/s':>17}{'speedup':>9}")
+    head = f"{'collective':<24}{'size':>10}{'rsccl us':>12}{'gloo us':>12}{'rsccl busbw GB/s':>18}{'gloo busbw GB/s':>17}{'speedup':>9}"
     lines = [f"world size {world} ({world} ranks on {cores} cores)", head, "-" * len(head)]
     for collective in dict.fromkeys(r["collective"] for r in rows):
         for nbytes in sorted({b for c, b, _ in by_key if c == collective}):
@@ -476,10 +546,19 @@ def write_csv(path: Path, device: str, rows: list[dict], header: str) -> None:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for r in rows:
-            w.writerow([
-                device, r["world_size"], r["collective"], r["bytes"], r["backend"], f"{r['latency_s'] * 1e6:.3f}",
-                f"{r['algbw_GBps']:.6g}", f"{r['busbw_GBps']:.6g}", r["iters"],
-            ])
+            w.writerow(
+                [
+                    device,
+                    r["world_size"],
+                    r["collective"],
+                    r["bytes"],
+                    r["backend"],
+                    f"{r['latency_s'] * 1e6:.3f}",
+                    f"{r['algbw_GBps']:.6g}",
+                    f"{r['busbw_GBps']:.6g}",
+                    r["iters"],
+                ]
+            )
 
 
 def write_png(path: Path, rows: list[dict], title: str) -> bool:
@@ -501,8 +580,11 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
     for ax, collective in zip(axes.flat, collectives):
         for backend, color in zip(BACKENDS, ("tab:blue", "tab:orange")):
             for world, style in zip(worlds, itertools.cycle(styles)):
-                pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows
-                             if (r["collective"], r["backend"], r["world_size"]) == (collective, backend, world))
+                pts = sorted(
+                    (r["bytes"], r["busbw_GBps"])
+                    for r in rows
+                    if (r["collective"], r["backend"], r["world_size"]) == (collective, backend, world)
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, markersize=4, label=f"{backend}, {world} ranks")
         ax.set_xscale("log", base=2)
@@ -515,7 +597,7 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in axes.flat[len(collectives):]:
+    for ax in axes.flat[len(collectives) :]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

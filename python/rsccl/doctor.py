@@ -489,7 +489,9 @@ def check_kernels(gpus: list[dict[str, Any]]) -> tuple[Check, list[str]]:
             src, what, nbytes = _rsccl.kernel_choice(cc[0], cc[1])
         except Exception as e:  # noqa: BLE001 - RSCCL_KERNELS=prebuilt on an uncovered GPU, or a bad value
             data["gpus"][arch] = {"source": None, "detail": str(e)}
-            return Check("kernels", ERROR, f"{built}; {arch}: {e}", "unset RSCCL_KERNELS (auto falls back to NVRTC)", "cuda", data), nvrtc_archs
+            return Check(
+                "kernels", ERROR, f"{built}; {arch}: {e}", "unset RSCCL_KERNELS (auto falls back to NVRTC)", "cuda", data
+            ), nvrtc_archs
         data["gpus"][arch] = {"source": src, "detail": what, "device_code_bytes": nbytes}
         if src == "prebuilt":
             per_gpu.append(f"{arch} covered ({what}, {human_bytes(nbytes)} of device code)")

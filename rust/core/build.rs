@@ -166,7 +166,8 @@ fn find_nvcc() -> Option<PathBuf> {
     }
     // The Python building the wheel (maturin names it; pip's isolated build environment
     // is on its sys.path): the nvidia-cuda-nvcc package's nvcc.
-    let pythons = ["PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"].iter().filter_map(std::env::var_os).map(PathBuf::from).chain([PathBuf::from("python3")]);
+    let pythons =
+        ["PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"].iter().filter_map(std::env::var_os).map(PathBuf::from).chain([PathBuf::from("python3")]);
     let probe = "import os, sys\nfor d in sys.path:\n    p = os.path.join(d, 'nvidia', 'cu13', 'bin', 'nvcc')\n    if os.path.isfile(p):\n        print(p)\n        break\n";
     for py in pythons {
         if let Ok(out) = Command::new(&py).args(["-c", probe]).output() {

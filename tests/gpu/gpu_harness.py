@@ -111,7 +111,7 @@ def _gpu_worker(
                 from rsccl._cuda import nccl_baseline
 
                 # torch 2.15's "nccl" is ProcessGroupNCCL2; say which one the checks compare with.
-                print(f"GPU tests: reference backend \"nccl\" is {nccl_baseline(nccl)}", file=sys.stderr, flush=True)
+                print(f'GPU tests: reference backend "nccl" is {nccl_baseline(nccl)}', file=sys.stderr, flush=True)
         ctx = GpuCtx(rank, world, torch.device("cuda", torch.cuda.current_device()), nccl, {}, shared)
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent

@@ -130,7 +130,9 @@ def nccl_tolerance(dtype: torch.dtype, world: int) -> tuple[float, float]:
 
 
 def assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: got {got.dtype}{tuple(got.shape)}, expected {want.dtype}{tuple(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: got {got.dtype}{tuple(got.shape)}, expected {want.dtype}{tuple(want.shape)}"
+    )
     if torch.equal(got, want):
         return
     g, w = got.reshape(-1), want.reshape(-1)
@@ -161,7 +163,9 @@ def check_reduction(ours: torch.Tensor, xs: torch.Tensor, op: str, what: str) ->
 def check_vs_nccl(ours: torch.Tensor, theirs: torch.Tensor, op: str, what: str, world: int) -> None:
     """`ours` matches NCCL's result `theirs` for the same inputs (op "COPY": data movement)."""
     got, want = ours.reshape(-1), theirs.reshape(-1)
-    assert got.dtype == want.dtype and got.numel() == want.numel(), f"{what}: {got.dtype}[{got.numel()}] vs NCCL's {want.dtype}[{want.numel()}]"
+    assert got.dtype == want.dtype and got.numel() == want.numel(), (
+        f"{what}: {got.dtype}[{got.numel()}] vs NCCL's {want.dtype}[{want.numel()}]"
+    )
     for lo in range(0, got.numel(), CHUNK):
         hi = min(lo + CHUNK, got.numel())
         where = f"{what} vs NCCL" + (f" (elements {lo}..{hi})" if lo or hi < got.numel() else "")
@@ -194,8 +198,18 @@ def assert_same_on_all_ranks(ctx, t: torch.Tensor, what: str) -> None:
 
 
 # dtypes that data movement (all_to_all, send/recv, gathers) must carry bit for bit.
-MOVE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8,
-               torch.uint8, torch.bool, torch.complex64]
+MOVE_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def rand_any(seed: int, rank: int, n: int, dtype: torch.dtype, salt: str = "", device=None) -> torch.Tensor:

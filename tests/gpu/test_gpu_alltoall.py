@@ -139,7 +139,13 @@ def body_views_list_async(ctx, seed: int) -> None:
     assert not view_in.is_contiguous() and not view_out.is_contiguous()
     f.run(what, dist.all_to_all_single, view_out, view_in, [s[i][me] for i in range(w)], s[me])
     f.run(what, assert_equal, view_out, expected(xs, s, me), what)
-    f.run(what, assert_equal, wide_out[:, 1::2], torch.full((n_out, COLS), 5, dtype=torch.bfloat16, device=ctx.device), f"{what}: elements between the view's changed")
+    f.run(
+        what,
+        assert_equal,
+        wide_out[:, 1::2],
+        torch.full((n_out, COLS), 5, dtype=torch.bfloat16, device=ctx.device),
+        f"{what}: elements between the view's changed",
+    )
 
     what = "all_to_all_single in place"
     s = split_matrix(seed, what, w, "even", 4097)
@@ -219,7 +225,13 @@ def body_graph(ctx, seed: int) -> None:
             torch.cuda.synchronize()
             f.run(what, assert_equal, out, expected(xs, s, me), f"{what}: all_to_all_single")
             for i in range(w):
-                f.run(what, assert_equal, lst_out[i], rand_any(seed, i, 100 + me, torch.int64, salt=f"{what} to {me}"), f"{what}: all_to_all from rank {i}")
+                f.run(
+                    what,
+                    assert_equal,
+                    lst_out[i],
+                    rand_any(seed, i, 100 + me, torch.int64, salt=f"{what} to {me}"),
+                    f"{what}: all_to_all from rank {i}",
+                )
     torch.cuda.synchronize()
     f.done()
 

@@ -33,11 +33,25 @@ pytestmark = needs_gpus
 
 # (elements, dtype): odd sizes, 1 element, one of several MiB, mixed dtypes; the last is a
 # strided view in the all_reduce test.
-REDUCE_SPEC = [(7, torch.float32), (1000, torch.bfloat16), (100_003, torch.int32), (1, torch.float32),
-               (33, torch.int64), (1_572_867, torch.float32), (65_537, torch.bfloat16)]
+REDUCE_SPEC = [
+    (7, torch.float32),
+    (1000, torch.bfloat16),
+    (100_003, torch.int32),
+    (1, torch.float32),
+    (33, torch.int64),
+    (1_572_867, torch.float32),
+    (65_537, torch.bfloat16),
+]
 # Data movement: every dtype, 0 elements too.
-GATHER_SPEC = [(7, torch.float32), (0, torch.int64), (1000, torch.bfloat16), (13, torch.bool), (100_003, torch.uint8),
-               (1, torch.float64), (524_289, torch.float16)]
+GATHER_SPEC = [
+    (7, torch.float32),
+    (0, torch.int64),
+    (1000, torch.bfloat16),
+    (13, torch.bool),
+    (100_003, torch.uint8),
+    (1, torch.float64),
+    (524_289, torch.float16),
+]
 MODES = ["blocking", "async", "device"]
 
 
@@ -199,6 +213,7 @@ def body_bad_output(ctx, seed: int) -> tuple[str, str]:
     me, w = ctx.rank, ctx.world
     ins = [rand(seed, me, n, torch.float32, salt=f"bad output {n}") for n in (10, 20)]
     outs = [torch.zeros(w * 10, device=ctx.device), torch.zeros(w * 20 - (1 if me == 1 else 0), device=ctx.device)]
+
     def block() -> None:
         with dist._coalescing_manager(group=g, async_ops=True) as cm:
             for o, i in zip(outs, ins):

@@ -237,7 +237,9 @@ def body_views(ctx, seed: int) -> None:
         ref = torch.empty(w * n, dtype=dtype, device=x.device)
         ref_call(dist.all_gather_into_tensor, ref, padded[1:-1].contiguous(), group=ctx.nccl)
         assert_equal(out_padded[1:-1], ref, what)
-        assert_equal(out_padded[[0, -1]], torch.zeros(2, dtype=dtype, device=x.device), f"{what}: elements outside the output slice changed")
+        assert_equal(
+            out_padded[[0, -1]], torch.zeros(2, dtype=dtype, device=x.device), f"{what}: elements outside the output slice changed"
+        )
         rs_in = torch.cat([padded[:1], rand(seed, me, w * 1001, dtype, salt=what)])[1:]
         xs = gather_inputs(ctx, rs_in)
         rs_out = torch.zeros(1001 + 2, dtype=dtype, device=x.device)

@@ -16,8 +16,8 @@ from gpu_harness import (
     gpu_cluster,
     needs_gpus,
 )
-from harness import ClusterError
 from gpu_refs import check_reduction, gather_inputs, rand
+from harness import ClusterError
 
 pytestmark = needs_gpus
 
@@ -128,4 +128,6 @@ def test_two_ranks_on_one_gpu_are_refused_without_allow_shared_gpu():
 
 
 def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):
-    check_killed_rank((body_warm,), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce", name_victim=True)
+    check_killed_rank(
+        (body_warm,), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce", name_victim=True
+    )

@@ -26,7 +26,12 @@ MODULES = {"all_reduce", "reduce_scatter", "rooted", "all_gather", "all_to_all",
 def body_collectives(ctx, seed: int) -> str:
     """all_reduce (one-shot and two-shot sizes), reduce_scatter, all_gather and broadcast on
     the NVRTC-built kernels, against NCCL; returns this rank's arch."""
-    for n, dtype, op in ((1000, torch.float32, "SUM"), (3 << 20, torch.bfloat16, "SUM"), (4099, torch.int64, "MAX"), (65_537, torch.float16, "AVG")):
+    for n, dtype, op in (
+        (1000, torch.float32, "SUM"),
+        (3 << 20, torch.bfloat16, "SUM"),
+        (4099, torch.int64, "MAX"),
+        (65_537, torch.float16, "AVG"),
+    ):
         x = rand(seed, ctx.rank, n, dtype, op, salt=f"ar {n}")
         xs = gather_inputs(ctx, x)
         dist.all_reduce(x, op=getattr(dist.ReduceOp, op))

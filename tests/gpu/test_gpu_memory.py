@@ -29,8 +29,6 @@ STATS_KEYS = {"cuda_device", "cuda_va_reserved_bytes", "cuda_mapped_own_bytes", 
 VA_SLACK = 1 << 30
 
 
-
-
 def _check_stats(stats: dict, cap: int, world: int, what: str) -> None:
     assert STATS_KEYS <= set(stats), f"{what}: memory_stats lacks {sorted(STATS_KEYS - set(stats))}: {stats}"
     assert stats["cuda_device"] == torch.cuda.current_device(), f"{what}: {stats}"
@@ -59,7 +57,9 @@ def body_memory_stats_and_va(ctx) -> dict:
     assert 1 <= blocks <= settings["cuda_blocks"] and 1 <= p2p <= settings["cuda_p2p_blocks"], stats
     if sharers > 1:
         # Collective blocks take whole SMs; send/recv blocks take at least a whole SM per 4.
-        assert sharers * (blocks + -(-2 * (ctx.world - 1) * p2p // 4)) <= sms, f"{sharers} ranks x {blocks} + send/recv blocks do not fit on {sms} SMs: {stats}"
+        assert sharers * (blocks + -(-2 * (ctx.world - 1) * p2p // 4)) <= sms, (
+            f"{sharers} ranks x {blocks} + send/recv blocks do not fit on {sms} SMs: {stats}"
+        )
     else:
         assert blocks == settings["cuda_blocks"], f"a GPU of its own: the collective grid is the setting: {stats}"
 

@@ -57,6 +57,7 @@ def _own_gpus(request):
     if "gpus" in request.fixturenames:
         needs_own_gpus(request.getfixturevalue("gpus").world)
 
+
 GROUP_TIMEOUT = 60.0
 # Sizes in elements: 1 and odd counts (flat in every config: shards would not align);
 # 262144 and 1.5 Mi (even, 16-byte-aligned shards: hierarchical where the config allows).
@@ -361,7 +362,12 @@ def body_die_or_keep_reducing(ctx, seed: int, victim: int, timeout: float):
 
 def test_killed_rank_fails_the_survivors(seed):
     check_killed_rank(
-        (body_emulated_warm, KILL_TIMEOUT), (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "all_reduce", own_gpus=True
+        (body_emulated_warm, KILL_TIMEOUT),
+        (body_die_or_keep_reducing, seed, 1, KILL_TIMEOUT),
+        KILL_TIMEOUT,
+        KILL_SLACK,
+        "all_reduce",
+        own_gpus=True,
     )
 
 
@@ -380,7 +386,9 @@ def _hier_calls(pg) -> int:
 
 
 def _check_path(took: int, expect: bool, what: str) -> None:
-    assert took == int(expect), f"{what}: took the {'hierarchical' if took else 'flat'} path, expected {'hierarchical' if expect else 'flat'}"
+    assert took == int(expect), (
+        f"{what}: took the {'hierarchical' if took else 'flat'} path, expected {'hierarchical' if expect else 'flat'}"
+    )
 
 
 def body_hier_gather_scatter(ctx, seed: int, config: str) -> dict:
@@ -727,7 +735,9 @@ def body_both_send_first(ctx, seed: int) -> int:
     for w in reversed(recvs + sends):
         f.check("wait in reverse order", w.wait)
     for i, (y, n) in enumerate(zip(ys, sizes)):
-        f.check(f"in order {i}", assert_equal, y, rand_any(seed, peer, n, torch.bfloat16, salt=f"in order {i}"), f"message {i} of {len(sizes)}")
+        f.check(
+            f"in order {i}", assert_equal, y, rand_any(seed, peer, n, torch.bfloat16, salt=f"in order {i}"), f"message {i} of {len(sizes)}"
+        )
         checks += 1
     # Completion seen from the CPU, and a blocking send/recv pair (the lower rank first).
     x = rand_any(seed, me, 1000, torch.float32, salt="completed")
@@ -787,7 +797,9 @@ def body_first_p2p_allocates_nothing(ctx, seed: int) -> dict:
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info(ctx.device)[0]
     f.check("first p2p data", assert_equal, y, rand_any(seed, peer, n, torch.float32, salt="first p2p"), "first p2p")
-    f.check("first p2p data (small)", assert_equal, y2, rand_any(seed, peer, 1000, torch.float32, salt="first p2p small"), "first p2p small")
+    f.check(
+        "first p2p data (small)", assert_equal, y2, rand_any(seed, peer, 1000, torch.float32, salt="first p2p small"), "first p2p small"
+    )
     stats = pg.memory_stats()
     f.raise_any()
     return {"grew": free_before - free_after, "nccl_bytes": stats.get("nccl_bytes", 0), "p2p_bytes": stats.get("nccl_p2p_bytes", 0)}
@@ -796,9 +808,13 @@ def body_first_p2p_allocates_nothing(ctx, seed: int) -> dict:
 def test_first_send_recv_across_hosts_allocates_nothing(gpus, seed):
     res = _cluster(gpus).run(body_first_p2p_allocates_nothing, seed, timeout=300)
     for rank, r in enumerate(res):
-        print(f"rank {rank}: nccl_bytes {r['nccl_bytes'] / MiB:.1f} MiB, of which pair communicators {r['p2p_bytes'] / MiB:.1f} MiB; first send/recv took {r['grew'] / MiB:.1f} MiB")
+        print(
+            f"rank {rank}: nccl_bytes {r['nccl_bytes'] / MiB:.1f} MiB, of which pair communicators {r['p2p_bytes'] / MiB:.1f} MiB; first send/recv took {r['grew'] / MiB:.1f} MiB"
+        )
         assert r["nccl_bytes"] > 0 and r["p2p_bytes"] > 0, f"rank {rank}: {r}"
-        assert r["grew"] <= FIRST_P2P_SLACK, f"rank {rank}: the first send/recv across hosts took {r['grew'] / MiB:.1f} MiB of device memory: {r}"
+        assert r["grew"] <= FIRST_P2P_SLACK, (
+            f"rank {rank}: the first send/recv across hosts took {r['grew'] / MiB:.1f} MiB of device memory: {r}"
+        )
 
 
 def body_emulated_warm_p2p(ctx, timeout: float) -> None:
@@ -806,7 +822,11 @@ def body_emulated_warm_p2p(ctx, timeout: float) -> None:
     x = torch.ones(1 << 20, device=ctx.device)
     dist.all_reduce(x, group=g)
     y = torch.empty_like(x)
-    _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (ctx.rank + 1) % ctx.world, g), dist.P2POp(dist.irecv, y, (ctx.rank - 1) % ctx.world, g)]))
+    _wait_all(
+        dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, x, (ctx.rank + 1) % ctx.world, g), dist.P2POp(dist.irecv, y, (ctx.rank - 1) % ctx.world, g)]
+        )
+    )
     torch.cuda.synchronize()
     assert y[0].item() == ctx.world
 
@@ -826,7 +846,12 @@ def body_die_or_keep_exchanging(ctx, seed: int, victim: int, timeout: float):
 
 def test_killed_rank_fails_the_survivors_of_send_recv(seed):
     check_killed_rank(
-        (body_emulated_warm_p2p, KILL_TIMEOUT), (body_die_or_keep_exchanging, seed, 1, KILL_TIMEOUT), KILL_TIMEOUT, KILL_SLACK, "a send/recv ring", own_gpus=True
+        (body_emulated_warm_p2p, KILL_TIMEOUT),
+        (body_die_or_keep_exchanging, seed, 1, KILL_TIMEOUT),
+        KILL_TIMEOUT,
+        KILL_SLACK,
+        "a send/recv ring",
+        own_gpus=True,
     )
 
 

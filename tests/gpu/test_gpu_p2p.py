@@ -320,7 +320,9 @@ def test_size_mismatch_raises(gpus, seed):
     results = gpus.run(body_size_mismatch, seed, timeout=TIMEOUT_S * 4 + 2 * SLACK_S)
     for rank, (kind, msg) in enumerate(results[:2]):
         assert kind not in ("no error", "not in the group"), f"rank {rank}: a 1000-element send matched a 999-element recv without an error"
-        assert kind in ("ValueError", "RuntimeError", "TimeoutError", "PeerFailureError", "GroupAbortedError"), f"rank {rank} raised {kind}: {msg}"
+        assert kind in ("ValueError", "RuntimeError", "TimeoutError", "PeerFailureError", "GroupAbortedError"), (
+            f"rank {rank} raised {kind}: {msg}"
+        )
 
 
 def test_unmatched_send_or_recv_times_out(gpus, seed):

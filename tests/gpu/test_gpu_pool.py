@@ -27,6 +27,7 @@ from the pool, against NCCL, and its peak reserved memory.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import math
 import time
@@ -146,6 +147,11 @@ def _take(t: torch.Tensor) -> torch.Tensor:
     c = t.clone()
     _poison(t)
     return c
+
+
+def _all_reduce_and_take(t: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return _take(t)
 
 
 def _stat(stats: dict, key: str) -> int:
@@ -319,7 +325,9 @@ def body_pool_api(ctx, seed: int) -> dict:
     x = rand(seed, ctx.rank, n, torch.float32, salt=what)
     t.copy_(x)
     counter = _Counter()
-    got = counter.run(what, _expect_inplace("all_reduce", 4 * n, _limits(w, POOL_OPTIONS)), 4 * n, lambda: (dist.all_reduce(t), _take(t))[1])
+    got = counter.run(
+        what, _expect_inplace("all_reduce", 4 * n, _limits(w, POOL_OPTIONS)), 4 * n, lambda: (dist.all_reduce(t), _take(t))[1]
+    )
     check_reduction(got, gather_inputs(ctx, x), "SUM", what)
     counter.check()
 
@@ -332,7 +340,9 @@ def body_pool_api(ctx, seed: int) -> dict:
             raised = "nothing"
         except RuntimeError as e:
             raised = str(e)
-        assert "cuda_pool_bytes" in raised, f"rsccl.mem_pool() of a group without a pool raised {raised!r}; expected a RuntimeError naming cuda_pool_bytes"
+        assert "cuda_pool_bytes" in raised, (
+            f"rsccl.mem_pool() of a group without a pool raised {raised!r}; expected a RuntimeError naming cuda_pool_bytes"
+        )
     finally:
         dist.destroy_process_group(plain)
     torch.cuda.synchronize()
@@ -357,7 +367,9 @@ def body_inplace(ctx, seed: int, kind: str, sizes: list) -> dict:
     for dtype in DTYPES:
         for op in _ops(kind, dtype):
             for size in sizes:
-                _run_case(ctx, seed, g, counter, (kind, dtype, op, size, i % ctx.world), _in_pool(pool), "auto", limits, "pool, same offsets")
+                _run_case(
+                    ctx, seed, g, counter, (kind, dtype, op, size, i % ctx.world), _in_pool(pool), "auto", limits, "pool, same offsets"
+                )
                 i += 1
     torch.cuda.synchronize()
     counter.check()
@@ -576,7 +588,11 @@ def body_mixed(ctx, seed: int) -> dict:
     limits = _limits(w, ASYM_OPTIONS)
     counter = _Counter(g)
     cases = _cases(w, _sizes(w)[1:])
-    for regular_ranks, label in (({0}, "rank 0 regular, the others pool"), ({w - 1}, f"rank {w - 1} regular, the others pool"), (set(range(w)), "no rank in the pool")):
+    for regular_ranks, label in (
+        ({0}, "rank 0 regular, the others pool"),
+        ({w - 1}, f"rank {w - 1} regular, the others pool"),
+        (set(range(w)), "no rank in the pool"),
+    ):
         place = _regular if me in regular_ranks else _in_pool(pool)
         for case in cases:
             _run_case(ctx, seed, g, counter, case, place, "staged", limits, label)
@@ -626,7 +642,9 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
     assert rsccl.mem_pool(g) is pool
     assert rsccl.mem_pool() is not pool, "the new group must have its own pool, not the world group's"
     cap, allocated, peak = _pool_figures(g)
-    assert (cap, allocated, peak) == (SMALL_POOL_BYTES, 0, 0), f"a new group with cuda_pool_bytes=256MiB: capacity, allocated, peak = {cap, allocated, peak}"
+    assert (cap, allocated, peak) == (SMALL_POOL_BYTES, 0, 0), (
+        f"a new group with cuda_pool_bytes=256MiB: capacity, allocated, peak = {cap, allocated, peak}"
+    )
 
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
@@ -637,10 +655,14 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
         _, allocated, peak = _pool_figures(g)
         steps.append(allocated)
         # torch asks its MemPool's allocator for 16 MiB segments; rsccl may round each up a little.
-        assert k * CHUNK <= allocated <= k * (CHUNK + 2 * MiB) and peak == allocated, f"after {k} x 16 MiB: allocated {allocated}, peak {peak}"
+        assert k * CHUNK <= allocated <= k * (CHUNK + 2 * MiB) and peak == allocated, (
+            f"after {k} x 16 MiB: allocated {allocated}, peak {peak}"
+        )
     torch.cuda.synchronize()
     free1 = torch.cuda.mem_get_info()[0]
-    assert free1 == free0, f"allocating 64 MiB from the pool changed the device's free memory by {(free1 - free0) / MiB:+.1f} MiB (it is mapped at creation)"
+    assert free1 == free0, (
+        f"allocating 64 MiB from the pool changed the device's free memory by {(free1 - free0) / MiB:+.1f} MiB (it is mapped at creation)"
+    )
     _check_inplace_all_reduce(ctx, seed, g, held[1], "all_reduce float32 16 MiB in a 256 MiB pool")
 
     oom = None
@@ -652,9 +674,13 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
             break
     full = len(held)
     assert oom is not None, f"{full} x 16 MiB allocated from a 256 MiB pool without torch.OutOfMemoryError"
-    assert SMALL_POOL_BYTES // CHUNK - 1 <= full <= SMALL_POOL_BYTES // CHUNK, f"the 256 MiB pool held {full} x 16 MiB before OutOfMemoryError"
+    assert SMALL_POOL_BYTES // CHUNK - 1 <= full <= SMALL_POOL_BYTES // CHUNK, (
+        f"the 256 MiB pool held {full} x 16 MiB before OutOfMemoryError"
+    )
     _, allocated_full, peak_full = _pool_figures(g)
-    assert full * CHUNK <= allocated_full <= SMALL_POOL_BYTES and peak_full == allocated_full, f"full: allocated {allocated_full}, peak {peak_full}"
+    assert full * CHUNK <= allocated_full <= SMALL_POOL_BYTES and peak_full == allocated_full, (
+        f"full: allocated {allocated_full}, peak {peak_full}"
+    )
     # The group still works after the failed allocation.
     _check_inplace_all_reduce(ctx, seed, g, held[-1], "all_reduce in a full pool, after OutOfMemoryError")
     # FSDP2's path (allocate_tensor) does not fail on a full pool: it warns once and falls
@@ -666,13 +692,20 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
         spill = g.allocate_tensor(CHUNK // 4, dtype=torch.float32, device=ctx.device)
         spill2 = g.allocate_tensor(CHUNK // 4, dtype=torch.float32, device=ctx.device)
     full_warnings = [w for w in caught if "pool" in str(w.message) and "full" in str(w.message)]
-    assert len(full_warnings) == 1, f"allocate_tensor on a full pool: expected one 'pool is full' warning, got {[str(w.message) for w in caught]}"
+    assert len(full_warnings) == 1, (
+        f"allocate_tensor on a full pool: expected one 'pool is full' warning, got {[str(w.message) for w in caught]}"
+    )
     stats = rsccl.memory_stats(g)
     assert _stat(stats, "cuda_pool_allocated_bytes") == allocated_full, "the fallback must not take pool memory"
     x = rand(seed, ctx.rank, spill.numel(), spill.dtype, salt="spill")
     spill.copy_(x)
     counter = _Counter(g)
-    got = counter.run("all_reduce on allocate_tensor's fallback tensor", False, spill.numel() * 4, lambda: (dist.all_reduce(spill, group=g), _take(spill))[1])
+    got = counter.run(
+        "all_reduce on allocate_tensor's fallback tensor",
+        False,
+        spill.numel() * 4,
+        functools.partial(_all_reduce_and_take, spill, g),
+    )
     check_reduction(got, gather_inputs(ctx, x), "SUM", "all_reduce on allocate_tensor's fallback tensor")
     counter.check()
     del spill, spill2
@@ -685,10 +718,14 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
     held = [_chunk(pool) for _ in range(full)]
     _check_inplace_all_reduce(ctx, seed, g, held[0], "all_reduce in the pool after freeing and reallocating it")
     _, allocated_again, peak_again = _pool_figures(g)
-    assert allocated_again <= allocated_full and peak_again == peak_full, f"after freeing and reallocating: allocated {allocated_again}, peak {peak_again} (full: {allocated_full})"
+    assert allocated_again <= allocated_full and peak_again == peak_full, (
+        f"after freeing and reallocating: allocated {allocated_again}, peak {peak_again} (full: {allocated_full})"
+    )
 
     # The world group's pool is separate and untouched by this one being full.
-    _check_inplace_all_reduce(ctx, seed, dist.group.WORLD, _chunk(rsccl.mem_pool()), "all_reduce in the world pool while the small one is full")
+    _check_inplace_all_reduce(
+        ctx, seed, dist.group.WORLD, _chunk(rsccl.mem_pool()), "all_reduce in the world pool while the small one is full"
+    )
 
     # Tear down: tensors, the pool, then the group (and every Python reference to it, so that
     # whatever the last reference's release does happens here, inside this test).
@@ -699,13 +736,21 @@ def body_pool_exhaustion(ctx, seed: int) -> dict:
     del g
     gc.collect()
     torch.cuda.synchronize()
-    return {"steps": steps, "full_chunks": full, "allocated_full": allocated_full, "allocated_after_free": allocated_freed, "oom": oom[:200]}
+    return {
+        "steps": steps,
+        "full_chunks": full,
+        "allocated_full": allocated_full,
+        "allocated_after_free": allocated_freed,
+        "oom": oom[:200],
+    }
 
 
 def test_pool_exhaustion_and_accounting(pool_gpus, seed):
     needs_own_gpus(pool_gpus.world)  # reads the device's free memory, which sharing ranks move
     res = pool_gpus.run(body_pool_exhaustion, seed, timeout=120)
-    assert len({r["full_chunks"] for r in res}) == 1, f"ranks held different numbers of chunks before OutOfMemoryError: {[r['full_chunks'] for r in res]}"
+    assert len({r["full_chunks"] for r in res}) == 1, (
+        f"ranks held different numbers of chunks before OutOfMemoryError: {[r['full_chunks'] for r in res]}"
+    )
 
 
 # -- (e) FSDP2 --------------------------------------------------------------------------------
@@ -804,10 +849,14 @@ def body_fsdp2(ctx, seed: int, steps: int) -> dict:
     ours, theirs = runs["rsccl"]["losses"], runs["nccl"]["losses"]
     assert all(math.isfinite(v) for v in ours + theirs), f"non-finite losses: rsccl {ours}, NCCL {theirs}"
     bad = [(i, a, b) for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if not abs(a - b) <= LOSS_RTOL * abs(b) + LOSS_ATOL]
-    assert not bad, f"rank {ctx.rank}: FSDP2 losses over rsccl and NCCL differ at {len(bad)} of {steps} steps (step, rsccl, NCCL): {bad[:10]}"
+    assert not bad, (
+        f"rank {ctx.rank}: FSDP2 losses over rsccl and NCCL differ at {len(bad)} of {steps} steps (step, rsccl, NCCL): {bad[:10]}"
+    )
     runs["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     c = runs["rsccl"]["rsccl_counters"]
-    assert c["cuda_inplace_collectives"] > 0, f"FSDP2 with set_allocate_memory_from_process_group_for_comm(True): no collective ran in place: {c}"
+    assert c["cuda_inplace_collectives"] > 0, (
+        f"FSDP2 with set_allocate_memory_from_process_group_for_comm(True): no collective ran in place: {c}"
+    )
     return runs
 
 
@@ -916,7 +965,9 @@ def body_tp_mlp(ctx, seed: int, steps: int) -> dict:
     assert_same_on_all_ranks(ctx, gx_r, f"{what}: input gradient")
     n_in, b_in, n_st, b_st = (a - b for a, b in zip(after, before, strict=True))
     msg = TP_TOKENS * TP_DIM * 2
-    assert (n_in, b_in, n_st) == (2, 2 * msg, 0), f"{what}: one step's two all_reduces ({msg} bytes each, in the pool) moved the counters by in place +{n_in} (+{b_in} bytes), staged +{n_st} (+{b_st} bytes)"
+    assert (n_in, b_in, n_st) == (2, 2 * msg, 0), (
+        f"{what}: one step's two all_reduces ({msg} bytes each, in the pool) moved the counters by in place +{n_in} (+{b_in} bytes), staged +{n_st} (+{b_st} bytes)"
+    )
     del y_n, gx_n, y_r, gx_r, gw1_n, gw2_n
     _tp_step(x, w1, w2, grad_y, g, pool, False)  # and the variant without collectives, once
 
@@ -948,4 +999,6 @@ def test_tensor_parallel_mlp(pool_gpus, seed, capsys):
     needs_own_gpus(pool_gpus.world)  # compared with the same step over NCCL
     res = pool_gpus.run(body_tp_mlp, seed, TP_STEPS, timeout=240)
     with capsys.disabled():
-        print(f"\ntensor-parallel MLP, peak reserved MiB per rank (no all_reduce / rsccl pool / NCCL): {[(r['none'], r['rsccl'], r['nccl']) for r in res]}")
+        print(
+            f"\ntensor-parallel MLP, peak reserved MiB per rank (no all_reduce / rsccl pool / NCCL): {[(r['none'], r['rsccl'], r['nccl']) for r in res]}"
+        )

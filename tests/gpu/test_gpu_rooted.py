@@ -171,7 +171,11 @@ def body_root_mismatch(ctx, seed: int) -> str:
     # A rank may raise at the reduce itself or at the barrier (the GPU reports the mismatch
     # asynchronously): every rank makes both calls either way, so the group's kernels stay
     # in step (see test_gpu_errors.body_mismatch).
-    for call in (lambda: dist.reduce(x.clone(), dst=1 if ctx.rank == 1 else 0, group=g), torch.cuda.synchronize, lambda: dist.barrier(group=g)):
+    for call in (
+        lambda: dist.reduce(x.clone(), dst=1 if ctx.rank == 1 else 0, group=g),
+        torch.cuda.synchronize,
+        lambda: dist.barrier(group=g),
+    ):
         try:
             call()
         except Exception as e:  # noqa: BLE001 - the parent inspects it

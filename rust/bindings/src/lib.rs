@@ -142,12 +142,20 @@ impl Communicator {
 
     #[pyo3(signature = (b, dtype, op, blocking=false))]
     fn all_reduce(&self, b: PyBuf, dtype: &str, op: &str, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }), Kind::AllReduce, blocking)
+        self.collective(
+            || Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }),
+            Kind::AllReduce,
+            blocking,
+        )
     }
 
     #[pyo3(signature = (b, dtype, root, blocking=false))]
     fn broadcast(&self, b: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root: self.root(Kind::Broadcast, root)? }), Kind::Broadcast, blocking)
+        self.collective(
+            || Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root: self.root(Kind::Broadcast, root)? }),
+            Kind::Broadcast,
+            blocking,
+        )
     }
 
     #[pyo3(signature = (b, dtype, op, root, blocking=false))]
@@ -164,7 +172,11 @@ impl Communicator {
 
     #[pyo3(signature = (input, output, dtype, blocking=false))]
     fn all_gather(&self, input: PyBuf, output: PyBuf, dtype: &str, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }), Kind::AllGather, blocking)
+        self.collective(
+            || Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }),
+            Kind::AllGather,
+            blocking,
+        )
     }
 
     #[pyo3(signature = (input, output, dtype, op, blocking=false))]
@@ -184,7 +196,15 @@ impl Communicator {
     }
 
     #[pyo3(signature = (input, output, dtype, send_bytes, recv_bytes, blocking=false))]
-    fn all_to_all(&self, input: PyBuf, output: PyBuf, dtype: &str, send_bytes: Vec<u64>, recv_bytes: Vec<u64>, blocking: bool) -> PyResult<Work> {
+    fn all_to_all(
+        &self,
+        input: PyBuf,
+        output: PyBuf,
+        dtype: &str,
+        send_bytes: Vec<u64>,
+        recv_bytes: Vec<u64>,
+        blocking: bool,
+    ) -> PyResult<Work> {
         self.collective(
             || Ok(Collective::AllToAll { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)?, send_bytes, recv_bytes }),
             Kind::AllToAll,
@@ -195,7 +215,14 @@ impl Communicator {
     #[pyo3(signature = (input, output, dtype, root, blocking=false))]
     fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
         self.collective(
-            || Ok(Collective::Gather { input: buf(input), output: output.map(buf), dtype: DType::from_name(dtype)?, root: self.root(Kind::Gather, root)? }),
+            || {
+                Ok(Collective::Gather {
+                    input: buf(input),
+                    output: output.map(buf),
+                    dtype: DType::from_name(dtype)?,
+                    root: self.root(Kind::Gather, root)?,
+                })
+            },
             Kind::Gather,
             blocking,
         )
@@ -204,7 +231,14 @@ impl Communicator {
     #[pyo3(signature = (input, output, dtype, root, blocking=false))]
     fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
         self.collective(
-            || Ok(Collective::Scatter { input: input.map(buf), output: buf(output), dtype: DType::from_name(dtype)?, root: self.root(Kind::Scatter, root)? }),
+            || {
+                Ok(Collective::Scatter {
+                    input: input.map(buf),
+                    output: buf(output),
+                    dtype: DType::from_name(dtype)?,
+                    root: self.root(Kind::Scatter, root)?,
+                })
+            },
             Kind::Scatter,
             blocking,
         )
@@ -567,9 +601,8 @@ fn cuda_auto_one_shot_max(local_ranks: usize) -> usize {
 /// debug, trace, or a tracing filter such as "rsccl_core=debug").
 fn init_logging() -> PyResult<()> {
     let spec = std::env::var("RSCCL_LOG").unwrap_or_else(|_| "warn".into());
-    let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| {
-        pyo3::exceptions::PyValueError::new_err(format!("RSCCL_LOG = {spec:?} is not a valid level or filter: {e}"))
-    })?;
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("RSCCL_LOG = {spec:?} is not a valid level or filter: {e}")))?;
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     Ok(())
 }

@@ -387,10 +387,7 @@ fn parse_value(s: &Setting, raw: &str, source: &str) -> Result<u64> {
         ))
     })?;
     if v < s.min || v > s.max {
-        return Err(Error::Config(format!(
-            "{source} = {raw:?} is out of range [{}, {}]",
-            s.min, s.max
-        )));
+        return Err(Error::Config(format!("{source} = {raw:?} is out of range [{}, {}]", s.min, s.max)));
     }
     Ok(v)
 }
@@ -523,7 +520,8 @@ mod tests {
     #[test]
     fn kernel_cache_dir_rule() {
         use std::ffi::OsString;
-        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| OsString::from(p.1));
+        let env =
+            |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| OsString::from(p.1));
         assert_eq!(kernel_cache_dir(&env(&[("RSCCL_CACHE_DIR", "/c"), ("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/c"));
         assert_eq!(kernel_cache_dir(&env(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/x/rsccl"));
         assert_eq!(kernel_cache_dir(&env(&[("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/h/.cache/rsccl"));
@@ -606,9 +604,7 @@ mod tests {
         let env = |k: &str| (k == "RSCCL_SPIN_COUNT").then(|| "lots".to_string());
         let e = Config::resolve(&[], &env).unwrap_err().to_string();
         assert!(e.contains("RSCCL_SPIN_COUNT") && e.contains("lots"), "{e}");
-        let e = Config::resolve(&[("host_buffer_bytes".into(), "1".into())], &|_| None)
-            .unwrap_err()
-            .to_string();
+        let e = Config::resolve(&[("host_buffer_bytes".into(), "1".into())], &|_| None).unwrap_err().to_string();
         assert!(e.contains("rsccl.Options.host_buffer_bytes") && e.contains("out of range"), "{e}");
         let e = Config::resolve(&[("nope".into(), "1".into())], &|_| None).unwrap_err().to_string();
         assert!(e.contains("nope") && e.contains("host_buffer_bytes"), "{e}");

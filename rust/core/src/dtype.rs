@@ -19,17 +19,8 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 9] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::I64,
-        DType::Bool,
-    ];
+    pub const ALL: [DType; 9] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64, DType::Bool];
 
     pub fn size(self) -> usize {
         match self {
@@ -90,16 +81,8 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 8] = [
-        ReduceOp::Sum,
-        ReduceOp::Product,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::BAnd,
-        ReduceOp::BOr,
-        ReduceOp::BXor,
-        ReduceOp::Avg,
-    ];
+    pub const ALL: [ReduceOp; 8] =
+        [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor, ReduceOp::Avg];
 
     /// From torch's `ReduceOp.RedOpType` member name ("SUM", "AVG", ...).
     pub fn from_name(name: &str) -> Result<ReduceOp> {
@@ -140,11 +123,7 @@ impl ReduceOp {
         if ok {
             Ok(())
         } else {
-            Err(Error::InvalidType(format!(
-                "ReduceOp.{} is not defined on dtype {}",
-                self.name(),
-                dtype.name()
-            )))
+            Err(Error::InvalidType(format!("ReduceOp.{} is not defined on dtype {}", self.name(), dtype.name())))
         }
     }
 }

@@ -55,10 +55,7 @@ impl Error {
     /// agreement errors are detected by every rank at the same step, so the shared state
     /// stays consistent; anything else leaves the group aborted.
     pub fn keeps_group_usable(&self) -> bool {
-        matches!(
-            self,
-            Error::InvalidArgument(_) | Error::InvalidType(_) | Error::Mismatch(_) | Error::Config(_)
-        )
+        matches!(self, Error::InvalidArgument(_) | Error::InvalidType(_) | Error::Mismatch(_) | Error::Config(_))
     }
 
     /// One byte that travels in collective headers, so every rank raises the same class.

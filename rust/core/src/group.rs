@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::mesh::socket_name;
 use crate::bootstrap::rendezvous::exchange;
-use crate::bootstrap::unix::Listener;
 use crate::bootstrap::setup;
+use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
@@ -134,7 +134,8 @@ impl Group {
                                 .into(),
                         )
                     })?;
-                    let e = watch.during(Phase::Nccl, || NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline))?;
+                    let e = watch
+                        .during(Phase::Nccl, || NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline))?;
                     cuda = Some(CudaSide::Nccl(e));
                 }
                 None
@@ -143,7 +144,8 @@ impl Group {
                 let ranks = topo.local_ranks().to_vec();
                 let me = topo.local_index();
                 let layout = Layout::new(ranks.len(), &cfg)?;
-                let mesh = Arc::new(watch.during(Phase::Mesh, || LocalMesh::connect(listener, &nonce, &ranks, me, deadline, &watch.fds()))?);
+                let mesh =
+                    Arc::new(watch.during(Phase::Mesh, || LocalMesh::connect(listener, &nonce, &ranks, me, deadline, &watch.fds()))?);
                 let region = watch.during(Phase::Region, || mesh.share_region(layout.total, deadline))?;
                 // The CUDA set-up talks over the mesh, so it runs before the host engine
                 // starts watching the mesh for peers that leave.
@@ -172,9 +174,9 @@ impl Group {
         match (&*self.engine.lock(), self.kind) {
             (Some(e), _) => Ok(e.clone()),
             (None, EngineKind::Host) => Err(Error::Aborted("the group was destroyed".into())),
-            (None, EngineKind::Gloo) => Err(Error::Internal(
-                "this group spans hosts; its CPU collectives run on gloo, not the host engine".into(),
-            )),
+            (None, EngineKind::Gloo) => {
+                Err(Error::Internal("this group spans hosts; its CPU collectives run on gloo, not the host engine".into()))
+            }
         }
     }
 
@@ -190,11 +192,7 @@ impl Group {
     /// Name the global rank of each group rank in this group's messages (a subgroup's).
     pub fn name_global_ranks(&self, global: Vec<usize>) -> Result<()> {
         if global.len() != self.topo.size {
-            return Err(Error::InvalidArgument(format!(
-                "{} global ranks given for a group of {} ranks",
-                global.len(),
-                self.topo.size
-            )));
+            return Err(Error::InvalidArgument(format!("{} global ranks given for a group of {} ranks", global.len(), self.topo.size)));
         }
         if let Some(e) = &*self.engine.lock() {
             e.name_global_ranks(global);

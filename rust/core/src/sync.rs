@@ -17,10 +17,7 @@ pub const SLICE: Duration = Duration::from_millis(50);
 
 /// Sleep while `*word == expected`, at most `timeout`. Spurious returns are fine: callers loop.
 pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: `word` is a valid, aligned u32 for the duration of the call (a reference);
     // FUTEX_WAIT only reads it and compares with `expected`; `ts` outlives the call.
     unsafe {

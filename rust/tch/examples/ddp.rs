@@ -69,10 +69,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The model: the same initialization everywhere, then rank 0's values broadcast.
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let model = nn::seq()
-        .add(nn::linear(vs.root() / "l1", 16, 32, Default::default()))
-        .add_fn(|t| t.relu())
-        .add(nn::linear(vs.root() / "l2", 32, 1, Default::default()));
+    let model = nn::seq().add(nn::linear(vs.root() / "l1", 16, 32, Default::default())).add_fn(|t| t.relu()).add(nn::linear(
+        vs.root() / "l2",
+        32,
+        1,
+        Default::default(),
+    ));
     vs.set_kind(kind);
     vs.set_device(device);
     let params = vs.trainable_variables();

@@ -363,7 +363,11 @@ impl ProcessGroup {
             if !matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max)
                 || (op == ReduceOp::Avg && !a.dtype.is_float())
             {
-                return Err(Error::InvalidType(format!("rank {me}: {what}: ReduceOp.{} on {} is not supported on CUDA", op.name(), a.dtype.name())));
+                return Err(Error::InvalidType(format!(
+                    "rank {me}: {what}: ReduceOp.{} on {} is not supported on CUDA",
+                    op.name(),
+                    a.dtype.name()
+                )));
             }
         }
         Ok(a)
@@ -398,7 +402,15 @@ impl ProcessGroup {
     /// the group's GPU and, with `op`, a dtype its kernels reduce), then `sizes`; and stage
     /// it: the input contiguous (a copy if it overlaps the output: a collective must not
     /// read what it writes), the output itself or a contiguous stand-in copied back after.
-    fn in_out(&self, what: &str, input: &Tensor, output: &Tensor, cuda: bool, op: Option<ReduceOp>, sizes: impl FnOnce() -> Result<()>) -> Result<InOut> {
+    fn in_out(
+        &self,
+        what: &str,
+        input: &Tensor,
+        output: &Tensor,
+        cuda: bool,
+        op: Option<ReduceOp>,
+        sizes: impl FnOnce() -> Result<()>,
+    ) -> Result<InOut> {
         let me = self.rank();
         let (win, wout) = (format!("{what} input"), format!("{what} output"));
         let (a, b) = if cuda {
@@ -490,7 +502,11 @@ impl ProcessGroup {
                 let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
                 let p = tensor::ptr(&c);
                 let bytes = tensor::nbytes(&c, a.dtype) as u64;
-                Ok(op_plan(Self::cuda_call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, root, p, p, bytes), vec![t.shallow_clone(), c], post))
+                Ok(op_plan(
+                    Self::cuda_call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, root, p, p, bytes),
+                    vec![t.shallow_clone(), c],
+                    post,
+                ))
             }),
         }
     }
@@ -534,7 +550,8 @@ impl ProcessGroup {
                     )));
                 }
             }
-            let flat = Tensor::f_empty([(n * input.numel()) as i64], (a.kind, input.device())).map_err(|e| tensor::torch_err("all_gather", e))?;
+            let flat =
+                Tensor::f_empty([(n * input.numel()) as i64], (a.kind, input.device())).map_err(|e| tensor::torch_err("all_gather", e))?;
             let post = CopyBack::split(&flat, outputs)?;
             Ok((flat, post))
         })();
@@ -691,7 +708,13 @@ impl ProcessGroup {
         match tensor::place_of(&[input]) {
             Place::Cpu => self.host(Kind::AllToAll, blocking, || {
                 let (InOut { arg: a, inp: i, out: o, post }, send, recv) = prep(false)?;
-                let c = Collective::AllToAll { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype, send_bytes: send, recv_bytes: recv };
+                let c = Collective::AllToAll {
+                    input: tensor::buf(&i, a.dtype),
+                    output: tensor::buf(&o, a.dtype),
+                    dtype: a.dtype,
+                    send_bytes: send,
+                    recv_bytes: recv,
+                };
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
             }),
             Place::Cuda(d) => self.cuda_coll(d, blocking, || {
@@ -741,7 +764,9 @@ impl ProcessGroup {
             for t in inputs.iter().chain(outputs) {
                 let a = if cuda { self.cuda_arg(t, "all_to_all tensor", None)? } else { check(t, "all_to_all tensor", me)? };
                 if a.place != Place::Cpu && !cuda || dtype.is_some_and(|d| d != a.kind) {
-                    return Err(Error::InvalidType(format!("all_to_all: rank {me} passed tensors of several dtypes or devices; give one of each")));
+                    return Err(Error::InvalidType(format!(
+                        "all_to_all: rank {me} passed tensors of several dtypes or devices; give one of each"
+                    )));
                 }
                 dtype = Some(a.kind);
             }
@@ -751,7 +776,10 @@ impl ProcessGroup {
             let total: usize = outputs.iter().map(|t| t.numel()).sum();
             let flat_out = Tensor::f_empty([total as i64], (kind, device)).map_err(|e| tensor::torch_err("all_to_all", e))?;
             let post = CopyBack::split(&flat_out, outputs)?;
-            let splits = Splits { output: outputs.iter().map(|t| t.numel() as i64).collect(), input: inputs.iter().map(|t| t.numel() as i64).collect() };
+            let splits = Splits {
+                output: outputs.iter().map(|t| t.numel() as i64).collect(),
+                input: inputs.iter().map(|t| t.numel() as i64).collect(),
+            };
             Ok((flat_in, flat_out, splits, post))
         };
         match prep() {
@@ -817,15 +845,13 @@ impl ProcessGroup {
                 "{what}: rank {me} passed peer {peer}; give another rank of this group of {n} (rsccl does not send to itself)"
             )));
         }
-        let (c, post) = if send {
-            (tensor::contiguous(t, what)?, None)
-        } else {
-            tensor::output(t, what)?
-        };
+        let (c, post) = if send { (tensor::contiguous(t, what)?, None) } else { tensor::output(t, what)? };
         match a.place {
             Place::Cpu => {
                 if self.inner.group.kind == EngineKind::Gloo {
-                    return Err(Error::InvalidArgument(format!("{what}: rank {me}: CPU send/recv in a group that spans hosts is not supported by rsccl-tch; use CUDA tensors")));
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: rank {me}: CPU send/recv in a group that spans hosts is not supported by rsccl-tch; use CUDA tensors"
+                    )));
                 }
                 let buf = tensor::buf(&c, a.dtype);
                 let op = if send { P2p::Send { buf, dtype: a.dtype, peer, tag } } else { P2p::Recv { buf, dtype: a.dtype, peer, tag } };

@@ -65,7 +65,15 @@ fn free_port() -> u16 {
 }
 
 /// Run `scenario` in `ranks` (of `world`) worker processes; returns (rank, exit ok, output).
-fn run(scenario: &str, world: usize, ranks: &[usize], port: u16, agent_store: bool, seed: u64, extra: &[(&str, &str)]) -> Vec<(usize, bool, String)> {
+fn run(
+    scenario: &str,
+    world: usize,
+    ranks: &[usize],
+    port: u16,
+    agent_store: bool,
+    seed: u64,
+    extra: &[(&str, &str)],
+) -> Vec<(usize, bool, String)> {
     let exe = std::env::current_exe().unwrap();
     let children: Vec<(usize, Child)> = ranks
         .iter()
@@ -192,7 +200,9 @@ fn device(pg: &ProcessGroup) -> Device {
 fn input(seed: u64, tag: u64, r: usize, shape: &[i64], kind: Kind) -> Tensor {
     tch::manual_seed((seed * 1000 + tag * 17 + r as u64) as i64);
     match kind {
-        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16 => (Tensor::randn(shape, (Kind::Double, Device::Cpu)) * 0.3 + 1.0).to_kind(kind),
+        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16 => {
+            (Tensor::randn(shape, (Kind::Double, Device::Cpu)) * 0.3 + 1.0).to_kind(kind)
+        }
         Kind::Bool => Tensor::randint(2, shape, (Kind::Int64, Device::Cpu)).to_kind(Kind::Bool),
         Kind::Uint8 => Tensor::randint(256, shape, (Kind::Int64, Device::Cpu)).to_kind(kind),
         _ => (Tensor::randint(7, shape, (Kind::Int64, Device::Cpu)) - 3).to_kind(kind),
@@ -432,7 +442,12 @@ fn errors() {
     let out = Tensor::zeros([if me == n - 1 { 3 } else { 4 * n as i64 }], (Kind::Float, Device::Cpu));
     expect("all_gather size", pg.all_gather_into_tensor(&out, &t), |e| matches!(e, Error::InvalidArgument(_)), &format!("rank {}", n - 1));
     // A list of the wrong length.
-    expect("all_gather list", pg.all_gather(&[t.shallow_clone()], &t), |e| matches!(e, Error::InvalidArgument(_)), "outputs for a group of");
+    expect(
+        "all_gather list",
+        pg.all_gather(&[t.shallow_clone()], &t),
+        |e| matches!(e, Error::InvalidArgument(_)),
+        "outputs for a group of",
+    );
     // Splits that do not pair up.
     let inp = Tensor::ones([n as i64 * 2], (Kind::Float, Device::Cpu));
     let mut splits = vec![2i64; n];

@@ -51,12 +51,21 @@ impl LocalMesh {
     /// `socket_name(nonce, ranks[me])` before this rank published its record, so peers that
     /// read the record can connect. `watch`: the peers' pidfds (`SetupWatch::fds`), so a
     /// peer that dies ends the waits at once.
-    pub fn connect(listener: Listener, nonce: &[u8; 16], ranks: &[usize], me: usize, deadline: Instant, watch: &[RawFd]) -> Result<LocalMesh> {
+    pub fn connect(
+        listener: Listener,
+        nonce: &[u8; 16],
+        ranks: &[usize],
+        me: usize,
+        deadline: Instant,
+        watch: &[RawFd],
+    ) -> Result<LocalMesh> {
         let n = ranks.len();
         let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
         for (j, slot) in conns.iter_mut().enumerate().take(me) {
             let c = Conn::connect(&socket_name(nonce, ranks[j]), deadline, watch).map_err(|e| match e {
-                Error::Timeout(m) => Error::Timeout(format!("rank {} did not accept a connection from rank {} in time: {m}", ranks[j], ranks[me])),
+                Error::Timeout(m) => {
+                    Error::Timeout(format!("rank {} did not accept a connection from rank {} in time: {m}", ranks[j], ranks[me]))
+                }
                 other => other,
             })?;
             c.send(&hello(nonce, me), None)?;
@@ -66,8 +75,7 @@ impl LocalMesh {
         while missing > 0 {
             let c = listener.accept(deadline, watch).map_err(|e| match e {
                 Error::Timeout(m) => {
-                    let late: Vec<String> =
-                        (me + 1..n).filter(|&j| conns[j].is_none()).map(|j| format!("rank {}", ranks[j])).collect();
+                    let late: Vec<String> = (me + 1..n).filter(|&j| conns[j].is_none()).map(|j| format!("rank {}", ranks[j])).collect();
                     Error::Timeout(format!("{} did not connect to rank {} in time ({m})", late.join(", "), ranks[me]))
                 }
                 other => other,
@@ -94,10 +102,8 @@ impl LocalMesh {
         // Dropping the listener removes the abstract name: nothing named outlives set-up.
         drop(listener);
         // The peer's pid comes from the kernel (SO_PEERCRED), not from what it told us.
-        let pidfds = conns
-            .iter()
-            .map(|c| c.as_ref().and_then(|c| c.peer_cred().ok()).and_then(|cred| pidfd_open(cred.pid as u32)))
-            .collect();
+        let pidfds =
+            conns.iter().map(|c| c.as_ref().and_then(|c| c.peer_cred().ok()).and_then(|cred| pidfd_open(cred.pid as u32))).collect();
         Ok(LocalMesh { conns, pidfds, me, ranks: ranks.to_vec() })
     }
 
@@ -157,7 +163,12 @@ impl LocalMesh {
     /// descriptor (this rank's own slot holds `msg` and no descriptor). Sends never block
     /// for long (messages are small and socket buffers hold them), so every rank can send
     /// first and receive after.
-    pub fn all_gather(&self, msg: &[u8; 64], fd: Option<std::os::fd::RawFd>, deadline: Instant) -> Result<Vec<([u8; 64], Option<OwnedFd>)>> {
+    pub fn all_gather(
+        &self,
+        msg: &[u8; 64],
+        fd: Option<std::os::fd::RawFd>,
+        deadline: Instant,
+    ) -> Result<Vec<([u8; 64], Option<OwnedFd>)>> {
         for (j, c) in self.conns.iter().enumerate() {
             if let Some(c) = c {
                 c.send(msg, fd).map_err(|e| self.naming_peer(j, e))?;
@@ -190,9 +201,7 @@ impl LocalMesh {
     /// Local indices whose process has gone (exited, or closed its connection).
     pub fn gone(&self) -> Vec<usize> {
         (0..self.conns.len())
-            .filter(|&j| {
-                self.conns[j].as_ref().is_some_and(|c| c.peer_gone()) || self.pidfds[j].as_ref().is_some_and(exited)
-            })
+            .filter(|&j| self.conns[j].as_ref().is_some_and(|c| c.peer_gone()) || self.pidfds[j].as_ref().is_some_and(exited))
             .collect()
     }
 }

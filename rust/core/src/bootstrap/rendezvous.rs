@@ -182,8 +182,7 @@ pub fn exchange(
         )),
         other => store_failed(other),
     })?;
-    let nonce: [u8; 16] =
-        nonce_v.as_slice().try_into().map_err(|_| Error::Internal("bad nonce record in the store".into()))?;
+    let nonce: [u8; 16] = nonce_v.as_slice().try_into().map_err(|_| Error::Internal("bad nonce record in the store".into()))?;
     before_publish(&nonce)?;
     store.set(&key(&format!("info/{rank}")), &info.encode()).map_err(store_failed)?;
     let mut infos = Vec::with_capacity(size);
@@ -232,7 +231,14 @@ mod tests {
 
     #[test]
     fn record_round_trip() {
-        let i = RankInfo { pid: 123, uid: 1000, global_rank: 9, pid_ns: 4026531836, host_id: "node-1:abc".into(), settings: vec![4 << 20, 0, 7] };
+        let i = RankInfo {
+            pid: 123,
+            uid: 1000,
+            global_rank: 9,
+            pid_ns: 4026531836,
+            host_id: "node-1:abc".into(),
+            settings: vec![4 << 20, 0, 7],
+        };
         assert_eq!(RankInfo::decode(&i.encode()).unwrap(), i);
         assert!(RankInfo::decode(b"garbage").is_err());
     }

@@ -88,20 +88,17 @@ pub const EXIT_AT_ENV: &str = "RSCCL_TEST_EXIT_AT";
 
 impl ExitAt {
     pub fn parse(spec: &str) -> Result<ExitAt> {
-        let bad = |why: String| Error::Config(format!("{EXIT_AT_ENV} = {spec:?}: {why} (expected \"phase=mesh,rank=2[,group=1][,delay_ms=0]\")"));
+        let bad =
+            |why: String| Error::Config(format!("{EXIT_AT_ENV} = {spec:?}: {why} (expected \"phase=mesh,rank=2[,group=1][,delay_ms=0]\")"));
         let (mut phase, mut rank, mut group, mut delay_ms) = (None, None, 1, 0);
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("{part:?} is not key=value")))?;
             let num = || v.trim().parse::<u64>().map_err(|_| bad(format!("{k} = {v:?} is not a number")));
             match k.trim() {
                 "phase" => {
-                    phase = Some(
-                        PHASES
-                            .iter()
-                            .copied()
-                            .find(|p| p.name() == v.trim())
-                            .ok_or_else(|| bad(format!("no phase {v:?}; phases: {}", PHASES.iter().map(|p| p.name()).collect::<Vec<_>>().join(", "))))?,
-                    )
+                    phase = Some(PHASES.iter().copied().find(|p| p.name() == v.trim()).ok_or_else(|| {
+                        bad(format!("no phase {v:?}; phases: {}", PHASES.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")))
+                    })?)
                 }
                 "rank" => rank = Some(num()? as usize),
                 "group" => group = num()?,

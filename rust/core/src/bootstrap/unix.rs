@@ -65,13 +65,9 @@ impl Listener {
     /// `watch`: descriptors that become readable when a peer exits (see `wait_fd`).
     pub fn accept(&self, deadline: Instant, watch: &[RawFd]) -> Result<Conn> {
         loop {
-            wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, watch, || {
-                format!("no local rank connected to @{} in time", self.name)
-            })?;
+            wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline, watch, || format!("no local rank connected to @{} in time", self.name))?;
             // SAFETY: `self.fd` is a listening socket; null address arguments are allowed.
-            let fd = unsafe {
-                libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
-            };
+            let fd = unsafe { libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
             if fd < 0 {
                 let err = std::io::Error::last_os_error();
                 if matches!(err.raw_os_error(), Some(libc::EINTR) | Some(libc::ECONNABORTED) | Some(libc::EAGAIN)) {
@@ -136,10 +132,8 @@ impl Conn {
                 return Ok(conn);
             }
             let err = std::io::Error::last_os_error();
-            let retry = matches!(
-                err.raw_os_error(),
-                Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN) | Some(libc::EINTR)
-            );
+            let retry =
+                matches!(err.raw_os_error(), Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EAGAIN) | Some(libc::EINTR));
             if !retry {
                 return Err(Error::os(format!("connecting to local rank socket @{name}"), err));
             }
@@ -180,13 +174,7 @@ impl Conn {
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: `cred` and `len` are valid for writes of the sizes given.
         let rc = unsafe {
-            libc::getsockopt(
-                self.fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                &mut cred as *mut _ as *mut libc::c_void,
-                &mut len,
-            )
+            libc::getsockopt(self.fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, &mut cred as *mut _ as *mut libc::c_void, &mut len)
         };
         if rc != 0 {
             return Err(Error::last_os("reading a local peer's credentials"));
@@ -198,7 +186,7 @@ impl Conn {
     pub fn send(&self, data: &[u8], fd: Option<RawFd>) -> Result<()> {
         let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
         let mut cmsg_buf = [0u64; 8]; // u64 for alignment; 64 bytes is ample for one fd
-        // SAFETY: msghdr is plain old data.
+                                      // SAFETY: msghdr is plain old data.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;

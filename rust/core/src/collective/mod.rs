@@ -30,10 +30,7 @@ impl Buf {
 pub fn root_index(kind: Kind, root: i64, n: usize) -> Result<usize> {
     match usize::try_from(root) {
         Ok(r) if r < n => Ok(r),
-        _ => Err(Error::InvalidArgument(format!(
-            "{}: root/src rank {root} is out of range for a group of size {n}",
-            kind.name()
-        ))),
+        _ => Err(Error::InvalidArgument(format!("{}: root/src rank {root} is out of range for a group of size {n}", kind.name()))),
     }
 }
 
@@ -68,9 +65,7 @@ impl Kind {
 
     pub fn from_code(c: u8) -> Option<Kind> {
         use Kind::*;
-        [AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier]
-            .into_iter()
-            .find(|k| *k as u8 == c)
+        [AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier].into_iter().find(|k| *k as u8 == c)
     }
 
     fn has_op(self) -> bool {
@@ -85,23 +80,64 @@ impl Kind {
 /// One collective as one rank called it. Element counts are in elements of `dtype`.
 #[derive(Debug)]
 pub enum Collective {
-    AllReduce { buf: Buf, dtype: DType, op: ReduceOp },
-    Broadcast { buf: Buf, dtype: DType, root: usize },
-    Reduce { buf: Buf, dtype: DType, op: ReduceOp, root: usize },
+    AllReduce {
+        buf: Buf,
+        dtype: DType,
+        op: ReduceOp,
+    },
+    Broadcast {
+        buf: Buf,
+        dtype: DType,
+        root: usize,
+    },
+    Reduce {
+        buf: Buf,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    },
     /// `output` holds group-size copies of `input`, in rank order.
-    AllGather { input: Buf, output: Buf, dtype: DType },
+    AllGather {
+        input: Buf,
+        output: Buf,
+        dtype: DType,
+    },
     /// `input` holds group-size blocks of `output`'s size; rank r receives block r reduced.
-    ReduceScatter { input: Buf, output: Buf, dtype: DType, op: ReduceOp },
+    ReduceScatter {
+        input: Buf,
+        output: Buf,
+        dtype: DType,
+        op: ReduceOp,
+    },
     /// Bytes sent to / received from each rank, packed in rank order in input / output.
-    AllToAll { input: Buf, output: Buf, dtype: DType, send_bytes: Vec<u64>, recv_bytes: Vec<u64> },
+    AllToAll {
+        input: Buf,
+        output: Buf,
+        dtype: DType,
+        send_bytes: Vec<u64>,
+        recv_bytes: Vec<u64>,
+    },
     /// `output` (root only) holds group-size blocks of `input`'s size.
-    Gather { input: Buf, output: Option<Buf>, dtype: DType, root: usize },
+    Gather {
+        input: Buf,
+        output: Option<Buf>,
+        dtype: DType,
+        root: usize,
+    },
     /// `input` (root only) holds group-size blocks of `output`'s size.
-    Scatter { input: Option<Buf>, output: Buf, dtype: DType, root: usize },
+    Scatter {
+        input: Option<Buf>,
+        output: Buf,
+        dtype: DType,
+        root: usize,
+    },
     Barrier,
     /// This rank's arguments were wrong: it still takes part in the agreement step so that
     /// every rank raises `error` instead of waiting for it.
-    Invalid { kind: Kind, error: Error },
+    Invalid {
+        kind: Kind,
+        error: Error,
+    },
 }
 
 impl Collective {
@@ -173,13 +209,7 @@ impl Collective {
                 if rank == *root {
                     match output {
                         Some(o) if o.len == input.len * n => {}
-                        Some(o) => {
-                            return bad(format!(
-                                "gather: root's output has {} elements, expected {n} x {}",
-                                elems(o),
-                                elems(input)
-                            ))
-                        }
+                        Some(o) => return bad(format!("gather: root's output has {} elements, expected {n} x {}", elems(o), elems(input))),
                         None => return bad("gather: the root passed no gather_list".into()),
                     }
                 }
@@ -190,11 +220,7 @@ impl Collective {
                     match input {
                         Some(i) if i.len == output.len * n => {}
                         Some(i) => {
-                            return bad(format!(
-                                "scatter: root's input has {} elements, expected {n} x {}",
-                                elems(i),
-                                elems(output)
-                            ))
+                            return bad(format!("scatter: root's input has {} elements, expected {n} x {}", elems(i), elems(output)))
                         }
                         None => return bad("scatter: the root passed no scatter_list".into()),
                     }
@@ -299,8 +325,7 @@ fn error_text(h: &CollHeader) -> String {
 pub fn agree(h: &[CollHeader]) -> Result<()> {
     let failed: Vec<usize> = (0..h.len()).filter(|&r| h[r].error_class != 0).collect();
     if let Some(&first) = failed.first() {
-        let msg =
-            failed.iter().map(|&r| format!("rank {r}: {}", error_text(&h[r]))).collect::<Vec<_>>().join("; ");
+        let msg = failed.iter().map(|&r| format!("rank {r}: {}", error_text(&h[r]))).collect::<Vec<_>>().join("; ");
         return Err(Error::from_class_code(h[first].error_class, msg));
     }
     let kind_name = |c: u8| Kind::from_code(c).map_or("an unknown collective", |k| k.name());
@@ -310,10 +335,7 @@ pub fn agree(h: &[CollHeader]) -> Result<()> {
     for r in 1..h.len() {
         let (a, b) = (&h[0], &h[r]);
         let differ = |what: &str, x: String, y: String| {
-            Err(Error::Mismatch(format!(
-                "ranks disagree on {}: rank 0 passed {what}={x}, rank {r} passed {what}={y}",
-                kind.name()
-            )))
+            Err(Error::Mismatch(format!("ranks disagree on {}: rank 0 passed {what}={x}, rank {r} passed {what}={y}", kind.name())))
         };
         if a.kind != b.kind {
             return Err(Error::Mismatch(format!(
@@ -356,10 +378,7 @@ pub fn agree(h: &[CollHeader]) -> Result<()> {
         }
     }
     if let Some(r) = (1..h.len()).find(|&r| h[r].seq != h[0].seq) {
-        return Err(Error::Mismatch(format!(
-            "ranks are out of step: rank 0 is at collective #{}, rank {r} at #{}",
-            h[0].seq, h[r].seq
-        )));
+        return Err(Error::Mismatch(format!("ranks are out of step: rank 0 is at collective #{}, rank {r} at #{}", h[0].seq, h[r].seq)));
     }
     Ok(())
 }

@@ -26,19 +26,43 @@ macro_rules! float_acc {
     ($t:ty) => {
         impl Acc for $t {
             #[inline(always)]
-            fn add(self, o: Self) -> Self { self + o }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
             #[inline(always)]
-            fn mul(self, o: Self) -> Self { self * o }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
             #[inline(always)]
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
+            fn min(self, o: Self) -> Self {
+                if o < self {
+                    o
+                } else {
+                    self
+                }
+            }
             #[inline(always)]
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
+            fn max(self, o: Self) -> Self {
+                if o > self {
+                    o
+                } else {
+                    self
+                }
+            }
             // Bitwise ops are rejected on floats before any data moves (ReduceOp::check).
-            fn and(self, _: Self) -> Self { self }
-            fn or(self, _: Self) -> Self { self }
-            fn xor(self, _: Self) -> Self { self }
+            fn and(self, _: Self) -> Self {
+                self
+            }
+            fn or(self, _: Self) -> Self {
+                self
+            }
+            fn xor(self, _: Self) -> Self {
+                self
+            }
             #[inline(always)]
-            fn div_n(self, n: usize) -> Self { self / n as $t }
+            fn div_n(self, n: usize) -> Self {
+                self / n as $t
+            }
         }
     };
 }
@@ -49,21 +73,37 @@ macro_rules! int_acc {
     ($t:ty) => {
         impl Acc for $t {
             #[inline(always)]
-            fn add(self, o: Self) -> Self { self.wrapping_add(o) }
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
             #[inline(always)]
-            fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
             #[inline(always)]
-            fn min(self, o: Self) -> Self { Ord::min(self, o) }
+            fn min(self, o: Self) -> Self {
+                Ord::min(self, o)
+            }
             #[inline(always)]
-            fn max(self, o: Self) -> Self { Ord::max(self, o) }
+            fn max(self, o: Self) -> Self {
+                Ord::max(self, o)
+            }
             #[inline(always)]
-            fn and(self, o: Self) -> Self { self & o }
+            fn and(self, o: Self) -> Self {
+                self & o
+            }
             #[inline(always)]
-            fn or(self, o: Self) -> Self { self | o }
+            fn or(self, o: Self) -> Self {
+                self | o
+            }
             #[inline(always)]
-            fn xor(self, o: Self) -> Self { self ^ o }
+            fn xor(self, o: Self) -> Self {
+                self ^ o
+            }
             // AVG is rejected on integers (ReduceOp::check).
-            fn div_n(self, _: usize) -> Self { self }
+            fn div_n(self, _: usize) -> Self {
+                self
+            }
         }
     };
 }
@@ -76,14 +116,30 @@ int_acc!(i64);
 #[derive(Clone, Copy, Default)]
 struct Bool01(u8);
 impl Acc for Bool01 {
-    fn add(self, o: Self) -> Self { Bool01(self.0 | o.0) }
-    fn mul(self, o: Self) -> Self { Bool01(self.0 & o.0) }
-    fn min(self, o: Self) -> Self { Bool01(self.0 & o.0) }
-    fn max(self, o: Self) -> Self { Bool01(self.0 | o.0) }
-    fn and(self, o: Self) -> Self { Bool01(self.0 & o.0) }
-    fn or(self, o: Self) -> Self { Bool01(self.0 | o.0) }
-    fn xor(self, o: Self) -> Self { Bool01(self.0 ^ o.0) }
-    fn div_n(self, _: usize) -> Self { self }
+    fn add(self, o: Self) -> Self {
+        Bool01(self.0 | o.0)
+    }
+    fn mul(self, o: Self) -> Self {
+        Bool01(self.0 & o.0)
+    }
+    fn min(self, o: Self) -> Self {
+        Bool01(self.0 & o.0)
+    }
+    fn max(self, o: Self) -> Self {
+        Bool01(self.0 | o.0)
+    }
+    fn and(self, o: Self) -> Self {
+        Bool01(self.0 & o.0)
+    }
+    fn or(self, o: Self) -> Self {
+        Bool01(self.0 | o.0)
+    }
+    fn xor(self, o: Self) -> Self {
+        Bool01(self.0 ^ o.0)
+    }
+    fn div_n(self, _: usize) -> Self {
+        self
+    }
 }
 
 /// An element type in memory and how it widens to its accumulator.
@@ -98,9 +154,13 @@ macro_rules! same_elem {
         impl Elem for $t {
             type A = $t;
             #[inline(always)]
-            fn load(self) -> $t { self }
+            fn load(self) -> $t {
+                self
+            }
             #[inline(always)]
-            fn store(a: $t) -> $t { a }
+            fn store(a: $t) -> $t {
+                a
+            }
         }
     };
 }
@@ -114,16 +174,24 @@ same_elem!(i64);
 impl Elem for f16 {
     type A = f32;
     #[inline(always)]
-    fn load(self) -> f32 { self.to_f32() }
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
     #[inline(always)]
-    fn store(a: f32) -> f16 { f16::from_f32(a) }
+    fn store(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
 }
 impl Elem for bf16 {
     type A = f32;
     #[inline(always)]
-    fn load(self) -> f32 { self.to_f32() }
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
     #[inline(always)]
-    fn store(a: f32) -> bf16 { bf16::from_f32(a) }
+    fn store(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -132,9 +200,13 @@ struct BoolByte(u8);
 impl Elem for BoolByte {
     type A = Bool01;
     #[inline(always)]
-    fn load(self) -> Bool01 { Bool01((self.0 != 0) as u8) }
+    fn load(self) -> Bool01 {
+        Bool01((self.0 != 0) as u8)
+    }
     #[inline(always)]
-    fn store(a: Bool01) -> BoolByte { BoolByte(a.0) }
+    fn store(a: Bool01) -> BoolByte {
+        BoolByte(a.0)
+    }
 }
 
 #[inline(always)]

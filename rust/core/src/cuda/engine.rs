@@ -119,7 +119,14 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
 /// progress whenever its partner does, so no cycle of waits can form from a lack of SMs.
 /// (Other work on the GPU, e.g. the caller's compute kernels, only delays ours: it ends by
 /// itself and frees its SMs.)
-pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, p2p_per_sm: u32, collective_blocks: u32, collective_per_sm: u32) -> u32 {
+pub fn p2p_blocks_that_fit(
+    setting: u32,
+    local_ranks: usize,
+    sms: u32,
+    p2p_per_sm: u32,
+    collective_blocks: u32,
+    collective_per_sm: u32,
+) -> u32 {
     let kernels = 2 * local_ranks.saturating_sub(1) as u64;
     if kernels == 0 {
         return setting; // no peer: send/recv never run
@@ -152,7 +159,15 @@ pub fn p2p_blocks_that_fit(setting: u32, local_ranks: usize, sms: u32, p2p_per_s
 /// share and the others run in their turns. (A single rank's collectives run one after the
 /// other, as on a GPU of its own; other work on the GPU only delays ours.) (0, 0) when a
 /// share cannot hold even one block of each kernel.
-pub fn grids_that_fit(cuda_blocks: u32, p2p_setting: u32, local_ranks: usize, sms: u32, p2p_per_sm: u32, collective_per_sm: u32, sharers: u32) -> (u32, u32) {
+pub fn grids_that_fit(
+    cuda_blocks: u32,
+    p2p_setting: u32,
+    local_ranks: usize,
+    sms: u32,
+    p2p_per_sm: u32,
+    collective_per_sm: u32,
+    sharers: u32,
+) -> (u32, u32) {
     if sharers <= 1 {
         return (cuda_blocks, p2p_blocks_that_fit(p2p_setting, local_ranks, sms, p2p_per_sm, cuda_blocks, collective_per_sm));
     }
@@ -175,7 +190,15 @@ pub fn grids_that_fit(cuda_blocks: u32, p2p_setting: u32, local_ranks: usize, sm
 /// and receivers must split messages alike), or an error on every rank alike when some GPU
 /// cannot hold even one block per kernel. `sharers` is how many of the group's ranks use
 /// this rank's GPU.
-fn agree_grids(dev: &Device, kernels: &Kernels, mesh: &LocalMesh, local_ranks: &[usize], cfg: &Config, sharers: u32, deadline: Instant) -> Result<(u32, u32)> {
+fn agree_grids(
+    dev: &Device,
+    kernels: &Kernels,
+    mesh: &LocalMesh,
+    local_ranks: &[usize],
+    cfg: &Config,
+    sharers: u32,
+    deadline: Instant,
+) -> Result<(u32, u32)> {
     let n = mesh.size();
     let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
@@ -300,7 +323,7 @@ impl CudaKind {
             CudaKind::Recv,
         ]
         .into_iter()
-            .find(|k| k.code() == c)
+        .find(|k| k.code() == c)
     }
 
     pub fn name(self) -> &'static str {
@@ -410,13 +433,7 @@ pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u
 /// GPU); what it returns may differ between ranks, and the kernels settle it together.
 /// Every rank calls it with the same kind, family and sizes, so calls under the threshold
 /// or of a family without an in-place algorithm (one-shot) offer nothing on every rank.
-pub fn placement(
-    c: &CudaCall,
-    fam: Option<Family>,
-    world: usize,
-    min_bytes: u64,
-    in_pool: &dyn Fn(u64, u64) -> Option<u64>,
-) -> (u64, u64) {
+pub fn placement(c: &CudaCall, fam: Option<Family>, world: usize, min_bytes: u64, in_pool: &dyn Fn(u64, u64) -> Option<u64>) -> (u64, u64) {
     let elem = c.dtype.size();
     let msg = message_bytes(c.kind, c.count, elem, world);
     if msg == 0 || msg < min_bytes {
@@ -758,10 +775,7 @@ impl EventHome for CudaEngine {
         // rsccl's kernels time out by themselves and say so (health); the CPU wait also
         // covers work of others queued before the collective, so this alone does not
         // make the group unusable.
-        Error::Timeout(format!(
-            "a CUDA collective did not finish within the group timeout ({:.1} s)",
-            self.timeout.as_secs_f64()
-        ))
+        Error::Timeout(format!("a CUDA collective did not finish within the group timeout ({:.1} s)", self.timeout.as_secs_f64()))
     }
 }
 
@@ -769,7 +783,14 @@ impl CudaEngine {
     /// Build the engine of local rank `mesh.local_index()` on `device`: map the pool with
     /// every local peer, load the kernels, and (if configured) run a warm-up of every
     /// kernel family. Blocks until every local rank has done the same, or the deadline.
-    pub fn create(device: i32, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>, cfg: &Config, timeout: Duration, deadline: Instant) -> Result<Arc<CudaEngine>> {
+    pub fn create(
+        device: i32,
+        mesh: Arc<LocalMesh>,
+        local_ranks: Vec<usize>,
+        cfg: &Config,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Arc<CudaEngine>> {
         let n = mesh.size();
         if n > MAX_RANKS {
             return Err(Error::Config(format!("rsccl's CUDA kernels support up to {MAX_RANKS} GPUs per host, this group has {n}")));
@@ -837,21 +858,30 @@ impl CudaEngine {
                 Ok(e) => free_events.push(e),
                 Err(err) => {
                     // SAFETY: events created just above, used by nothing yet.
-                    free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
+                    free_events.into_iter().for_each(|e| unsafe {
+                        cu::cuEventDestroy_v2(e);
+                    });
                     return Err(err);
                 }
             }
         }
         let mut internal: CUstream = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
-        if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate") {
+        if let Err(err) =
+            check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")
+        {
             // SAFETY: as above.
-            free_events.into_iter().for_each(|e| unsafe { cu::cuEventDestroy_v2(e); });
+            free_events.into_iter().for_each(|e| unsafe {
+                cu::cuEventDestroy_v2(e);
+            });
             return Err(err);
         }
         let mut poison_stream: CUstream = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; a non-blocking stream.
-        if let Err(err) = check(unsafe { cu::cuStreamCreate(&mut poison_stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (abort)") {
+        if let Err(err) = check(
+            unsafe { cu::cuStreamCreate(&mut poison_stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate (abort)",
+        ) {
             // SAFETY: the events and stream created above, used by nothing yet.
             unsafe {
                 free_events.into_iter().for_each(|e| {
@@ -868,7 +898,8 @@ impl CudaEngine {
                 continue;
             }
             // SAFETY: out-pointer into the vector; a non-blocking stream.
-            let r = check(unsafe { cu::cuStreamCreate(st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (send/recv)");
+            let r =
+                check(unsafe { cu::cuStreamCreate(st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (send/recv)");
             if let Err(err) = r {
                 // SAFETY: streams and events created above, used by nothing yet.
                 unsafe {
@@ -1132,9 +1163,7 @@ impl CudaEngine {
             )));
         }
         let (mine, theirs) = self.descriptors(peer)?;
-        Err(Error::Mismatch(format!(
-            "ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}"
-        )))
+        Err(Error::Mismatch(format!("ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}")))
     }
 
     /// Wait until every collective kernel launched so far has finished (the event recorded
@@ -1206,7 +1235,15 @@ impl CudaEngine {
     /// (peer, direction)'s own stream, after the work queued on the caller's `stream`.
     /// Returns the end event of an asynchronous call; a blocking one makes `stream` wait.
     #[allow(clippy::too_many_arguments)]
-    pub fn launch_p2p(self: &Arc<Self>, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+    pub fn launch_p2p(
+        self: &Arc<Self>,
+        send: bool,
+        ptr: u64,
+        bytes: u64,
+        peer: usize,
+        stream: u64,
+        asynchronous: bool,
+    ) -> Result<Option<CudaEvent>> {
         let (n, me) = (self.pool.nranks, self.pool.me);
         let what = if send { "send to" } else { "recv from" };
         if peer >= n || peer == me {
@@ -1237,7 +1274,19 @@ impl CudaEngine {
             // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
             check(
                 unsafe {
-                    cu::cuLaunchKernel(func, self.p2p_blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+                    cu::cuLaunchKernel(
+                        func,
+                        self.p2p_blocks,
+                        1,
+                        1,
+                        THREADS,
+                        1,
+                        1,
+                        0,
+                        target as CUstream,
+                        &mut arg_ptr,
+                        std::ptr::null_mut(),
+                    )
                 },
                 &format!("launching rsccl's CUDA {}", kind.name()),
             )?;
@@ -1246,9 +1295,9 @@ impl CudaEngine {
             check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
             if asynchronous {
                 {
-                let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
-                Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout))
-            }
+                    let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
+                    Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout))
+                }
             } else {
                 // SAFETY: valid event and caller stream; the wait captures the record.
                 let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev, 0) }, "cuStreamWaitEvent");
@@ -1452,9 +1501,7 @@ impl CudaEngine {
                 // SAFETY: valid event.
                 match unsafe { cu::cuEventQuery(ev) } {
                     cu::CUresult::CUDA_SUCCESS => break Ok(()),
-                    cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_micros(20))
-                    }
+                    cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(20)),
                     cu::CUresult::CUDA_ERROR_NOT_READY => break Err(Error::Timeout("reading the collective counters".into())),
                     e => break check(e, "cuEventQuery"),
                 }
@@ -1731,7 +1778,9 @@ mod tests {
         assert_eq!(fit(32, 16, 132, 2, 32, 1), 6, "30 x 6 = 180");
         assert_eq!(fit(32, 4, 132, 2, 32, 2), 32, "two collective blocks per SM: 16 SMs taken");
         assert_eq!(fit(64, 8, 132, 2, 64, 1), 9, "64 collective blocks leave 68 SMs: 136 / 14");
-        for (setting, l, sms, p2p, coll, coll_sm) in [(32, 8, 132, 2, 64, 1), (64, 4, 132, 2, 64, 1), (7, 5, 20, 3, 17, 2), (64, 16, 132, 1, 64, 1)] {
+        for (setting, l, sms, p2p, coll, coll_sm) in
+            [(32, 8, 132, 2, 64, 1), (64, 4, 132, 2, 64, 1), (7, 5, 20, 3, 17, 2), (64, 16, 132, 1, 64, 1)]
+        {
             let b = fit(setting, l, sms, p2p, coll, coll_sm);
             let free = (sms - coll.div_ceil(coll_sm)) * p2p;
             assert!(b <= setting);

@@ -226,10 +226,38 @@ macro_rules! alloc_fns {
     };
 }
 alloc_fns!(
-    alloc0 = 0, alloc1 = 1, alloc2 = 2, alloc3 = 3, alloc4 = 4, alloc5 = 5, alloc6 = 6, alloc7 = 7,
-    alloc8 = 8, alloc9 = 9, alloc10 = 10, alloc11 = 11, alloc12 = 12, alloc13 = 13, alloc14 = 14, alloc15 = 15,
-    alloc16 = 16, alloc17 = 17, alloc18 = 18, alloc19 = 19, alloc20 = 20, alloc21 = 21, alloc22 = 22, alloc23 = 23,
-    alloc24 = 24, alloc25 = 25, alloc26 = 26, alloc27 = 27, alloc28 = 28, alloc29 = 29, alloc30 = 30, alloc31 = 31
+    alloc0 = 0,
+    alloc1 = 1,
+    alloc2 = 2,
+    alloc3 = 3,
+    alloc4 = 4,
+    alloc5 = 5,
+    alloc6 = 6,
+    alloc7 = 7,
+    alloc8 = 8,
+    alloc9 = 9,
+    alloc10 = 10,
+    alloc11 = 11,
+    alloc12 = 12,
+    alloc13 = 13,
+    alloc14 = 14,
+    alloc15 = 15,
+    alloc16 = 16,
+    alloc17 = 17,
+    alloc18 = 18,
+    alloc19 = 19,
+    alloc20 = 20,
+    alloc21 = 21,
+    alloc22 = 22,
+    alloc23 = 23,
+    alloc24 = 24,
+    alloc25 = 25,
+    alloc26 = 26,
+    alloc27 = 27,
+    alloc28 = 28,
+    alloc29 = 29,
+    alloc30 = 30,
+    alloc31 = 31
 );
 
 extern "C" fn pool_free(ptr: *mut c_void, _size: usize, _device: i32, _stream: *mut c_void) {

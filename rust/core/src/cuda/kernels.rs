@@ -339,9 +339,7 @@ fn options(arch: &str) -> Vec<String> {
 fn nvrtc_present() -> Result<()> {
     // SAFETY: only tries to dlopen NVRTC by its usual names.
     if !unsafe { nv::is_culib_present() } {
-        return Err(Error::Cuda(
-            "NVRTC (libnvrtc.so.13) is not loadable: rsccl finds it in torch's nvidia-cuda-nvrtc package".into(),
-        ));
+        return Err(Error::Cuda("NVRTC (libnvrtc.so.13) is not loadable: rsccl finds it in torch's nvidia-cuda-nvrtc package".into()));
     }
     Ok(())
 }
@@ -461,17 +459,19 @@ pub fn cache_paths(arch: &str) -> Result<Option<Vec<PathBuf>>> {
 
 /// Every module's cubin from the cache, or None if any is missing.
 fn read_cached(dir: &Path, key: u64, arch: &str) -> Option<Vec<(&'static str, Vec<u8>)>> {
-    MODULES
-        .iter()
-        .map(|(m, _)| std::fs::read(cache_file(dir, key, m, arch)).ok().filter(|b| !b.is_empty()).map(|b| (*m, b)))
-        .collect()
+    MODULES.iter().map(|(m, _)| std::fs::read(cache_file(dir, key, m, arch)).ok().filter(|b| !b.is_empty()).map(|b| (*m, b))).collect()
 }
 
 /// An exclusive flock on `path`, held until the file is dropped (and released by the
 /// kernel if the process dies): one process per host compiles a set of kernels.
 fn lock_file(path: &Path, arch: &str) -> Result<std::fs::File> {
     use std::os::fd::AsRawFd;
-    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(|e| Error::os(format!("opening {}", path.display()), e))?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| Error::os(format!("opening {}", path.display()), e))?;
     let lock = |how: i32| loop {
         // SAFETY: flock on a descriptor this function owns.
         if unsafe { libc::flock(f.as_raw_fd(), how) } == 0 {
@@ -657,7 +657,9 @@ impl Kernels {
                     tracing::warn!(arch = %arch, "rsccl: {why}; compiling them with NVRTC for this GPU (RSCCL_KERNELS=nvrtc skips this check)");
                     None
                 }
-                Err(why) => return Err(Error::Cuda(format!("{why}; RSCCL_KERNELS=prebuilt forbids compiling them with NVRTC (use auto or nvrtc)"))),
+                Err(why) => {
+                    return Err(Error::Cuda(format!("{why}; RSCCL_KERNELS=prebuilt forbids compiling them with NVRTC (use auto or nvrtc)")))
+                }
             },
         };
         let (modules, origin, cubin_bytes) = match prebuilt {
@@ -683,7 +685,20 @@ impl Kernels {
         let (all_gather, broadcast, gather, scatter) = (get(0)?, get(1)?, get(2)?, get(3)?);
         let (all_to_all, send, recv, barrier) = (get(4)?, get(5)?, get(6)?, get(7)?);
         tracing::info!(arch = %arch, origin = %origin, bytes = cubin_bytes, ms = t.elapsed().as_millis() as u64, "rsccl: kernels loaded");
-        Ok(Kernels { _modules: modules, reduce, all_gather, broadcast, gather, scatter, all_to_all, send, recv, barrier, cubin_bytes, origin })
+        Ok(Kernels {
+            _modules: modules,
+            reduce,
+            all_gather,
+            broadcast,
+            gather,
+            scatter,
+            all_to_all,
+            send,
+            recv,
+            barrier,
+            cubin_bytes,
+            origin,
+        })
     }
 
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
@@ -715,7 +730,6 @@ impl Kernels {
         Ok(if least == u32::MAX { 0 } else { least })
     }
 }
-
 
 #[cfg(test)]
 mod tests {

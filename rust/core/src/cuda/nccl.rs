@@ -354,10 +354,7 @@ impl NcclComm {
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
         // SAFETY: a live parent (it is aborted only by the engine's watchdog, which does not
         // run during creation); out-pointer to a local; cfg lives across the call.
-        self.check(
-            unsafe { (self.nccl.fns.comm_split)(parent, color, key as c_int, &mut comm, &mut cfg) },
-            "ncclCommSplit",
-        )?;
+        self.check(unsafe { (self.nccl.fns.comm_split)(parent, color, key as c_int, &mut comm, &mut cfg) }, "ncclCommSplit")?;
         if comm.is_null() {
             return Ok(None);
         }
@@ -443,7 +440,8 @@ pub fn p2p_split_rounds(hosts: &[Vec<usize>], same_host: bool) -> Vec<Vec<(usize
             host_of[r] = h;
         }
     }
-    let needs = |a: usize, b: usize| a != b && host_of[a] != usize::MAX && host_of[b] != usize::MAX && (host_of[a] != host_of[b] || same_host);
+    let needs =
+        |a: usize, b: usize| a != b && host_of[a] != usize::MAX && host_of[b] != usize::MAX && (host_of[a] != host_of[b] || same_host);
     let bound = (0..n).map(|a| (0..n).filter(|&b| needs(a, b)).count()).max().unwrap_or(0);
     let tries = if n <= 128 { 16 } else { 1 };
     let mut best: Option<Vec<Vec<(usize, usize)>>> = None;
@@ -499,7 +497,11 @@ fn circle_matchings(n: usize, needs: &dyn Fn(usize, usize) -> bool) -> Vec<Vec<(
 }
 
 fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// Matchings that together cover every unordered pair {a, b} with `needs(a, b)` once:
@@ -613,7 +615,17 @@ mod tests {
     /// Host-major layout: `sizes[h]` consecutive ranks on host h.
     fn layout(sizes: &[usize]) -> Vec<Vec<usize>> {
         let mut next = 0;
-        sizes.iter().map(|&k| (0..k).map(|_| { next += 1; next - 1 }).collect()).collect()
+        sizes
+            .iter()
+            .map(|&k| {
+                (0..k)
+                    .map(|_| {
+                        next += 1;
+                        next - 1
+                    })
+                    .collect()
+            })
+            .collect()
     }
 
     #[test]
@@ -662,7 +674,14 @@ mod tests {
             if parts == 1 {
                 return vec![vec![n]];
             }
-            (1..=n - (parts - 1)).flat_map(|first| compositions(n - first, parts - 1).into_iter().map(move |mut rest| { rest.insert(0, first); rest })).collect()
+            (1..=n - (parts - 1))
+                .flat_map(|first| {
+                    compositions(n - first, parts - 1).into_iter().map(move |mut rest| {
+                        rest.insert(0, first);
+                        rest
+                    })
+                })
+                .collect()
         }
         for n in 1..=7 {
             for parts in 1..=n.min(4) {

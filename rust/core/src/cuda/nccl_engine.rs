@@ -411,7 +411,10 @@ impl Shared {
     fn abort_comms(&self) {
         let guard = self.gate.try_write_for(ABORT_GRACE);
         if guard.is_none() {
-            tracing::warn!(rank = self.rank, "rsccl: a launch did not leave its NCCL call within {ABORT_GRACE:?}; aborting the communicators anyway");
+            tracing::warn!(
+                rank = self.rank,
+                "rsccl: a launch did not leave its NCCL call within {ABORT_GRACE:?}; aborting the communicators anyway"
+            );
         }
         std::thread::scope(|s| {
             for (_, c) in self.comms() {
@@ -496,7 +499,15 @@ fn new_event() -> Result<CUevent> {
 /// Publish (if `make`) or read `role`'s unique id, then wait until all `members` ranks of
 /// the communicator have it: a rank that died after the rendezvous is reported here, by
 /// the store's timeout, instead of leaving the others in ncclCommInitRank for good.
-fn share_id(store: &dyn Store, nccl: &Nccl, nonce: &[u8; 16], role: CommRole, make: bool, members: usize, deadline: Instant) -> Result<[u8; 128]> {
+fn share_id(
+    store: &dyn Store,
+    nccl: &Nccl,
+    nonce: &[u8; 16],
+    role: CommRole,
+    make: bool,
+    members: usize,
+    deadline: Instant,
+) -> Result<[u8; 128]> {
     let key = id_key(nonce, role, "id");
     if make {
         store.set(&key, &nccl.unique_id()?)?;
@@ -607,7 +618,9 @@ fn make_pairs(
                     comm.abort();
                     return Err(Error::Internal("ncclCommSplit made a communicator for NCCL_SPLIT_NOCOLOR".into()));
                 }
-                (None, Some(_)) => return Err(Error::Internal(format!("ncclCommSplit made no communicator for rank {me} and rank {peer}"))),
+                (None, Some(_)) => {
+                    return Err(Error::Internal(format!("ncclCommSplit made no communicator for rank {me} and rank {peer}")))
+                }
             }
         }
         warm_pairs(&pairs, warm, deadline)
@@ -749,7 +762,8 @@ impl NcclEngine {
         let hierarchical = ranks_per_host.len() >= 2 && ranks_per_host[0] >= 2 && ranks_per_host.iter().all(|&n| n == ranks_per_host[0]);
         let names = vec![
             CString::new(format!("rsccl-flat-r{}", topo.rank)).map_err(|_| Error::Internal("NUL in a name".into()))?,
-            CString::new(format!("rsccl-cross{}-r{}", topo.local_index(), topo.rank)).map_err(|_| Error::Internal("NUL in a name".into()))?,
+            CString::new(format!("rsccl-cross{}-r{}", topo.local_index(), topo.rank))
+                .map_err(|_| Error::Internal("NUL in a name".into()))?,
         ];
         let ctx = dev.bind()?;
         let mut internal: CUstream = std::ptr::null_mut();
@@ -784,7 +798,22 @@ impl NcclEngine {
             check(cu::cuCtxSynchronize(), "cuCtxSynchronize")?;
         }
         drop(ctx);
-        let result = Self::build(nccl, dev.clone(), topo, store, nonce, listener, cfg, timeout, deadline, hierarchical, internal, scratch, warm, &names);
+        let result = Self::build(
+            nccl,
+            dev.clone(),
+            topo,
+            store,
+            nonce,
+            listener,
+            cfg,
+            timeout,
+            deadline,
+            hierarchical,
+            internal,
+            scratch,
+            warm,
+            &names,
+        );
         let _ctx = dev.bind()?;
         // SAFETY: the warm-up finished (build waited for it), or failed before launching,
         // or aborted its communicators, which ends their kernels: the stream drains, then
@@ -1059,7 +1088,11 @@ impl NcclEngine {
         self.health()?;
         if self.host_of[peer] == self.host_of[me] {
             if let Some(local) = &self.sh.local {
-                let li = self.local_ranks.iter().position(|&r| r == peer).ok_or_else(|| Error::Internal(format!("rank {peer} is not among this host's ranks")))?;
+                let li = self
+                    .local_ranks
+                    .iter()
+                    .position(|&r| r == peer)
+                    .ok_or_else(|| Error::Internal(format!("rank {peer} is not among this host's ranks")))?;
                 return local.launch_p2p(send, ptr, bytes, li, stream, asynchronous);
             }
         }
@@ -1092,11 +1125,7 @@ impl NcclEngine {
         join(&mut o, caller, target)?;
         // As in launch_inner: the watchdog ages a send/recv from its start on the GPU.
         let tracked = !is_capturing(target)?;
-        let start = if tracked {
-            Some(record(&mut o, target)?)
-        } else {
-            None
-        };
+        let start = if tracked { Some(record(&mut o, target)?) } else { None };
         if bytes > 0 {
             let raw = pair.comm.live()?;
             let f = pair.comm.fns();
@@ -1170,11 +1199,7 @@ impl NcclEngine {
         // graph: it runs when the graph is replayed), from an event recorded right before
         // it (its start on the GPU) to one right after (its end).
         let tracked = !is_capturing(target)?;
-        let start = if tracked {
-            Some(record(&mut o, target)?)
-        } else {
-            None
-        };
+        let start = if tracked { Some(record(&mut o, target)?) } else { None };
         let enqueued = match (a2a, path) {
             (Some(x), _) => self.enqueue_all_to_all(x, target),
             (None, CrossHost::Flat) => self.enqueue_flat(c, target),
@@ -1388,7 +1413,8 @@ impl NcclEngine {
         let hosts = self.ranks_per_host.len() as u64;
         let (me, li, n) = (self.host_index as u64, self.local_index as u64, c.count);
         let piece = |h: u64| c.out + (h * l + li) * n;
-        let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_gather failed part-way: {e}")) } else { e };
+        let fatal =
+            |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_gather failed part-way: {e}")) } else { e };
         let f = cross.fns();
         let s = stream as nc::cudaStream_t;
         let ok = nc::ncclResult_t::ncclSuccess;
@@ -1402,7 +1428,9 @@ impl NcclEngine {
                 let dst = piece(h);
                 let src = if h == me { c.inp } else { dst };
                 // SAFETY: as above.
-                let rr = unsafe { (f.broadcast)(src as *const c_void, dst as *mut c_void, n as usize, nc::ncclDataType_t::ncclUint8, h as i32, raw, s) };
+                let rr = unsafe {
+                    (f.broadcast)(src as *const c_void, dst as *mut c_void, n as usize, nc::ncclDataType_t::ncclUint8, h as i32, raw, s)
+                };
                 if r == ok {
                     r = rr;
                 }
@@ -1453,7 +1481,13 @@ impl NcclEngine {
         if self.hier_scratch == 0 || hosts * mb > self.hier_scratch_bytes {
             return Err(Error::Internal("hierarchical reduce_scatter without room in its scratch".into()));
         }
-        let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical reduce_scatter failed part-way: {e}")) } else { e };
+        let fatal = |e: Error| {
+            if e.keeps_group_usable() {
+                Error::Aborted(format!("a hierarchical reduce_scatter failed part-way: {e}"))
+            } else {
+                e
+            }
+        };
         for h in 0..hosts {
             let call = CudaCall {
                 kind: CudaKind::ReduceScatter,
@@ -1504,14 +1538,17 @@ impl NcclEngine {
         let call = |kind, dtype, inp, out, count| CudaCall { kind, dtype, op: c.op, root: 0, inp, out, count, stream, asynchronous: false };
         // Any error once a phase may have started leaves the peers of the other phases
         // waiting: it makes the group unusable (the caller aborts it).
-        let fatal = |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_reduce failed part-way: {e}")) } else { e };
+        let fatal =
+            |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_reduce failed part-way: {e}")) } else { e };
         local.launch(&call(CudaKind::ReduceScatter, c.dtype, c.inp, mine, shard)).map_err(fatal)?;
         let raw = cross.live()?;
         let dt = nccl_dtype(c.dtype).ok_or_else(|| Error::Internal("checked dtype".into()))?;
         let op = nccl_op(c.op).ok_or_else(|| Error::Internal("checked op".into()))?;
         // SAFETY: a live communicator (see enqueue_flat); `mine` is this rank's shard of
         // `out` (shard elements, inside the count the caller checked); a live stream.
-        let r = unsafe { (cross.fns().all_reduce)(mine as *const c_void, mine as *mut c_void, shard as usize, dt, op, raw, stream as nc::cudaStream_t) };
+        let r = unsafe {
+            (cross.fns().all_reduce)(mine as *const c_void, mine as *mut c_void, shard as usize, dt, op, raw, stream as nc::cudaStream_t)
+        };
         cross.check(r, "NCCL all_reduce (cross-host phase of a hierarchical all_reduce)")?;
         local.launch(&call(CudaKind::AllGather, DType::U8, mine, c.out, shard_bytes)).map_err(fatal)?;
         Ok(())
@@ -1582,7 +1619,10 @@ impl NcclEngine {
                 c.close();
             }
         } else {
-            tracing::warn!(rank = sh.rank, "rsccl: aborting the group's NCCL communicators at shutdown (the group failed or its work did not finish)");
+            tracing::warn!(
+                rank = sh.rank,
+                "rsccl: aborting the group's NCCL communicators at shutdown (the group failed or its work did not finish)"
+            );
             sh.abort_comms();
         }
         if let Some(l) = &sh.local {

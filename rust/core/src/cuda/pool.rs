@@ -28,9 +28,7 @@ pub fn round_up(n: usize, g: usize) -> usize {
 /// function, so the arithmetic and the message are tested without a GPU.
 pub fn va_needed(nranks: usize, block_bytes: usize, granularity: usize, cap: usize) -> Result<(usize, usize)> {
     let block = round_up(block_bytes.max(1), granularity.max(1));
-    let total = block
-        .checked_mul(nranks)
-        .ok_or_else(|| Error::Config(format!("{nranks} ranks x {block} bytes overflows")))?;
+    let total = block.checked_mul(nranks).ok_or_else(|| Error::Config(format!("{nranks} ranks x {block} bytes overflows")))?;
     if total > cap {
         return Err(Error::Config(format!(
             "the CUDA pool needs {total} bytes of virtual address space ({nranks} local ranks x {block} bytes \
@@ -89,7 +87,11 @@ impl SymmetricPool {
         // SAFETY: out-pointer to a local; prop is fully initialized.
         check(
             unsafe {
-                cu::cuMemGetAllocationGranularity(&mut gran, &prop, cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+                cu::cuMemGetAllocationGranularity(
+                    &mut gran,
+                    &prop,
+                    cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
             },
             "cuMemGetAllocationGranularity",
         )?;

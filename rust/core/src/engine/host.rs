@@ -169,11 +169,7 @@ impl Shared {
             return None;
         }
         let who: Vec<String> = gone.iter().map(|&r| format!("rank {} (pid {})", r, self.pid(r))).collect();
-        Some(Error::PeerFailure(format!(
-            "{} exited, was killed, or left the group; rank {} cannot continue",
-            who.join(", "),
-            self.me
-        )))
+        Some(Error::PeerFailure(format!("{} exited, was killed, or left the group; rank {} cannot continue", who.join(", "), self.me)))
     }
 }
 
@@ -226,8 +222,6 @@ struct P2pJob {
     work: Arc<WorkState>,
 }
 
-
-
 pub struct HostEngine {
     sh: Arc<Shared>,
     coll: Arc<Queue<CollJob>>,
@@ -255,10 +249,8 @@ impl HostEngine {
             p2p_messages: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
         });
-        let coll = Arc::new(Queue {
-            items: Mutex::new(QueueState { jobs: VecDeque::new(), closed: false, busy: false }),
-            cv: Condvar::new(),
-        });
+        let coll =
+            Arc::new(Queue { items: Mutex::new(QueueState { jobs: VecDeque::new(), closed: false, busy: false }), cv: Condvar::new() });
         let exec = Arc::new(Mutex::new(CollExec {
             sh: sh.clone(),
             epoch: 0,
@@ -599,9 +591,7 @@ impl CollExec {
                 Collective::Broadcast { buf, root, .. } => self.broadcast(*buf, *root),
                 Collective::Reduce { buf, dtype, op, root } => self.reduce_to_root(*buf, *dtype, *op, *root),
                 Collective::AllGather { input, output, .. } => self.all_gather(*input, *output),
-                Collective::ReduceScatter { input, output, dtype, op } => {
-                    self.reduce_scatter(*input, *output, *dtype, *op)
-                }
+                Collective::ReduceScatter { input, output, dtype, op } => self.reduce_scatter(*input, *output, *dtype, *op),
                 Collective::AllToAll { input, output, recv_bytes, send_bytes, .. } => {
                     self.all_to_all(*input, *output, send_bytes, recv_bytes)
                 }
@@ -1209,12 +1199,7 @@ impl P2pExec {
                 // receiver acks chunk g (protocol in ChannelCtrl); `buf` is valid for its
                 // len (the Python Work holds the tensor).
                 unsafe {
-                    ch.headers[h].get().write(MsgHeader {
-                        tag,
-                        total_bytes: buf.len as u64,
-                        dtype: dtype as u8,
-                        _pad: [0; 7],
-                    });
+                    ch.headers[h].get().write(MsgHeader { tag, total_bytes: buf.len as u64, dtype: dtype as u8, _pad: [0; 7] });
                     copy(self.sh.region.at(self.sh.layout.channel_half(me, j, h)), buf.ptr.add(lo), len);
                 }
                 ch.sent.0.store(g.wrapping_add(1), Ordering::Release);

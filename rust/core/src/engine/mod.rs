@@ -14,11 +14,26 @@ use crate::work::WorkState;
 /// A point-to-point operation with one peer (a rank of the group).
 #[derive(Debug)]
 pub enum P2p {
-    Send { buf: Buf, dtype: DType, peer: usize, tag: i64 },
-    Recv { buf: Buf, dtype: DType, peer: usize, tag: i64 },
+    Send {
+        buf: Buf,
+        dtype: DType,
+        peer: usize,
+        tag: i64,
+    },
+    Recv {
+        buf: Buf,
+        dtype: DType,
+        peer: usize,
+        tag: i64,
+    },
     /// A recv from whichever rank's message with this tag comes first (dist.recv/irecv
     /// without src, CPU tensors): `source` holds that rank once the Work completes.
-    RecvAny { buf: Buf, dtype: DType, tag: i64, source: Arc<AtomicUsize> },
+    RecvAny {
+        buf: Buf,
+        dtype: DType,
+        tag: i64,
+        source: Arc<AtomicUsize>,
+    },
 }
 
 /// Tags run from 0 to 2^31 - 1, as gloo's (a 32-bit slot) do: a tag outside is a bad
@@ -44,9 +59,7 @@ impl P2p {
         if (0..P2P_TAG_LIMIT).contains(&tag) {
             return Ok(());
         }
-        Err(crate::Error::InvalidArgument(format!(
-            "rank {me} posted a {what} with tag {tag}, out of range: tags run from 0 to 2^31 - 1"
-        )))
+        Err(crate::Error::InvalidArgument(format!("rank {me} posted a {what} with tag {tag}, out of range: tags run from 0 to 2^31 - 1")))
     }
 }
 

@@ -143,9 +143,7 @@ pub struct Layout {
 impl Layout {
     pub fn new(nranks: usize, cfg: &Config) -> Result<Layout> {
         if nranks == 0 || nranks > MAX_LOCAL_RANKS {
-            return Err(Error::InvalidArgument(format!(
-                "rsccl supports 1 to {MAX_LOCAL_RANKS} ranks of one group per host, got {nranks}"
-            )));
+            return Err(Error::InvalidArgument(format!("rsccl supports 1 to {MAX_LOCAL_RANKS} ranks of one group per host, got {nranks}")));
         }
         let coll_half = cfg.coll_half_bytes();
         let p2p_half = cfg.p2p_half_bytes();
