@@ -1651,6 +1651,39 @@ impl Drop for CudaEngine {
     }
 }
 
+fn new_event() -> Result<CUevent> {
+    let mut e: CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+    Ok(e)
+}
+
+fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
+    // Read while the connections are up: a peer that died can no longer be asked.
+    let pids: Vec<Option<u32>> = (0..mesh.size()).map(|j| mesh.peer_pid(j)).collect();
+    while !sh.stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(50));
+        let gone = mesh.gone();
+        if let Some(&j) = gone.first() {
+            let mut p = sh.poisoned.lock();
+            if p.is_none() {
+                let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
+                *p = Some(Error::PeerFailure(format!(
+                    "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
+                    local_ranks.get(j).copied().unwrap_or(j)
+                )));
+            }
+            drop(p);
+            // Kernels poll this word while they wait and return (see the kernel source).
+            sh.words.write(HostWords::ABORT, 1);
+            // The other peers see the death themselves within one poll; this stops their
+            // kernels that wait on this rank's sooner, naming the dead rank as the cause.
+            sh.poison_peers(j);
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1758,7 +1791,7 @@ mod tests {
     #[test]
     fn p2p_inbox_split() {
         // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
-        assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), (16 << 20) / (3 * 64) & !255);
+        assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), ((16 << 20) / (3 * 64)) & !255);
         assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
         // One rank: one slot, never divided by zero.
         assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
@@ -1812,7 +1845,7 @@ mod tests {
         assert_eq!(g(64, 32, 4, 132, 2, 1, 4), (30, 1), "33 SMs: 3 for 6 send/recv kernels");
         assert_eq!(g(64, 32, 8, 132, 2, 1, 8), (9, 1), "16 SMs: 7 for 14 send/recv kernels");
         assert_eq!(g(64, 32, 16, 132, 2, 1, 16), (0, 0), "8 SMs cannot hold 30 send/recv kernels");
-        assert_eq!(g(4, 32, 4, 132, 2, 1, 4), (4, 32.min((33 - 4) * 2 / 6)), "a smaller setting stands");
+        assert_eq!(g(4, 32, 4, 132, 2, 1, 4), (4, (33 - 4) * 2 / 6), "a smaller setting stands");
         assert_eq!(g(64, 32, 4, 132, 0, 1, 4), (0, 0), "a send/recv kernel that cannot run");
         // The invariant: every co-located rank's collective and send/recv kernels fit on the
         // GPU together, each at least one block, collective blocks taking whole SMs.
@@ -1845,38 +1878,5 @@ mod tests {
         assert_eq!(describe(r, 7), "reduce float32[7] SUM to local rank 2");
         assert_eq!(describe(CudaKind::Gather.code() | (1u64 << 32), 64), "gather of 64 bytes per rank to local rank 1");
         assert_eq!(message_bytes(CudaKind::Scatter, 64, 1, 4), 256);
-    }
-}
-
-fn new_event() -> Result<CUevent> {
-    let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: out-pointer to a local.
-    check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
-    Ok(e)
-}
-
-fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
-    // Read while the connections are up: a peer that died can no longer be asked.
-    let pids: Vec<Option<u32>> = (0..mesh.size()).map(|j| mesh.peer_pid(j)).collect();
-    while !sh.stop.load(Ordering::Acquire) {
-        std::thread::sleep(Duration::from_millis(50));
-        let gone = mesh.gone();
-        if let Some(&j) = gone.first() {
-            let mut p = sh.poisoned.lock();
-            if p.is_none() {
-                let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
-                *p = Some(Error::PeerFailure(format!(
-                    "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
-                    local_ranks.get(j).copied().unwrap_or(j)
-                )));
-            }
-            drop(p);
-            // Kernels poll this word while they wait and return (see the kernel source).
-            sh.words.write(HostWords::ABORT, 1);
-            // The other peers see the death themselves within one poll; this stops their
-            // kernels that wait on this rank's sooner, naming the dead rank as the cause.
-            sh.poison_peers(j);
-            return;
-        }
     }
 }

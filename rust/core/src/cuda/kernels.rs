@@ -11,6 +11,7 @@
 //! - NVRTC: compiled for the GPU's arch at group creation, the families in parallel threads,
 //!   cached on disk. One process per host compiles (a file lock beside the cache files);
 //!   the others wait for its files.
+//!
 //! `auto` takes the prebuilt code when it covers the GPU and loads, else NVRTC.
 
 use std::collections::HashMap;
@@ -498,7 +499,10 @@ fn lock_file(path: &Path, arch: &str) -> Result<std::fs::File> {
 /// Compilation happens under the lock file `kernels-<key>-<arch>.lock` of the cache
 /// directory: the first process compiles, the others wait for the lock and then read its
 /// files. Returns the cubins and whether they came from the cache.
-pub fn cubin_for(arch: &str) -> Result<(Vec<(&'static str, Vec<u8>)>, bool)> {
+/// Each family's name and cubin.
+pub type Cubins = Vec<(&'static str, Vec<u8>)>;
+
+pub fn cubin_for(arch: &str) -> Result<(Cubins, bool)> {
     let key = cache_key(arch)?;
     let Some(dir) = cache_dir() else {
         return Ok((compile_logged(arch)?, false));
