@@ -3,6 +3,7 @@
 //! path with its stream and error rules: engine.rs), and the NCCL engine for groups that
 //! span hosts (nccl.rs, nccl_engine.rs), which uses the former inside each host.
 
+pub mod call;
 pub mod driver;
 pub mod engine;
 pub mod heap;
