@@ -3,6 +3,11 @@ call of each layer (torch.distributed, the ProcessGroup method, the Rust launch)
 1 KiB bf16.
 
     python3 scripts/gpu_cpu_cost.py
+
+On one GPU both ranks share it (rsccl's allow_shared_gpu; start MPS first for a fair GPU
+column), and the NCCL rows are left out (NCCL refuses two ranks on one GPU). 500 timed calls
+per row, fewer than CUDA's launch queue holds, so the CPU column is the CPU's time even
+where the GPU is slower than the launches.
 """
 
 import os
@@ -19,10 +24,14 @@ def rank_main(rank, world, port, q):
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    dev = rank % torch.cuda.device_count()
+    shared = world > torch.cuda.device_count()
+    if shared:
+        os.environ["RSCCL_ALLOW_SHARED_GPU"] = "1"
+    torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)
-    nccl = dist.new_group(backend="nccl", device_id=torch.device("cuda", rank))
+    nccl = dist.new_group(backend="gloo") if shared else dist.new_group(backend="nccl", device_id=torch.device("cuda", dev))
     pg = dist.group.WORLD
     x = torch.randn(512, device="cuda").bfloat16()
     opts = dist.AllreduceOptions()
@@ -32,7 +41,7 @@ def rank_main(rank, world, port, q):
     cases = {
         "python loop only": lambda: None,
         "comm.cuda_collective (Rust launch)": lambda: comm.cuda_collective(
-            "all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(rank), False
+            "all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(dev), False
         ),
         "pg.allreduce([x], opts)": lambda: pg.allreduce([x], opts),
         "dist.all_reduce(x)": lambda: dist.all_reduce(x),
@@ -48,20 +57,23 @@ def rank_main(rank, world, port, q):
     cases.update(
         {
             "comm.cuda_all_to_all (Rust launch)": lambda: comm.cuda_all_to_all(
-                sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(rank), False
+                sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(dev), False
             ),
             "pg.alltoall_base(o, x, [], [], opts)": lambda: pg.alltoall_base(o, x, [], [], a2a_opts),
             "dist.all_to_all_single(o, x)": lambda: dist.all_to_all_single(o, x),
             "dist.all_to_all_single(o, x, group=nccl)": lambda: dist.all_to_all_single(o, x, group=nccl),
         }
     )
+    if shared:
+        cases = {k: v for k, v in cases.items() if "group=nccl" not in k}
+    cases = {k: v for k, v in cases.items() if "(Rust launch)" not in k or hasattr(comm, k.split(".")[1].split(" ")[0])}
     out = {}
     for name, fn in cases.items():
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
         dist.barrier(group=nccl)
-        n = 2000
+        n = 500
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
         e0.record()

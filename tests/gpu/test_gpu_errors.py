@@ -71,13 +71,17 @@ def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
 
 
 def body_unsupported(ctx, seed: int) -> dict[str, str]:
-    """What rsccl does not run on CUDA tensors in a single-host group: only recv from any
-    source (every standard collective and send/recv run). It must raise at once, on the
-    calling rank alone (a recv involves nobody else), and leave the group working."""
+    """What rsccl does not run on CUDA tensors in a single-host group: recv from any source
+    and the bitwise reductions (as NCCL has neither; every other standard collective and
+    send/recv run). It must raise at once, on the calling rank alone (a recv involves nobody
+    else; a bitwise all_reduce is refused by each rank that asks for it), and leave the
+    group working."""
     g = _own_group()
     x = rand(seed, ctx.rank, 4 * ctx.world, torch.float32)
+    ints = torch.randint(0, 1 << 30, (4 * ctx.world,), generator=torch.Generator().manual_seed(seed + ctx.rank)).to(ctx.device)
     calls = {
         "recv_anysource": lambda: dist.recv(torch.empty_like(x), group=g),
+        "all_reduce_band_int64": lambda: dist.all_reduce(ints, op=dist.ReduceOp.BAND, group=g),
     }
     results = {}
     for name, call in calls.items():
@@ -97,7 +101,8 @@ def test_unsupported_cuda_calls_raise(gpus, seed):
     for rank, per_call in enumerate(results):
         for name, outcome in per_call.items():
             assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; rsccl must raise"
-            assert outcome.startswith("TypeError") and "src" in outcome, f"rank {rank}: {name}'s error does not say what to pass: {outcome}"
+            says = {"recv_anysource": "src", "all_reduce_band_int64": f"rank {rank} passed ReduceOp.BAND on torch.int64"}[name]
+            assert outcome.startswith("TypeError") and says in outcome, f"rank {rank}: {name}'s error does not say {says!r}: {outcome}"
 
 
 KILL_TIMEOUT = 20.0  # the fresh cluster's group timeout
