@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)
         nccl = dist.new_group(backend="nccl")
         if rank == 0:
-            from ._cuda import nccl_baseline
+            from .._cuda import nccl_baseline
 
             print(f'hier bench: torch\'s backend "nccl" is {nccl_baseline(nccl)}', flush=True)
         old = os.environ.get("RSCCL_HOST_ID")

@@ -1,5 +1,5 @@
-"""The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/_bench_cuda.py, "What
-runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
+"""The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/bench/cuda/__init__.py,
+"What runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
 (FSDP's communication buffers from the group's pool, in place) and over an NCCL group, in
 the benchmark's rank processes, after the collective measurements.
 
@@ -169,7 +169,7 @@ def used_bytes(dev: torch.device) -> int:
 def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
     """fn() on every rank, then the device synchronized; if it raised on any rank, every rank
     raises PhaseError naming the first failing rank (its traceback goes to its stderr)."""
-    from ._bench_cuda import describe
+    from .cuda.config import describe
 
     result, err = None, ""
     try:
@@ -191,7 +191,7 @@ def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
 
 def rsccl_options(r: Any, pool: int) -> dict[str, Any]:
     """The rsccl FSDP group's options: --rsccl-options, the pool, a VA cap that fits it."""
-    from ._bench_cuda import GRANULE, POOL_VA_FLOOR, option_bytes, round_up
+    from .cuda.config import GRANULE, POOL_VA_FLOOR, option_bytes, round_up
 
     user = dict(r.cfg.rsccl_options)
     buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
@@ -208,7 +208,7 @@ def new_group(r: Any, backend: str, pool: int) -> Any:
 
         return dist.new_group(backend="rsccl", timeout=timeout, pg_options=Options(**rsccl_options(r, pool)))
     if r.dev.type == "cuda":
-        from ._cuda import nccl_baseline
+        from .._cuda import nccl_baseline
 
         g = dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
         if r.rank == 0:
