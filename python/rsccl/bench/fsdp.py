@@ -191,10 +191,13 @@ def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
 
 def rsccl_options(r: Any, pool: int) -> dict[str, Any]:
     """The rsccl FSDP group's options: --rsccl-options, the pool, a VA cap that fits it."""
-    from .cuda.config import GRANULE, POOL_VA_FLOOR, option_bytes, round_up
+    from .cuda.config import GRANULE, POOL_VA_FLOOR, resolved, round_up
 
     user = dict(r.cfg.rsccl_options)
-    buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
+    # cuda_buffer_bytes as rsccl resolves it (the option, else RSCCL_CUDA_BUFFER_BYTES, else the
+    # default); None where rsccl would refuse the options (the group's creation then says why).
+    settings = resolved(user)
+    buf = settings["cuda_buffer_bytes"] if settings else None
     need = r.world * round_up(pool + (buf if buf is not None else 4 << 30), GRANULE)
     return {**user, "cuda_pool_bytes": pool, "max_cuda_va_bytes": max(POOL_VA_FLOOR, need + (1 << 30))}
 
