@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import socket
+from typing import Any
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
@@ -64,3 +65,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files only (the Agg backend), or None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display is needed or wanted
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def size_axis(ax: Any) -> None:
+    """The x axis of a plot against message size: log 2, labelled in B/KiB/MiB/GiB, with a grid."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_xscale("log", base=2)
+    # Powers of 4 keep the tick labels from overlapping.
+    ax.xaxis.set_major_locator(LogLocator(base=4))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
+    ax.set_xlabel("message size per rank")
+    ax.grid(True, which="both", alpha=0.3)

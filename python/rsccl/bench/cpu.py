@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from .common import TOLERANCES, bus_factor, free_port, human, message_sizes, numels
+from .common import TOLERANCES, bus_factor, free_port, human, message_sizes, numels, pyplot, size_axis
 
 BACKENDS = ("rsccl", "gloo")
 
@@ -287,13 +287,8 @@ def write_csv(path: Path, device: str, rows: list[dict], header: str) -> None:
 
 def write_png(path: Path, rows: list[dict], title: str) -> bool:
     """Plot busbw against size, one panel per collective; False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display is needed or wanted
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
     worlds = sorted({r["world_size"] for r in rows})
@@ -311,15 +306,10 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
                 )
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, markersize=4, label=f"{backend}, {world} ranks")
-        ax.set_xscale("log", base=2)
+        size_axis(ax)
         ax.set_yscale("log")
-        # Powers of 4 keep the tick labels from overlapping.
-        ax.xaxis.set_major_locator(LogLocator(base=4))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
         ax.set_title(collective)
-        ax.set_xlabel("message size per rank")
         ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in axes.flat[len(collectives) :]:
         ax.set_visible(False)

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common import human
+from ..common import human, pyplot, size_axis
 from .config import BACKEND_ORDER, COLORS, SMALL_PLOT_BYTES, Config
 
 
 def write_png(path: Path, rows: list[dict], cfg: Config, title: str) -> bool:
     """Top: busbw against size per collective; bottom: eager (solid) and graph (dotted)
     latency for sizes up to 1 MiB. False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
     worlds = sorted({r["world_size"] for r in rows})
@@ -73,11 +68,7 @@ def write_png(path: Path, rows: list[dict], cfg: Config, title: str) -> bool:
                             label="_nolegend_",
                         )
         for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_locator(LogLocator(base=4))
-            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
-            ax.set_xlabel("message size per rank")
-            ax.grid(True, which="both", alpha=0.3)
+            size_axis(ax)
             ax.legend(fontsize=6)
         top.set_yscale("log")
         top.set_title(f"{collective}: bus bandwidth")
