@@ -5,6 +5,6 @@
 - cpu.py: `--device cpu`, rsccl against gloo.
 - cuda/: `--device cuda`, rsccl against NCCL and torch's symmetric memory (its method in
   cuda/__init__.py).
-- fsdp.py: the FSDP2 section of the CUDA bench.
+- fsdp.py, fsdp_report.py: the FSDP2 section of the CUDA bench (in the ranks; its report).
 - hier.py: `--device cuda --hier`, hierarchical vs flat on emulated hosts.
 """

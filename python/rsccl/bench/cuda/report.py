@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from ..common import human
-from ..fsdp import fsdp_markdown
+from ..fsdp_report import fsdp_markdown
 from .config import BACKEND_ORDER, GPU_ENV, GRAPH_CALLS, GRAPH_REPLAYS, POOL_BACKEND, POOL_MIN_BYTES, PROBE_BYTES, Config, MiB, describe
 from .memory import memory_table
 from .tables import fmt, graph_cell, note_of, path_label, path_ok, time_cell

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from ..common import human, message_sizes
-from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig, fsdp_problems, fsdp_summary_lines
+from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig
+from ..fsdp_report import fsdp_problems, fsdp_summary_lines
 from .config import DONE_GRACE_S, GPU_ENV, Config, describe, options_text, pool_options, pool_sizes
 from .memory import memory_summary
 from .plot import write_png
