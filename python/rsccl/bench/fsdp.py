@@ -1,5 +1,5 @@
-"""The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/_bench_cuda.py, "What
-runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
+"""The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/bench/cuda/__init__.py,
+"What runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
 (FSDP's communication buffers from the group's pool, in place) and over an NCCL group, in
 the benchmark's rank processes, after the collective measurements.
 
@@ -8,16 +8,15 @@ at creation and at first use counts in that backend's figures), the same seeded 
 sharded over DeviceMesh.from_group(group, "cuda") with MixedPrecisionPolicy(bfloat16 params,
 float32 reductions), and trained --fsdp-warmup untimed then --fsdp-steps timed steps on
 the same data. NCCL runs first, rsccl second (the second run starts with what the first
-left behind, see fsdp_markdown). Each step of each phase is agreed among the ranks (over
-the harness's gloo group), so a failure is recorded for that backend and the other still
-runs.
+left behind, see fsdp_report.fsdp_markdown). Each step of each phase is agreed among the
+ranks (over the harness's gloo group), so a failure is recorded for that backend and the
+other still runs.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import math
 import sys
 import time
 import traceback
@@ -169,7 +168,7 @@ def used_bytes(dev: torch.device) -> int:
 def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
     """fn() on every rank, then the device synchronized; if it raised on any rank, every rank
     raises PhaseError naming the first failing rank (its traceback goes to its stderr)."""
-    from ._bench_cuda import describe
+    from .cuda.config import describe
 
     result, err = None, ""
     try:
@@ -191,10 +190,13 @@ def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
 
 def rsccl_options(r: Any, pool: int) -> dict[str, Any]:
     """The rsccl FSDP group's options: --rsccl-options, the pool, a VA cap that fits it."""
-    from ._bench_cuda import GRANULE, POOL_VA_FLOOR, option_bytes, round_up
+    from .cuda.config import GRANULE, POOL_VA_FLOOR, resolved, round_up
 
     user = dict(r.cfg.rsccl_options)
-    buf = option_bytes(user, "cuda_buffer_bytes", "RSCCL_CUDA_BUFFER_BYTES", 64 * MiB)
+    # cuda_buffer_bytes as rsccl resolves it (the option, else RSCCL_CUDA_BUFFER_BYTES, else the
+    # default); None where rsccl would refuse the options (the group's creation then says why).
+    settings = resolved(user)
+    buf = settings["cuda_buffer_bytes"] if settings else None
     need = r.world * round_up(pool + (buf if buf is not None else 4 << 30), GRANULE)
     return {**user, "cuda_pool_bytes": pool, "max_cuda_va_bytes": max(POOL_VA_FLOOR, need + (1 << 30))}
 
@@ -208,7 +210,7 @@ def new_group(r: Any, backend: str, pool: int) -> Any:
 
         return dist.new_group(backend="rsccl", timeout=timeout, pg_options=Options(**rsccl_options(r, pool)))
     if r.dev.type == "cuda":
-        from ._cuda import nccl_baseline
+        from .._cuda import nccl_baseline
 
         g = dist.new_group(backend="nccl", timeout=timeout, device_id=r.dev)
         if r.rank == 0:
@@ -429,25 +431,11 @@ def run_fsdp(r: Any) -> None:
         r.save()
 
 
-# -- in the parent ------------------------------------------------------------------------------
+# -- cells, also used by fsdp_report.py (the section's report, in the parent) -----------------
 
 
 def mib(v: float | None) -> str:
     return "n/a" if v is None else f"{v / MiB:.0f}"
-
-
-def ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
-
-
-def loss_check(runs: dict) -> tuple[bool | None, str]:
-    """(agree, text) for the final losses of the two backends; (None, ...) if one is missing."""
-    a, b = runs.get("rsccl"), runs.get("nccl")
-    if not (a and b):
-        return None, "n/a"
-    la, lb = a["loss_final"], b["loss_final"]
-    ok = math.isfinite(la) and math.isfinite(lb) and abs(la - lb) <= LOSS_RTOL * max(abs(lb), 1e-6)
-    return ok, f"rsccl {la:.4f} / nccl {lb:.4f} ({'ok' if ok else 'DIFFER'}: within {LOSS_RTOL:.0%} required)"
 
 
 def calls_text(row: dict) -> str:
@@ -456,144 +444,3 @@ def calls_text(row: dict) -> str:
         return "n/a"
     flag = "" if s == 0 and i > 0 else (" STAGED" if i == 0 else " MIXED")
     return f"{i} / {s}{flag}"
-
-
-def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
-    """The FSDP2 section of bench_cuda_w<world>.md (empty if it did not run)."""
-    if not fsdp:
-        return []
-    c = fsdp.get("config", {})
-    out = [
-        "",
-        "## FSDP2 training steps: rsccl (pool buffers, in place) vs NCCL",
-        "",
-        (
-            f"- model: {fsdp.get('describe', '?')}; float32 master weights, MixedPrecisionPolicy(param_dtype=bfloat16, "
-            "reduce_dtype=float32), fully_shard on every layer and on the root, AdamW; DeviceMesh.from_group(group, "
-            '"cuda") over a group created for this section (rsccl: `new_group(backend="rsccl")` with '
-            f"cuda_pool_bytes {mib(fsdp.get('pool_bytes'))} MiB and "
-            "`set_allocate_memory_from_process_group_for_comm(True)` on every FSDP module, so FSDP's all-gather "
-            "outputs and reduce-scatter buffers, and with them its float32 gradient shards, come from rsccl's pool; "
-            'NCCL: `new_group(backend="nccl")`, FSDP\'s default buffers)'
-        ),
-        (
-            f"- same seed, same weights, same data per rank for both; {c.get('warmup', '?')} warm-up steps, then "
-            f"{c.get('steps', '?')} timed ones; step time: CUDA events around each step on the compute stream, a "
-            "rank's mean = first start to last end / steps, the slowest rank's reported; min / max over steps of "
-            "the slowest rank at each step; final loss: the last timed step's, averaged over ranks"
-        ),
-        (
-            f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))} (step time: the mean of a backend's runs, "
-            "each run's in parentheses; memory: its first run's); before each: gc, torch.cuda.empty_cache(), "
-            "torch.cuda.reset_peak_memory_stats(); one unsharded layer ran forward and backward before both "
-            "(kernels, math-library handles)"
-        ),
-        (
-            "- memory, max over ranks: *peak reserved* = torch.cuda.max_memory_reserved() over the run (what torch's "
-            "caching allocator held, including the segments it took from rsccl's pool; it does not count the rest "
-            "of the pool, which rsccl maps at group creation outside torch's allocator, nor NCCL's own buffers, "
-            "which NCCL allocates itself, partly at its first collective); *reserved at start*: what torch already "
-            "held when the run began (the benchmark's earlier buffers included); *device used* = total - free from "
-            "torch.cuda.mem_get_info() after the warm-up and after the timed steps, the larger (device-wide: "
-            "everything the process holds, both libraries' memory, rsccl's whole pool and the benchmark's earlier "
-            "groups included); *added* = device used minus device used at the run's start: the backend's group, "
-            "model, optimizer state, activations and library buffers, the fair comparison of the two; *group "
-            "creation* = what creating the group took"
-        ),
-        "",
-    ]
-    runs, errors = fsdp.get("runs", {}), fsdp.get("errors", {})
-    for what, why in errors.items():
-        out += [f"**FSDP2 {what} FAILED: {why}**", ""]
-    if runs:
-        out += [
-            (
-                "| backend | step ms (mean, slowest rank) | per step min / max | peak reserved MiB | reserved at "
-                "start MiB | device used MiB | added MiB | group creation MiB | first / final loss | collectives in "
-                "place / staged | pool MiB (capacity / peak) |"
-            ),
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for name in dict.fromkeys(fsdp.get("order", RUN_ORDER)):
-            row = runs.get(name)
-            if not row:
-                continue
-            pool = f"{mib(row['pool_bytes'])} / {mib(row['pool_peak_bytes'])}" if name == "rsccl" else "-"
-            out.append(
-                f"| {name} | {ms(row['mean_ms'])} ({' / '.join(ms(v) for v in row.get('round_ms', []))}) | {ms(row['step_min_ms'])} / {ms(row['step_max_ms'])} "
-                f"| {mib(row['peak_reserved'])} | {mib(row['reserved_start'])} | {mib(row['used_peak'])} "
-                f"| {mib(row['used_added'])} | {mib(row['group_init'])} | {row['loss_first']:.4f} / {row['loss_final']:.4f} "
-                f"| {calls_text(row) if name == 'rsccl' else '-'} | {pool} |"
-            )
-        rs = runs.get("rsccl")
-        if rs and rs.get("pool_alloc") is False:
-            out += ["", ("**rsccl's group did not offer pool allocation (supports_tensor_alloc False): FSDP used torch's allocator**")]
-        if rs and rs.get("counts_per_rank"):
-            out += ["", f"In-place / staged counts differ between ranks: {rs['counts_per_rank']}"]
-        out += ["", "Verdicts: " + "; ".join(verdicts(runs))]
-    return out
-
-
-def verdicts(runs: dict) -> list[str]:
-    rs, nc = runs.get("rsccl"), runs.get("nccl")
-    if not (rs and nc):
-        return [
-            f"{name} n/a (did not finish)"
-            if not row
-            else f"{name} only: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
-            f"memory added {mib(row['used_added'])} MiB, final loss {row['loss_final']:.4f}"
-            for name, row in (("rsccl", rs), ("nccl", nc))
-        ]
-    out = []
-    ratio = nc["mean_ms"] / rs["mean_ms"] if rs["mean_ms"] else float("nan")
-
-    def runs_of(row: dict) -> str:
-        r = row.get("round_ms") or []
-        return f" ({' / '.join(f'{v:.2f}' for v in r)})" if len(r) > 1 else ""
-
-    out.append(
-        f"step time rsccl {rs['mean_ms']:.2f} ms{runs_of(rs)} / nccl {nc['mean_ms']:.2f} ms{runs_of(nc)} = "
-        f"nccl/rsccl {ratio:.2f}x, "
-        f"target rsccl <= nccl: {'met' if rs['mean_ms'] <= nc['mean_ms'] else 'NOT MET'}"
-    )
-    if rs["peak_reserved"] is not None and nc["peak_reserved"] is not None:
-        out.append(
-            f"peak reserved rsccl {mib(rs['peak_reserved'])} / nccl {mib(nc['peak_reserved'])} MiB, target "
-            f"rsccl <= nccl: {'met' if rs['peak_reserved'] <= nc['peak_reserved'] else 'NOT MET'}"
-        )
-    out.append(f"device memory added by the run rsccl {mib(rs['used_added'])} / nccl {mib(nc['used_added'])} MiB")
-    out.append("final loss " + loss_check(runs)[1])
-    return out
-
-
-def fsdp_summary_lines(world: int, fsdp: dict | None) -> list[str]:
-    if not fsdp:
-        return []
-    c = fsdp.get("config", {})
-    head = (
-        f"w{world} fsdp2 ({c.get('layers', '?')} layers, d {c.get('dim', '?')}, seq {c.get('seq', '?')} x batch "
-        f"{c.get('batch', '?')}, {c.get('steps', '?')} steps)"
-    )
-    lines = [f"{head}: " + "; ".join(verdicts(fsdp.get("runs", {})))]
-    rs = fsdp.get("runs", {}).get("rsccl")
-    if rs:
-        lines.append(
-            f"w{world} fsdp2 rsccl: collectives in place / staged {calls_text(rs)}; pool "
-            f"{mib(rs['pool_bytes'])} MiB, peak used {mib(rs['pool_peak_bytes'])} MiB; device used peak "
-            f"{mib(rs['used_peak'])} MiB (nccl run: "
-            f"{mib(fsdp['runs']['nccl']['used_peak']) if 'nccl' in fsdp.get('runs', {}) else 'n/a'} MiB)"
-        )
-    for what, why in fsdp.get("errors", {}).items():
-        lines.append(f"w{world} fsdp2 {what} FAILED: {why}")
-    return lines
-
-
-def fsdp_problems(world: int, fsdp: dict | None) -> list[str]:
-    """What makes the run's exit status non-zero: a failed phase, losses that disagree."""
-    if not fsdp:
-        return []
-    out = [f"w{world} FSDP2 {what}: {why}" for what, why in fsdp.get("errors", {}).items()]
-    ok, text = loss_check(fsdp.get("runs", {}))
-    if ok is False:
-        out.append(f"w{world} FSDP2 final losses differ: {text}")
-    return out

@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
@@ -72,7 +73,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         dist.init_process_group("rsccl", store=store, rank=rank, world_size=world)
         nccl = dist.new_group(backend="nccl")
         if rank == 0:
-            from ._cuda import nccl_baseline
+            from .._cuda import nccl_baseline
 
             print(f'hier bench: torch\'s backend "nccl" is {nccl_baseline(nccl)}', flush=True)
         old = os.environ.get("RSCCL_HOST_ID")
@@ -91,16 +92,21 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         out["engine"] = getattr(hier._comm, "cuda_engine", "?")
         g = torch.Generator(device="cuda").manual_seed(1000 + rank)
 
-        def timeit(kind: str, group: Any, big: torch.Tensor, small: torch.Tensor) -> float:
+        def event_us(step: Callable[[], None]) -> float:
+            """Microseconds per call: CUDA events around `iters` back-to-back calls of `step`,
+            after a barrier on torch's NCCL group."""
             torch.cuda.synchronize()
             dist.barrier(group=nccl)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(iters):
-                _call(kind, group, big, small)
+                step()
             e.record()
             torch.cuda.synchronize()
             return s.elapsed_time(e) / iters * 1000.0
+
+        def timeit(kind: str, group: Any, big: torch.Tensor, small: torch.Tensor) -> float:
+            return event_us(lambda: _call(kind, group, big, small))
 
         def hier_calls() -> int:
             return int(hier._comm.memory_stats().get("nccl_hierarchical_collectives", -1))
@@ -156,15 +162,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
                     _p2p(rank, src, dst, grp, buf)
 
             def time_p2p(grp: Any, buf: torch.Tensor = buf) -> float:
-                torch.cuda.synchronize()
-                dist.barrier(group=nccl)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(iters):
-                    _p2p(rank, src, dst, grp, buf)
-                e.record()
-                torch.cuda.synchronize()
-                return s.elapsed_time(e) / iters * 1000.0
+                return event_us(lambda: _p2p(rank, src, dst, grp, buf))
 
             t = {"nccl": [], "rsccl": []}
             for order in (("nccl", "rsccl"), ("rsccl", "nccl")):

@@ -1,11 +1,4 @@
-"""Benchmark rsccl on one host: latency and bus bandwidth per collective, side by side
-with gloo (--device cpu) or with NCCL and torch's symmetric memory (--device cuda).
-
-    python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out-dir bench-results/]
-    python -m rsccl.bench --device cuda [--quick] [--sweep-one-shot] [--rsccl-options KEY=VAL,...]
-                                        [--no-pool] [--no-fsdp] [--fsdp-steps N]
-
---device cuda is described in rsccl/_bench_cuda.py; what follows is --device cpu.
+"""`python -m rsccl.bench --device cpu`: rsccl and gloo side by side on one host.
 
 What it measures: for each world size, collective and message size (powers of 4 from
 --min-bytes to --max-bytes), the latency of one synchronous call on rsccl and on gloo,
@@ -34,8 +27,6 @@ import json
 import math
 import os
 import platform
-import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,30 +35,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-# Benchmarked on CUDA only: all_to_all_single (even splits) and send_recv (rank 0 -> rank 1).
-CUDA_ONLY_COLLECTIVES = ("all_to_all_single", "send_recv")
+from .common import TOLERANCES, bus_factor, free_port, human, message_sizes, numels, pyplot, size_axis
+
 BACKENDS = ("rsccl", "gloo")
-# (rtol, atol) for the rsccl-vs-gloo check; the two may sum in a different order.
-TOLERANCES = {
-    "float32": (1e-4, 1e-5),
-    "float64": (1e-9, 1e-12),
-    "float16": (1e-2, 3e-2),
-    "bfloat16": (2e-2, 1e-1),
-    "int32": (0.0, 0.0),
-    "int64": (0.0, 0.0),
-}
+
+
 TARGET_SECONDS = 0.2
+
+
 MIN_ITERS, MAX_ITERS = 3, 200
+
+
 ROOT = 0
-UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
 CSV_COLUMNS = (
     "device",
     "world_size",
@@ -79,6 +66,8 @@ CSV_COLUMNS = (
     "busbw_GBps",
     "iters",
 )
+
+
 Groups = dict[str, "dist.ProcessGroup | None"]  # backend name -> group (None: the default group)
 
 
@@ -97,254 +86,6 @@ class Config:
     warmup: int
     seed: int
     repeats: int = 3
-
-
-# -- command line ---------------------------------------------------------------------------
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in UNITS or int(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a positive integer, optionally with B, KiB, MiB or GiB")
-    return int(m.group(1)) * UNITS[unit]
-
-
-def parse_world_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated world sizes of 2 or more, e.g. 2,4")
-    return sizes
-
-
-def parse_collectives(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    known = COLLECTIVES + CUDA_ONLY_COLLECTIVES
-    unknown = [n for n in names if n not in known]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown collective(s) {unknown}; choose from {','.join(known)}")
-    return names
-
-
-# Defaults that differ between the devices; None in the parser means "this device's".
-DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"collectives": COLLECTIVES, "min_bytes": 4, "max_bytes": 64 << 20, "warmup": 2, "dtype": "float32"},
-    "cuda": {
-        "collectives": ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor") + CUDA_ONLY_COLLECTIVES,
-        "min_bytes": 1 << 10,
-        "max_bytes": 1 << 30,
-        "warmup": 20,
-        "dtype": "bfloat16",
-    },
-}
-QUICK_MAX_BYTES = 1 << 20
-
-
-def parse_options(text: str) -> dict[str, int | str]:
-    """--rsccl-options KEY=VAL,...: fields of rsccl.Options (checked here; values are
-    checked by rsccl when the group is created)."""
-    from dataclasses import fields
-
-    from .options import Options
-
-    known = [f.name for f in fields(Options)]
-    out: dict[str, int | str] = {}
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        key, sep, val = item.partition("=")
-        key, val = key.strip(), val.strip()
-        if not sep or not val or key not in known:
-            raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE pairs with KEY one of rsccl.Options' fields: {', '.join(known)}")
-        out[key] = int(val) if re.fullmatch(r"-?\d+", val) else val
-    return out
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m rsccl.bench",
-        description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1],
-    )
-    add = p.add_argument
-    cpu, cuda = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
-    # String defaults go through `type` too, so they are written the way a user types them.
-    add("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
-    add(
-        "--world-sizes",
-        type=parse_world_sizes,
-        default="2,4",
-        help="ranks per run, comma-separated (cuda: those above the number of visible GPUs are left out); default: %(default)s",
-    )
-    add(
-        "--collectives",
-        type=parse_collectives,
-        default=None,
-        help=f"comma-separated; default: {','.join(cpu['collectives'])} (cpu), {','.join(cuda['collectives'])} (cuda)",
-    )
-    add(
-        "--min-bytes",
-        type=parse_bytes,
-        default=None,
-        help=f"smallest per-rank message; default: {human(cpu['min_bytes'])} (cpu), {human(cuda['min_bytes'])} (cuda)",
-    )
-    add(
-        "--max-bytes",
-        type=parse_bytes,
-        default=None,
-        help=f"largest per-rank message; default: {human(cpu['max_bytes'])} (cpu), {human(cuda['max_bytes'])} (cuda)",
-    )
-    add(
-        "--iters",
-        type=int,
-        default=None,
-        help=f"timed calls per size; default (cpu): about {TARGET_SECONDS} s worth, {MIN_ITERS} to {MAX_ITERS}; "
-        "(cuda): 50 up to 16 MiB, then fewer, at least 5",
-    )
-    add(
-        "--warmup",
-        type=int,
-        default=None,
-        help=f"untimed calls before each measurement; default: {cpu['warmup']} (cpu), {cuda['warmup']} (cuda)",
-    )
-    add("--repeats", type=int, default=3, help="measurements per size and backend; the median is reported; default: %(default)s")
-    add(
-        "--out-dir",
-        "--out",
-        dest="out",
-        metavar="DIR",
-        type=Path,
-        default="bench-results",
-        help="directory for the results (CSV, plot; cuda: Markdown tables too); default: %(default)s",
-    )
-    add("--dtype", choices=tuple(TOLERANCES), default=None, help=f"default: {cpu['dtype']} (cpu), {cuda['dtype']} (cuda)")
-    add("--seed", type=int, default=None, help="seed of the checked inputs; default: random")
-    add("--quick", action="store_true", help=f"smoke run: world size 2, messages up to {human(QUICK_MAX_BYTES)}")
-    g = p.add_argument_group("--device cuda only")
-    g.add_argument(
-        "--rsccl-options",
-        type=parse_options,
-        default={},
-        metavar="KEY=VAL,...",
-        help="rsccl.Options fields for the rsccl group, e.g. cuda_blocks=16,cuda_buffer_bytes=64MiB",
-    )
-    g.add_argument(
-        "--sweep-one-shot",
-        action="store_true",
-        help="all_reduce also on two extra rsccl groups, one-shot never (rsccl-2shot) and always "
-        "(rsccl-1shot), to read the crossover off one table",
-    )
-    g.add_argument("--no-graph", action="store_true", help="skip the CUDA graph measurements")
-    g.add_argument(
-        "--graph-max-bytes", type=parse_bytes, default="1MiB", help="largest message timed in a CUDA graph; default: %(default)s"
-    )
-    g.add_argument(
-        "--check-max-bytes", type=parse_bytes, default="64MiB", help="largest message checked against NCCL; default: %(default)s"
-    )
-    g.add_argument(
-        "--symm-max-bytes", type=parse_bytes, default="64MiB", help="largest all_reduce on torch symmetric memory; default: %(default)s"
-    )
-    g.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        help="seconds one world size may take before its ranks are stopped (the FSDP2 section gets 300 s more); default: %(default)s",
-    )
-    g.add_argument(
-        "--no-pool",
-        action="store_true",
-        help="skip the rsccl-pool rows (the same collectives in place on buffers from rsccl.mem_pool()); "
-        "the default rsccl group is then created without a pool",
-    )
-    g.add_argument(
-        "--fsdp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="FSDP2 training steps over rsccl (FSDP's buffers from its pool) and over NCCL; "
-        "default: on for --device cuda, off with --quick",
-    )
-    g.add_argument("--fsdp-steps", type=int, default=20, help="timed FSDP2 steps per backend; default: %(default)s")
-    g.add_argument("--fsdp-warmup", type=int, default=5, help="untimed FSDP2 steps before them; default: %(default)s")
-    g.add_argument("--fsdp-layers", type=int, default=8, help="transformer layers of the FSDP2 model; default: %(default)s")
-    g.add_argument("--fsdp-dim", type=int, default=2048, help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
-    g.add_argument(
-        "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"
-    )
-    g.add_argument(
-        "--hier",
-        action="store_true",
-        help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
-        "flat all_reduce, all_gather and reduce_scatter on rsccl's NCCL engine against torch's NCCL, "
-        "and send/recv across hosts (pair communicators), written to hier.md (gets --timeout + 360 s: "
-        "three collectives and send/recv)",
-    )
-    args = p.parse_args(argv)
-    defaults = DEVICE_DEFAULTS[args.device]
-    for key in ("collectives", "min_bytes", "max_bytes", "warmup", "dtype"):
-        if getattr(args, key) is None:
-            setattr(args, key, defaults[key])
-    if args.quick:
-        args.world_sizes = [2]
-        args.max_bytes = min(args.max_bytes, QUICK_MAX_BYTES)
-        args.min_bytes = min(args.min_bytes, args.max_bytes)
-    if args.device == "cpu":
-        cuda_only = [
-            flag
-            for flag, used in (
-                ("--rsccl-options", args.rsccl_options),
-                ("--sweep-one-shot", args.sweep_one_shot),
-                ("--no-graph", args.no_graph),
-                ("--no-pool", args.no_pool),
-                ("--fsdp", args.fsdp),
-            )
-            if used
-        ]
-        cuda_only += [c for c in args.collectives if c in CUDA_ONLY_COLLECTIVES]
-        if cuda_only:
-            p.error(f"{', '.join(cuda_only)}: only with --device cuda")
-    if args.fsdp is None:
-        args.fsdp = args.device == "cuda" and not args.quick
-    if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1:
-        p.error("--fsdp-steps and --fsdp-layers must be at least 1, --fsdp-warmup at least 0")
-    if args.fsdp_dim < 64 or args.fsdp_dim % 64:
-        p.error(f"--fsdp-dim {args.fsdp_dim}: give a multiple of 64 (attention heads of 64 or 128)")
-    if args.min_bytes > args.max_bytes:
-        p.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
-    if (args.iters is not None and args.iters < 1) or args.warmup < 0 or args.repeats < 1:
-        p.error("--iters and --repeats must be at least 1, --warmup at least 0")
-    return args
-
-
-def message_sizes(min_bytes: int, max_bytes: int) -> tuple[int, ...]:
-    count = int(math.log(max_bytes / min_bytes, 4) + 1e-9) + 1
-    return tuple(min_bytes * 4**k for k in range(count))
-
-
-def human(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n)} B"
-
-
-# -- inside a rank ---------------------------------------------------------------------------
-
-
-def numels(collective: str, nbytes: int, world: int, elem: int) -> tuple[int, int] | None:
-    """(input, output) element counts for a per-rank message of `nbytes`, or None when it
-    holds too few elements. Sizes that do not split evenly among ranks are rounded down."""
-    n = nbytes // elem
-    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
-        n -= n % world
-    if n == 0:
-        return None
-    if collective == "all_gather_into_tensor":
-        return n // world, n
-    if collective == "reduce_scatter_tensor":
-        return n, n // world
-    return n, n
 
 
 def is_in_place(collective: str) -> bool:
@@ -486,28 +227,11 @@ def rank_main(rank: int, world: int, port: int, cfg: Config, result_path: str) -
     dist.destroy_process_group()
 
 
-# -- in the parent ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, cfg: Config) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="rsccl-bench-") as tmp:
         path = os.path.join(tmp, "rows.json")
         mp.spawn(rank_main, args=(world, free_port(), cfg, path), nprocs=world)
         return json.loads(Path(path).read_text())
-
-
-def bus_factor(collective: str, world: int) -> float:
-    if collective == "all_reduce":
-        return 2 * (world - 1) / world
-    if collective in ("broadcast", "send_recv"):
-        return 1.0
-    return (world - 1) / world  # all_gather, reduce_scatter, all_to_all
 
 
 def add_bandwidth(row: dict) -> dict:
@@ -563,13 +287,8 @@ def write_csv(path: Path, device: str, rows: list[dict], header: str) -> None:
 
 def write_png(path: Path, rows: list[dict], title: str) -> bool:
     """Plot busbw against size, one panel per collective; False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display is needed or wanted
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogLocator
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
     worlds = sorted({r["world_size"] for r in rows})
@@ -587,15 +306,10 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
                 )
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, markersize=4, label=f"{backend}, {world} ranks")
-        ax.set_xscale("log", base=2)
+        size_axis(ax)
         ax.set_yscale("log")
-        # Powers of 4 keep the tick labels from overlapping.
-        ax.xaxis.set_major_locator(LogLocator(base=4))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
         ax.set_title(collective)
-        ax.set_xlabel("message size per rank")
         ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in axes.flat[len(collectives) :]:
         ax.set_visible(False)
@@ -606,20 +320,7 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.device == "cuda" and args.hier:
-        from . import _bench_hier
-
-        table, ok = _bench_hier.run(4, 2, timeout=args.timeout + 360)
-        print(table, flush=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "hier.md").write_text(table)
-        return 0 if ok else 1
-    if args.device == "cuda":
-        from . import _bench_cuda
-
-        return _bench_cuda.main(args, argv if argv is not None else sys.argv[1:])
+def main(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
     sizes = message_sizes(args.min_bytes, args.max_bytes)
     cfg = Config(args.collectives, sizes, args.dtype, args.iters, args.warmup, seed, args.repeats)
@@ -651,7 +352,3 @@ def main(argv: list[str] | None = None) -> int:
         print("note: matplotlib is not installed, so no plot was drawn (pip install matplotlib)")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,91 @@
+"""What the CPU and the CUDA benchmark share: the collectives, the tolerances of the
+result checks, message sizes and the bus-bandwidth factors.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+# Benchmarked on CUDA only: all_to_all_single (even splits) and send_recv (rank 0 -> rank 1).
+CUDA_ONLY_COLLECTIVES = ("all_to_all_single", "send_recv")
+
+
+# (rtol, atol) for the rsccl-vs-gloo check; the two may sum in a different order.
+TOLERANCES = {
+    "float32": (1e-4, 1e-5),
+    "float64": (1e-9, 1e-12),
+    "float16": (1e-2, 3e-2),
+    "bfloat16": (2e-2, 1e-1),
+    "int32": (0.0, 0.0),
+    "int64": (0.0, 0.0),
+}
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> tuple[int, ...]:
+    count = int(math.log(max_bytes / min_bytes, 4) + 1e-9) + 1
+    return tuple(min_bytes * 4**k for k in range(count))
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def numels(collective: str, nbytes: int, world: int, elem: int) -> tuple[int, int] | None:
+    """(input, output) element counts for a per-rank message of `nbytes`, or None when it
+    holds too few elements. Sizes that do not split evenly among ranks are rounded down."""
+    n = nbytes // elem
+    if collective in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        n -= n % world
+    if n == 0:
+        return None
+    if collective == "all_gather_into_tensor":
+        return n // world, n
+    if collective == "reduce_scatter_tensor":
+        return n, n // world
+    return n, n
+
+
+def bus_factor(collective: str, world: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (world - 1) / world
+    if collective in ("broadcast", "send_recv"):
+        return 1.0
+    return (world - 1) / world  # all_gather, reduce_scatter, all_to_all
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files only (the Agg backend), or None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display is needed or wanted
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def size_axis(ax: Any) -> None:
+    """The x axis of a plot against message size: log 2, labelled in B/KiB/MiB/GiB, with a grid."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_xscale("log", base=2)
+    # Powers of 4 keep the tick labels from overlapping.
+    ax.xaxis.set_major_locator(LogLocator(base=4))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
+    ax.set_xlabel("message size per rank")
+    ax.grid(True, which="both", alpha=0.3)

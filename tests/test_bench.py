@@ -1,0 +1,93 @@
+"""`python -m rsccl.bench` on this (CPU) machine: the CPU bench end to end (it checks rsccl's
+result against gloo's on seeded random data and exits non-zero on a difference), the command
+line of both devices, and that every module of the bench package imports (the CUDA ones run
+only on a GPU machine)."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import rsccl.bench
+
+MiB = 1 << 20
+CPU_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RSCCL_")}
+    return subprocess.run([sys.executable, "-m", "rsccl.bench", *args], check=False, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_every_bench_module_imports():
+    names = [m.name for m in pkgutil.walk_packages(rsccl.bench.__path__, "rsccl.bench.")]
+    assert {"rsccl.bench.cpu", "rsccl.bench.cuda.run", "rsccl.bench.fsdp", "rsccl.bench.hier"} <= set(names), names
+    saved = dict(os.environ)
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:  # the CUDA bench sets NCCL/NVSHMEM variables at import, for the ranks it spawns
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_cpu_bench_checks_against_gloo_and_writes_every_row(tmp_path):
+    seed = int.from_bytes(os.urandom(2), "little")
+    print(f"seed {seed}")
+    r = run_bench(
+        "--quick", "--max-bytes", "4KiB", "--iters", "2", "--warmup", "1", "--repeats", "1", "--seed", str(seed), "--out-dir", str(tmp_path)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"seed {seed}" in r.stdout
+    with (tmp_path / "bench_cpu.csv").open() as f:
+        header = f.readline()
+        rows = list(csv.DictReader(f))
+    assert header.startswith("# date=") and f"seed={seed}" in header
+    got = {(row["collective"], int(row["bytes"]), row["backend"]) for row in rows}
+    for collective in CPU_COLLECTIVES:
+        # 4 B .. 4 KiB in powers of 4; float32 gathers and scatters need a multiple of 2 elements.
+        sizes = [4, 16, 64, 256, 1024, 4096] if collective in ("all_reduce", "broadcast") else [16, 64, 256, 1024, 4096]
+        for size in sizes:
+            for backend in ("rsccl", "gloo"):
+                assert (collective, size, backend) in got, (collective, size, backend)
+    assert len(got) == len(rows) == 2 * (6 + 5 + 5 + 6)
+    assert all(float(row["latency_us"]) > 0 and int(row["iters"]) == 2 for row in rows)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_help_lists_every_flag(device):
+    r = run_bench("--device", device, "--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--world-sizes", "--max-bytes", "--rsccl-options", "--sweep-one-shot", "--no-pool", "--fsdp-steps", "--hier"):
+        assert flag in r.stdout, flag
+
+
+def test_cuda_only_flags_are_refused_on_cpu():
+    r = run_bench("--no-pool", "--collectives", "all_reduce,send_recv")
+    assert r.returncode == 2
+    assert "--no-pool, send_recv: only with --device cuda" in r.stderr
+
+
+def test_fsdp_rsccl_group_fits_its_pool_and_rsccls_buffer(monkeypatch):
+    """The FSDP2 section's rsccl group: a VA cap of world x (pool + cuda_buffer_bytes, as rsccl
+    resolves it) + 1 GiB, at least rsccl's default 16 GiB."""
+    from rsccl.bench import fsdp
+
+    monkeypatch.delenv("RSCCL_CUDA_BUFFER_BYTES", raising=False)
+    pool = 4096 * MiB
+
+    def options(rsccl_options: dict) -> dict:
+        return fsdp.rsccl_options(SimpleNamespace(cfg=SimpleNamespace(rsccl_options=rsccl_options), world=4), pool)
+
+    assert options({}) == {"cuda_pool_bytes": pool, "max_cuda_va_bytes": (4 * (4096 + 64) + 1024) * MiB}
+    assert options({"cuda_buffer_bytes": "128MiB"})["max_cuda_va_bytes"] == (4 * (4096 + 128) + 1024) * MiB
+    monkeypatch.setenv("RSCCL_CUDA_BUFFER_BYTES", "256MiB")
+    assert options({})["max_cuda_va_bytes"] == (4 * (4096 + 256) + 1024) * MiB
+    small = fsdp.rsccl_options(SimpleNamespace(cfg=SimpleNamespace(rsccl_options={}), world=2), 64 * MiB)
+    assert small["max_cuda_va_bytes"] == 16 << 30
