@@ -4,6 +4,7 @@
 //! span hosts (nccl.rs, nccl_engine.rs), which uses the former inside each host.
 
 pub mod call;
+pub mod decide;
 pub mod driver;
 pub mod engine;
 pub mod heap;
