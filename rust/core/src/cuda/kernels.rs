@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use cudarc::driver::sys as cu;
 use cudarc::nvrtc::sys as nv;
 
-use super::driver::{check, CUfunction, CUmodule, Device};
+use super::driver::{check, Device, Function, Module};
 use crate::config::KernelSource;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -566,18 +566,8 @@ impl std::fmt::Display for Origin {
     }
 }
 
-/// Loaded modules, unloaded on drop (also when a later load or lookup fails).
-struct Modules(Vec<(&'static str, CUmodule)>);
-
-impl Drop for Modules {
-    fn drop(&mut self) {
-        for (_, m) in &self.0 {
-            // SAFETY: a module this struct loaded and still owns; the engine synchronized
-            // before dropping its kernels.
-            unsafe { cu::cuModuleUnload(*m) };
-        }
-    }
-}
+/// Loaded modules, unloaded on drop (also when a later load or lookup fails: `Module`).
+struct Modules(Vec<(&'static str, Module)>);
 
 impl Modules {
     /// Load every image; the caller made the device's context current.
@@ -596,48 +586,38 @@ impl Modules {
                 copy = words;
                 copy.as_ptr() as *const std::ffi::c_void
             };
-            let mut module: CUmodule = std::ptr::null_mut();
             // SAFETY: `ptr` is a complete cubin or fat binary (NVRTC's or build.rs's), 8-byte
             // aligned and alive during the call; the driver copies what it loads.
-            check(unsafe { cu::cuModuleLoadData(&mut module, ptr) }, &format!("cuModuleLoadData({name})"))?;
+            let module = unsafe { Module::load(ptr, &format!("cuModuleLoadData({name})")) }?;
             out.0.push((name, module));
         }
         Ok(out)
     }
 
-    fn get(&self, module: &str, name: &str) -> Result<CUfunction> {
-        let m = self.0.iter().find(|m| m.0 == module).ok_or_else(|| Error::Internal(format!("no kernel module {module}")))?.1;
+    fn get(&self, module: &str, name: &str) -> Result<Function> {
+        let m = &self.0.iter().find(|m| m.0 == module).ok_or_else(|| Error::Internal(format!("no kernel module {module}")))?.1;
         let c = CString::new(name).unwrap();
-        let mut f: CUfunction = std::ptr::null_mut();
-        // SAFETY: module is loaded; name is NUL-terminated.
-        check(unsafe { cu::cuModuleGetFunction(&mut f, m, c.as_ptr()) }, &format!("cuModuleGetFunction({module}: {name})"))?;
-        Ok(f)
+        m.function(&c, &format!("cuModuleGetFunction({module}: {name})"))
     }
 }
 
 /// The loaded modules and every entry point.
 pub struct Kernels {
     _modules: Modules,
-    reduce: HashMap<(Family, DType, ReduceOp), CUfunction>,
-    pub all_gather: CUfunction,
-    pub broadcast: CUfunction,
-    pub gather: CUfunction,
-    pub scatter: CUfunction,
-    pub all_to_all: CUfunction,
-    pub send: CUfunction,
-    pub recv: CUfunction,
-    pub barrier: CUfunction,
+    reduce: HashMap<(Family, DType, ReduceOp), Function>,
+    pub all_gather: Function,
+    pub broadcast: Function,
+    pub gather: Function,
+    pub scatter: Function,
+    pub all_to_all: Function,
+    pub send: Function,
+    pub recv: Function,
+    pub barrier: Function,
     /// Bytes of device code loaded: the picked SASS (or PTX) of every prebuilt module, or
     /// the NVRTC cubins.
     pub cubin_bytes: usize,
     pub origin: Origin,
 }
-
-// SAFETY: module and function handles are plain driver handles, valid on any thread
-// while the modules are loaded (until Drop).
-unsafe impl Send for Kernels {}
-// SAFETY: as above; read-only after load.
-unsafe impl Sync for Kernels {}
 
 impl Kernels {
     pub fn load(dev: &Device) -> Result<Kernels> {
@@ -705,12 +685,12 @@ impl Kernels {
         })
     }
 
-    pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<CUfunction> {
+    pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<Function> {
         self.reduce.get(&(f, d, o)).copied()
     }
 
     /// Every collective entry point (not send/recv): what runs on a group's collective grid.
-    pub fn collectives(&self) -> impl Iterator<Item = CUfunction> + '_ {
+    pub fn collectives(&self) -> impl Iterator<Item = Function> + '_ {
         let plain = [self.all_gather, self.broadcast, self.gather, self.scatter, self.all_to_all, self.barrier];
         self.reduce.values().copied().chain(plain)
     }
@@ -719,14 +699,14 @@ impl Kernels {
     /// SM (cuOccupancyMaxActiveBlocksPerMultiprocessor; no dynamic shared memory). Every
     /// block of these kernels then uses at most 1/that of each SM resource, so any that
     /// many blocks of them, whichever kernels they belong to, fit on one SM together.
-    pub fn min_blocks_per_sm(funcs: impl IntoIterator<Item = CUfunction>) -> Result<u32> {
+    pub fn min_blocks_per_sm(funcs: impl IntoIterator<Item = Function>) -> Result<u32> {
         let mut least = u32::MAX;
         for f in funcs {
             let mut n: std::ffi::c_int = 0;
             // SAFETY: out-pointer to a local; `f` is a function of a loaded module; the
             // caller made the module's context current.
             check(
-                unsafe { cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, THREADS as std::ffi::c_int, 0) },
+                unsafe { cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.raw(), THREADS as std::ffi::c_int, 0) },
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             )?;
             least = least.min(n.max(0) as u32);

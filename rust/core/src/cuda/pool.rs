@@ -57,12 +57,6 @@ pub struct SymmetricPool {
     access_set: bool,
 }
 
-// SAFETY: the pool holds driver handles and addresses, usable from any thread; mutation
-// happens only in `create` and `Drop`.
-unsafe impl Send for SymmetricPool {}
-// SAFETY: as above.
-unsafe impl Sync for SymmetricPool {}
-
 impl SymmetricPool {
     /// Each block is the staging buffer (`buffer_bytes`) then the pool (`pool_bytes`), each
     /// rounded up to the allocation granularity.

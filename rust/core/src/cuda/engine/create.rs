@@ -9,7 +9,7 @@ use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
 use super::abi::Args;
-use super::events::{new_event, Ordering_};
+use super::events::Ordering_;
 use super::launch::AllToAll;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
@@ -17,7 +17,7 @@ use super::{CudaCall, CudaEngine, CudaKind};
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
 use crate::cuda::decide::{grids_that_fit, p2p_chunk, stage_per_block};
-use crate::cuda::driver::{check, CUstream, Device};
+use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::heap::Heap;
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::pool::SymmetricPool;
@@ -176,71 +176,16 @@ impl CudaEngine {
             )));
         }
         let _ctx = dev.bind()?;
-        let words = HostWords::new()?;
-        let mut free_events = Vec::new();
+        let words = HostWords::new(&dev)?;
+        // Each of these owns its handle: a failure on the way drops (releases) what was made.
         // One more than the pool of 8: the last becomes `Ordering_::end_event`.
-        for _ in 0..9 {
-            match new_event() {
-                Ok(e) => free_events.push(e),
-                Err(err) => {
-                    // SAFETY: events created just above, used by nothing yet.
-                    free_events.into_iter().for_each(|e| unsafe {
-                        cu::cuEventDestroy_v2(e);
-                    });
-                    return Err(err);
-                }
-            }
-        }
-        let mut internal: CUstream = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
-        if let Err(err) =
-            check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")
-        {
-            // SAFETY: as above.
-            free_events.into_iter().for_each(|e| unsafe {
-                cu::cuEventDestroy_v2(e);
-            });
-            return Err(err);
-        }
-        let mut poison_stream: CUstream = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local; a non-blocking stream.
-        if let Err(err) = check(
-            unsafe { cu::cuStreamCreate(&mut poison_stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-            "cuStreamCreate (abort)",
-        ) {
-            // SAFETY: the events and stream created above, used by nothing yet.
-            unsafe {
-                free_events.into_iter().for_each(|e| {
-                    cu::cuEventDestroy_v2(e);
-                });
-                cu::cuStreamDestroy_v2(internal);
-            }
-            return Err(err);
-        }
+        let mut free_events = (0..9).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
+        let internal = Stream::non_blocking(&dev, "cuStreamCreate")?;
+        let poison_stream = Stream::non_blocking(&dev, "cuStreamCreate (abort)")?;
         // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
-        let mut p2p_streams: Vec<CUstream> = vec![std::ptr::null_mut(); 2 * n];
-        for (k, st) in p2p_streams.iter_mut().enumerate() {
-            if k / 2 == mesh.local_index() {
-                continue;
-            }
-            // SAFETY: out-pointer into the vector; a non-blocking stream.
-            let r =
-                check(unsafe { cu::cuStreamCreate(st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate (send/recv)");
-            if let Err(err) = r {
-                // SAFETY: streams and events created above, used by nothing yet.
-                unsafe {
-                    p2p_streams.iter().filter(|s| !s.is_null()).for_each(|&s| {
-                        cu::cuStreamDestroy_v2(s);
-                    });
-                    free_events.into_iter().for_each(|e| {
-                        cu::cuEventDestroy_v2(e);
-                    });
-                    cu::cuStreamDestroy_v2(internal);
-                    cu::cuStreamDestroy_v2(poison_stream);
-                }
-                return Err(err);
-            }
-        }
+        let p2p_streams = (0..2 * n)
+            .map(|k| (k / 2 != mesh.local_index()).then(|| Stream::non_blocking(&dev, "cuStreamCreate (send/recv)")).transpose())
+            .collect::<Result<Vec<Option<Stream>>>>()?;
         let mut peer = [0u64; MAX_RANKS];
         for (j, p) in peer.iter_mut().enumerate().take(n) {
             *p = pool.block_addr(j);
@@ -251,8 +196,8 @@ impl CudaEngine {
             out: 0,
             count: 0,
             stage_per_block: spb as u64,
-            err_host: words.dev + (HostWords::ERR * 4) as u64,
-            abort_host: words.dev + (HostWords::ABORT * 4) as u64,
+            err_host: words.dev() + (HostWords::ERR * 4) as u64,
+            abort_host: words.dev() + (HostWords::ABORT * 4) as u64,
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
             desc0: 0,
             desc1: 0,
@@ -299,7 +244,6 @@ impl CudaEngine {
             poison_stream,
             peers_poisoned: AtomicBool::new(false),
         });
-        // From here the engine owns the events (Drop destroys them, end_event included).
         let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
@@ -310,7 +254,7 @@ impl CudaEngine {
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
-            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: None, end_event }),
+            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: false, end_event }),
             base,
             blocks,
             gpu_sharers: sharers,
@@ -345,7 +289,7 @@ impl CudaEngine {
     /// One collective of every kernel family, on the internal stream, then wait: the
     /// first real collective finds the kernels resident and the signal pads in use.
     pub(super) fn warm_up(self: &Arc<Self>) -> Result<()> {
-        let stream = self.internal as u64;
+        let stream = self.internal.raw() as u64;
         let call = |kind, dtype, op, count| CudaCall { kind, dtype, op, root: 0, inp: 0, out: 0, count, stream, asynchronous: false };
         // Zero-length calls run every barrier path without touching user memory.
         for c in [
@@ -373,8 +317,7 @@ impl CudaEngine {
             self.launch_p2p(false, 0, 0, peer, stream, false)?;
         }
         let _ctx = self.sh.dev.bind()?;
-        // SAFETY: the internal stream is live.
-        check(unsafe { cu::cuStreamSynchronize(self.internal) }, "cuStreamSynchronize (warm-up)")?;
+        check(self.internal.synchronize(), "cuStreamSynchronize (warm-up)")?;
         self.health()
     }
 }

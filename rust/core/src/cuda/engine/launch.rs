@@ -7,10 +7,10 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
-use super::events::{new_event, CudaEvent, EventHome};
+use super::events::{CudaEvent, EventHome};
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::cuda::decide::{choose_allreduce, placement};
-use crate::cuda::driver::{check, is_capturing, CUstream};
+use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::{Family, MAX_RANKS, THREADS};
 use crate::error::{Error, Result};
 
@@ -110,7 +110,7 @@ impl CudaEngine {
         }
         let _ctx = self.sh.dev.bind()?;
         let caller = c.stream;
-        let internal = self.internal as u64;
+        let internal = self.internal.raw() as u64;
         let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
         let mut o = self.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
@@ -139,7 +139,7 @@ impl CudaEngine {
         // matches every kernel's launch bounds.
         check(
             unsafe {
-                cu::cuLaunchKernel(func, self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+                cu::cuLaunchKernel(func.raw(), self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
             },
             &format!("launching rsccl's CUDA {}", c.kind.name()),
         )?;
@@ -152,22 +152,22 @@ impl CudaEngine {
         // stream during a global-mode capture) counts as capturing.
         if !is_capturing(target).unwrap_or(true) {
             // SAFETY: our own event and a live stream of this context.
-            check(unsafe { cu::cuEventRecord(o.end_event, target as CUstream) }, "cuEventRecord (end of collectives)")?;
-            o.collectives_end = Some(o.end_event);
+            check(unsafe { cu::cuEventRecord(o.end_event.raw(), target as CUstream) }, "cuEventRecord (end of collectives)")?;
+            o.collectives_end = true;
         }
         if target == caller {
             return Ok(None);
         }
-        let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
         // SAFETY: valid event and stream.
-        check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
+        check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
         if c.asynchronous {
             let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<CudaEngine>;
-            return Ok(Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout)));
+            return Ok(Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout)));
         }
         // SAFETY: valid event and caller stream; the wait captures the event's current
         // state, so the event can be reused right away.
-        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
+        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
         o.free_events.push(ev);
         r.map(|_| None)
     }

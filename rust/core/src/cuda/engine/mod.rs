@@ -43,7 +43,7 @@ pub use super::call::{CudaCall, CudaKind};
 pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
 };
-use super::driver::CUstream;
+use super::driver::Stream;
 use super::heap::Heap;
 use super::kernels::{Family, Kernels};
 use super::pool::SymmetricPool;
@@ -67,7 +67,7 @@ pub struct CudaEngine {
     last_counts: Mutex<[u64; 4]>,
     kernels: std::mem::ManuallyDrop<Kernels>,
     undrained: AtomicBool,
-    internal: CUstream,
+    internal: Stream,
     order: Mutex<Ordering_>,
     base: Args,
     /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
@@ -81,20 +81,14 @@ pub struct CudaEngine {
     collectives: std::sync::atomic::AtomicU64,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     timeout: Duration,
-    /// send/recv: a stream per (peer, direction), index 2 * peer + (1 for recv); null for
+    /// send/recv: a stream per (peer, direction), index 2 * peer + (1 for recv); None for
     /// this rank itself.
-    p2p_streams: Vec<CUstream>,
+    p2p_streams: Vec<Option<Stream>>,
     inbox_off: u64,
     chunk: u64,
     p2p_blocks: u32,
     p2p_bytes: usize,
 }
-
-// SAFETY: the raw handles (stream, events) are driver objects usable from any thread; all
-// mutable state is behind mutexes or atomics.
-unsafe impl Send for CudaEngine {}
-// SAFETY: as above.
-unsafe impl Sync for CudaEngine {}
 
 impl CudaEngine {
     /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 
 use super::abi::P2pArgs;
-use super::events::{new_event, CudaEvent, EventHome};
+use super::events::{CudaEvent, EventHome};
 use super::{CudaEngine, CudaKind};
-use crate::cuda::driver::{check, CUstream};
+use crate::cuda::driver::{check, CUstream, Event};
 use crate::cuda::kernels::THREADS;
 use crate::error::{Error, Result};
 
@@ -43,7 +43,10 @@ impl CudaEngine {
         x.a.root = peer as u32;
         x.a.desc0 = kind.code();
         let func = if send { self.kernels.send } else { self.kernels.recv };
-        let target = self.p2p_streams[2 * peer + (!send) as usize] as u64;
+        let target = self.p2p_streams[2 * peer + (!send) as usize]
+            .as_ref()
+            .map(|s| s.raw() as u64)
+            .ok_or_else(|| Error::Internal(format!("no send/recv stream for local rank {peer}")))?;
         let ev = {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
@@ -57,7 +60,7 @@ impl CudaEngine {
             check(
                 unsafe {
                     cu::cuLaunchKernel(
-                        func,
+                        func.raw(),
                         self.p2p_blocks,
                         1,
                         1,
@@ -72,17 +75,17 @@ impl CudaEngine {
                 },
                 &format!("launching rsccl's CUDA {}", kind.name()),
             )?;
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
             // SAFETY: valid event and stream.
-            check(unsafe { cu::cuEventRecord(ev, target as CUstream) }, "cuEventRecord")?;
+            check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
             if asynchronous {
                 {
                     let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
-                    Some(CudaEvent::new(ev, home, self.sh.dev.clone(), self.timeout))
+                    Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout))
                 }
             } else {
                 // SAFETY: valid event and caller stream; the wait captures the record.
-                let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev, 0) }, "cuStreamWaitEvent");
+                let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
                 o.free_events.push(ev);
                 r?;
                 None

@@ -5,10 +5,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 
-use super::events::new_event;
 use super::status::HostWords;
 use super::CudaEngine;
-use crate::cuda::driver::CUstream;
+use crate::cuda::driver::{CUstream, Event};
 
 impl CudaEngine {
     /// Let queued kernels finish (up to the group timeout), then stop them and the
@@ -25,9 +24,9 @@ impl CudaEngine {
         }
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         let o = self.order.lock();
-        let mut pending = vec![self.internal as u64];
-        pending.extend(self.p2p_streams.iter().filter(|s| !s.is_null()).map(|&s| s as u64));
-        if let Some(last) = o.last_stream.filter(|&l| l != self.internal as u64) {
+        let mut pending = vec![self.internal.raw() as u64];
+        pending.extend(self.p2p_streams.iter().flatten().map(|s| s.raw() as u64));
+        if let Some(last) = o.last_stream.filter(|&l| l != self.internal.raw() as u64) {
             pending.push(last);
         }
         // Queued kernels get the group timeout to finish, then the abort word stops their
@@ -38,12 +37,12 @@ impl CudaEngine {
         let give_up = deadline + Duration::from_secs(10);
         let mut drained = true;
         for s in pending {
-            let Ok(ev) = new_event() else { continue };
+            let Ok(ev) = Event::new(&self.sh.dev) else { continue };
             // SAFETY: valid event and stream (streams outlive the group: torch never
             // destroys its pool streams; ours is destroyed in Drop).
-            if unsafe { cu::cuEventRecord(ev, s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
+            if unsafe { cu::cuEventRecord(ev.raw(), s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
                 // SAFETY: valid event.
-                while unsafe { cu::cuEventQuery(ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
+                while unsafe { cu::cuEventQuery(ev.raw()) } == cu::CUresult::CUDA_ERROR_NOT_READY {
                     let now = Instant::now();
                     if now > deadline {
                         self.sh.words.write(HostWords::ABORT, 1);
@@ -59,8 +58,7 @@ impl CudaEngine {
                     std::thread::sleep(Duration::from_micros(200));
                 }
             }
-            // SAFETY: the event is ours; a pending record on it is harmless.
-            unsafe { cu::cuEventDestroy_v2(ev) };
+            // Dropping `ev` destroys it; a pending record on it is harmless.
         }
         if !drained {
             tracing::warn!("rsccl: GPU work did not finish at shutdown; leaving the group's CUDA memory mapped");
@@ -73,15 +71,17 @@ impl Drop for CudaEngine {
     fn drop(&mut self) {
         self.shutdown();
         if self.undrained.load(Ordering::Acquire) {
-            return; // pool and module are ManuallyDrop: leaked on purpose (see shutdown)
+            // Pool and module are ManuallyDrop: leaked on purpose (see shutdown). The
+            // streams and events are released by their own Drop: the driver lets a stream
+            // or event with pending work go once that work is done.
+            return;
         }
         // SAFETY: dropped exactly once, here; nothing runs on them (shutdown drained; the
         // copies into peers' poison words, the last users of the peer mappings, are
         // waited for first: 4-byte DMA writes, which end by themselves).
         unsafe {
             if let Ok(_ctx) = self.sh.dev.bind() {
-                cu::cuStreamSynchronize(self.sh.poison_stream);
-                cu::cuStreamDestroy_v2(self.sh.poison_stream);
+                self.sh.poison_stream.synchronize();
             }
             std::mem::ManuallyDrop::drop(&mut self.kernels);
             std::mem::ManuallyDrop::drop(&mut self.pool);
@@ -91,20 +91,12 @@ impl Drop for CudaEngine {
             h.close();
         }
         let Ok(_ctx) = self.sh.dev.bind() else { return };
-        // SAFETY: every kernel of ours finished (shutdown waited); the stream and events
-        // are ours. The pool and module are released after this, by their own Drop.
-        unsafe {
-            cu::cuStreamSynchronize(self.internal);
-            let o = self.order.get_mut();
-            for ev in o.free_events.drain(..) {
-                cu::cuEventDestroy_v2(ev);
-            }
-            cu::cuEventDestroy_v2(o.end_event);
-            cu::cuStreamDestroy_v2(self.internal);
-            for &st in self.p2p_streams.iter().filter(|s| !s.is_null()) {
-                cu::cuStreamSynchronize(st);
-                cu::cuStreamDestroy_v2(st);
-            }
+        // Every kernel of ours finished (shutdown waited); the streams and events are
+        // destroyed after this by their own Drop (Stream, Event), the poison stream with
+        // `Shared`.
+        self.internal.synchronize();
+        for st in self.p2p_streams.iter().flatten() {
+            st.synchronize();
         }
     }
 }

@@ -6,10 +6,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 
-use super::events::new_event;
 use super::status::HostWords;
 use super::CudaEngine;
-use crate::cuda::driver::{check, is_capturing};
+use crate::cuda::driver::{check, is_capturing, Event};
 use crate::cuda::heap::Heap;
 use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
@@ -50,7 +49,7 @@ impl CudaEngine {
     pub(super) fn kernel_counts(&self) -> [u64; 4] {
         let read = || -> Result<[u64; 4]> {
             let _ctx = self.sh.dev.bind()?;
-            let internal = self.internal as u64;
+            let internal = self.internal.raw() as u64;
             // An error (the legacy stream during a global-mode capture) counts as capturing.
             let capturing = |s: u64| is_capturing(s).unwrap_or(true);
             let ev = {
@@ -64,16 +63,16 @@ impl CudaEngine {
                     }
                     self.join(&mut o, last, internal)?;
                 }
-                let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+                let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
                 let dst = self.sh.words.counts_ptr();
                 // SAFETY: copies 32 bytes of our own block (mapped for this device) into the
                 // pinned page (32 free bytes at COUNTS), on our live stream; the event is ours.
                 let r = unsafe {
                     check(
-                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal),
+                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal.raw()),
                         "cuMemcpyDtoHAsync (collective counters)",
                     )
-                    .and_then(|_| check(cu::cuEventRecord(ev, self.internal), "cuEventRecord"))
+                    .and_then(|_| check(cu::cuEventRecord(ev.raw(), self.internal.raw()), "cuEventRecord"))
                 };
                 if let Err(e) = r {
                     o.free_events.push(ev);
@@ -84,7 +83,7 @@ impl CudaEngine {
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             let done = loop {
                 // SAFETY: valid event.
-                match unsafe { cu::cuEventQuery(ev) } {
+                match unsafe { cu::cuEventQuery(ev.raw()) } {
                     cu::CUresult::CUDA_SUCCESS => break Ok(()),
                     cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(20)),
                     cu::CUresult::CUDA_ERROR_NOT_READY => break Err(Error::Timeout("reading the collective counters".into())),

@@ -11,13 +11,12 @@ use parking_lot::Mutex;
 use super::abi::{ERR_A2A, ERR_ABORTED, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT};
 use super::CudaEngine;
 use crate::cuda::call::describe;
-use crate::cuda::driver::{check, is_capturing, CUstream, Device};
+use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
 use crate::error::{Error, Result};
 
 /// Pinned host memory the kernels write errors into and the host writes the abort word into.
 pub(super) struct HostWords {
-    pub(super) host: *mut u32,
-    pub(super) dev: u64,
+    page: PinnedPage,
 }
 
 impl HostWords {
@@ -34,52 +33,36 @@ impl HostWords {
     /// (bytes 3200..3204).
     pub(super) const POISON_SRC: usize = 800;
 
-    pub(super) fn new() -> Result<HostWords> {
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: allocates 4 KiB of pinned, device-mapped host memory into `p`.
-        check(unsafe { cu::cuMemHostAlloc(&mut p, 4096, cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE) }, "cuMemHostAlloc")?;
-        // SAFETY: `p` points at 4096 writable bytes.
-        unsafe { std::ptr::write_bytes(p as *mut u8, 0, 4096) };
-        // Owned from here, so a failure below frees the page (Drop).
-        let mut w = HostWords { host: p as *mut u32, dev: 0 };
-        // SAFETY: `p` was allocated with DEVICEMAP above.
-        check(unsafe { cu::cuMemHostGetDevicePointer_v2(&mut w.dev, p, 0) }, "cuMemHostGetDevicePointer")?;
-        Ok(w)
+    pub(super) fn new(dev: &Arc<Device>) -> Result<HostWords> {
+        Ok(HostWords { page: PinnedPage::new(dev, 4096)? })
+    }
+
+    /// The page's address as the kernels see it.
+    pub(super) fn dev(&self) -> u64 {
+        self.page.dev_ptr()
     }
 
     pub(super) fn read(&self, i: usize) -> u32 {
-        // SAFETY: in bounds of the 4 KiB allocation; volatile because the GPU writes it.
-        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+        self.page.u32_at(i).load(Ordering::Relaxed)
     }
 
     /// The i-th u64 of the page (the kernels store descriptors there).
     pub(super) fn read64(&self, i: usize) -> u64 {
-        // SAFETY: i < 512 keeps it inside the 4 KiB page; volatile because the GPU writes it.
-        unsafe { std::ptr::read_volatile((self.host as *const u64).add(i)) }
+        self.page.u64_at(i).load(Ordering::Relaxed)
     }
 
     /// Where the collective counters are copied (see COUNTS).
     pub(super) fn counts_ptr(&self) -> *mut std::ffi::c_void {
-        // SAFETY: COUNTS + 4 u64 = 3104 bytes, inside the 4 KiB page.
-        unsafe { (self.host as *mut u64).add(Self::COUNTS) as *mut std::ffi::c_void }
+        self.page.host_ptr(Self::COUNTS * 8)
     }
 
     /// Where the value peers' poison words get lives (see POISON_SRC).
     pub(super) fn poison_src(&self) -> *const std::ffi::c_void {
-        // SAFETY: 3204 bytes, inside the 4 KiB page.
-        unsafe { self.host.add(Self::POISON_SRC) as *const std::ffi::c_void }
+        self.page.host_ptr(Self::POISON_SRC * 4)
     }
 
     pub(super) fn write(&self, i: usize, v: u32) {
-        // SAFETY: as above; the GPU polls it with volatile loads.
-        unsafe { std::ptr::write_volatile(self.host.add(i), v) }
-    }
-}
-
-impl Drop for HostWords {
-    fn drop(&mut self) {
-        // SAFETY: frees the allocation made in `new`; no kernel runs any more.
-        unsafe { cu::cuMemFreeHost(self.host as *mut std::ffi::c_void) };
+        self.page.u32_at(i).store(v, Ordering::Relaxed)
     }
 }
 
@@ -93,7 +76,7 @@ pub(super) struct Shared {
     /// rank's own.
     pub(super) peer_poison: Vec<u64>,
     /// A stream of our own for the copies into `peer_poison` (never blocked by a kernel).
-    pub(super) poison_stream: CUstream,
+    pub(super) poison_stream: Stream,
     /// Set once this rank has poisoned its peers.
     pub(super) peers_poisoned: AtomicBool,
 }
@@ -137,19 +120,13 @@ impl Shared {
             // `dst` is a peer's poison word, mapped in this context until the engine's Drop,
             // which synchronizes `poison_stream` before unmapping; a copy (DMA), not a
             // kernel, so it runs even while spinning kernels hold every SM.
-            let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src, 4, self.poison_stream) };
+            let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src, 4, self.poison_stream.raw()) };
             if r != cu::CUresult::CUDA_SUCCESS {
                 tracing::warn!("rsccl: could not poison a local peer's block after an abort ({r:?}); it stops at its own timeout");
             }
         }
     }
 }
-
-// SAFETY: HostWords is a pointer to pinned memory valid for the engine's life, accessed with
-// volatile loads/stores only; the rest is Sync already.
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
 
 impl CudaEngine {
     /// Mark the group unusable with `err` (the first error wins) and stop this rank's
@@ -272,7 +249,7 @@ impl CudaEngine {
             if o.last_stream.is_some_and(|l| is_capturing(l).unwrap_or(true)) {
                 return Ok(());
             }
-            o.collectives_end
+            o.collectives_end.then(|| o.end_event.raw())
         };
         let Some(ev) = ev else { return Ok(()) };
         let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
