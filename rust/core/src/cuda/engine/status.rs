@@ -15,6 +15,28 @@ use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
 use crate::error::{Error, Result};
 
 /// Pinned host memory the kernels write errors into and the host writes the abort word into.
+///
+/// Protocol and memory order (host side; the kernel side is in protocol.cuh, `fail` and
+/// `report_mismatch`, and the all_to_all and recv checks):
+/// - A report is data, then a flag. A kernel writes the data words (descriptors at u64
+///   4..5 and 8.., all_to_all's pair and sizes at u64 4..7, send/recv's sizes at u64 48..49),
+///   then `__threadfence_system()`, then the code word (ERR, or FATAL through `fail`). The
+///   host reads the code word with an Acquire load (`read`) and the data only after seeing a
+///   code: the kernel's system-scope fence before its store pairs with the host's acquire
+///   (fence-to-acquire synchronization), so the data words are the ones written before that
+///   code. x86 orders loads anyway; on an aarch64 host (Grace Hopper) a plain or volatile
+///   load would not keep the later data loads behind it, the acquire (LDAR) does.
+/// - The host's words (ABORT, and POISON_SRC, the value its copy engine sends to the peers'
+///   poison words) carry no data: a kernel that sees ABORT stops, and the cause sits in the
+///   engine's mutex. They are stored with Release (`write`) all the same, so whatever the
+///   host wrote before is visible to a reader that sees them. POISON_SRC is read by a DMA
+///   enqueued after the store; the driver's submission orders the host's earlier stores
+///   before the copy starts.
+/// - COUNTS is filled by a copy (cuMemcpyDtoHAsync) and read only after its event
+///   completed (cuEventQuery), which makes the copy's bytes visible to the host.
+/// - The host clears ERR after the collectives queued so far finished (health), so no
+///   kernel of those is writing it; a clearing store racing a later kernel's report would
+///   lose that report, which is why health waits first.
 pub(super) struct HostWords {
     page: PinnedPage,
 }
@@ -42,13 +64,15 @@ impl HostWords {
         self.page.dev_ptr()
     }
 
+    /// A word the kernels write (Acquire: see the protocol above).
     pub(super) fn read(&self, i: usize) -> u32 {
-        self.page.u32_at(i).load(Ordering::Relaxed)
+        self.page.u32_at(i).load(Ordering::Acquire)
     }
 
-    /// The i-th u64 of the page (the kernels store descriptors there).
+    /// The i-th u64 of the page (the kernels store descriptors there; read after the
+    /// code word that announced them, itself read with Acquire).
     pub(super) fn read64(&self, i: usize) -> u64 {
-        self.page.u64_at(i).load(Ordering::Relaxed)
+        self.page.u64_at(i).load(Ordering::Acquire)
     }
 
     /// Where the collective counters are copied (see COUNTS).
@@ -61,8 +85,10 @@ impl HostWords {
         self.page.host_ptr(Self::POISON_SRC * 4)
     }
 
+    /// A word the kernels (ABORT) or the copy engine (POISON_SRC) read, or the clearing of
+    /// ERR (Release: see the protocol above).
     pub(super) fn write(&self, i: usize, v: u32) {
-        self.page.u32_at(i).store(v, Ordering::Relaxed)
+        self.page.u32_at(i).store(v, Ordering::Release)
     }
 }
 
