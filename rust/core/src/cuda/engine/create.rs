@@ -18,11 +18,11 @@ use crate::bootstrap::LocalMesh;
 use crate::config::Config;
 use crate::cuda::decide::{grids_that_fit, p2p_chunk, stage_per_block};
 use crate::cuda::driver::{check, Device, Event, Stream};
-use crate::cuda::heap::Heap;
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
-use crate::cuda::pool::SymmetricPool;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::memory::device_heap::Heap;
+use crate::memory::device_pool::SymmetricPool;
 
 /// The grids every local rank uses, (collective blocks, send/recv blocks): `grids_that_fit`
 /// on each rank's GPU, the least of each (ranks pair their blocks one to one, and senders

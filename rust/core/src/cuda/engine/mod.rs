@@ -44,10 +44,10 @@ pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
 };
 use super::driver::Stream;
-use super::heap::Heap;
 use super::kernels::{Family, Kernels};
-use super::pool::SymmetricPool;
 use crate::dtype::{DType, ReduceOp};
+use crate::memory::device_heap::Heap;
+use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
 use events::Ordering_;
 pub use events::{CudaEvent, EventHome};

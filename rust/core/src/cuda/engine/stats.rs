@@ -9,9 +9,9 @@ use cudarc::driver::sys as cu;
 use super::status::HostWords;
 use super::CudaEngine;
 use crate::cuda::driver::{check, is_capturing, Event};
-use crate::cuda::heap::Heap;
 use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
+use crate::memory::device_heap::Heap;
 
 /// Counters reported by memory_stats.
 #[derive(Debug, Default, Clone, Copy)]

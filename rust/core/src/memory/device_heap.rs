@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::pool::SymmetricPool;
+use super::device_pool::SymmetricPool;
 use crate::error::{Error, Result};
 
 /// Offsets and sizes are multiples of this (torch's caching allocator asks for 2 MiB

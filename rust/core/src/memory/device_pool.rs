@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use cudarc::driver::sys as cu;
 
-use super::driver::{check, Device};
 use crate::bootstrap::LocalMesh;
+use crate::cuda::driver::{check, Device};
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"RSV1";
