@@ -2,6 +2,15 @@
 
 #include "common.cuh"
 
+// NOTE [all_to_all]
+// all_to_all (rs_all_to_all): before its first signal every rank writes its send and
+//   receive sizes into its own table (half = first barrier's epoch parity); after that
+//   barrier every rank reads every rank's table, so all ranks check all pairs alike (a
+//   pair that disagrees stops every rank, with the same report, counters in step) and
+//   agree on the largest chunk, which sets the step size. A rank rewrites a table half
+//   only at a first barrier two epochs later, after every peer passed the barrier after
+//   its reads.
+
 // all_to_all (bytes; NOTE [all_to_all]). Rank me's chunk for peer j is
 // send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
 // Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:

@@ -8,8 +8,8 @@ use super::call::{CudaCall, CudaKind};
 use super::kernels::{Family, STAGE_OFF};
 use crate::error::{Error, Result};
 
-/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to
-/// point] in csrc_kernels/protocol.cuh), or why the settings leave too little.
+/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to point]
+/// in csrc_kernels/send_recv.cu), or why the settings leave too little.
 pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
     let slots = local_ranks.saturating_sub(1).max(1);
     let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;

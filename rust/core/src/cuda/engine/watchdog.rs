@@ -25,7 +25,7 @@ pub(super) fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<u
                 )));
             }
             drop(p);
-            // Kernels poll this word while they wait and return (see the kernel source).
+            // Kernels poll this word while they wait and return (NOTE [Bounded waits] in csrc_kernels/protocol.cuh).
             sh.words.write(HostWords::ABORT, 1);
             // The other peers see the death themselves within one poll; this stops their
             // kernels that wait on this rank's sooner, naming the dead rank as the cause.
