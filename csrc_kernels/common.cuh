@@ -290,7 +290,7 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // four other ops.
 
 #define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
-    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
+    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN##_##ON(const Args a) { \
         ALG<T, OP>(a);                                                                      \
     }
 

@@ -31,14 +31,6 @@
 //   block completes without its receiver, as small NCCL sends do; a larger one waits for
 //   it (bounded by the timeout). A receiver that finds a size other than its own records a
 //   fatal error and poisons its peers: the sender's later waits stop too.
-//
-// The send/recv arguments. `a.root` is the peer's local
-// index, `a.count` the message's bytes.
-struct P2pArgs {
-    Args a;
-    u64 inbox_off;   // the inbox's offset in a block
-    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
-};
 
 #define P2P_READY 0   // [block][sender] in the receiver's block
 #define P2P_ACK 1     // [block][receiver] in the sender's block
@@ -71,7 +63,7 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
 __device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 __device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
@@ -125,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
