@@ -1,5 +1,5 @@
 //! CUDA: the driver layer (driver.rs: checked calls and RAII owners of its handles),
-//! rsccl's kernels (kernels.rs: csrc_kernels/, prebuilt or compiled by NVRTC and cached),
+//! rsccl's kernels (kernels/: csrc_kernels/, prebuilt or compiled by NVRTC and cached),
 //! the engine for ranks on one host (engine/: the launch path with its stream and error
 //! rules, on the symmetric pool of memory/device_pool.rs), its pure choices (decide.rs),
 //! and the NCCL engine for groups that span hosts (nccl.rs, nccl_engine.rs), which uses the

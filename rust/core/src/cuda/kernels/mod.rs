@@ -1,5 +1,5 @@
 //! rsccl's kernels (csrc_kernels/): one CUDA module per family (a .cu file each, sharing
-//! protocol.cuh and common.cuh), loaded once per group and looked up once. Nothing is
+//! abi.cuh, protocol.cuh and common.cuh), loaded once per group and looked up once. Nothing is
 //! compiled on a collective's path.
 //!
 //! Where the code comes from (`RSCCL_KERNELS`, config::KernelSource):
