@@ -2,6 +2,15 @@
 
 #include "common.cuh"
 
+// NOTE [all_to_all]
+// all_to_all (rs_all_to_all): before its first signal every rank writes its send and
+//   receive sizes into its own table (half = first barrier's epoch parity); after that
+//   barrier every rank reads every rank's table, so all ranks check all pairs alike (a
+//   pair that disagrees stops every rank, with the same report, counters in step) and
+//   agree on the largest chunk, which sets the step size. A rank rewrites a table half
+//   only at a first barrier two epochs later, after every peer passed the barrier after
+//   its reads.
+
 // all_to_all (bytes; NOTE [all_to_all]). Rank me's chunk for peer j is
 // send_n[j] bytes at send[j]; the chunk from peer i lands at recv[i] (recv_n[i] bytes).
 // Addresses are absolute, so the list form needs no flattening. Steps as in all_gather:
@@ -12,14 +21,6 @@
 // Reuse: as in all_gather (a slot of parity p is rewritten at step s + 2, after a barrier
 // that needs the receiver's signal given after its copy of step s); the first push of a
 // kernel follows the table barrier, which every peer passed after its previous kernel.
-struct A2aArgs {
-    Args a;
-    u64 send[MAX_RANKS];
-    u64 send_n[MAX_RANKS];
-    u64 recv[MAX_RANKS];
-    u64 recv_n[MAX_RANKS];
-};
-
 __device__ __forceinline__ u64* a2a_table(u64 block_base, u32 epoch, u32 cuda_block) {
     return reinterpret_cast<u64*>(block_base + A2A_OFF) + ((epoch & 1) * MAX_BLOCKS + cuda_block) * 2 * MAX_RANKS;
 }
@@ -66,7 +67,7 @@ __device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_all_to_all(const A2aArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_all_to_all(const A2aArgs x) {
     const Args& a = x.a;
     __shared__ BlockState s;
     __shared__ unsigned long long s_max;

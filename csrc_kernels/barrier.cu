@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
-extern "C" __global__ void __launch_bounds__(512) rs_barrier(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_barrier(const Args a) {
     __shared__ BlockState s;
     load_state(a, &s);
     const u64 steps = 0;

@@ -220,7 +220,21 @@ __device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store
 }
 
 // ---------------------------------------------------------------------------------------
-// In place (NOTE [In place]). Called after the first barrier, when every
+// NOTE [In place]
+// In place: a call whose buffers lie in the pool passes their offsets in the block
+//   (`place_in`/`place_out`, offset + 1; 0 = not in the pool or not eligible) in its
+//   descriptor. The first barrier shows every rank every rank's offsets, so all ranks
+//   decide alike, with no host round trip (and under graph replay): if every rank passed
+//   the same non-zero offsets, the kernel reads and writes the peers' buffers directly
+//   (`peer[j] + offset`) and uses no staging; otherwise it runs the staged algorithm. A
+//   staged kernel pushes its first step before the first barrier; a rank that offered in
+//   place did not, so when any rank offered, every rank pushes after that barrier and
+//   passes one more before reading (all of them know that any rank offered).
+//   In-place algorithms start after the first barrier (every peer's kernel has started,
+//   so its buffers hold the caller's data and are no longer used by its earlier work) and
+//   end with a barrier (no peer reads or writes my buffers after my kernel ends).
+//
+// The helpers below are called after the first barrier, when every
 // rank passed the same pool offsets; `peer[j] + offset` is rank j's buffer. Elements are
 // split in the same per-block ranges on every rank, so the per-block barriers order each
 // element's producer before its consumers. No staging: counters' step parity is untouched.
@@ -276,7 +290,7 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // four other ops.
 
 #define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
-    extern "C" __global__ void __launch_bounds__(512) rs_##ALG##_##TN##_##ON(const Args a) { \
+    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN##_##ON(const Args a) { \
         ALG<T, OP>(a);                                                                      \
     }
 

@@ -1,180 +1,28 @@
-// rsccl's kernels: the symmetric block's layout, the arguments every kernel takes, and the
-// signal / barrier protocol they share, with its memory-ordering argument (the named notes
-// below; code that relies on one names it). Included by common.cuh; no other headers:
-// NVRTC's built-ins only.
-//
-// NOTE [Block layout]
-// Memory: every local rank owns one VMM allocation ("symmetric block"), mapped by every
-// local rank; `Args::peer[j]` is rank j's block as mapped in this process. A block is
-//   [0, FLAGS_BYTES)          flags[MAX_BLOCKS][MAX_RANKS] u32: written by peers (barrier)
-//   [STATS_OFF, +32)          {in-place collectives, bytes, all collectives, bytes} u64:
-//                             this rank's kernels count them (memory_stats)
-//   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
-//   [POISON_OFF, +4)          1 + the local index of a peer whose kernel failed (timeout,
-//                             send/recv size mismatch) and stopped the group; 0 = none
-//   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
-//                             written by peers before their first signal of a kernel, in
-//                             the half picked by the barrier epoch's parity
-//   [P2P_OFF, +32 KiB)        send/recv signals and counters (NOTE [Point to point])
-//   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
-//                             send sizes then receive sizes, MAX_RANKS u64 each
-//   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
-//                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
-//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
-//                             parity, `chunk` bytes (NOTE [Point to point])
-//   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
-//                             host (rust/core/src/cuda/heap.rs), used in place
-//
+// rsccl's kernels: the signal / barrier protocol every kernel shares (the block's layout and
+// the arguments are the ABI, abi.cuh), with its memory-ordering argument, as named notes,
+// each written once at the code it describes; code that relies on one names it:
+//   NOTE [Block layout]       abi.cuh, at the layout constants
+//   NOTE [Lockstep blocks]    at BlockState
+//   NOTE [Bounded waits]      at stop_reason
+//   NOTE [Barrier protocol], NOTE [Buffer reuse], NOTE [Agreement]   at barrier()
+//   NOTE [In place]           common.cuh, at the in-place helpers
+//   NOTE [Point to point]     send_recv.cu
+//   NOTE [all_to_all]         all_to_all.cu
+// Included by common.cuh; no other headers: NVRTC's built-ins only.
+
+#pragma once
+
+#include "abi.cuh"
+
+// ---------------------------------------------------------------------------------------
+// Per-block state and the barrier.
+
 // NOTE [Lockstep blocks]
 // Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
 // a group are serialized on the GPU (the engine orders every launch after the previous
 // one), so CUDA block b of every rank runs the same sequence of steps and barriers: the
 // per-block counters agree across ranks without any host round trip, including under
 // CUDA graph replay (the counters live in device memory, not in kernel arguments).
-//
-// NOTE [Barrier protocol]
-// Barrier protocol (per CUDA block b, between the same block on every local rank):
-//   epoch e = my counter + 1. After __syncthreads() (every thread of the block finished
-//   its stores for this step, local and remote), thread j < world issues a st.release.sys
-//   of e into rank j's flags[b][me]. Thread j then spins with
-//   ld.acquire.sys on my flags[b][j] until it is >= e (wrap-safe signed difference), and
-//   __syncthreads() publishes that to the block.
-//   Ordering: bar.sync orders the block's data stores before the signalling thread's
-//   release (release is cumulative over what happened-before it); the waiter's acquire
-//   synchronizes-with that release at system scope, and the second bar.sync extends it to
-//   the block's later loads. A peer can run at most one barrier ahead (it cannot pass
-//   barrier e before my signal e), so flags only grow and ">= e" is exact.
-//
-// NOTE [Buffer reuse]
-// Buffer reuse: staging is double-buffered by step parity. A block writes parity p at
-//   step s+2 only after passing the barrier of step s+1 with every peer's block b, which
-//   each peer's block reached only after finishing its reads of step s; every element is
-//   written and read by the same block index on every rank, so no other block is involved.
-//
-// NOTE [Agreement]
-// Agreement: the first barrier of every kernel also carries the caller's descriptor
-//   (collective, dtype, op, root, count), stored into the peer's desc slot before the
-//   release; the waiter compares it after the acquire. Slots alternate by epoch parity: a
-//   peer may already be one barrier ahead (the first of its next kernel) and write its
-//   next descriptor, but only into the other half. Ranks that called different
-//   collectives all pass that barrier, see the mismatch, record it for the host and stop
-//   before moving data, with their counters still in step, so the group stays usable.
-//
-// NOTE [In place]
-// In place: a call whose buffers lie in the pool passes their offsets in the block
-//   (`place_in`/`place_out`, offset + 1; 0 = not in the pool or not eligible) in its
-//   descriptor. The first barrier shows every rank every rank's offsets, so all ranks
-//   decide alike, with no host round trip (and under graph replay): if every rank passed
-//   the same non-zero offsets, the kernel reads and writes the peers' buffers directly
-//   (`peer[j] + offset`) and uses no staging; otherwise it runs the staged algorithm. A
-//   staged kernel pushes its first step before the first barrier; a rank that offered in
-//   place did not, so when any rank offered, every rank pushes after that barrier and
-//   passes one more before reading (all of them know that any rank offered).
-//   In-place algorithms start after the first barrier (every peer's kernel has started,
-//   so its buffers hold the caller's data and are no longer used by its earlier work) and
-//   end with a barrier (no peer reads or writes my buffers after my kernel ends).
-//
-// NOTE [Bounded waits]
-// Bounded waits: a spin that outlasts `timeout_ns`, sees the host's abort word set, or
-//   finds its block's poison word set, records an error in host-mapped memory and the
-//   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards
-//   (the host poisons it). A rank whose wait timed out (or that saw a send/recv size
-//   mismatch) also writes its index into every peer's poison word, so the peers' waits
-//   stop at once instead of each running into its own timeout. The poison word is only
-//   ever set, never cleared: the group is over.
-//
-// NOTE [Point to point]
-// Point to point (send/recv, rs_send / rs_recv): not a collective of the group. Each
-//   (peer, direction) has its own host stream, so a rank's sends to j run concurrently
-//   with its receives from j and with its collectives; the kernels touch none of the
-//   collectives' state (flags, counters, descriptors, staging). A message of n bytes goes
-//   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
-//   of step s); each (block, sender, receiver) has a sequence number q, counted by both
-//   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
-//   both agree without host round trips and under graph replay. Step q:
-//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
-//               receiver has emptied the inbox slot of parity q & 1, last used by step
-//               q - 2); the data warps copy the chunk into the receiver's inbox slot
-//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
-//               size[b][sender][q & 1] and issues st.release.sys of q into
-//               ready[b][sender] (both in the receiver's block).
-//     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
-//               >= q and checks the size; a block barrier; the data warps copy the slot
-//               out; a block barrier; thread 0 issues st.release.sys of q into
-//               ack[b][receiver] (sender's block).
-//   (Warp 0 signals and the other warps copy, with named barriers: see rs_send.)
-//   Ordering: as in the barrier: the block barrier orders every thread's accesses of the
-//   step before thread 0's release (cumulative), the acquire synchronizes with it at
-//   system scope, and the following block barrier extends that to the data warps. The
-//   receiver's reads of a slot
-//   happen before its ack, which happens before the sender's next write of that slot.
-//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
-//   block completes without its receiver, as small NCCL sends do; a larger one waits for
-//   it (bounded by the timeout). A receiver that finds a size other than its own records a
-//   fatal error and poisons its peers: the sender's later waits stop too.
-//
-// NOTE [all_to_all]
-// all_to_all (rs_all_to_all): before its first signal every rank writes its send and
-//   receive sizes into its own table (half = first barrier's epoch parity); after that
-//   barrier every rank reads every rank's table, so all ranks check all pairs alike (a
-//   pair that disagrees stops every rank, with the same report, counters in step) and
-//   agree on the largest chunk, which sets the step size. A rank rewrites a table half
-//   only at a first barrier two epochs later, after every peer passed the barrier after
-//   its reads.
-
-#pragma once
-
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef int i32;
-typedef unsigned long long u64;
-typedef long long i64;
-
-#define MAX_RANKS 16
-#define MAX_BLOCKS 64
-#define FLAGS_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
-#define STATS_OFF 4096
-#define CTR_OFF 8192
-#define DESC_OFF 16384
-#define DESC_WORDS 4
-#define POISON_OFF (STATS_OFF + 256)
-#define P2P_OFF 131072
-#define A2A_OFF 163840
-#define STAGE_OFF 262144
-
-// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
-// mismatch into the first u32, a timeout or abort into the second, so that neither kind
-// overwrites the other (the host clears a reported mismatch but never a fatal error).
-#define ERR_TIMEOUT 1u
-#define ERR_ABORTED 2u
-#define ERR_MISMATCH 3u
-#define ERR_PEER 4u       // a peer failed and poisoned the group (peer = that rank)
-#define ERR_P2P_SIZE 5u   // recv: the sender's size differs (sizes at err_host + 384)
-#define ERR_A2A 6u        // all_to_all splits disagree (pair and sizes at err_host + 32)
-
-struct Args {
-    u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here
-    u64 in;                // this rank's input
-    u64 out;               // this rank's output
-    u64 count;             // elements: see each kernel
-    u64 stage_per_block;   // bytes of staging per CUDA block and parity (multiple of 256)
-    u64 err_host;          // device pointer to a host-mapped u32: first error
-    u64 abort_host;        // device pointer to a host-mapped u32: set by the host to abort
-    u64 timeout_ns;        // bound on any single wait
-    u64 desc0;             // this call's descriptor (kind, dtype, op, root) ...
-    u64 desc1;             // ... and element count: equal on every rank of a valid call
-    u64 place_in;          // offset + 1 of `in` in the pool, 0 if none (NOTE [In place])
-    u64 place_out;         // offset + 1 of `out` in the pool, 0 if none
-    u32 rank;              // local index of this rank
-    u32 world;             // local ranks
-    u32 root;              // broadcast root (local index)
-    u32 pad;
-};
-
-// ---------------------------------------------------------------------------------------
-// Per-block state and the barrier.
-
 struct BlockState {
     u32 epoch;   // barriers passed by this CUDA block (all kernels of the group)
     u32 step;    // steps done by this CUDA block: its parity picks the staging half
@@ -211,6 +59,15 @@ __device__ __forceinline__ u32 ld_volatile_host(u64 p) {
 __device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
     asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+
+// NOTE [Bounded waits]
+// Bounded waits: a spin that outlasts `timeout_ns`, sees the host's abort word set, or
+//   finds its block's poison word set, records an error in host-mapped memory and the
+//   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards
+//   (the host poisons it). A rank whose wait timed out (or that saw a send/recv size
+//   mismatch) also writes its index into every peer's poison word, so the peers' waits
+//   stop at once instead of each running into its own timeout. The poison word is only
+//   ever set, never cleared: the group is over.
 
 // Why a wait must stop now, or 0: the host's abort word, a peer's poison word (`*who` is
 // then that peer), or the timeout. Polled every 256 spins.
@@ -289,7 +146,7 @@ __device__ __forceinline__ u64* desc_ptr(u64 block_base, u32 epoch, u32 cuda_blo
 }
 
 // On a mismatch the host reads both descriptors from host-mapped memory next to the error
-// word: this rank's at +32 bytes, peer j's at +64 + 16 j (see engine.rs, HostWords).
+// word: this rank's at +32 bytes, peer j's at +64 + 16 j (see rust/core/src/cuda/engine/status.rs, HostWords).
 __device__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
     volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
     h[4] = a.desc0;
@@ -300,6 +157,34 @@ __device__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
     st_volatile_host(a.err_host, (ERR_MISMATCH << 16) | peer);
     __threadfence_system();
 }
+
+// NOTE [Barrier protocol]
+// Barrier protocol (per CUDA block b, between the same block on every local rank):
+//   epoch e = my counter + 1. After __syncthreads() (every thread of the block finished
+//   its stores for this step, local and remote), thread j < world issues a st.release.sys
+//   of e into rank j's flags[b][me]. Thread j then spins with
+//   ld.acquire.sys on my flags[b][j] until it is >= e (wrap-safe signed difference), and
+//   __syncthreads() publishes that to the block.
+//   Ordering: bar.sync orders the block's data stores before the signalling thread's
+//   release (release is cumulative over what happened-before it); the waiter's acquire
+//   synchronizes-with that release at system scope, and the second bar.sync extends it to
+//   the block's later loads. A peer can run at most one barrier ahead (it cannot pass
+//   barrier e before my signal e), so flags only grow and ">= e" is exact.
+//
+// NOTE [Buffer reuse]
+// Buffer reuse: staging is double-buffered by step parity. A block writes parity p at
+//   step s+2 only after passing the barrier of step s+1 with every peer's block b, which
+//   each peer's block reached only after finishing its reads of step s; every element is
+//   written and read by the same block index on every rank, so no other block is involved.
+//
+// NOTE [Agreement]
+// Agreement: the first barrier of every kernel also carries the caller's descriptor
+//   (collective, dtype, op, root, count), stored into the peer's desc slot before the
+//   release; the waiter compares it after the acquire. Slots alternate by epoch parity: a
+//   peer may already be one barrier ahead (the first of its next kernel) and write its
+//   next descriptor, but only into the other half. Ranks that called different
+//   collectives all pass that barrier, see the mismatch, record it for the host and stop
+//   before moving data, with their counters still in step, so the group stays usable.
 
 // Returns false if the wait failed (timeout or abort) or a peer called another collective;
 // then every thread must return (through `finish`).

@@ -2,13 +2,35 @@
 
 #include "common.cuh"
 
-// Point to point (NOTE [Point to point]). `a.root` is the peer's local
-// index, `a.count` the message's bytes.
-struct P2pArgs {
-    Args a;
-    u64 inbox_off;   // the inbox's offset in a block
-    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
-};
+// NOTE [Point to point]
+// Point to point (send/recv, rs_send / rs_recv): not a collective of the group. Each
+//   (peer, direction) has its own host stream, so a rank's sends to j run concurrently
+//   with its receives from j and with its collectives; the kernels touch none of the
+//   collectives' state (flags, counters, descriptors, staging). A message of n bytes goes
+//   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
+//   of step s); each (block, sender, receiver) has a sequence number q, counted by both
+//   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
+//   both agree without host round trips and under graph replay. Step q:
+//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
+//               receiver has emptied the inbox slot of parity q & 1, last used by step
+//               q - 2); the data warps copy the chunk into the receiver's inbox slot
+//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
+//               size[b][sender][q & 1] and issues st.release.sys of q into
+//               ready[b][sender] (both in the receiver's block).
+//     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
+//               >= q and checks the size; a block barrier; the data warps copy the slot
+//               out; a block barrier; thread 0 issues st.release.sys of q into
+//               ack[b][receiver] (sender's block).
+//   (Warp 0 signals and the other warps copy, with named barriers: see rs_send.)
+//   Ordering: as in the barrier: the block barrier orders every thread's accesses of the
+//   step before thread 0's release (cumulative), the acquire synchronizes with it at
+//   system scope, and the following block barrier extends that to the data warps. The
+//   receiver's reads of a slot
+//   happen before its ack, which happens before the sender's next write of that slot.
+//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
+//   block completes without its receiver, as small NCCL sends do; a larger one waits for
+//   it (bounded by the timeout). A receiver that finds a size other than its own records a
+//   fatal error and poisons its peers: the sender's later waits stop too.
 
 #define P2P_READY 0   // [block][sender] in the receiver's block
 #define P2P_ACK 1     // [block][receiver] in the sender's block
@@ -41,7 +63,7 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
 __device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 __device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
@@ -95,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(512) rs_send(const P2pArgs x) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) rs_recv(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;

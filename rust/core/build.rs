@@ -17,6 +17,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+mod abi {
+    include!("build_abi.rs");
+}
+
 /// SASS targets; the last one's PTX is embedded too (for GPUs newer than all of them).
 const SASS: [u32; 4] = [80, 90, 100, 120];
 
@@ -27,6 +31,7 @@ fn main() {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    abi::generate(&kdir.join("abi.cuh"), &out);
     let ptx_arch = *SASS.last().unwrap();
     let targets: Vec<String> = SASS.iter().map(|a| format!("sm_{a}")).chain([format!("compute_{ptx_arch}")]).collect();
     let rs = out.join("prebuilt_kernels.rs");

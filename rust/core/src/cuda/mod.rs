@@ -1,16 +1,20 @@
-//! CUDA: the engine for ranks on one host (the symmetric pool, VMM memory mapped by every
-//! local rank; rsccl's kernels, csrc_kernels/, compiled by NVRTC and cached; the launch
-//! path with its stream and error rules: engine.rs), and the NCCL engine for groups that
-//! span hosts (nccl.rs, nccl_engine.rs), which uses the former inside each host.
+//! CUDA: the driver layer (driver.rs: checked calls and RAII owners of its handles),
+//! rsccl's kernels (kernels/: csrc_kernels/, prebuilt or compiled by NVRTC and cached),
+//! the engine for ranks on one host (engine/: the launch path with its stream and error
+//! rules, on the symmetric pool of memory/device_pool.rs), its pure choices (decide.rs),
+//! and the NCCL engine for groups that span hosts (nccl.rs, nccl_engine.rs), which uses the
+//! former inside each host.
 
 pub mod call;
+pub mod decide;
 pub mod driver;
 pub mod engine;
-pub mod heap;
 pub mod kernels;
 pub mod nccl;
 pub mod nccl_engine;
-pub mod pool;
 
+// The device pool and heap live in memory/; their old paths stay.
+pub use crate::memory::device_heap as heap;
+pub use crate::memory::device_pool as pool;
 pub use engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, CudaStats, EventHome};
 pub use nccl_engine::{NcclEngine, NcclStats};

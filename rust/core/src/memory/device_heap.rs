@@ -7,7 +7,7 @@
 //! offset in the peer's block. So offsets must agree across ranks: the allocator is
 //! deterministic (first fit at the lowest offset, freed ranges merged), and a program that
 //! makes the same allocations in the same order on every rank gets the same offsets.
-//! When they do not agree, the kernels notice and stage (csrc_kernels: "In place").
+//! When they do not agree, the kernels notice and stage (NOTE [In place] in csrc_kernels/common.cuh).
 //!
 //! Memory here is mapped when the group is created (no driver call on allocation, so it
 //! also works under CUDA graph capture). A full pool returns null: torch raises its usual
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::pool::SymmetricPool;
+use super::device_pool::SymmetricPool;
 use crate::error::{Error, Result};
 
 /// Offsets and sizes are multiples of this (torch's caching allocator asks for 2 MiB

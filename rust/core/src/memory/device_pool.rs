@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use cudarc::driver::sys as cu;
 
-use super::driver::{check, Device};
 use crate::bootstrap::LocalMesh;
+use crate::cuda::driver::{check, Device};
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"RSV1";
@@ -56,12 +56,6 @@ pub struct SymmetricPool {
     reserved: usize,
     access_set: bool,
 }
-
-// SAFETY: the pool holds driver handles and addresses, usable from any thread; mutation
-// happens only in `create` and `Drop`.
-unsafe impl Send for SymmetricPool {}
-// SAFETY: as above.
-unsafe impl Sync for SymmetricPool {}
 
 impl SymmetricPool {
     /// Each block is the staging buffer (`buffer_bytes`) then the pool (`pool_bytes`), each

@@ -1,0 +1,114 @@
+// rsccl's kernel ABI: everything the host (rust/core) and the kernels must agree on, defined
+// here once: the numbers (threads per block, limits, the symmetric block's layout, error
+// codes) and the argument blocks the kernels take by value. rust/core/build.rs reads this
+// file and generates the Rust side from it (the constants, and const assertions that the
+// #[repr(C)] mirrors in rust/core/src/cuda/engine/abi.rs have exactly these layouts); the
+// static_asserts at the end make the compiler check the layout build.rs computed. So a
+// change here that the Rust side does not follow fails to build.
+//
+// build.rs understands a small subset of C, which this file keeps to: `#define NAME value`
+// with an integer expression (+ - * and parentheses over numbers and earlier names),
+// structs of u32 / u64 fields, fixed-size arrays of them, and earlier structs, and
+// static_asserts of sizeof / alignof.
+
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// NOTE [Block layout]
+// Memory: every local rank owns one VMM allocation ("symmetric block"), mapped by every
+// local rank; `Args::peer[j]` is rank j's block as mapped in this process. A block is
+//   [0, FLAGS_BYTES)          flags[MAX_BLOCKS][MAX_RANKS] u32: written by peers (barrier)
+//   [STATS_OFF, +32)          {in-place collectives, bytes, all collectives, bytes} u64:
+//                             this rank's kernels count them (memory_stats)
+//   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
+//   [POISON_OFF, +4)          1 + the local index of a peer whose kernel failed (timeout,
+//                             send/recv size mismatch) and stopped the group; 0 = none
+//   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
+//                             written by peers before their first signal of a kernel, in
+//                             the half picked by the barrier epoch's parity
+//   [P2P_OFF, +32 KiB)        send/recv signals and counters (NOTE [Point to point])
+//   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
+//                             send sizes then receive sizes, MAX_RANKS u64 each
+//   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
+//                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
+//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
+//                             parity, `chunk` bytes (NOTE [Point to point])
+//   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
+//                             host (rust/core/src/memory/device_heap.rs), used in place
+#define MAX_RANKS 16
+#define MAX_BLOCKS 64
+#define FLAGS_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+#define STATS_OFF 4096
+#define CTR_OFF 8192
+#define DESC_OFF 16384
+#define DESC_WORDS 4
+#define POISON_OFF (STATS_OFF + 256)
+#define P2P_OFF 131072
+#define A2A_OFF 163840
+#define STAGE_OFF 262144
+
+// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
+// mismatch into the first u32, a timeout or abort into the second, so that neither kind
+// overwrites the other (the host clears a reported mismatch but never a fatal error).
+#define ERR_TIMEOUT 1u
+#define ERR_ABORTED 2u
+#define ERR_MISMATCH 3u
+#define ERR_PEER 4u       // a peer failed and poisoned the group (peer = that rank)
+#define ERR_P2P_SIZE 5u   // recv: the sender's size differs (sizes at err_host + 384)
+#define ERR_A2A 6u        // all_to_all splits disagree (pair and sizes at err_host + 32)
+
+struct Args {
+    u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here
+    u64 in;                // this rank's input
+    u64 out;               // this rank's output
+    u64 count;             // elements: see each kernel
+    u64 stage_per_block;   // bytes of staging per CUDA block and parity (multiple of 256)
+    u64 err_host;          // device pointer to a host-mapped u32: first error
+    u64 abort_host;        // device pointer to a host-mapped u32: set by the host to abort
+    u64 timeout_ns;        // bound on any single wait
+    u64 desc0;             // this call's descriptor (kind, dtype, op, root) ...
+    u64 desc1;             // ... and element count: equal on every rank of a valid call
+    u64 place_in;          // offset + 1 of `in` in the pool, 0 if none (NOTE [In place])
+    u64 place_out;         // offset + 1 of `out` in the pool, 0 if none
+    u32 rank;              // local index of this rank
+    u32 world;             // local ranks
+    u32 root;              // broadcast root (local index)
+    u32 pad;
+};
+
+// Threads per block of every kernel (their __launch_bounds__; the host launches this many).
+#define THREADS 512
+
+// The all_to_all kernel's arguments (NOTE [all_to_all]).
+struct A2aArgs {
+    Args a;
+    u64 send[MAX_RANKS];
+    u64 send_n[MAX_RANKS];
+    u64 recv[MAX_RANKS];
+    u64 recv_n[MAX_RANKS];
+};
+
+// The send/recv arguments (NOTE [Point to point]). `a.root` is the peer's local
+// index, `a.count` the message's bytes.
+struct P2pArgs {
+    Args a;
+    u64 inbox_off;   // the inbox's offset in a block
+    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
+};
+
+// The layout build.rs computed for the structs above (natural alignment, no packing),
+// checked by the compiler; build.rs checks it computes the same numbers. (NVRTC has no
+// offsetof: the field offsets follow from the field types' sizes and alignments, which
+// these pin, and the Rust side checks every offset.)
+static_assert(sizeof(u32) == 4 && alignof(u32) == 4, "u32");
+static_assert(sizeof(u64) == 8 && alignof(u64) == 8, "u64");
+static_assert(sizeof(Args) == 232, "Args layout");
+static_assert(alignof(Args) == 8, "Args layout");
+static_assert(sizeof(A2aArgs) == 744, "A2aArgs layout");
+static_assert(sizeof(P2pArgs) == 248, "P2pArgs layout");

@@ -1,0 +1,321 @@
+//! The pure choices of the CUDA engine, tested without a GPU: the all_reduce algorithm
+//! (one-shot vs two-shot), placement (which buffers a call offers in place), the bytes a
+//! call moves, the staging split, the send/recv inbox chunk, the send/recv grid and the
+//! grids of ranks that share a GPU. (Hierarchical vs flat, the NCCL engine's choice, lives
+//! in nccl_engine.rs.)
+
+use super::call::{CudaCall, CudaKind};
+use super::kernels::{Family, STAGE_OFF};
+use crate::error::{Error, Result};
+
+/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to point]
+/// in csrc_kernels/send_recv.cu), or why the settings leave too little.
+pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
+    let slots = local_ranks.saturating_sub(1).max(1);
+    let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;
+    if chunk < 4096 {
+        return Err(Error::Config(format!(
+            "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {slots} peers x \
+             cuda_p2p_blocks = {blocks} x 2: raise cuda_p2p_bytes or lower cuda_p2p_blocks"
+        )));
+    }
+    Ok(chunk)
+}
+
+/// Blocks of each send/recv kernel such that all of them that one rank may have running
+/// at once, one per (peer, direction), 2 x (local ranks - 1), fit on the GPU together with
+/// one collective kernel (`collective_blocks`): `sms` SMs; a collective's blocks take whole
+/// SMs (`collective_per_sm` of them per SM: they ask for one block per SM and hold most of
+/// its registers, so no send/recv block shares their SM), and the other SMs hold
+/// `p2p_per_sm` send/recv blocks each. At most `setting`; 0 when not even one block each
+/// fits. A pure function (tested without a GPU).
+///
+/// Why all at once: a send waits for its receiver's kernel, which may sit behind that
+/// rank's other send/recv kernels; if those hold every SM while they wait for peers in
+/// turn, nothing moves until the timeout. With every kernel resident, each one makes
+/// progress whenever its partner does, so no cycle of waits can form from a lack of SMs.
+/// (Other work on the GPU, e.g. the caller's compute kernels, only delays ours: it ends by
+/// itself and frees its SMs.)
+pub fn p2p_blocks_that_fit(
+    setting: u32,
+    local_ranks: usize,
+    sms: u32,
+    p2p_per_sm: u32,
+    collective_blocks: u32,
+    collective_per_sm: u32,
+) -> u32 {
+    let kernels = 2 * local_ranks.saturating_sub(1) as u64;
+    if kernels == 0 {
+        return setting; // no peer: send/recv never run
+    }
+    if collective_per_sm == 0 {
+        return 0; // a collective kernel cannot run at all
+    }
+    let collective_sms = (collective_blocks as u64).div_ceil(collective_per_sm as u64);
+    let slots = (sms as u64).saturating_sub(collective_sms) * p2p_per_sm as u64;
+    (slots / kernels).min(setting as u64) as u32
+}
+
+/// The grids of one rank, (collective blocks, send/recv blocks), when `sharers` ranks of
+/// the group (this one included) run on its GPU of `sms` SMs. A pure function (tested
+/// without a GPU).
+///
+/// On a GPU of its own (`sharers` <= 1) the collective grid is `cuda_blocks` and the
+/// send/recv grid `p2p_blocks_that_fit`, as always.
+///
+/// Ranks that share a GPU (`allow_shared_gpu`) each get `sms / sharers` SMs and size both
+/// grids to fit in that share: first one block for each of the 2 x (local ranks - 1)
+/// send/recv kernels, then the collective's blocks (at most `cuda_blocks`) on the SMs left,
+/// then the send/recv grid again (`p2p_blocks_that_fit` on the share). Why this never
+/// deadlocks: the kernels of different ranks wait for one another (barriers, send/recv
+/// handshakes), so a waiting block only makes progress if its partner blocks can run too.
+/// The shares are disjoint and together no larger than the GPU, so every kernel that every
+/// co-located rank may have in flight at once (one collective and its send/recv kernels)
+/// can be resident at the same time: under MPS, where the ranks' kernels run side by side,
+/// they all fit together; time-sliced (no MPS), each rank's context holds at most its own
+/// share and the others run in their turns. (A single rank's collectives run one after the
+/// other, as on a GPU of its own; other work on the GPU only delays ours.) (0, 0) when a
+/// share cannot hold even one block of each kernel.
+pub fn grids_that_fit(
+    cuda_blocks: u32,
+    p2p_setting: u32,
+    local_ranks: usize,
+    sms: u32,
+    p2p_per_sm: u32,
+    collective_per_sm: u32,
+    sharers: u32,
+) -> (u32, u32) {
+    if sharers <= 1 {
+        return (cuda_blocks, p2p_blocks_that_fit(p2p_setting, local_ranks, sms, p2p_per_sm, cuda_blocks, collective_per_sm));
+    }
+    let share = sms / sharers;
+    let kernels = 2 * local_ranks.saturating_sub(1) as u32;
+    let p2p_sms = match (kernels, p2p_per_sm) {
+        (0, _) => 0,
+        (_, 0) => return (0, 0),
+        (k, per) => k.div_ceil(per),
+    };
+    let collective = cuda_blocks.min(share.saturating_sub(p2p_sms).saturating_mul(collective_per_sm));
+    if collective == 0 {
+        return (0, 0);
+    }
+    (collective, p2p_blocks_that_fit(p2p_setting, local_ranks, share, p2p_per_sm, collective, collective_per_sm))
+}
+
+/// The one-shot limit when `cuda_allreduce_one_shot_max_bytes` is 0 (auto), by the number
+/// of local ranks. From `python -m rsccl.bench --device cuda --sweep-one-shot` on 2 and 4
+/// H200s (2026-11-21): at 2 ranks one-shot was faster up to 1 MiB (11.0 vs 14.1 us) and
+/// even at 4 MiB (26.6 vs 26.0 us), two-shot from 16 MiB; at 4 ranks the two were within
+/// noise up to 1 MiB and two-shot won from 4 MiB (33.9 vs 60.5 us). One-shot moves
+/// (ranks - 1) x the message over each GPU's links, so its range shrinks with more ranks;
+/// beyond 4 ranks nothing was measured yet and 256 KiB is a guess on that trend.
+pub fn auto_one_shot_max(local_ranks: usize) -> usize {
+    match local_ranks {
+        0..=2 => 2 << 20,
+        3..=4 => 512 << 10,
+        _ => 256 << 10,
+    }
+}
+
+/// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
+/// `one_shot_max` 0 means auto (`auto_one_shot_max`).
+pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -> Family {
+    let limit = if one_shot_max == 0 { auto_one_shot_max(local_ranks) } else { one_shot_max };
+    if bytes <= limit {
+        Family::OneShot
+    } else {
+        Family::TwoShot
+    }
+}
+
+/// The bytes a call moves per rank, as memory_stats counts them and the in-place threshold
+/// compares: the all_reduce / broadcast tensor, the all_gather output, the reduce_scatter
+/// input.
+pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u64 {
+    match kind {
+        CudaKind::AllReduce => count * elem as u64,
+        CudaKind::ReduceScatter => count * (elem * world) as u64,
+        CudaKind::AllGather | CudaKind::Gather | CudaKind::Scatter => count * world as u64,
+        CudaKind::Broadcast => count,
+        CudaKind::Reduce => count * elem as u64,
+        CudaKind::Send | CudaKind::Recv => count,
+        CudaKind::AllToAll | CudaKind::Barrier | CudaKind::Invalid => 0,
+    }
+}
+
+/// Which buffers a call offers to use in place, as (place_in, place_out) for the kernel:
+/// offset + 1 of the buffer in the rank's block, 0 for "not offered". `in_pool(ptr, len)`
+/// gives a buffer's offset if it lies inside the pool. A pure function (tested without a
+/// GPU); what it returns may differ between ranks, and the kernels settle it together.
+/// Every rank calls it with the same kind, family and sizes, so calls under the threshold
+/// or of a family without an in-place algorithm (one-shot) offer nothing on every rank.
+pub fn placement(c: &CudaCall, fam: Option<Family>, world: usize, min_bytes: u64, in_pool: &dyn Fn(u64, u64) -> Option<u64>) -> (u64, u64) {
+    let elem = c.dtype.size();
+    let msg = message_bytes(c.kind, c.count, elem, world);
+    if msg == 0 || msg < min_bytes {
+        return (0, 0);
+    }
+    let at = |ptr: u64, len: u64| in_pool(ptr, len).map(|o| o + 1);
+    match c.kind {
+        CudaKind::AllReduce if fam == Some(Family::TwoShot) => match (at(c.inp, msg), at(c.out, msg)) {
+            (Some(i), Some(o)) => (i, o),
+            _ => (0, 0),
+        },
+        CudaKind::ReduceScatter => (at(c.inp, msg).unwrap_or(0), 0),
+        CudaKind::AllGather | CudaKind::Broadcast => (0, at(c.out, msg).unwrap_or(0)),
+        _ => (0, 0),
+    }
+}
+
+/// Staging bytes per CUDA block and parity for a buffer of `buffer_bytes` and `blocks`
+/// blocks: what remains after the control area, split in 2 * blocks, in 256-byte units.
+pub fn stage_per_block(buffer_bytes: usize, blocks: u32) -> usize {
+    (buffer_bytes.saturating_sub(STAGE_OFF) / (2 * blocks as usize)) & !255
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::{DType, ReduceOp};
+
+    #[test]
+    fn allreduce_algorithm_follows_threshold() {
+        assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10), Family::OneShot);
+        assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10), Family::TwoShot);
+        assert_eq!(choose_allreduce(2, 2, 1), Family::TwoShot);
+        // Auto: the measured crossover per number of ranks.
+        assert_eq!(choose_allreduce(2 << 20, 2, 0), Family::OneShot);
+        assert_eq!(choose_allreduce(4 << 20, 2, 0), Family::TwoShot);
+        assert_eq!(choose_allreduce(1 << 20, 4, 0), Family::TwoShot);
+        assert_eq!(choose_allreduce(512 << 10, 4, 0), Family::OneShot);
+        assert_eq!(choose_allreduce(512 << 10, 8, 0), Family::TwoShot);
+    }
+
+    #[test]
+    fn placement_offers_only_eligible_pool_buffers() {
+        // A pool at [1000, 1000 + 100 MiB) of a block starting at 0.
+        let pool = |ptr: u64, len: u64| (ptr >= 1000 && ptr + len <= 1000 + (100 << 20)).then_some(ptr);
+        let call = |kind, count, inp, out| CudaCall {
+            kind,
+            dtype: DType::BF16,
+            op: ReduceOp::Sum,
+            root: 0,
+            inp,
+            out,
+            count,
+            stream: 0,
+            asynchronous: false,
+        };
+        let mib = 1u64 << 20;
+        let two = Some(Family::TwoShot);
+        // all_reduce: both buffers in the pool, two-shot, over the threshold.
+        let ar = call(CudaKind::AllReduce, 4 * mib / 2, 2048, 2048);
+        assert_eq!(placement(&ar, two, 4, mib, &pool), (2049, 2049));
+        assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
+        assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
+        assert_eq!(placement(&call(CudaKind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
+        // A buffer that runs past the end of the pool is not in it.
+        assert_eq!(placement(&call(CudaKind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
+        // reduce_scatter offers its input (world x count elements), all_gather and
+        // broadcast their output.
+        let rs = call(CudaKind::ReduceScatter, mib, 4096, 1 << 40);
+        assert_eq!(placement(&rs, None, 4, mib, &pool), (4097, 0));
+        let ag = call(CudaKind::AllGather, mib, 1 << 40, 4096);
+        assert_eq!(placement(&ag, None, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
+        let bc = call(CudaKind::Broadcast, 2 * mib, 8192, 8192);
+        assert_eq!(placement(&bc, None, 2, mib, &pool), (0, 8193));
+        assert_eq!(placement(&call(CudaKind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
+        assert_eq!(message_bytes(CudaKind::ReduceScatter, 10, 2, 4), 80);
+    }
+
+    #[test]
+    fn staging_split_fits_the_buffer() {
+        for (buf, blocks) in [(32usize << 20, 32u32), (2 << 20, 64), (4 << 20, 1)] {
+            let spb = stage_per_block(buf, blocks);
+            assert!(spb > 0 && spb % 256 == 0);
+            assert!(STAGE_OFF + 2 * blocks as usize * spb <= buf);
+        }
+    }
+
+    #[test]
+    fn p2p_inbox_split() {
+        // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
+        assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), ((16 << 20) / (3 * 64)) & !255);
+        assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
+        // One rank: one slot, never divided by zero.
+        assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
+        let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
+        assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
+    }
+
+    #[test]
+    fn p2p_grid_fits_beside_a_collective() {
+        // H200: 132 SMs, 2 send/recv blocks of 512 threads per SM (about 52 registers), a
+        // collective of 32 blocks at one per SM: 100 SMs, 200 slots for 2 x (L - 1) kernels.
+        let fit = |setting, l, sms, p2p, coll, coll_sm| p2p_blocks_that_fit(setting, l, sms, p2p, coll, coll_sm);
+        assert_eq!(fit(32, 2, 132, 2, 32, 1), 32, "2 kernels: the setting fits");
+        assert_eq!(fit(32, 4, 132, 2, 32, 1), 32, "6 x 32 = 192 <= 200");
+        assert_eq!(fit(64, 4, 132, 2, 32, 1), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
+        assert_eq!(fit(32, 8, 132, 2, 32, 1), 14, "14 kernels x 14 = 196 <= 200");
+        assert_eq!(fit(32, 16, 132, 2, 32, 1), 6, "30 x 6 = 180");
+        assert_eq!(fit(32, 4, 132, 2, 32, 2), 32, "two collective blocks per SM: 16 SMs taken");
+        assert_eq!(fit(64, 8, 132, 2, 64, 1), 9, "64 collective blocks leave 68 SMs: 136 / 14");
+        for (setting, l, sms, p2p, coll, coll_sm) in
+            [(32, 8, 132, 2, 64, 1), (64, 4, 132, 2, 64, 1), (7, 5, 20, 3, 17, 2), (64, 16, 132, 1, 64, 1)]
+        {
+            let b = fit(setting, l, sms, p2p, coll, coll_sm);
+            let free = (sms - coll.div_ceil(coll_sm)) * p2p;
+            assert!(b <= setting);
+            assert!(2 * (l as u32 - 1) * b <= free, "{setting} {l} {sms} {p2p} {coll}: {b}");
+            assert!(2 * (l as u32 - 1) * (b + 1) > free || b == setting, "the most that fit");
+        }
+        // Nothing fits: 0 (creation fails with a message), never a wrap-around.
+        assert_eq!(fit(32, 8, 16, 2, 64, 1), 0);
+        assert_eq!(fit(32, 8, 132, 0, 64, 1), 0, "a send/recv kernel that cannot run at all");
+        assert_eq!(fit(32, 8, 132, 2, 64, 0), 0, "a collective that cannot run at all");
+        assert_eq!(fit(32, 16, 20, 2, 8, 1), 0, "30 kernels on 24 slots");
+        // One rank: no send/recv, the setting stands.
+        assert_eq!(fit(32, 1, 1, 1, 64, 1), 32);
+        // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
+        let (eff, set) = (fit(64, 4, 132, 2, 32, 1), 64);
+        let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
+        assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
+    }
+
+    #[test]
+    fn shared_gpu_grids_fit_in_each_ranks_share() {
+        // A GPU of its own: the collective grid is the setting, send/recv as before.
+        let g = |blocks, p2p, l, sms, p2p_sm, coll_sm, sharers| grids_that_fit(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+        assert_eq!(g(64, 32, 4, 132, 2, 1, 1), (64, p2p_blocks_that_fit(32, 4, 132, 2, 64, 1)));
+        assert_eq!(g(64, 32, 8, 16, 2, 1, 1), (64, 0), "unshared and too small: refused, as before");
+        // H100 (132 SMs), 2 send/recv and 1 collective block per SM: 2 ranks get 66 SMs
+        // each, 4 get 33, 8 get 16 (the measured-safe 4 x 8 and 8 x 4 blocks are below these).
+        assert_eq!(g(64, 32, 2, 132, 2, 1, 2), (64, 2), "66 SMs: 1 for send/recv, 64 collective, 2 left");
+        assert_eq!(g(64, 32, 4, 132, 2, 1, 4), (30, 1), "33 SMs: 3 for 6 send/recv kernels");
+        assert_eq!(g(64, 32, 8, 132, 2, 1, 8), (9, 1), "16 SMs: 7 for 14 send/recv kernels");
+        assert_eq!(g(64, 32, 16, 132, 2, 1, 16), (0, 0), "8 SMs cannot hold 30 send/recv kernels");
+        assert_eq!(g(4, 32, 4, 132, 2, 1, 4), (4, (33 - 4) * 2 / 6), "a smaller setting stands");
+        assert_eq!(g(64, 32, 4, 132, 0, 1, 4), (0, 0), "a send/recv kernel that cannot run");
+        // The invariant: every co-located rank's collective and send/recv kernels fit on the
+        // GPU together, each at least one block, collective blocks taking whole SMs.
+        for sms in [1u32, 7, 20, 78, 108, 132, 144] {
+            for l in 2..=16usize {
+                for sharers in 2..=l as u32 {
+                    for (p2p_sm, coll_sm) in [(1, 1), (2, 1), (3, 2), (4, 1)] {
+                        for (blocks, p2p) in [(64, 32), (8, 4), (1, 1)] {
+                            let (c, p) = g(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+                            if c == 0 || p == 0 {
+                                assert_eq!((c, p), (0, 0));
+                                continue;
+                            }
+                            assert!(c <= blocks && p <= p2p);
+                            let sms_per_rank = c.div_ceil(coll_sm) + (2 * (l as u32 - 1) * p).div_ceil(p2p_sm);
+                            assert!(sharers * sms_per_rank <= sms, "{sms} SMs, {l} ranks, {sharers} sharers: {c} + {p}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

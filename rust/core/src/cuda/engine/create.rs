@@ -1,0 +1,323 @@
+//! Building the engine: the GPU check, the grids every local rank agrees on, the pool, the
+//! status page, streams and events, the watchdog, and the warm-up.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+use parking_lot::Mutex;
+
+use super::abi::Args;
+use super::events::Ordering_;
+use super::launch::AllToAll;
+use super::status::{HostWords, Shared};
+use super::watchdog::watchdog;
+use super::{CudaCall, CudaEngine, CudaKind};
+use crate::bootstrap::LocalMesh;
+use crate::config::Config;
+use crate::cuda::decide::{grids_that_fit, p2p_chunk, stage_per_block};
+use crate::cuda::driver::{check, Device, Event, Stream};
+use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::memory::device_heap::Heap;
+use crate::memory::device_pool::SymmetricPool;
+
+/// The grids every local rank uses, (collective blocks, send/recv blocks): `grids_that_fit`
+/// on each rank's GPU, the least of each (ranks pair their blocks one to one, and senders
+/// and receivers must split messages alike), or an error on every rank alike when some GPU
+/// cannot hold even one block per kernel. `sharers` is how many of the group's ranks use
+/// this rank's GPU.
+pub(super) fn agree_grids(
+    dev: &Device,
+    kernels: &Kernels,
+    mesh: &LocalMesh,
+    local_ranks: &[usize],
+    cfg: &Config,
+    sharers: u32,
+    deadline: Instant,
+) -> Result<(u32, u32)> {
+    let n = mesh.size();
+    let (sms, per_sm, coll_per_sm) = {
+        let _ctx = dev.bind()?;
+        let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
+        let p2p = Kernels::min_blocks_per_sm([kernels.send, kernels.recv])?;
+        let coll = Kernels::min_blocks_per_sm(kernels.collectives())?;
+        (sms, p2p, coll)
+    };
+    let (coll_fit, p2p_fit) = grids_that_fit(cfg.cuda_blocks, cfg.cuda_p2p_blocks, n, sms, per_sm, coll_per_sm, sharers);
+    let mut msg = [0u8; 64];
+    msg[..4].copy_from_slice(b"RSP2");
+    for (k, v) in [p2p_fit, sms, per_sm, coll_per_sm, coll_fit, sharers].into_iter().enumerate() {
+        msg[4 + 4 * k..8 + 4 * k].copy_from_slice(&v.to_le_bytes());
+    }
+    let got = mesh.all_gather(&msg, None, deadline)?;
+    let word = |m: &[u8; 64], k: usize| u32::from_le_bytes(m[4 + 4 * k..8 + 4 * k].try_into().unwrap_or_default());
+    let least = |k: usize| got.iter().enumerate().map(|(j, (m, _))| (j, word(m, k))).min_by_key(|&(_, f)| f).unwrap_or((0, 0));
+    let ((j, p2p), (_, coll)) = (least(0), least(4));
+    if p2p == 0 || coll == 0 {
+        let j = if p2p == 0 { j } else { least(4).0 };
+        let m = &got[j].0;
+        let who = local_ranks.get(j).copied().unwrap_or(j);
+        let sharing = word(m, 5);
+        if sharing > 1 {
+            return Err(Error::Config(format!(
+                "{sharing} ranks of this group share the GPU of rank {who} ({} SMs, {} send/recv and {} collective blocks \
+                 per SM): each rank's share of {} SMs cannot hold one collective kernel and {} send/recv kernels (one per \
+                 local peer and direction) of even one block at once, which ranks on one GPU need to never wait on a kernel \
+                 that cannot start: put fewer ranks on each GPU",
+                word(m, 1),
+                word(m, 2),
+                word(m, 3),
+                word(m, 1) / sharing,
+                2 * (n - 1)
+            )));
+        }
+        return Err(Error::Config(format!(
+            "the GPU of rank {who} ({} SMs, {} send/recv and {} collective blocks per SM) cannot hold one collective \
+             kernel (cuda_blocks = {}) and {} send/recv kernels (one per local peer and direction) of even one block \
+             at once, which send/recv need to never wait on a kernel that cannot start: lower cuda_blocks",
+            word(m, 1),
+            word(m, 2),
+            word(m, 3),
+            cfg.cuda_blocks,
+            2 * (n - 1)
+        )));
+    }
+    if coll < cfg.cuda_blocks {
+        tracing::info!(
+            setting = cfg.cuda_blocks,
+            effective = coll,
+            "rsccl: collective kernels use {coll} blocks, not cuda_blocks = {}, so that the kernels of every rank sharing a GPU fit on it at once",
+            cfg.cuda_blocks
+        );
+    }
+    if p2p < cfg.cuda_p2p_blocks {
+        tracing::info!(
+            setting = cfg.cuda_p2p_blocks,
+            effective = p2p,
+            "rsccl: send/recv kernels use {p2p} blocks, not cuda_p2p_blocks = {}, so that all {} of them and a collective fit on the GPU at once",
+            cfg.cuda_p2p_blocks,
+            2 * (n - 1)
+        );
+    }
+    Ok((coll, p2p))
+}
+
+impl CudaEngine {
+    /// Build the engine of local rank `mesh.local_index()` on `device`: map the pool with
+    /// every local peer, load the kernels, and (if configured) run a warm-up of every
+    /// kernel family. Blocks until every local rank has done the same, or the deadline.
+    pub fn create(
+        device: i32,
+        mesh: Arc<LocalMesh>,
+        local_ranks: Vec<usize>,
+        cfg: &Config,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Arc<CudaEngine>> {
+        let n = mesh.size();
+        if n > MAX_RANKS {
+            return Err(Error::Config(format!("rsccl's CUDA kernels support up to {MAX_RANKS} GPUs per host, this group has {n}")));
+        }
+        if cfg.cuda_blocks > MAX_BLOCKS {
+            return Err(Error::Config(format!("cuda_blocks = {} is over {MAX_BLOCKS}", cfg.cuda_blocks)));
+        }
+        let dev = Arc::new(Device::open(device)?);
+        // The GPUs of a group must be distinct unless allow_shared_gpu: two ranks on one GPU is
+        // usually a set-up mistake (a missing torch.cuda.set_device). With the option, ranks
+        // that share a GPU size their grids to a share of it (`grids_that_fit`).
+        let bus = dev.pci_bus_id()?;
+        let mut msg = [0u8; 64];
+        msg[..4].copy_from_slice(b"RSD1");
+        let b = bus.as_bytes();
+        msg[4..4 + b.len().min(40)].copy_from_slice(&b[..b.len().min(40)]);
+        let got = mesh.all_gather(&msg, None, deadline)?;
+        if !cfg.allow_shared_gpu {
+            for (j, (m, _)) in got.iter().enumerate() {
+                for (k, (m2, _)) in got.iter().enumerate().skip(j + 1) {
+                    if m[4..44] == m2[4..44] {
+                        return Err(Error::InvalidArgument(format!(
+                            "group ranks {} and {} both use the GPU at PCI {}: call torch.cuda.set_device(local_rank) \
+                             before init_process_group/new_group, so each rank has its own GPU (or set allow_shared_gpu \
+                             / RSCCL_ALLOW_SHARED_GPU=1 to run several ranks on one GPU, for tests and debugging)",
+                            local_ranks[j],
+                            local_ranks[k],
+                            String::from_utf8_lossy(&m[4..44]).trim_end_matches('\0')
+                        )));
+                    }
+                }
+            }
+        }
+        let me = mesh.local_index();
+        let sharers = got.iter().filter(|(m, _)| m[4..44] == got[me].0[4..44]).count() as u32;
+        let kernels = Kernels::load(&dev)?;
+        let (blocks, p2p_blocks) = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;
+        // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
+        // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
+        // the pool.
+        let chunk = p2p_chunk(cfg.cuda_p2p_bytes, n, p2p_blocks)?;
+        let inbox_off = cfg.cuda_buffer_bytes.div_ceil(4096) * 4096;
+        let pool = Arc::new(SymmetricPool::create(
+            dev.clone(),
+            &mesh,
+            inbox_off + cfg.cuda_p2p_bytes,
+            cfg.cuda_pool_bytes,
+            cfg.max_cuda_va_bytes,
+            deadline,
+        )?);
+        let spb = stage_per_block(cfg.cuda_buffer_bytes, blocks);
+        if spb < 4096 {
+            return Err(Error::Config(format!(
+                "cuda_buffer_bytes = {} leaves {spb} bytes of staging per block for {blocks} blocks (cuda_blocks = {}): \
+                 raise cuda_buffer_bytes or lower cuda_blocks",
+                cfg.cuda_buffer_bytes, cfg.cuda_blocks
+            )));
+        }
+        let _ctx = dev.bind()?;
+        let words = HostWords::new(&dev)?;
+        // Each of these owns its handle: a failure on the way drops (releases) what was made.
+        // One more than the pool of 8: the last becomes `Ordering_::end_event`.
+        let mut free_events = (0..9).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
+        let internal = Stream::non_blocking(&dev, "cuStreamCreate")?;
+        let poison_stream = Stream::non_blocking(&dev, "cuStreamCreate (abort)")?;
+        // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
+        let p2p_streams = (0..2 * n)
+            .map(|k| (k / 2 != mesh.local_index()).then(|| Stream::non_blocking(&dev, "cuStreamCreate (send/recv)")).transpose())
+            .collect::<Result<Vec<Option<Stream>>>>()?;
+        let mut peer = [0u64; MAX_RANKS];
+        for (j, p) in peer.iter_mut().enumerate().take(n) {
+            *p = pool.block_addr(j);
+        }
+        let base = Args {
+            peer,
+            inp: 0,
+            out: 0,
+            count: 0,
+            stage_per_block: spb as u64,
+            err_host: words.dev() + (HostWords::ERR * 4) as u64,
+            abort_host: words.dev() + (HostWords::ABORT * 4) as u64,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            desc0: 0,
+            desc1: 0,
+            place_in: 0,
+            place_out: 0,
+            rank: mesh.local_index() as u32,
+            world: n as u32,
+            root: 0,
+            pad: 0,
+        };
+        let heap = (pool.pool_bytes > 0).then(|| Arc::new(Heap::new(pool.clone(), device)));
+        tracing::info!(
+            device,
+            local_ranks = n,
+            va_reserved = pool.reserved_bytes(),
+            mapped_own = pool.block,
+            mapped_peers = pool.block * (n - 1),
+            staging = pool.pool_off,
+            pool = pool.pool_bytes,
+            kernel_image = kernels.cubin_bytes,
+            blocks,
+            p2p_blocks,
+            gpu_sharers = sharers,
+            "rsccl: CUDA engine ready: reserved {} MiB of GPU address space, mapped {} MiB own ({} MiB staging + {} MiB pool) and {} MiB of {} peers{}",
+            pool.reserved_bytes() >> 20,
+            pool.block >> 20,
+            pool.pool_off >> 20,
+            pool.pool_bytes >> 20,
+            (pool.block * (n - 1)) >> 20,
+            n - 1,
+            if sharers > 1 {
+                format!("; {sharers} ranks share this GPU (allow_shared_gpu): {blocks} collective and {p2p_blocks} send/recv blocks per kernel, timings are not meaningful")
+            } else {
+                String::new()
+            }
+        );
+        words.write(HostWords::POISON_SRC, 1 + mesh.local_index() as u32);
+        let sh = Arc::new(Shared {
+            dev: dev.clone(),
+            words,
+            poisoned: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            peer_poison: (0..n).filter(|&j| j != mesh.local_index()).map(|j| pool.block_addr(j) + POISON_OFF as u64).collect(),
+            poison_stream,
+            peers_poisoned: AtomicBool::new(false),
+        });
+        let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
+        let engine = Arc::new(CudaEngine {
+            sh: sh.clone(),
+            pool: std::mem::ManuallyDrop::new(pool),
+            heap,
+            inplace_min: cfg.cuda_inplace_min_bytes as u64,
+            last_counts: Mutex::new([0; 4]),
+            kernels: std::mem::ManuallyDrop::new(kernels),
+            undrained: AtomicBool::new(false),
+            internal,
+            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: false, end_event }),
+            base,
+            blocks,
+            gpu_sharers: sharers,
+            one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
+            sync_on_caller: cfg.cuda_sync_stream,
+            local_ranks: local_ranks.clone(),
+            collectives: Default::default(),
+            watchdog: Mutex::new(None),
+            timeout,
+            p2p_streams,
+            inbox_off: inbox_off as u64,
+            chunk: chunk as u64,
+            p2p_blocks,
+            p2p_bytes: cfg.cuda_p2p_bytes,
+        });
+        drop(_ctx);
+        let wd = {
+            let sh = sh.clone();
+            let mesh = mesh.clone();
+            std::thread::Builder::new()
+                .name("rsccl-cuda-watchdog".into())
+                .spawn(move || watchdog(sh, mesh, local_ranks))
+                .map_err(|e| Error::os("starting the CUDA watchdog thread", e))?
+        };
+        *engine.watchdog.lock() = Some(wd);
+        if cfg.cuda_warmup {
+            engine.warm_up()?;
+        }
+        Ok(engine)
+    }
+
+    /// One collective of every kernel family, on the internal stream, then wait: the
+    /// first real collective finds the kernels resident and the signal pads in use.
+    pub(super) fn warm_up(self: &Arc<Self>) -> Result<()> {
+        let stream = self.internal.raw() as u64;
+        let call = |kind, dtype, op, count| CudaCall { kind, dtype, op, root: 0, inp: 0, out: 0, count, stream, asynchronous: false };
+        // Zero-length calls run every barrier path without touching user memory.
+        for c in [
+            call(CudaKind::Barrier, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::AllReduce, DType::BF16, ReduceOp::Sum, 0),
+            call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::ReduceScatter, DType::BF16, ReduceOp::Sum, 0),
+            call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Gather, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Scatter, DType::U8, ReduceOp::Sum, 0),
+            call(CudaKind::Reduce, DType::BF16, ReduceOp::Sum, 0),
+        ] {
+            self.launch(&c)?;
+        }
+        let n = self.pool.nranks;
+        let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
+        self.launch_all_to_all(&none, stream, false)?;
+        // An empty send to every peer and recv from every peer: one step each, so the
+        // pairs' sequence numbers stay in step. Each is a blocking launch on the internal
+        // stream, so the GPU runs them one after the other in this order on every rank;
+        // that cannot deadlock because an empty send completes without its receiver (one
+        // step, within the two a sender may run ahead), so every recv finds its send.
+        for peer in (0..n).filter(|&p| p != self.pool.me) {
+            self.launch_p2p(true, 0, 0, peer, stream, false)?;
+            self.launch_p2p(false, 0, 0, peer, stream, false)?;
+        }
+        let _ctx = self.sh.dev.bind()?;
+        check(self.internal.synchronize(), "cuStreamSynchronize (warm-up)")?;
+        self.health()
+    }
+}

@@ -1,0 +1,174 @@
+//! Launching a collective or an all_to_all: the kernel, its arguments, the stream it runs
+//! on and the order after the previous launch.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+
+use super::abi::{A2aArgs, Args};
+use super::events::{CudaEvent, EventHome};
+use super::{CudaCall, CudaEngine, CudaKind};
+use crate::cuda::decide::{choose_allreduce, placement};
+use crate::cuda::driver::{check, is_capturing, CUstream, Event};
+use crate::cuda::kernels::{Family, MAX_RANKS, THREADS};
+use crate::error::{Error, Result};
+
+/// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
+/// where the chunk from that peer lands (address, bytes).
+#[derive(Debug, Clone, Default)]
+pub struct AllToAll {
+    pub send: Vec<u64>,
+    pub send_bytes: Vec<u64>,
+    pub recv: Vec<u64>,
+    pub recv_bytes: Vec<u64>,
+}
+
+impl CudaEngine {
+    /// Launch one collective. Returns the end event for an asynchronous call (the Work
+    /// waits on it); a blocking call is ordered before the caller's later work already.
+    pub fn launch(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        // A group that failed (timeout, dead peer) runs nothing more. A mismatch that a
+        // kernel reported is raised after this launch: ranks notice it at different calls
+        // (the GPU reports it asynchronously), so every rank must still launch the same
+        // kernels for the group to stay in step.
+        self.fatal()?;
+        let ev = self.launch_inner(c, None)?;
+        self.checked(ev)
+    }
+
+    /// Launch one all_to_all (see `AllToAll`; every list has one entry per local rank).
+    pub fn launch_all_to_all(self: &Arc<Self>, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        let n = self.pool.nranks;
+        if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
+            return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
+        }
+        self.fatal()?;
+        let ev = self.launch_inner(&CudaCall::bare(CudaKind::AllToAll, 0, stream, asynchronous), Some(x))?;
+        self.checked(ev)
+    }
+    /// After a launch: raise an error a kernel reported, once the launched work is done
+    /// with the caller's tensors.
+    pub(super) fn checked(&self, ev: Option<CudaEvent>) -> Result<Option<CudaEvent>> {
+        if let Err(e) = self.health() {
+            // The caller drops its tensors when this raises: the kernel must be done
+            // with them first (an error stops it at its next wait, so this is short).
+            if let Some(ev) = &ev {
+                let _ = ev.synchronize();
+            }
+            return Err(e);
+        }
+        Ok(ev)
+    }
+
+    pub(super) fn launch_inner(self: &Arc<Self>, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
+        let mut family = None;
+        let func = match c.kind {
+            CudaKind::AllReduce => {
+                let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
+                family = Some(fam);
+                self.kernels.reduce(fam, c.dtype, c.op)
+            }
+            CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
+            CudaKind::AllGather => Some(self.kernels.all_gather),
+            CudaKind::Broadcast => Some(self.kernels.broadcast),
+            CudaKind::Gather => Some(self.kernels.gather),
+            CudaKind::Scatter => Some(self.kernels.scatter),
+            CudaKind::Reduce => self.kernels.reduce(Family::Reduce, c.dtype, c.op),
+            CudaKind::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
+            CudaKind::AllToAll | CudaKind::Send | CudaKind::Recv => {
+                return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())))
+            }
+            CudaKind::Barrier | CudaKind::Invalid => Some(self.kernels.barrier),
+        }
+        .ok_or_else(|| {
+            Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))
+        })?;
+        let mut a = self.base;
+        a.inp = c.inp;
+        a.out = c.out;
+        a.count = c.count;
+        a.root = c.root as u32;
+        a.desc0 = c.kind.code() | ((c.dtype as u64) << 8) | ((c.op as u64) << 16) | ((c.root as u64) << 32);
+        a.desc1 = c.count;
+        if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll) {
+            a.desc0 = c.kind.code();
+            a.desc1 = 0;
+        }
+        let mut tail = a2a.map(|x| {
+            let mut t = A2aArgs { a, send: [0; MAX_RANKS], send_n: [0; MAX_RANKS], recv: [0; MAX_RANKS], recv_n: [0; MAX_RANKS] };
+            t.send[..x.send.len()].copy_from_slice(&x.send);
+            t.send_n[..x.send_bytes.len()].copy_from_slice(&x.send_bytes);
+            t.recv[..x.recv.len()].copy_from_slice(&x.recv);
+            t.recv_n[..x.recv_bytes.len()].copy_from_slice(&x.recv_bytes);
+            t
+        });
+        if let Some(heap) = &self.heap {
+            let own = self.pool.block_addr(self.pool.me);
+            let in_pool = |ptr: u64, len: u64| heap.contains(ptr, len).then(|| ptr - own);
+            (a.place_in, a.place_out) = placement(c, family, self.pool.nranks, self.inplace_min, &in_pool);
+        }
+        let _ctx = self.sh.dev.bind()?;
+        let caller = c.stream;
+        let internal = self.internal.raw() as u64;
+        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        let mut o = self.order.lock();
+        // Shutdown sets `stop` under this lock: no launch starts after it.
+        if self.sh.stop.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed".into()));
+        }
+        if target != caller {
+            // The internal stream waits for everything the caller queued before the call
+            // (and joins the caller's graph capture, if any).
+            self.join(&mut o, caller, target)?;
+        }
+        // The previous rsccl kernel ran on another stream: order this one after it. (Under
+        // graph capture only streams of the same capture can be joined, which the caller's
+        // stream tells; torch synchronizes the device before capture begins.)
+        if let Some(last) = o.last_stream {
+            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
+                self.join(&mut o, last, target)?;
+            }
+        }
+        let mut arg_ptr = match tail.as_mut() {
+            Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
+            None => &mut a as *mut Args as *mut std::ffi::c_void,
+        };
+        // SAFETY: `func` takes one `Args` (or, for all_to_all, one `A2aArgs`) by value, same
+        // layout as the source's struct; `arg_ptr` points at it for the call; the grid
+        // matches every kernel's launch bounds.
+        check(
+            unsafe {
+                cu::cuLaunchKernel(func.raw(), self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+            },
+            &format!("launching rsccl's CUDA {}", c.kind.name()),
+        )?;
+        o.last_stream = Some(target);
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        // Mark the end of the collectives queued so far (health waits on it). Not while
+        // capturing: a captured record cannot be queried, and a captured kernel runs only
+        // at replay; the event then keeps marking the last launch that really ran (torch
+        // synchronizes the device before a capture begins). An error here (the legacy
+        // stream during a global-mode capture) counts as capturing.
+        if !is_capturing(target).unwrap_or(true) {
+            // SAFETY: our own event and a live stream of this context.
+            check(unsafe { cu::cuEventRecord(o.end_event.raw(), target as CUstream) }, "cuEventRecord (end of collectives)")?;
+            o.collectives_end = true;
+        }
+        if target == caller {
+            return Ok(None);
+        }
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
+        // SAFETY: valid event and stream.
+        check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
+        if c.asynchronous {
+            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<CudaEngine>;
+            return Ok(Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout)));
+        }
+        // SAFETY: valid event and caller stream; the wait captures the event's current
+        // state, so the event can be reused right away.
+        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
+        o.free_events.push(ev);
+        r.map(|_| None)
+    }
+}

@@ -1,0 +1,103 @@
+//! The CUDA engine of a group on one host: the symmetric pool, the loaded kernels, an
+//! internal stream, and the ordering rules between them and the caller's streams.
+//!
+//! Streams: every kernel of a group must run after the previous one (the kernels' per-block
+//! counters assume it, NOTE [Lockstep blocks] in csrc_kernels/protocol.cuh). A launch goes to the caller's
+//! current stream (blocking calls, `cuda_sync_stream = 1`) or to the internal stream (after
+//! an event makes it wait for the caller's stream). When a launch goes to a different
+//! stream than the previous launch, the new stream first waits on an event recorded on the
+//! old one. No tensor is marked on a stream: the Python Work keeps its tensors until the
+//! consumer stream is ordered after the collective.
+//!
+//! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
+//! finds that a peer called another collective writes a code into host-mapped memory; the
+//! host reads it before every launch and when a Work is waited on. A watchdog thread sets
+//! the abort word as soon as a local peer process is gone, so kernels stop within
+//! milliseconds instead of running into the timeout.
+//!
+//! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
+//! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
+//! the group's failure state and its reports), `events` (the event pool and stream
+//! ordering), `launch` (collectives and all_to_all), `p2p` (send/recv), `stats`,
+//! `shutdown` (drain and teardown) and `watchdog`. The pure choices (algorithm, placement,
+//! grids, staging) live in `cuda::decide`.
+
+mod abi;
+mod create;
+mod events;
+mod launch;
+mod p2p;
+mod shutdown;
+mod stats;
+mod status;
+mod watchdog;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+pub use super::call::{CudaCall, CudaKind};
+pub use super::decide::{
+    auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
+};
+use super::driver::Stream;
+use super::kernels::{Family, Kernels};
+use crate::dtype::{DType, ReduceOp};
+use crate::memory::device_heap::Heap;
+use crate::memory::device_pool::SymmetricPool;
+use abi::Args;
+use events::Ordering_;
+pub use events::{CudaEvent, EventHome};
+pub use launch::AllToAll;
+pub use stats::CudaStats;
+use status::Shared;
+
+pub struct CudaEngine {
+    sh: Arc<Shared>,
+    /// Freed in Drop only if shutdown drained the GPU work (else deliberately leaked).
+    /// The pool's heap holds it too while torch holds pool memory.
+    pool: std::mem::ManuallyDrop<Arc<SymmetricPool>>,
+    heap: Option<Arc<Heap>>,
+    inplace_min: u64,
+    /// The kernels' counters as last read (returned during graph capture): in-place
+    /// collectives and bytes, all collectives and bytes (see STATS_OFF).
+    last_counts: Mutex<[u64; 4]>,
+    kernels: std::mem::ManuallyDrop<Kernels>,
+    undrained: AtomicBool,
+    internal: Stream,
+    order: Mutex<Ordering_>,
+    base: Args,
+    /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
+    /// (`grids_that_fit`).
+    blocks: u32,
+    /// Ranks of this group on this rank's GPU (itself included; 1 unless allow_shared_gpu).
+    gpu_sharers: u32,
+    one_shot_max: usize,
+    sync_on_caller: bool,
+    local_ranks: Vec<usize>,
+    collectives: std::sync::atomic::AtomicU64,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+    timeout: Duration,
+    /// send/recv: a stream per (peer, direction), index 2 * peer + (1 for recv); None for
+    /// this rank itself.
+    p2p_streams: Vec<Option<Stream>>,
+    inbox_off: u64,
+    chunk: u64,
+    p2p_blocks: u32,
+    p2p_bytes: usize,
+}
+
+impl CudaEngine {
+    /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
+    pub fn supports_reduce_scatter(&self, dtype: DType, op: ReduceOp) -> bool {
+        self.kernels.reduce(Family::ReduceScatter, dtype, op).is_some()
+    }
+
+    /// The number of local ranks (GPUs of this host in the group).
+    pub fn local_size(&self) -> usize {
+        self.pool.nranks
+    }
+}

@@ -1,0 +1,105 @@
+//! send/recv: one kernel per call, on the (peer, direction)'s own stream.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+
+use super::abi::P2pArgs;
+use super::events::{CudaEvent, EventHome};
+use super::{CudaEngine, CudaKind};
+use crate::cuda::driver::{check, CUstream, Event};
+use crate::cuda::kernels::THREADS;
+use crate::error::{Error, Result};
+
+impl CudaEngine {
+    /// Launch one send (`send`) or recv of `bytes` at `ptr` with local rank `peer`, on that
+    /// (peer, direction)'s own stream, after the work queued on the caller's `stream`.
+    /// Returns the end event of an asynchronous call; a blocking one makes `stream` wait.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_p2p(
+        self: &Arc<Self>,
+        send: bool,
+        ptr: u64,
+        bytes: u64,
+        peer: usize,
+        stream: u64,
+        asynchronous: bool,
+    ) -> Result<Option<CudaEvent>> {
+        let (n, me) = (self.pool.nranks, self.pool.me);
+        let what = if send { "send to" } else { "recv from" };
+        if peer >= n || peer == me {
+            return Err(Error::InvalidArgument(format!("CUDA {what} local rank {peer}: not a peer of local rank {me} in a group of {n}")));
+        }
+        self.fatal()?;
+        let kind = if send { CudaKind::Send } else { CudaKind::Recv };
+        let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
+        if send {
+            x.a.inp = ptr;
+        } else {
+            x.a.out = ptr;
+        }
+        x.a.count = bytes;
+        x.a.root = peer as u32;
+        x.a.desc0 = kind.code();
+        let func = if send { self.kernels.send } else { self.kernels.recv };
+        let target = self.p2p_streams[2 * peer + (!send) as usize]
+            .as_ref()
+            .map(|s| s.raw() as u64)
+            .ok_or_else(|| Error::Internal(format!("no send/recv stream for local rank {peer}")))?;
+        let ev = {
+            let _ctx = self.sh.dev.bind()?;
+            let mut o = self.order.lock();
+            if self.sh.stop.load(Ordering::Acquire) {
+                return Err(Error::Aborted("the group was destroyed".into()));
+            }
+            self.join(&mut o, stream, target)?;
+            let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
+            // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
+            // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
+            check(
+                unsafe {
+                    cu::cuLaunchKernel(
+                        func.raw(),
+                        self.p2p_blocks,
+                        1,
+                        1,
+                        THREADS,
+                        1,
+                        1,
+                        0,
+                        target as CUstream,
+                        &mut arg_ptr,
+                        std::ptr::null_mut(),
+                    )
+                },
+                &format!("launching rsccl's CUDA {}", kind.name()),
+            )?;
+            let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
+            // SAFETY: valid event and stream.
+            check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
+            if asynchronous {
+                {
+                    let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
+                    Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout))
+                }
+            } else {
+                // SAFETY: valid event and caller stream; the wait captures the record.
+                let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
+                o.free_events.push(ev);
+                r?;
+                None
+            }
+        };
+        // Only a fatal error stops a send/recv: a collectives' mismatch is reported by the
+        // collective's own launch or Work, never by a send that is already queued (the
+        // caller could retry it and send twice).
+        if let Err(e) = self.fatal() {
+            if let Some(ev) = &ev {
+                let _ = ev.synchronize();
+            }
+            return Err(e);
+        }
+        Ok(ev)
+    }
+}

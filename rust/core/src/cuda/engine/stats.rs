@@ -1,0 +1,139 @@
+//! What memory_stats reports: the pool, the grids, and the kernels' own counters.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys as cu;
+
+use super::status::HostWords;
+use super::CudaEngine;
+use crate::cuda::driver::{check, is_capturing, Event};
+use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
+use crate::error::{Error, Result};
+use crate::memory::device_heap::Heap;
+
+/// Counters reported by memory_stats.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CudaStats {
+    pub device: i32,
+    pub va_reserved_bytes: u64,
+    pub mapped_own_bytes: u64,
+    pub mapped_peer_bytes: u64,
+    pub in_use_bytes: u64,
+    pub kernel_image_bytes: u64,
+    pub collectives: u64,
+    pub pool_bytes: u64,
+    pub pool_allocated_bytes: u64,
+    pub pool_peak_bytes: u64,
+    pub inplace_collectives: u64,
+    pub inplace_bytes: u64,
+    pub staged_collectives: u64,
+    pub staged_bytes: u64,
+    /// Blocks of each send/recv kernel: cuda_p2p_blocks, or fewer where the GPU could not
+    /// hold them all at once (`p2p_blocks_that_fit`).
+    pub p2p_blocks: u32,
+    /// Blocks of each collective kernel: cuda_blocks, or fewer where ranks share a GPU.
+    pub blocks: u32,
+    /// Ranks of this group on this rank's GPU, itself included (1: a GPU of its own).
+    pub gpu_sharers: u32,
+}
+
+impl CudaEngine {
+    /// The kernels' counters (STATS_OFF), counted on the GPU so that CUDA graph replays
+    /// count too. Read with an asynchronous copy into the pinned page, on the internal
+    /// stream ordered after the last launch (so after every kernel of the group), then
+    /// polled: no device-wide synchronization, so other work and other threads' graph
+    /// captures are left alone. While the internal stream or the last launch's stream is
+    /// being captured the last values read are returned instead.
+    pub(super) fn kernel_counts(&self) -> [u64; 4] {
+        let read = || -> Result<[u64; 4]> {
+            let _ctx = self.sh.dev.bind()?;
+            let internal = self.internal.raw() as u64;
+            // An error (the legacy stream during a global-mode capture) counts as capturing.
+            let capturing = |s: u64| is_capturing(s).unwrap_or(true);
+            let ev = {
+                let mut o = self.order.lock();
+                if capturing(internal) {
+                    return Err(Error::Internal("capturing".into()));
+                }
+                if let Some(last) = o.last_stream.filter(|&l| l != internal) {
+                    if capturing(last) {
+                        return Err(Error::Internal("capturing".into()));
+                    }
+                    self.join(&mut o, last, internal)?;
+                }
+                let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
+                let dst = self.sh.words.counts_ptr();
+                // SAFETY: copies 32 bytes of our own block (mapped for this device) into the
+                // pinned page (32 free bytes at COUNTS), on our live stream; the event is ours.
+                let r = unsafe {
+                    check(
+                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal.raw()),
+                        "cuMemcpyDtoHAsync (collective counters)",
+                    )
+                    .and_then(|_| check(cu::cuEventRecord(ev.raw(), self.internal.raw()), "cuEventRecord"))
+                };
+                if let Err(e) = r {
+                    o.free_events.push(ev);
+                    return Err(e);
+                }
+                ev
+            };
+            let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            let done = loop {
+                // SAFETY: valid event.
+                match unsafe { cu::cuEventQuery(ev.raw()) } {
+                    cu::CUresult::CUDA_SUCCESS => break Ok(()),
+                    cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(20)),
+                    cu::CUresult::CUDA_ERROR_NOT_READY => break Err(Error::Timeout("reading the collective counters".into())),
+                    e => break check(e, "cuEventQuery"),
+                }
+            };
+            self.order.lock().free_events.push(ev);
+            done?;
+            Ok(std::array::from_fn(|i| self.sh.words.read64(HostWords::COUNTS + i)))
+        };
+        let mut last = self.last_counts.lock();
+        if let Ok(v) = read() {
+            *last = v;
+        }
+        *last
+    }
+
+    pub fn stats(&self) -> CudaStats {
+        let n = self.pool.nranks as u64;
+        let block = self.pool.block as u64;
+        let [inplace_n, inplace_b, total_n, total_b] = self.kernel_counts();
+        let (pool_alloc, pool_peak) = self.heap.as_ref().map(|h| h.usage()).unwrap_or((0, 0));
+        CudaStats {
+            device: self.sh.dev.ordinal,
+            va_reserved_bytes: self.pool.reserved_bytes() as u64,
+            mapped_own_bytes: block,
+            mapped_peer_bytes: block * (n - 1),
+            in_use_bytes: (STAGE_OFF as u64) + 2 * self.blocks as u64 * self.base.stage_per_block + self.p2p_bytes as u64,
+            kernel_image_bytes: self.kernels.cubin_bytes as u64,
+            collectives: self.collectives.load(Ordering::Relaxed),
+            pool_bytes: self.pool.pool_bytes as u64,
+            pool_allocated_bytes: pool_alloc,
+            pool_peak_bytes: pool_peak,
+            inplace_collectives: inplace_n,
+            inplace_bytes: inplace_b,
+            staged_collectives: total_n.saturating_sub(inplace_n),
+            staged_bytes: total_b.saturating_sub(inplace_b),
+            p2p_blocks: self.p2p_blocks,
+            blocks: self.blocks,
+            gpu_sharers: self.gpu_sharers,
+        }
+    }
+
+    /// Bytes of the pool per rank (0: none), without reading the device.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool.pool_bytes
+    }
+
+    /// The pool behind rsccl.mem_pool(), if the group has one.
+    pub fn heap(&self) -> Option<&Arc<Heap>> {
+        self.heap.as_ref()
+    }
+}
