@@ -81,6 +81,42 @@ pub struct Fns {
     pub recv: RecvFn,
 }
 
+/// The first failure among the calls of one NCCL group (see `Fns::group`).
+pub struct FirstError(nc::ncclResult_t);
+
+impl FirstError {
+    /// Keep `r` if no call failed before it.
+    pub fn keep(&mut self, r: nc::ncclResult_t) {
+        if self.0 == nc::ncclResult_t::ncclSuccess {
+            self.0 = r;
+        }
+    }
+}
+
+impl Fns {
+    /// One NCCL group: ncclGroupStart, then `calls` (which hands each NCCL call's result to
+    /// `FirstError::keep`), then ncclGroupEnd, which runs whatever happened inside the group,
+    /// so no group is left open. Returns the first failure: a call's before the end's; a
+    /// start that failed runs nothing and is returned as it is.
+    pub fn group(&self, calls: impl FnOnce(&mut FirstError)) -> nc::ncclResult_t {
+        group_with(self.group_start, self.group_end, calls)
+    }
+}
+
+/// `Fns::group` with its two functions given (so a test can pass its own).
+fn group_with(start: GroupOp, end: GroupOp, calls: impl FnOnce(&mut FirstError)) -> nc::ncclResult_t {
+    // SAFETY: ncclGroupStart takes no arguments; the group it opens is closed below.
+    let started = unsafe { start() };
+    if started != nc::ncclResult_t::ncclSuccess {
+        return started;
+    }
+    let mut first = FirstError(nc::ncclResult_t::ncclSuccess);
+    calls(&mut first);
+    // SAFETY: closes the group opened above.
+    first.keep(unsafe { end() });
+    first.0
+}
+
 /// The loaded library and the functions rsccl calls.
 pub struct Nccl {
     pub path: String,
@@ -691,6 +727,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_group_is_always_closed_and_its_first_error_wins() {
+        use nc::ncclResult_t as R;
+        use std::cell::Cell;
+        thread_local! {
+            static LOG: Cell<(u32, u32)> = const { Cell::new((0, 0)) }; // (starts, ends)
+            static END: Cell<R> = const { Cell::new(R::ncclSuccess) };
+        }
+        unsafe extern "C" fn start_ok() -> R {
+            LOG.with(|l| l.set((l.get().0 + 1, l.get().1)));
+            R::ncclSuccess
+        }
+        unsafe extern "C" fn start_fails() -> R {
+            R::ncclSystemError
+        }
+        unsafe extern "C" fn end() -> R {
+            LOG.with(|l| l.set((l.get().0, l.get().1 + 1)));
+            END.with(|e| e.get())
+        }
+        let run = |start: GroupOp, end_gives: R, calls: &[R]| {
+            LOG.with(|l| l.set((0, 0)));
+            END.with(|e| e.set(end_gives));
+            let mut ran = 0;
+            let r = group_with(start, end, |first| {
+                for &c in calls {
+                    ran += 1;
+                    first.keep(c);
+                }
+            });
+            (r, ran, LOG.with(|l| l.get()))
+        };
+        let ok = R::ncclSuccess;
+        assert_eq!(run(start_ok, ok, &[ok, ok]), (ok, 2, (1, 1)));
+        // Every call runs and the group is closed; the first failure is returned.
+        assert_eq!(run(start_ok, ok, &[ok, R::ncclInvalidArgument, R::ncclRemoteError]), (R::ncclInvalidArgument, 3, (1, 1)));
+        assert_eq!(run(start_ok, R::ncclRemoteError, &[R::ncclInvalidUsage]), (R::ncclInvalidUsage, 1, (1, 1)), "a call's error first");
+        assert_eq!(run(start_ok, R::ncclRemoteError, &[ok]), (R::ncclRemoteError, 1, (1, 1)), "then the end's");
+        // A start that failed opened nothing: no call, no end.
+        assert_eq!(run(start_fails, ok, &[ok]), (R::ncclSystemError, 0, (0, 0)));
     }
 
     #[test]

@@ -49,30 +49,19 @@ impl NcclEngine {
             |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_gather failed part-way: {e}")) } else { e };
         let f = cross.fns();
         let s = stream as nc::cudaStream_t;
-        let ok = nc::ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator (see enqueue_flat); every piece lies inside `out`
-        // (world x n bytes: h < H, l < L); `inp` holds n bytes; a live stream. Non-root
-        // members ignore the send buffer; the root copies into its own piece (or nothing,
-        // when the input already is that piece: in place).
-        let mut r = unsafe { (f.group_start)() };
-        if r == ok {
+        let r = f.group(|first| {
             for h in 0..hosts {
                 let dst = piece(h);
                 let src = if h == me { c.inp } else { dst };
-                // SAFETY: as above.
-                let rr = unsafe {
+                // SAFETY: a live communicator (see enqueue_flat); every piece lies inside
+                // `out` (world x n bytes: h < H, l < L); `inp` holds n bytes; a live stream.
+                // Non-root members ignore the send buffer; the root copies into its own
+                // piece (or nothing, when the input already is that piece: in place).
+                first.keep(unsafe {
                     (f.broadcast)(src as *const c_void, dst as *mut c_void, n as usize, nc::ncclDataType_t::ncclUint8, h as i32, raw, s)
-                };
-                if r == ok {
-                    r = rr;
-                }
+                });
             }
-            // SAFETY: closes the group opened above.
-            let end = unsafe { (f.group_end)() };
-            if r == ok {
-                r = end;
-            }
-        }
+        });
         cross.check(r, "NCCL broadcast (cross-host phase of a hierarchical all_gather)").map_err(fatal)?;
         for h in 0..hosts {
             let call = CudaCall {

@@ -183,40 +183,25 @@ impl NcclEngine {
         let u8_ = nc::ncclDataType_t::ncclUint8;
         let (me, root, size) = (comm.rank, c.root, comm.nranks);
         let gather = c.kind == CudaKind::Gather;
-        // SAFETY: as in enqueue_flat; the root's buffer holds `size` blocks of `n` bytes
-        // (the Python layer allocated it so), block r at r * n.
-        let mut r = unsafe { (f.group_start)() };
-        if r == nc::ncclResult_t::ncclSuccess {
-            // SAFETY: as above.
-            unsafe {
-                if me == root {
-                    for peer in 0..size {
-                        let at = (peer * n) as u64;
-                        let rr = if gather {
-                            (f.recv)((c.out + at) as *mut c_void, n, u8_, peer as i32, raw, s)
-                        } else {
-                            (f.send)((c.inp + at) as *const c_void, n, u8_, peer as i32, raw, s)
-                        };
-                        if rr != nc::ncclResult_t::ncclSuccess && r == nc::ncclResult_t::ncclSuccess {
-                            r = rr;
-                        }
-                    }
-                }
-                let rr = if gather {
-                    (f.send)(c.inp as *const c_void, n, u8_, root as i32, raw, s)
-                } else {
-                    (f.recv)(c.out as *mut c_void, n, u8_, root as i32, raw, s)
-                };
-                if rr != nc::ncclResult_t::ncclSuccess && r == nc::ncclResult_t::ncclSuccess {
-                    r = rr;
-                }
-                // The group is closed whatever happened inside it.
-                let end = (f.group_end)();
-                if r == nc::ncclResult_t::ncclSuccess {
-                    r = end;
+        // SAFETY (both blocks): as in enqueue_flat; the root's buffer holds `size` blocks
+        // of `n` bytes (the Python layer allocated it so), block r at r * n.
+        let r = f.group(|first| unsafe {
+            if me == root {
+                for peer in 0..size {
+                    let at = (peer * n) as u64;
+                    first.keep(if gather {
+                        (f.recv)((c.out + at) as *mut c_void, n, u8_, peer as i32, raw, s)
+                    } else {
+                        (f.send)((c.inp + at) as *const c_void, n, u8_, peer as i32, raw, s)
+                    });
                 }
             }
-        }
+            first.keep(if gather {
+                (f.send)(c.inp as *const c_void, n, u8_, root as i32, raw, s)
+            } else {
+                (f.recv)(c.out as *mut c_void, n, u8_, root as i32, raw, s)
+            });
+        });
         comm.check(r, &format!("NCCL {} (send/recv)", c.kind.name()))
     }
 
@@ -234,35 +219,21 @@ impl NcclEngine {
         let f = comm.fns();
         let s = stream as nc::cudaStream_t;
         let u8_ = nc::ncclDataType_t::ncclUint8;
-        let ok = nc::ncclResult_t::ncclSuccess;
-        // SAFETY: as in enqueue_flat; every chunk is a device range of the bytes given
-        // next to it, inside the tensors the Python layer checked and keeps alive.
-        let mut r = unsafe { (f.group_start)() };
-        if r == ok {
+        let r = f.group(|first| {
             for peer in 0..comm.nranks {
                 let (sb, rb) = (x.send_bytes[peer] as usize, x.recv_bytes[peer] as usize);
+                // SAFETY (both calls): as in enqueue_flat; every chunk is a device range of
+                // the bytes given next to it, inside the tensors the Python layer checked
+                // and keeps alive.
                 if sb > 0 {
-                    // SAFETY: as above.
-                    let rr = unsafe { (f.send)(x.send[peer] as *const c_void, sb, u8_, peer as i32, raw, s) };
-                    if r == ok {
-                        r = rr;
-                    }
+                    first.keep(unsafe { (f.send)(x.send[peer] as *const c_void, sb, u8_, peer as i32, raw, s) });
                 }
                 if rb > 0 {
                     // SAFETY: as above.
-                    let rr = unsafe { (f.recv)(x.recv[peer] as *mut c_void, rb, u8_, peer as i32, raw, s) };
-                    if r == ok {
-                        r = rr;
-                    }
+                    first.keep(unsafe { (f.recv)(x.recv[peer] as *mut c_void, rb, u8_, peer as i32, raw, s) });
                 }
             }
-            // The group is closed whatever happened inside it.
-            // SAFETY: closes the group opened above.
-            let end = unsafe { (f.group_end)() };
-            if r == ok {
-                r = end;
-            }
-        }
+        });
         comm.check(r, "NCCL all_to_all (send/recv)")
     }
 }

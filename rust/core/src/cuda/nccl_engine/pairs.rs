@@ -125,36 +125,24 @@ fn warm_pairs(pairs: &[PairComm], warm: u64, deadline: Instant) -> Result<()> {
     let Some(first) = pairs.first() else { return Ok(()) };
     let f = first.comm.fns();
     let u8_ = nc::ncclDataType_t::ncclUint8;
-    let ok = nc::ncclResult_t::ncclSuccess;
-    // SAFETY: live communicators and streams of this device; every message lies inside
-    // the warm buffer (WARM_BYTES: sends at its start, receives at PAIR_WARM_RECV_AT,
-    // PAIR_WARM_BYTES at most 1 MiB each).
-    let mut r = unsafe { (f.group_start)() };
-    if r == ok {
+    let r = f.group(|first_error| {
         for p in pairs {
             let raw = p.comm.raw();
             let s = p.stream as nc::cudaStream_t;
             for n in PAIR_WARM_BYTES {
-                // SAFETY: as above.
-                let rr = unsafe {
+                // SAFETY: live communicators and streams of this device; every message lies
+                // inside the warm buffer (WARM_BYTES: sends at its start, receives at
+                // PAIR_WARM_RECV_AT, PAIR_WARM_BYTES at most 1 MiB each).
+                first_error.keep(unsafe {
                     if p.sending {
                         (f.send)(warm as *const c_void, n, u8_, 1, raw, s)
                     } else {
                         (f.recv)((warm + PAIR_WARM_RECV_AT) as *mut c_void, n, u8_, 0, raw, s)
                     }
-                };
-                if r == ok {
-                    r = rr;
-                }
+                });
             }
         }
-        // The group is closed whatever happened inside it.
-        // SAFETY: closes the group opened above.
-        let end = unsafe { (f.group_end)() };
-        if r == ok {
-            r = end;
-        }
-    }
+    });
     first.comm.check(r, "NCCL send/recv (warm-up of the pair communicators at group creation)")?;
     let mut events = Vec::with_capacity(pairs.len());
     let mut result = Ok(());

@@ -106,38 +106,21 @@ pub fn p2p_warm_bytes(n: usize) -> usize {
 fn warm_p2p(comm: &NcclComm, stream: CUstream, warm: u64, per_peer: usize) -> nc::ncclResult_t {
     let (f, raw, s) = (comm.fns(), comm.raw(), stream as nc::cudaStream_t);
     let u8_ = nc::ncclDataType_t::ncclUint8;
-    let ok = nc::ncclResult_t::ncclSuccess;
     let half = (WARM_BYTES / 2) as u64;
-    // SAFETY: a live communicator and stream; every piece lies in its half of the warm
-    // buffer: at + per_peer <= half, since per_peer x nranks <= half when per_peer comes
-    // from p2p_warm_bytes(nranks) (or per_peer = 1 and at < half). Pieces of 1 byte may
-    // coincide in very large groups: the warm-up's data is never read.
-    let mut r = unsafe { (f.group_start)() };
-    if r != ok {
-        return r;
-    }
-    for peer in 0..comm.nranks {
-        let at = (peer * per_peer) as u64 % half;
-        // SAFETY: as above.
-        let (a, b) = unsafe {
-            (
-                (f.send)((warm + at) as *const c_void, per_peer, u8_, peer as i32, raw, s),
-                (f.recv)((warm + half + at) as *mut c_void, per_peer, u8_, peer as i32, raw, s),
-            )
-        };
-        for x in [a, b] {
-            if r == ok {
-                r = x;
+    f.group(|first| {
+        for peer in 0..comm.nranks {
+            let at = (peer * per_peer) as u64 % half;
+            // SAFETY: a live communicator and stream; every piece lies in its half of the
+            // warm buffer: at + per_peer <= half, since per_peer x nranks <= half when
+            // per_peer comes from p2p_warm_bytes(nranks) (or per_peer = 1 and at < half).
+            // Pieces of 1 byte may coincide in very large groups: the warm-up's data is
+            // never read.
+            unsafe {
+                first.keep((f.send)((warm + at) as *const c_void, per_peer, u8_, peer as i32, raw, s));
+                first.keep((f.recv)((warm + half + at) as *mut c_void, per_peer, u8_, peer as i32, raw, s));
             }
         }
-    }
-    // SAFETY: closes the group opened above, whatever happened inside it.
-    let end = unsafe { (f.group_end)() };
-    if r == ok {
-        end
-    } else {
-        r
-    }
+    })
 }
 
 #[cfg(test)]
