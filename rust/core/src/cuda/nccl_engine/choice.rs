@@ -4,9 +4,35 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cuda::nccl::{choose_cross_host, CrossHost};
 use crate::cuda::CudaKind;
 use crate::dtype::ReduceOp;
+
+/// How a CUDA collective of a group that spans hosts runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrossHost {
+    /// One NCCL collective over every rank.
+    Flat,
+    /// rsccl's kernels inside each host, NCCL across hosts among ranks of the same local
+    /// index, rsccl's kernels again (all_reduce: reduce-scatter, all_reduce, all_gather).
+    Hierarchical,
+}
+
+/// The choice between flat NCCL and the hierarchical path: a pure function of the
+/// collective, its message bytes and the topology. Hierarchical needs every host to have
+/// the same number (>= 2) of ranks, applies to all_reduce, all_gather and reduce_scatter,
+/// and pays off only for messages large enough that the host-local phases' extra launches
+/// and barriers are small against the bytes moved (`min_bytes`).
+pub fn choose_cross_host(kind: super::CudaKind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
+    use super::CudaKind as K;
+    let hosts = ranks_per_host.len();
+    let even = ranks_per_host.windows(2).all(|w| w[0] == w[1]);
+    let eligible = matches!(kind, K::AllReduce | K::AllGather | K::ReduceScatter);
+    if hosts >= 2 && even && ranks_per_host[0] >= 2 && eligible && bytes >= min_bytes {
+        CrossHost::Hierarchical
+    } else {
+        CrossHost::Flat
+    }
+}
 
 /// How a CUDA all_reduce of `count` elements of `elem` bytes with `op` runs, and why (a
 /// pure function of values every rank has alike, so every rank takes the same path).
@@ -211,5 +237,18 @@ mod tests {
         assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[1, 1], true), Flat, "one GPU per host");
         assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[2, 3], false), Flat, "uneven hosts");
         assert_eq!(reduce_scatter_path(0, 4, ReduceOp::Sum, true, &two_by_two, true, 0, scratch).0, Flat, "empty");
+    }
+
+    #[test]
+    fn hierarchical_only_where_it_can_pay() {
+        let mib = 1u64 << 20;
+        let two_by_two = [2usize, 2];
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(CudaKind::AllGather, mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, mib - 1, &two_by_two, mib), CrossHost::Flat, "small");
+        assert_eq!(choose_cross_host(CudaKind::Broadcast, 16 * mib, &two_by_two, mib), CrossHost::Flat, "not eligible");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[1, 1, 1, 1], mib), CrossHost::Flat, "one GPU per host");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[2, 3], mib), CrossHost::Flat, "uneven hosts");
+        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[4], mib), CrossHost::Flat, "one host");
     }
 }

@@ -9,10 +9,11 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
+use super::choice::CrossHost;
 use super::choice::{all_gather_path, all_reduce_path, reduce_scatter_path};
 use super::{NcclEngine, Order, Shared, Tracked};
 use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
-use crate::cuda::nccl::{nccl_dtype, nccl_op, CrossHost};
+use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::EventHome;
 use crate::cuda::{AllToAll, CudaCall, CudaEvent, CudaKind};
 use crate::error::{Error, Result};

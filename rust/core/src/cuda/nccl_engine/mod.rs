@@ -46,12 +46,14 @@ mod choice;
 mod create;
 mod hier;
 mod launch;
+mod pair_rounds;
 mod pairs;
 mod warm;
 mod watchdog;
 
-pub use choice::{all_gather_path, all_reduce_path, host_major, launch_timed_out, reduce_scatter_path};
+pub use choice::{all_gather_path, all_reduce_path, choose_cross_host, host_major, launch_timed_out, reduce_scatter_path, CrossHost};
 pub use create::{id_key, CommRole};
+pub use pair_rounds::p2p_split_rounds;
 pub use warm::p2p_warm_bytes;
 
 use std::collections::VecDeque;

@@ -11,11 +11,12 @@ use cudarc::nccl::sys as nc;
 
 use super::create::free_bytes;
 use super::launch::{join, new_event, record};
+use super::pair_rounds::p2p_split_rounds;
 use super::{NcclEngine, PairComm, Shared, Tracked, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
 use crate::bootstrap::Topology;
 use crate::config::Config;
 use crate::cuda::driver::{check, is_capturing, CUstream, Device};
-use crate::cuda::nccl::{p2p_split_rounds, NcclComm};
+use crate::cuda::nccl::NcclComm;
 use crate::cuda::EventHome;
 use crate::cuda::{CudaEvent, CudaKind};
 use crate::error::{Error, Result};
