@@ -17,17 +17,22 @@ pub enum CrossHost {
     Hierarchical,
 }
 
+/// Whether a group has a hierarchical path at all (the local rsccl engine and the cross
+/// communicators are made only then): two hosts or more, each with the same number L >= 2
+/// of the group's ranks.
+pub fn hierarchical_layout(ranks_per_host: &[usize]) -> bool {
+    ranks_per_host.len() >= 2 && ranks_per_host[0] >= 2 && ranks_per_host.windows(2).all(|w| w[0] == w[1])
+}
+
 /// The choice between flat NCCL and the hierarchical path: a pure function of the
 /// collective, its message bytes and the topology. Hierarchical needs every host to have
 /// the same number (>= 2) of ranks, applies to all_reduce, all_gather and reduce_scatter,
 /// and pays off only for messages large enough that the host-local phases' extra launches
 /// and barriers are small against the bytes moved (`min_bytes`).
-pub fn choose_cross_host(kind: super::CudaKind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
-    use super::CudaKind as K;
-    let hosts = ranks_per_host.len();
-    let even = ranks_per_host.windows(2).all(|w| w[0] == w[1]);
+pub fn choose_cross_host(kind: CudaKind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
+    use CudaKind as K;
     let eligible = matches!(kind, K::AllReduce | K::AllGather | K::ReduceScatter);
-    if hosts >= 2 && even && ranks_per_host[0] >= 2 && eligible && bytes >= min_bytes {
+    if hierarchical_layout(ranks_per_host) && eligible && bytes >= min_bytes {
         CrossHost::Hierarchical
     } else {
         CrossHost::Flat
@@ -237,6 +242,17 @@ mod tests {
         assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[1, 1], true), Flat, "one GPU per host");
         assert_eq!(path(mib, 4, ReduceOp::Sum, true, &[2, 3], false), Flat, "uneven hosts");
         assert_eq!(reduce_scatter_path(0, 4, ReduceOp::Sum, true, &two_by_two, true, 0, scratch).0, Flat, "empty");
+    }
+
+    #[test]
+    fn a_hierarchical_path_needs_several_hosts_with_the_same_gpus() {
+        assert!(hierarchical_layout(&[2, 2]));
+        assert!(hierarchical_layout(&[8, 8, 8]));
+        assert!(!hierarchical_layout(&[1, 1]), "one GPU per host");
+        assert!(!hierarchical_layout(&[2, 3]), "uneven hosts");
+        assert!(!hierarchical_layout(&[3, 2, 2]), "uneven hosts, the first larger");
+        assert!(!hierarchical_layout(&[4]), "one host");
+        assert!(!hierarchical_layout(&[]));
     }
 
     #[test]

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
-use super::choice::host_major;
+use super::choice::{hierarchical_layout, host_major};
+use super::hier::HierLayout;
 use super::launch::new_event;
 use super::pairs::make_pairs;
 use super::warm::warm_up;
@@ -131,7 +132,7 @@ impl NcclEngine {
     ) -> Result<Arc<NcclEngine>> {
         let dev = Arc::new(Device::open(device)?);
         let ranks_per_host: Vec<usize> = topo.hosts.iter().map(|h| h.len()).collect();
-        let hierarchical = ranks_per_host.len() >= 2 && ranks_per_host[0] >= 2 && ranks_per_host.iter().all(|&n| n == ranks_per_host[0]);
+        let hierarchical = hierarchical_layout(&ranks_per_host);
         let names = vec![
             CString::new(format!("rsccl-flat-r{}", topo.rank)).map_err(|_| Error::Internal("NUL in a name".into()))?,
             CString::new(format!("rsccl-cross{}-r{}", topo.local_index(), topo.rank))
@@ -202,15 +203,17 @@ impl NcclEngine {
                     sh: sh.clone(),
                     internal,
                     scratch,
-                    hier_scratch,
-                    hier_scratch_bytes: hier_scratch_bytes as u64,
-                    local_index: topo.local_index(),
-                    host_index: topo.host_of[topo.rank],
-                    host_major: major,
-                    ranks_per_host,
+                    hier: HierLayout {
+                        local_index: topo.local_index(),
+                        host_index: topo.host_of[topo.rank],
+                        host_major: major,
+                        ranks_per_host,
+                        min_bytes: cfg.nccl_hierarchical_min_bytes,
+                        scratch: hier_scratch,
+                        scratch_bytes: hier_scratch_bytes as u64,
+                    },
                     host_of: topo.host_of.clone(),
                     local_ranks: topo.local_ranks().to_vec(),
-                    hier_min: cfg.nccl_hierarchical_min_bytes,
                     sync_on_caller: cfg.cuda_sync_stream,
                     nccl_bytes,
                     collectives: AtomicU64::new(0),

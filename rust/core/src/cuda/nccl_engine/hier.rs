@@ -1,29 +1,80 @@
 //! The hierarchical algorithms: rsccl's kernels inside each host, NCCL across hosts among
 //! the ranks of one local index.
+//!
+//! `Hierarchical` composes the two: the host-local engine (rsccl's `CudaEngine` over this
+//! host's ranks) and the cross communicator (NCCL among the ranks of this local index, one
+//! per host), with where this rank sits (`HierLayout`). It decides which calls it takes
+//! (`path`, from the pure choices in choice.rs) and enqueues them (`enqueue`) on the
+//! stream it is given. The NCCL engine owns both parts (its watchdog follows the cross
+//! communicator and the local engine like its other ones) and orders, tracks and bounds
+//! a hierarchical launch as any other: `Hierarchical` is a view it makes per call.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::nccl::sys as nc;
 
-use super::NcclEngine;
+use super::choice::{all_gather_path, all_reduce_path, reduce_scatter_path, CrossHost};
 use crate::cuda::nccl::{nccl_dtype, nccl_op, NcclComm};
 use crate::cuda::{CudaCall, CudaEngine, CudaKind};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-impl NcclEngine {
-    /// The engines of the hierarchical path.
-    fn hier_engines(&self) -> Result<(&Arc<CudaEngine>, &NcclComm, nc::ncclComm_t)> {
-        let (local, cross) = match (&self.sh.local, &self.sh.cross) {
-            (Some(l), Some(x)) => (l, x),
-            _ => return Err(Error::Internal("hierarchical path without its engines".into())),
-        };
-        let raw = cross.raw();
-        if raw.is_null() {
-            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+/// What the hierarchical algorithms need besides their two engines: where this rank sits
+/// among the hosts, the threshold, and the reduce_scatter's scratch. Fixed at creation.
+pub(super) struct HierLayout {
+    pub(super) local_index: usize,
+    pub(super) host_index: usize,
+    /// See `host_major`: all_gather and reduce_scatter run hierarchically only then.
+    pub(super) host_major: bool,
+    pub(super) ranks_per_host: Vec<usize>,
+    /// nccl_hierarchical_min_bytes.
+    pub(super) min_bytes: u64,
+    /// The hierarchical reduce_scatter's buffer (0: none; owned and freed by the engine)
+    /// and its bytes.
+    pub(super) scratch: u64,
+    pub(super) scratch_bytes: u64,
+}
+
+/// The hierarchical path of one group: its host-local engine, its cross communicator and
+/// its layout (see the module doc).
+pub(super) struct Hierarchical<'a> {
+    local: &'a Arc<CudaEngine>,
+    cross: &'a NcclComm,
+    at: &'a HierLayout,
+}
+
+impl<'a> Hierarchical<'a> {
+    /// The path of a group that has both engines (None: it runs everything flat).
+    pub(super) fn new(local: Option<&'a Arc<CudaEngine>>, cross: Option<&'a NcclComm>, at: &'a HierLayout) -> Option<Hierarchical<'a>> {
+        Some(Hierarchical { local: local?, cross: cross?, at })
+    }
+
+    /// How `c` runs: hierarchical only where choice.rs says so (every rank decides alike).
+    pub(super) fn path(&self, c: &CudaCall) -> CrossHost {
+        let (hosts, major, min) = (&self.at.ranks_per_host, self.at.host_major, self.at.min_bytes);
+        match c.kind {
+            CudaKind::AllReduce => {
+                let ok = self.local.supports_reduce_scatter(c.dtype, c.op);
+                all_reduce_path(c.count, c.dtype.size(), c.op, ok, hosts, min).0
+            }
+            CudaKind::AllGather => all_gather_path(c.count, hosts, major, min).0,
+            CudaKind::ReduceScatter => {
+                let ok = self.local.supports_reduce_scatter(c.dtype, c.op);
+                reduce_scatter_path(c.count, c.dtype.size(), c.op, ok, hosts, major, min, self.at.scratch_bytes).0
+            }
+            _ => CrossHost::Flat,
         }
-        Ok((local, cross, raw))
+    }
+
+    /// Enqueue `c`, which `path` chose hierarchical for, on `stream`.
+    pub(super) fn enqueue(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        match c.kind {
+            CudaKind::AllReduce => self.all_reduce(c, stream),
+            CudaKind::AllGather => self.all_gather(c, stream),
+            CudaKind::ReduceScatter => self.reduce_scatter(c, stream),
+            k => Err(Error::Internal(format!("no hierarchical {}", k.name()))),
+        }
     }
 
     /// all_gather (count = n bytes per rank; `out` holds world x n bytes in rank order)
@@ -39,11 +90,11 @@ impl NcclEngine {
     ///
     /// H host-local launches (each with its barrier): hosts >= 2, messages >=
     /// nccl_hierarchical_min_bytes keep their cost small against the bytes moved.
-    pub(super) fn enqueue_hier_all_gather(&self, c: &CudaCall, stream: u64) -> Result<()> {
-        let (local, cross, raw) = self.hier_engines()?;
+    fn all_gather(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let (local, cross, raw) = (self.local, self.cross, self.cross.live()?);
         let l = local.local_size() as u64;
-        let hosts = self.ranks_per_host.len() as u64;
-        let (me, li, n) = (self.host_index as u64, self.local_index as u64, c.count);
+        let hosts = self.at.ranks_per_host.len() as u64;
+        let (me, li, n) = (self.at.host_index as u64, self.at.local_index as u64, c.count);
         let piece = |h: u64| c.out + (h * l + li) * n;
         let fatal =
             |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_gather failed part-way: {e}")) } else { e };
@@ -94,12 +145,12 @@ impl NcclEngine {
     /// The scratch (hosts x m elements, checked by reduce_scatter_path) is reused by the
     /// next call: the launches are ordered (one stream, joins across streams), so that
     /// call's first phase runs after this one's NCCL step read it.
-    pub(super) fn enqueue_hier_reduce_scatter(&self, c: &CudaCall, stream: u64) -> Result<()> {
-        let (local, cross, raw) = self.hier_engines()?;
+    fn reduce_scatter(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let (local, cross, raw) = (self.local, self.cross, self.cross.live()?);
         let l = local.local_size() as u64;
-        let hosts = self.ranks_per_host.len() as u64;
+        let hosts = self.at.ranks_per_host.len() as u64;
         let mb = c.count * c.dtype.size() as u64;
-        if self.hier_scratch == 0 || hosts * mb > self.hier_scratch_bytes {
+        if self.at.scratch == 0 || hosts * mb > self.at.scratch_bytes {
             return Err(Error::Internal("hierarchical reduce_scatter without room in its scratch".into()));
         }
         let fatal = |e: Error| {
@@ -116,7 +167,7 @@ impl NcclEngine {
                 op: c.op,
                 root: 0,
                 inp: c.inp + h * l * mb,
-                out: self.hier_scratch + h * mb,
+                out: self.at.scratch + h * mb,
                 count: c.count,
                 stream,
                 asynchronous: false,
@@ -130,7 +181,7 @@ impl NcclEngine {
         // stream.
         let r = unsafe {
             (cross.fns().reduce_scatter)(
-                self.hier_scratch as *const c_void,
+                self.at.scratch as *const c_void,
                 c.out as *mut c_void,
                 c.count as usize,
                 dt,
@@ -147,15 +198,12 @@ impl NcclEngine {
     /// among the ranks of the same local index on every host, rsccl's all-gather of the
     /// shards into `out`. The local engine orders its kernels after what `stream` holds
     /// and `stream` after them (a blocking call to it), so the phases run in order.
-    pub(super) fn enqueue_hierarchical(&self, c: &CudaCall, stream: u64) -> Result<()> {
-        let (local, cross) = match (&self.sh.local, &self.sh.cross) {
-            (Some(l), Some(x)) => (l, x),
-            _ => return Err(Error::Internal("hierarchical path without its engines".into())),
-        };
+    fn all_reduce(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let (local, cross) = (self.local, self.cross);
         let l = local.local_size() as u64;
         let shard = c.count / l;
         let shard_bytes = shard * c.dtype.size() as u64;
-        let mine = c.out + self.local_index as u64 * shard_bytes;
+        let mine = c.out + self.at.local_index as u64 * shard_bytes;
         let call = |kind, dtype, inp, out, count| CudaCall { kind, dtype, op: c.op, root: 0, inp, out, count, stream, asynchronous: false };
         // Any error once a phase may have started leaves the peers of the other phases
         // waiting: it makes the group unusable (the caller aborts it).

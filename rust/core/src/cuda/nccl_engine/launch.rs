@@ -10,7 +10,6 @@ use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
-use super::choice::{all_gather_path, all_reduce_path, reduce_scatter_path};
 use super::{NcclEngine, Order, Shared, Tracked};
 use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
@@ -32,20 +31,7 @@ impl NcclEngine {
             nccl_dtype(c.dtype).ok_or_else(bad)?;
             nccl_op(c.op).ok_or_else(bad)?;
         }
-        let Some(local) = &self.sh.local else { return Ok(CrossHost::Flat) };
-        let (hosts, major, min) = (&self.ranks_per_host, self.host_major, self.hier_min);
-        Ok(match c.kind {
-            CudaKind::AllReduce => {
-                let ok = local.supports_reduce_scatter(c.dtype, c.op);
-                all_reduce_path(c.count, c.dtype.size(), c.op, ok, hosts, min).0
-            }
-            CudaKind::AllGather => all_gather_path(c.count, hosts, major, min).0,
-            CudaKind::ReduceScatter => {
-                let ok = local.supports_reduce_scatter(c.dtype, c.op);
-                reduce_scatter_path(c.count, c.dtype.size(), c.op, ok, hosts, major, min, self.hier_scratch_bytes).0
-            }
-            _ => CrossHost::Flat,
-        })
+        Ok(self.hierarchical().map_or(CrossHost::Flat, |h| h.path(c)))
     }
 
     /// An error of a launch that may have left peers waiting makes the group unusable;
@@ -90,11 +76,9 @@ impl NcclEngine {
             (Some(x), _) => self.enqueue_all_to_all(x, target),
             (None, CrossHost::Flat) => self.enqueue_flat(c, target),
             (None, CrossHost::Hierarchical) => {
-                let r = match c.kind {
-                    CudaKind::AllReduce => self.enqueue_hierarchical(c, target),
-                    CudaKind::AllGather => self.enqueue_hier_all_gather(c, target),
-                    CudaKind::ReduceScatter => self.enqueue_hier_reduce_scatter(c, target),
-                    k => Err(Error::Internal(format!("no hierarchical {}", k.name()))),
+                let r = match self.hierarchical() {
+                    Some(h) => h.enqueue(c, target),
+                    None => Err(Error::Internal("hierarchical path without its engines".into())),
                 };
                 if r.is_ok() {
                     self.hierarchical.fetch_add(1, Ordering::Relaxed);

@@ -39,8 +39,9 @@
 //! Where each part lives: group creation (the communicators, the local engine, their
 //! warm-up) in create.rs, warm.rs and pairs.rs; the watchdog and the failure rules in
 //! watchdog.rs; the launch path (ordering, tracking, flat NCCL calls) in launch.rs; the
-//! hierarchical algorithms in hier.rs; the pure choices (flat or hierarchical, a
-//! launch's age) in choice.rs, tested without a GPU.
+//! hierarchical path (`Hierarchical`: the local engine and the cross communicator
+//! composed) in hier.rs. Pure, tested without a GPU: the choices (flat or hierarchical,
+//! a launch's age) in choice.rs, the pair communicators' split schedule in pair_rounds.rs.
 
 mod choice;
 mod create;
@@ -51,7 +52,9 @@ mod pairs;
 mod warm;
 mod watchdog;
 
-pub use choice::{all_gather_path, all_reduce_path, choose_cross_host, host_major, launch_timed_out, reduce_scatter_path, CrossHost};
+pub use choice::{
+    all_gather_path, all_reduce_path, choose_cross_host, hierarchical_layout, host_major, launch_timed_out, reduce_scatter_path, CrossHost,
+};
 pub use create::{id_key, CommRole};
 pub use pair_rounds::p2p_split_rounds;
 pub use warm::p2p_warm_bytes;
@@ -70,6 +73,7 @@ use super::driver::{CUevent, CUstream, Device};
 use super::nccl::NcclComm;
 use super::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind};
 use crate::error::{Error, Result};
+use hier::{HierLayout, Hierarchical};
 use launch::new_event;
 
 /// Bytes of the temporary buffer the warm-up collectives run on: large enough that NCCL
@@ -175,19 +179,12 @@ pub struct NcclEngine {
     sh: Arc<Shared>,
     internal: CUstream,
     scratch: u64,
-    /// The hierarchical reduce_scatter's buffer (0: none) and its bytes.
-    hier_scratch: u64,
-    hier_scratch_bytes: u64,
-    local_index: usize,
-    host_index: usize,
-    /// See `host_major`: all_gather and reduce_scatter run hierarchically only then.
-    host_major: bool,
-    ranks_per_host: Vec<usize>,
+    /// The hierarchical path's layout and scratch (freed in Drop); its engines are in `sh`.
+    hier: HierLayout,
     /// Host index of every group rank, and this host's ranks (send/recv to a rank of this
     /// host go to the local rsccl engine, when there is one).
     host_of: Vec<usize>,
     local_ranks: Vec<usize>,
-    hier_min: u64,
     sync_on_caller: bool,
     nccl_bytes: u64,
     collectives: AtomicU64,
@@ -206,6 +203,11 @@ unsafe impl Send for NcclEngine {}
 unsafe impl Sync for NcclEngine {}
 
 impl NcclEngine {
+    /// The hierarchical path, where the group has one (same number >= 2 of GPUs per host).
+    fn hierarchical(&self) -> Option<Hierarchical<'_>> {
+        Hierarchical::new(self.sh.local.as_ref(), self.sh.cross.as_ref(), &self.hier)
+    }
+
     /// The local rsccl engine (hierarchical groups only).
     pub fn local(&self) -> Option<&Arc<CudaEngine>> {
         self.sh.local.as_ref()
@@ -319,7 +321,7 @@ impl NcclEngine {
         NcclStats {
             device: self.sh.dev.ordinal,
             nccl_bytes: self.nccl_bytes,
-            scratch_bytes: self.hier_scratch_bytes,
+            scratch_bytes: self.hier.scratch_bytes,
             communicators: 1 + self.sh.cross.is_some() as u64 + self.sh.pairs.len() as u64,
             collectives: self.collectives.load(Ordering::Relaxed),
             hierarchical_collectives: self.hierarchical.load(Ordering::Relaxed),
@@ -402,8 +404,8 @@ impl Drop for NcclEngine {
             cu::cuStreamSynchronize(self.internal);
             self.sh.recycle_finished();
             cu::cuMemFree_v2(self.scratch);
-            if self.hier_scratch != 0 {
-                cu::cuMemFree_v2(self.hier_scratch);
+            if self.hier.scratch != 0 {
+                cu::cuMemFree_v2(self.hier.scratch);
             }
             cu::cuStreamDestroy_v2(self.internal);
             // The pair communicators were closed or aborted by shutdown: their streams drain.
