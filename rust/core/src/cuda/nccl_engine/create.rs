@@ -19,7 +19,7 @@ use super::warm::warm_up;
 use super::watchdog::watchdog;
 use super::{NcclEngine, Order, Shared, SCRATCH_BYTES, WARM_BYTES};
 use crate::bootstrap::unix::Listener;
-use crate::bootstrap::{LocalMesh, Store, Topology};
+use crate::bootstrap::{LocalMesh, SetupWatch, Store, Topology};
 use crate::config::Config;
 use crate::cuda::driver::{check, CUstream, Device};
 use crate::cuda::nccl::{Nccl, NcclComm};
@@ -60,30 +60,91 @@ pub(super) fn free_bytes() -> Result<u64> {
     Ok(free as u64)
 }
 
-/// Publish (if `make`) or read `role`'s unique id, then wait until all `members` ranks of
-/// the communicator have it: a rank that died after the rendezvous is reported here, by
-/// the store's timeout, instead of leaving the others in ncclCommInitRank for good.
-fn share_id(
-    store: &dyn Store,
-    nccl: &Nccl,
-    nonce: &[u8; 16],
-    role: CommRole,
-    make: bool,
-    members: usize,
-    deadline: Instant,
-) -> Result<[u8; 128]> {
-    let key = id_key(nonce, role, "id");
-    if make {
-        store.set(&key, &nccl.unique_id()?)?;
+/// What bounds every wait of the NCCL engine's creation: the group's deadline, and the
+/// other ranks of this host, watched through their pidfds (`SetupWatch`), so that a local
+/// rank that dies ends the wait at once rather than at the deadline. The error it gives is
+/// named by the caller of `create` (`SetupWatch::during` -> `explain`: the rank, its pid
+/// and the phase).
+#[derive(Clone, Copy)]
+pub(super) struct Bound<'a> {
+    pub(super) deadline: Instant,
+    pub(super) watch: &'a SetupWatch,
+}
+
+impl Bound<'_> {
+    /// Err if a local rank of the group has exited; `during` completes "... exited during".
+    pub(super) fn peers_alive(&self, during: &str) -> Result<()> {
+        if self.watch.exited(Duration::ZERO).is_empty() {
+            return Ok(());
+        }
+        Err(Error::PeerFailure(format!("a local rank exited during {during}")))
     }
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let raw = store.get(&key, left).map_err(|e| match e {
-        Error::Timeout(_) => Error::Timeout(format!(
-            "the NCCL id of the {} communicator was not published within the group timeout: its first rank did not get this far",
-            role.label()
-        )),
-        other => other,
-    })?;
+}
+
+/// The store keys of a group creation's failure notice: a counter and the text (see
+/// `report_local_death`).
+fn failure_keys(nonce: &[u8; 16]) -> (String, String) {
+    (id_key(nonce, CommRole::Flat, "failed"), id_key(nonce, CommRole::Flat, "failure"))
+}
+
+/// A rank that saw a rank of its host exit during the NCCL engine's creation tells the
+/// group through the store: ranks on other hosts cannot watch that process, and would
+/// otherwise wait for it until the deadline and then not know whom to blame. Best effort
+/// (the store may be failing too); read by `reported_death` in every id wait.
+fn report_local_death(store: &dyn Store, nonce: &[u8; 16], watch: &SetupWatch, me: usize) {
+    let gone = watch.exited(Duration::ZERO);
+    if gone.is_empty() {
+        return;
+    }
+    let who: Vec<String> = gone.iter().map(|&r| watch.label(r)).collect();
+    let text = format!("{} exited; {}, on its host, saw it", who.join(", "), watch.label(me));
+    let (count, text_key) = failure_keys(nonce);
+    if store.set(&text_key, text.as_bytes()).is_ok() {
+        let _ = store.add(&count, 1);
+    }
+}
+
+/// The failure a rank of another host reported (`report_local_death`), if any.
+fn reported_death(store: &dyn Store, nonce: &[u8; 16]) -> Result<()> {
+    let (count, text_key) = failure_keys(nonce);
+    if store.add(&count, 0)? < 1 {
+        return Ok(());
+    }
+    // Set before the counter was raised: there already.
+    let text = store.get(&text_key, Duration::from_secs(1))?;
+    Err(Error::PeerFailure(String::from_utf8_lossy(&text).into_owned()))
+}
+
+/// Publish (`maker`: the communicator's first rank, with the library that makes the id) or
+/// read `role`'s unique id, then wait until all `members` ranks of the communicator have
+/// it: a rank that died after the rendezvous is reported here (at once if it was on this
+/// host or a rank of its host reported it, else by the deadline), instead of leaving the others in ncclCommInitRank for
+/// good. The id is published under one key and announced under another (a counter the
+/// readers poll, checking the local ranks between polls) so that no wait blocks inside the
+/// store.
+fn share_id(store: &dyn Store, maker: Option<&Nccl>, nonce: &[u8; 16], role: CommRole, members: usize, bound: Bound) -> Result<[u8; 128]> {
+    let key = id_key(nonce, role, "id");
+    let published = id_key(nonce, role, "published");
+    if let Some(nccl) = maker {
+        store.set(&key, &nccl.unique_id()?)?;
+        store.add(&published, 1)?;
+    }
+    let during = format!("the creation of the {} NCCL communicator", role.label());
+    let mut pause = Duration::from_millis(1);
+    while store.add(&published, 0)? < 1 {
+        bound.peers_alive(&during)?;
+        reported_death(store, nonce)?;
+        if Instant::now() > bound.deadline {
+            return Err(Error::Timeout(format!(
+                "the NCCL id of the {} communicator was not published within the group timeout: its first rank did not get this far",
+                role.label()
+            )));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+    let left = bound.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let raw = store.get(&key, left)?;
     let id: [u8; 128] = raw.as_slice().try_into().map_err(|_| Error::Internal(format!("NCCL id of {} bytes in the store", raw.len())))?;
     let joined = id_key(nonce, role, "joined");
     store.add(&joined, 1)?;
@@ -93,7 +154,9 @@ fn share_id(
         if n >= members as i64 {
             return Ok(id);
         }
-        if Instant::now() > deadline {
+        bound.peers_alive(&during)?;
+        reported_death(store, nonce)?;
+        if Instant::now() > bound.deadline {
             return Err(Error::Timeout(format!(
                 "only {n} of the {members} ranks of the {} NCCL communicator reached its creation within the group timeout",
                 role.label()
@@ -117,7 +180,10 @@ struct Built {
 impl NcclEngine {
     /// Build the engine of this rank on `device`: the flat communicator, and (hosts with
     /// the same number >= 2 of ranks) the local rsccl engine and the cross communicator;
-    /// warm each up. Blocks until every rank has done the same, or fails.
+    /// warm each up. Blocks until every rank has done the same, or fails: every wait is
+    /// bounded by `deadline` and ends as soon as one of the local ranks `watch` follows
+    /// exits (ncclCommInitRank and ncclCommSplit, blocking NCCL calls, excepted: see
+    /// docs/multihost.md).
     #[allow(clippy::too_many_arguments)]
     pub fn create(
         nccl: &'static Nccl,
@@ -129,7 +195,9 @@ impl NcclEngine {
         cfg: &Config,
         timeout: Duration,
         deadline: Instant,
+        watch: &SetupWatch,
     ) -> Result<Arc<NcclEngine>> {
+        let bound = Bound { deadline, watch };
         let dev = Arc::new(Device::open(device)?);
         let ranks_per_host: Vec<usize> = topo.hosts.iter().map(|h| h.len()).collect();
         let hierarchical = hierarchical_layout(&ranks_per_host);
@@ -180,13 +248,16 @@ impl NcclEngine {
             listener,
             cfg,
             timeout,
-            deadline,
+            bound,
             hierarchical,
             internal,
             scratch,
             warm,
             &names,
         );
+        if let Err(Error::PeerFailure(_)) = &result {
+            report_local_death(store, nonce, watch, topo.rank);
+        }
         let _ctx = dev.bind()?;
         // SAFETY: the warm-up finished (build waited for it), or failed before launching,
         // or aborted its communicators, which ends their kernels: the stream drains, then
@@ -268,7 +339,7 @@ impl NcclEngine {
         listener: Listener,
         cfg: &Config,
         timeout: Duration,
-        deadline: Instant,
+        bound: Bound,
         hierarchical: bool,
         internal: CUstream,
         scratch: u64,
@@ -278,24 +349,24 @@ impl NcclEngine {
         let host = topo.host_of[topo.rank];
         let li = topo.local_index();
         let (flat, flat_bytes) = {
-            let id = share_id(store, nccl, nonce, CommRole::Flat, topo.rank == 0, topo.size, deadline)?;
+            let id = share_id(store, (topo.rank == 0).then_some(nccl), nonce, CommRole::Flat, topo.size, bound)?;
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, topo.rank, topo.size, cfg.nccl_max_ctas, &names[0])?;
-            warm_up(&comm, internal, warm, scratch, true, deadline)?;
+            warm_up(&comm, internal, warm, scratch, true, bound)?;
             (comm, before.saturating_sub(free_bytes()?))
         };
         let hier = || -> Result<(Arc<CudaEngine>, NcclComm, u64)> {
             let ranks = topo.local_ranks().to_vec();
-            let mesh = Arc::new(LocalMesh::connect(listener, nonce, &ranks, li, deadline, &[])?);
-            let local = CudaEngine::create(dev.ordinal, mesh, ranks, cfg, timeout, deadline)?;
+            let mesh = Arc::new(LocalMesh::connect(listener, nonce, &ranks, li, bound.deadline, &bound.watch.fds())?);
+            let local = CudaEngine::create(dev.ordinal, mesh, ranks, cfg, timeout, bound.deadline)?;
             let hosts = topo.hosts.len();
-            let id = share_id(store, nccl, nonce, CommRole::Cross(li), host == 0, hosts, deadline)?;
+            let id = share_id(store, (host == 0).then_some(nccl), nonce, CommRole::Cross(li), hosts, bound)?;
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, host, hosts, cfg.nccl_max_ctas, &names[1])?;
             // The cross communicators run collectives only (no send/recv).
-            warm_up(&comm, internal, warm, scratch, false, deadline)?;
+            warm_up(&comm, internal, warm, scratch, false, bound)?;
             let bytes = before.saturating_sub(free_bytes()?);
             Ok((local, comm, bytes))
         };
@@ -313,7 +384,7 @@ impl NcclEngine {
         let (mut pairs, mut p2p_bytes, mut pair_names) = (Vec::new(), 0, Vec::new());
         if cfg.nccl_p2p {
             // Pairs on one host need NCCL only where no rsccl engine runs inside the host.
-            match make_pairs(&flat, &dev, topo, cfg, local.is_none(), warm, deadline) {
+            match make_pairs(&flat, &dev, topo, cfg, local.is_none(), warm, bound) {
                 Ok((p, b, n)) => (pairs, p2p_bytes, pair_names) = (p, b, n),
                 Err(e) => {
                     flat.abort();
@@ -364,5 +435,101 @@ mod tests {
         assert_ne!(id_key(&a, CommRole::Flat, "id"), id_key(&b, CommRole::Flat, "id"), "another creation");
         assert_ne!(id_key(&a, CommRole::Cross(0), "id"), id_key(&a, CommRole::Cross(1), "id"), "one id per local index");
         assert_ne!(id_key(&a, CommRole::Cross(0), "id"), id_key(&a, CommRole::Cross(0), "joined"));
+    }
+
+    /// An in-memory store, as torch's HashStore.
+    #[derive(Default)]
+    struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+    impl Store for MemStore {
+        fn set(&self, k: &str, v: &[u8]) -> Result<()> {
+            self.0.lock().insert(k.into(), v.into());
+            Ok(())
+        }
+        fn get(&self, k: &str, _: Duration) -> Result<Vec<u8>> {
+            self.0.lock().get(k).cloned().ok_or_else(|| Error::Timeout(k.into()))
+        }
+        fn add(&self, k: &str, d: i64) -> Result<i64> {
+            let mut m = self.0.lock();
+            let v = m.get(k).map_or(0, |b| i64::from_le_bytes(b[..8].try_into().unwrap())) + d;
+            m.insert(k.into(), v.to_le_bytes().to_vec());
+            Ok(v)
+        }
+    }
+
+    fn random_id() -> [u8; 128] {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        println!("seed {seed}");
+        let mut x = seed | 1;
+        std::array::from_fn(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+    }
+
+    /// Publish `id` as the communicator's first rank does.
+    fn publish(store: &MemStore, nonce: &[u8; 16], role: CommRole, id: &[u8; 128]) {
+        store.set(&id_key(nonce, role, "id"), id).unwrap();
+        store.add(&id_key(nonce, role, "published"), 1).unwrap();
+    }
+
+    #[test]
+    fn the_id_reaches_every_member() {
+        let (store, nonce, id) = (MemStore::default(), [7u8; 16], random_id());
+        publish(&store, &nonce, CommRole::Cross(1), &id);
+        let watch = SetupWatch::none(0, 1);
+        let bound = Bound { deadline: Instant::now() + Duration::from_secs(60), watch: &watch };
+        assert_eq!(share_id(&store, None, &nonce, CommRole::Cross(1), 1, bound).unwrap(), id);
+        assert_eq!(store.add(&id_key(&nonce, CommRole::Cross(1), "joined"), 0).unwrap(), 1);
+        // Past the deadline with nothing published: the timeout names the communicator.
+        let late = Bound { deadline: Instant::now() - Duration::from_millis(1), watch: &watch };
+        let e = share_id(&store, None, &nonce, CommRole::Flat, 2, late).unwrap_err();
+        assert!(matches!(&e, Error::Timeout(m) if m.contains("NCCL id of the flat communicator was not published")), "{e}");
+    }
+
+    /// A local rank that dies while the others wait for a communicator's id, or for its
+    /// members, ends the wait at once (not at the deadline), and the phase's error names it.
+    #[test]
+    fn a_local_rank_that_dies_ends_the_id_waits_and_is_named() {
+        use crate::bootstrap::setup::pid_namespace;
+        use crate::bootstrap::{Phase, RankInfo};
+        for published in [false, true] {
+            let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+            let pid = child.id();
+            let info =
+                |pid: u32, g: u32| RankInfo { pid, global_rank: g, pid_ns: pid_namespace(), host_id: "h".into(), ..Default::default() };
+            let infos = vec![info(std::process::id(), 0), info(pid, 3)];
+            let topo = Topology::from_infos(0, &infos);
+            let watch = SetupWatch::new(&topo, &infos, 1);
+            let (store, nonce) = (MemStore::default(), [9u8; 16]);
+            if published {
+                publish(&store, &nonce, CommRole::Cross(0), &random_id());
+            }
+            child.kill().unwrap();
+            child.wait().unwrap();
+            // Long enough that a wait that missed the death fails as a timeout, not as this.
+            let bound = Bound { deadline: Instant::now() + Duration::from_secs(120), watch: &watch };
+            let e = share_id(&store, None, &nonce, CommRole::Cross(0), 2, bound).unwrap_err();
+            assert!(
+                matches!(&e, Error::PeerFailure(m) if m.contains("exited during the creation of the cross0 NCCL communicator")),
+                "published={published}: {e}"
+            );
+            let named = watch.explain(Phase::Nccl, e).to_string();
+            assert!(
+                named.starts_with(&format!("rank 1 (global rank 3, pid {pid}) exited while the group was creating its NCCL communicators")),
+                "published={published}: {named}"
+            );
+            // The rank that saw it tells the ranks of other hosts, which watch nothing of
+            // this host: their wait ends with the dead rank's name too.
+            report_local_death(&store, &nonce, &watch, 0);
+            let remote = SetupWatch::none(2, 1);
+            let far = Bound { deadline: Instant::now() + Duration::from_secs(120), watch: &remote };
+            let e = share_id(&store, None, &nonce, CommRole::Flat, 4, far).unwrap_err();
+            let me = std::process::id();
+            let told = format!("rank 1 (global rank 3, pid {pid}) exited; rank 0 (pid {me}), on its host, saw it");
+            assert!(matches!(&e, Error::PeerFailure(m) if *m == told), "published={published}: {e}");
+        }
     }
 }

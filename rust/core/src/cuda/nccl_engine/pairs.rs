@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
-use super::create::free_bytes;
+use super::create::{free_bytes, Bound};
 use super::launch::{join, new_event, record};
 use super::pair_rounds::p2p_split_rounds;
 use super::{NcclEngine, PairComm, Shared, Tracked, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
@@ -38,7 +38,7 @@ pub(super) fn make_pairs(
     cfg: &Config,
     same_host: bool,
     warm: u64,
-    deadline: Instant,
+    bound: Bound,
 ) -> Result<(Vec<PairComm>, u64, Vec<CString>)> {
     let me = topo.rank;
     let rounds = p2p_split_rounds(&topo.hosts, same_host);
@@ -94,7 +94,7 @@ pub(super) fn make_pairs(
                 }
             }
         }
-        warm_pairs(&pairs, warm, deadline)
+        warm_pairs(&pairs, warm, bound)
     };
     let result = made();
     if let Err(e) = result {
@@ -117,12 +117,12 @@ pub(super) fn make_pairs(
 /// One small and one larger message on every pair communicator, sent or received on its
 /// stream, all in one NCCL group (NCCL connects the communicators of one group in
 /// parallel, one thread each, so no pair waits for another's connection), then wait for
-/// every stream (at most until `deadline`, watching each communicator's asynchronous
-/// error). NCCL connects a peer and allocates its buffers at the first send/recv; this
+/// every stream (at most until the deadline, watching each communicator's asynchronous
+/// error and the local ranks: `bound`). NCCL connects a peer and allocates its buffers at the first send/recv; this
 /// moves that to group creation. The sends read the start of `warm`, the receives all
 /// land at PAIR_WARM_RECV_AT (what they write is never read). On failure the caller
 /// aborts the pairs.
-fn warm_pairs(pairs: &[PairComm], warm: u64, deadline: Instant) -> Result<()> {
+fn warm_pairs(pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
     let Some(first) = pairs.first() else { return Ok(()) };
     let f = first.comm.fns();
     let u8_ = nc::ncclDataType_t::ncclUint8;
@@ -183,7 +183,11 @@ fn warm_pairs(pairs: &[PairComm], warm: u64, deadline: Instant) -> Result<()> {
             result = Err(e);
             break;
         }
-        if Instant::now() > deadline {
+        if let Err(e) = bound.peers_alive("the warm-up of the NCCL pair communicators (send/recv) at group creation") {
+            result = Err(e);
+            break;
+        }
+        if Instant::now() > bound.deadline {
             result = Err(Error::Timeout(
                 "the warm-up of the NCCL pair communicators (send/recv) at group creation did not finish within the group \
                  timeout: a rank stopped during creation"

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
+use super::create::Bound;
 use super::launch::new_event;
 use super::WARM_BYTES;
 use crate::cuda::driver::{check, CUstream};
@@ -16,10 +17,10 @@ use crate::error::{Error, Result};
 
 /// The collectives a communicator will run, once each at a small and a large size, and
 /// (`p2p`) sends and receives with every rank, on the internal stream, then wait (at most
-/// until `deadline`): NCCL connects peers and allocates the buffers of each algorithm and
+/// until the deadline, or until a local rank exits: `bound`): NCCL connects peers and allocates the buffers of each algorithm and
 /// protocol at their first use, so this moves that to group creation. `warm` holds
 /// WARM_BYTES, `scratch` SCRATCH_BYTES.
-pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, p2p: bool, deadline: Instant) -> Result<()> {
+pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, p2p: bool, bound: Bound) -> Result<()> {
     let f = comm.fns();
     let raw = comm.raw();
     let s = stream as nc::cudaStream_t;
@@ -65,8 +66,8 @@ pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64
             // SAFETY: valid event.
             match unsafe { cu::cuEventQuery(ev) } {
                 cu::CUresult::CUDA_SUCCESS => break,
-                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
-                    if let Err(e) = comm.async_error() {
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < bound.deadline => {
+                    if let Err(e) = comm.async_error().and_then(|_| bound.peers_alive("the NCCL warm-up at group creation")) {
                         result = Err(e);
                         break;
                     }
