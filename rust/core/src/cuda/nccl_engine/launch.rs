@@ -223,7 +223,6 @@ impl NcclEngine {
     }
 }
 
-/// Make `to` wait for the work queued on `from` so far.
 /// An event from the free list (or a new one), recorded on `stream`; it goes back to the
 /// list if the record fails.
 pub(super) fn record(o: &mut Order, stream: u64) -> Result<CUevent> {
@@ -236,6 +235,7 @@ pub(super) fn record(o: &mut Order, stream: u64) -> Result<CUevent> {
     Ok(ev)
 }
 
+/// Make `to` wait for the work queued on `from` so far.
 pub(super) fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
     let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
     // SAFETY: valid event and streams; reusing the event after the wait is enqueued is
