@@ -93,7 +93,7 @@ def _bytes(v) -> int:
 def expect_hierarchical(kind: str, n: int, dtype: torch.dtype, op: str | None, world: int, config: str) -> bool:
     """Whether an all_gather (n elements per rank) or reduce_scatter (n output elements)
     should run hierarchically on the emulated 2 hosts x world/2 GPUs, host-major: the rules
-    of all_gather_path / reduce_scatter_path (rust/core/src/cuda/nccl_engine.rs), restated."""
+    of all_gather_path / reduce_scatter_path (rust/core/src/cuda/nccl_engine/choice.rs), restated."""
     if world < 4:
         return False  # one GPU per host
     opts = CONFIGS[config]

@@ -134,8 +134,9 @@ impl Group {
                                 .into(),
                         )
                     })?;
-                    let e = watch
-                        .during(Phase::Nccl, || NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline))?;
+                    let e = watch.during(Phase::Nccl, || {
+                        NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline, &watch)
+                    })?;
                     cuda = Some(CudaSide::Nccl(e));
                 }
                 None

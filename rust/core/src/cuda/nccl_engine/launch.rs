@@ -1,0 +1,249 @@
+//! The launch path of the NCCL engine: stream order, the watchdog's tracking events, and
+//! the flat NCCL calls (collectives, gather/scatter and all_to_all as groups of sends and
+//! receives).
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+use cudarc::nccl::sys as nc;
+
+use super::choice::CrossHost;
+use super::{NcclEngine, Order, Shared, Tracked};
+use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
+use crate::cuda::nccl::{nccl_dtype, nccl_op};
+use crate::cuda::EventHome;
+use crate::cuda::{AllToAll, CudaCall, CudaEvent, CudaKind};
+use crate::error::{Error, Result};
+
+pub(super) fn new_event() -> Result<CUevent> {
+    let mut e: CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+    Ok(e)
+}
+
+impl NcclEngine {
+    fn path(&self, c: &CudaCall) -> Result<CrossHost> {
+        if matches!(c.kind, CudaKind::AllReduce | CudaKind::ReduceScatter | CudaKind::Reduce) {
+            let bad = || Error::InvalidType(format!("NCCL's {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()));
+            nccl_dtype(c.dtype).ok_or_else(bad)?;
+            nccl_op(c.op).ok_or_else(bad)?;
+        }
+        Ok(self.hierarchical().map_or(CrossHost::Flat, |h| h.path(c)))
+    }
+
+    /// An error of a launch that may have left peers waiting makes the group unusable;
+    /// one found before anything was enqueued (a bad argument) leaves it as it was.
+    pub(super) fn failing_group(&self, r: Result<Option<CudaEvent>>) -> Result<Option<CudaEvent>> {
+        match r {
+            Ok(ev) => Ok(ev),
+            Err(e) if e.keeps_group_usable() => Err(e),
+            Err(e) => Err(self.sh.fail(e)),
+        }
+    }
+
+    pub(super) fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
+        let path = if a2a.is_some() { CrossHost::Flat } else { self.path(c)? };
+        let sh = &self.sh;
+        let _ctx = sh.dev.bind()?;
+        let caller = c.stream;
+        let internal = self.internal as u64;
+        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        // Every communicator handle used below is read (`live()`, `raw()`) under this, so
+        // no abort or close frees it meanwhile (Shared::abort_comms).
+        let _gate = sh.gate.read();
+        let mut o = sh.order.lock();
+        // Shutdown sets `stop` under this lock: no launch starts after it.
+        if sh.stop.load(Ordering::Acquire) {
+            return Err(Error::Aborted("the group was destroyed".into()));
+        }
+        if target != caller {
+            join(&mut o, caller, target)?;
+        }
+        if let Some(last) = o.last_stream {
+            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
+                join(&mut o, last, target)?;
+            }
+        }
+        // The watchdog follows every launch it can query (not one being captured into a
+        // graph: it runs when the graph is replayed), from an event recorded right before
+        // it (its start on the GPU) to one right after (its end).
+        let tracked = !is_capturing(target)?;
+        let start = if tracked { Some(record(&mut o, target)?) } else { None };
+        let enqueued = match (a2a, path) {
+            (Some(x), _) => self.enqueue_all_to_all(x, target),
+            (None, CrossHost::Flat) => self.enqueue_flat(c, target),
+            (None, CrossHost::Hierarchical) => {
+                let r = match self.hierarchical() {
+                    Some(h) => h.enqueue(c, target),
+                    None => Err(Error::Internal("hierarchical path without its engines".into())),
+                };
+                if r.is_ok() {
+                    self.hierarchical.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            }
+        };
+        if let Err(e) = enqueued {
+            // Recorded on the stream already: harmless to reuse (a later record replaces it).
+            o.free_events.extend(start);
+            return Err(e);
+        }
+        o.last_stream = Some(target);
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        if let Some(start) = start {
+            let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
+            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count, peer: None });
+        }
+        if target == caller {
+            return Ok(None);
+        }
+        let ev = record(&mut o, target)?;
+        if c.asynchronous {
+            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
+            return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
+        }
+        // SAFETY: valid event and caller stream; the wait captures the record, so the
+        // event can be reused right away.
+        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
+        o.free_events.push(ev);
+        r.map(|_| None)
+    }
+
+    /// One NCCL collective over every rank, on `stream`.
+    fn enqueue_flat(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let comm = &self.sh.flat;
+        let raw = comm.live()?;
+        let f = comm.fns();
+        let s = stream as nc::cudaStream_t;
+        let (inp, out, n) = (c.inp as *const c_void, c.out as *mut c_void, c.count as usize);
+        let u8_ = nc::ncclDataType_t::ncclUint8;
+        let dt = nccl_dtype(c.dtype).unwrap_or(u8_);
+        let op = nccl_op(c.op).unwrap_or(nc::ncclRedOp_t::ncclSum);
+        let root = c.root as i32;
+        let what = format!("NCCL {} (flat)", c.kind.name());
+        // SAFETY (every call below): `raw` is a live communicator (aborts wait for the
+        // gate the caller holds shared, see Shared::abort_comms); the pointers are device
+        // buffers of the sizes the Python layer checked (count as CudaCall documents:
+        // elements for reductions, bytes for the rest); `s` is a live stream of the
+        // communicator's device.
+        let r = unsafe {
+            match c.kind {
+                CudaKind::AllReduce => (f.all_reduce)(inp, out, n, dt, op, raw, s),
+                CudaKind::ReduceScatter => (f.reduce_scatter)(inp, out, n, dt, op, raw, s),
+                CudaKind::AllGather => (f.all_gather)(inp, out, n, u8_, raw, s),
+                CudaKind::Broadcast => (f.broadcast)(inp, out, n, u8_, root, raw, s),
+                CudaKind::Reduce => (f.reduce)(inp, out, n, dt, op, root, raw, s),
+                CudaKind::Barrier | CudaKind::Invalid => {
+                    let p = self.scratch as *mut c_void;
+                    (f.all_reduce)(p, p, 1, nc::ncclDataType_t::ncclFloat32, nc::ncclRedOp_t::ncclSum, raw, s)
+                }
+                CudaKind::Gather | CudaKind::Scatter => return self.enqueue_rooted_p2p(c, stream),
+                CudaKind::AllToAll => return Err(Error::Internal("all_to_all is launched through launch_all_to_all".into())),
+                CudaKind::Send | CudaKind::Recv => {
+                    return Err(Error::InvalidType(format!(
+                        "CUDA {} in a group that spans hosts is not supported (NCCL engine)",
+                        c.kind.name()
+                    )))
+                }
+            }
+        };
+        comm.check(r, &what)
+    }
+
+    /// gather / scatter as one NCCL group of sends and receives (count = bytes per rank):
+    /// the root receives from (sends to) every rank, itself included, every rank sends to
+    /// (receives from) the root.
+    fn enqueue_rooted_p2p(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let comm = &self.sh.flat;
+        let raw = comm.live()?;
+        let f = comm.fns();
+        let s = stream as nc::cudaStream_t;
+        let n = c.count as usize;
+        if n == 0 {
+            return Ok(());
+        }
+        let u8_ = nc::ncclDataType_t::ncclUint8;
+        let (me, root, size) = (comm.rank, c.root, comm.nranks);
+        let gather = c.kind == CudaKind::Gather;
+        // SAFETY (both blocks): as in enqueue_flat; the root's buffer holds `size` blocks
+        // of `n` bytes (the Python layer allocated it so), block r at r * n.
+        let r = f.group(|first| unsafe {
+            if me == root {
+                for peer in 0..size {
+                    let at = (peer * n) as u64;
+                    first.keep(if gather {
+                        (f.recv)((c.out + at) as *mut c_void, n, u8_, peer as i32, raw, s)
+                    } else {
+                        (f.send)((c.inp + at) as *const c_void, n, u8_, peer as i32, raw, s)
+                    });
+                }
+            }
+            first.keep(if gather {
+                (f.send)(c.inp as *const c_void, n, u8_, root as i32, raw, s)
+            } else {
+                (f.recv)(c.out as *mut c_void, n, u8_, root as i32, raw, s)
+            });
+        });
+        comm.check(r, &format!("NCCL {} (send/recv)", c.kind.name()))
+    }
+
+    /// all_to_all as one NCCL group on the flat communicator: a send of every non-empty
+    /// chunk to its peer and a receive of every non-empty chunk from its peer, this rank's
+    /// own chunk included (NCCL matches a send to self with the receive from self in the
+    /// same group, as torch's NCCL all_to_all does). Empty chunks are skipped on both
+    /// sides, which agree when the splits do.
+    fn enqueue_all_to_all(&self, x: &AllToAll, stream: u64) -> Result<()> {
+        let comm = &self.sh.flat;
+        let raw = comm.raw();
+        if raw.is_null() {
+            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
+        }
+        let f = comm.fns();
+        let s = stream as nc::cudaStream_t;
+        let u8_ = nc::ncclDataType_t::ncclUint8;
+        let r = f.group(|first| {
+            for peer in 0..comm.nranks {
+                let (sb, rb) = (x.send_bytes[peer] as usize, x.recv_bytes[peer] as usize);
+                // SAFETY (both calls): as in enqueue_flat; every chunk is a device range of
+                // the bytes given next to it, inside the tensors the Python layer checked
+                // and keeps alive.
+                if sb > 0 {
+                    first.keep(unsafe { (f.send)(x.send[peer] as *const c_void, sb, u8_, peer as i32, raw, s) });
+                }
+                if rb > 0 {
+                    // SAFETY: as above.
+                    first.keep(unsafe { (f.recv)(x.recv[peer] as *mut c_void, rb, u8_, peer as i32, raw, s) });
+                }
+            }
+        });
+        comm.check(r, "NCCL all_to_all (send/recv)")
+    }
+}
+
+/// An event from the free list (or a new one), recorded on `stream`; it goes back to the
+/// list if the record fails.
+pub(super) fn record(o: &mut Order, stream: u64) -> Result<CUevent> {
+    let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+    // SAFETY: a valid event of ours and a live stream (the caller's, or one of ours).
+    if let Err(e) = check(unsafe { cu::cuEventRecord(ev, stream as CUstream) }, "cuEventRecord") {
+        o.free_events.push(ev);
+        return Err(e);
+    }
+    Ok(ev)
+}
+
+/// Make `to` wait for the work queued on `from` so far.
+pub(super) fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
+    let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
+    // SAFETY: valid event and streams; reusing the event after the wait is enqueued is
+    // allowed (the wait captured the record).
+    let r = unsafe {
+        check(cu::cuEventRecord(ev, from as CUstream), "cuEventRecord")
+            .and_then(|_| check(cu::cuStreamWaitEvent(to as CUstream, ev, 0), "cuStreamWaitEvent"))
+    };
+    o.free_events.push(ev);
+    r
+}
