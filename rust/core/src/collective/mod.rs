@@ -2,6 +2,7 @@
 //! checks against every other rank's, and the algorithm choice (a pure function).
 
 mod kind;
+pub mod op;
 pub mod reduce;
 
 pub use kind::Kind;
