@@ -50,7 +50,9 @@ def main() -> None:
         for _ in range(calls):
             pg.allreduce([x], opts)
         best.append((time.perf_counter() - t0) / calls * 1e6)
-    print(f"pg.allreduce (blocking, CUDA fast path, launch stubbed): best {min(best):.3f} us, median {sorted(best)[len(best) // 2]:.3f} us per call")
+    print(
+        f"pg.allreduce (blocking, CUDA fast path, launch stubbed): best {min(best):.3f} us, median {sorted(best)[len(best) // 2]:.3f} us per call"
+    )
 
 
 if __name__ == "__main__":
