@@ -25,8 +25,6 @@ from . import _rsccl
 from ._cuda import (
     REDUCE_DTYPES,
     REDUCE_OPS,
-    CudaWork,
-    Pending,
     device_for_new_group,
     nccl_library_path,
     raw_stream,
@@ -79,7 +77,7 @@ from ._plan import (
     _Staged,
 )
 from ._profile import instrument as instrument_profiler
-from ._work import DoneWork, RecvAnyWork, RsWork
+from ._work import CudaWork, DoneWork, Pending, RecvAnyWork, RsWork
 from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
