@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from . import _rsccl
+
 _NVRTC_LOADED = False
 
-# dtypes rsccl's CUDA kernels reduce; gathers and broadcasts move bytes of any dtype.
-REDUCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64"}
-REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+# dtypes (torch dtype -> name) and ops rsccl's CUDA kernels reduce, from the kernel table
+# (rust/core/src/cuda/kernels.rs); gathers and broadcasts move bytes of any dtype.
+REDUCE_DTYPES = {getattr(torch, name): name for name in _rsccl.CUDA_REDUCE_DTYPES}
+REDUCE_OPS = tuple(_rsccl.CUDA_REDUCE_OPS)
 
 
 def load_nvrtc() -> None:

@@ -8,6 +8,8 @@ KINDS: list[tuple[str, int]]
 DTYPES: list[tuple[str, int]]
 OPS: list[tuple[str, int]]
 ERROR_CLASSES: list[tuple[str, int]]
+CUDA_REDUCE_DTYPES: list[str]
+CUDA_REDUCE_OPS: list[str]
 
 class PeerFailureError(RuntimeError): ...
 class GroupAbortedError(RuntimeError): ...

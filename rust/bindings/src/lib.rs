@@ -505,6 +505,9 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KINDS", Kind::ALL.iter().map(|k| (k.name(), *k as u8)).collect::<Vec<_>>())?;
     m.add("DTYPES", DType::ALL.iter().map(|d| (d.name(), *d as u8)).collect::<Vec<_>>())?;
     m.add("OPS", ReduceOp::ALL.iter().map(|o| (o.name(), *o as u8)).collect::<Vec<_>>())?;
+    // What rsccl's CUDA kernels reduce: the Python layer checks a call against these.
+    m.add("CUDA_REDUCE_DTYPES", rsccl_core::cuda::kernels::REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    m.add("CUDA_REDUCE_OPS", rsccl_core::cuda::kernels::REDUCE_OPS.iter().map(|o| o.name()).collect::<Vec<_>>())?;
     m.add(
         "ERROR_CLASSES",
         vec![("value", Error::InvalidArgument(String::new()).class_code()), ("type", Error::InvalidType(String::new()).class_code())],
