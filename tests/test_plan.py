@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import rsccl._backend as backend
+import rsccl._cuda_calls as cuda_calls
 import torch
 import torch.distributed as dist
 from rsccl import _ops, _rsccl
@@ -57,6 +58,7 @@ class _Recorder:
 
 def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> backend.ProcessGroupRsccl:
     monkeypatch.setattr(backend, "raw_stream", lambda device: 77)
+    monkeypatch.setattr(cuda_calls, "raw_stream", lambda device: 77)
     pg = backend.ProcessGroupRsccl.__new__(backend.ProcessGroupRsccl)
     dist.ProcessGroup.__init__(pg, rank, size)
     pg._comm = _Recorder()
@@ -152,6 +154,7 @@ def test_coalesced_all_gather_is_packed_once_for_both_devices(monkeypatch, seed)
             return flat
 
         monkeypatch.setattr(backend, "_pack_bytes", pack)
+        monkeypatch.setattr(cuda_calls, "_pack_bytes", pack)
         pg.allgather_into_tensor_coalesced(outs, inputs, _opts(AllgatherOptions))
         (op,) = pg._comm.ops
         assert op[0] == _ops.ALL_GATHER and op[5] == _ops.UINT8
