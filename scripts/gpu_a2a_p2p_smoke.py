@@ -34,6 +34,15 @@ def rank_main(rank, world, port, q):
         nccl = dist.new_group(backend="nccl")
         pg = _rsccl_pg(None)
         comm = pg._comm
+        from rsccl._ops import ALL_TO_ALL, RECV, SEND, SUM, UINT8
+
+        def cuda_all_to_all(send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous):
+            splits = (send_ptrs, send_bytes, recv_ptrs, recv_bytes)
+            return comm.run(ALL_TO_ALL, 0, 0, 0, 0, UINT8, SUM, 0, stream, not asynchronous, splits)
+
+        def cuda_p2p(send, ptr, nbytes, peer, stream, asynchronous):
+            return comm.run(SEND if send else RECV, ptr, nbytes, ptr, nbytes, UINT8, SUM, peer, stream, not asynchronous)
+
         seed = int(os.environ.get("SEED", "1234"))
         if rank == 0:
             print(f"seed {seed}", flush=True)
@@ -49,7 +58,7 @@ def rank_main(rank, world, port, q):
             ro = [0]
             for s in recv_rows[:-1]:
                 ro.append(ro[-1] + s)
-            ev = comm.cuda_all_to_all(
+            ev = cuda_all_to_all(
                 [inp.data_ptr() + o * row for o in so],
                 [s * row for s in send_rows],
                 [out.data_ptr() + o * row for o in ro],
@@ -133,10 +142,10 @@ def rank_main(rank, world, port, q):
             ra = torch.zeros(nbytes, device="cuda", dtype=torch.uint8)
             rb = torch.zeros(nbytes, device="cuda", dtype=torch.uint8)
             evs = [
-                comm.cuda_p2p(True, a.data_ptr(), nbytes, nxt, stream(), True),
-                comm.cuda_p2p(False, ra.data_ptr(), nbytes, prv, stream(), True),
-                comm.cuda_p2p(True, b.data_ptr(), nbytes, prv, stream(), True),
-                comm.cuda_p2p(False, rb.data_ptr(), nbytes, nxt, stream(), True),
+                cuda_p2p(True, a.data_ptr(), nbytes, nxt, stream(), True),
+                cuda_p2p(False, ra.data_ptr(), nbytes, prv, stream(), True),
+                cuda_p2p(True, b.data_ptr(), nbytes, prv, stream(), True),
+                cuda_p2p(False, rb.data_ptr(), nbytes, nxt, stream(), True),
             ]
             for ev in evs:
                 ev.wait_on(stream())
@@ -186,7 +195,7 @@ def rank_main(rank, world, port, q):
             if rank in (0, 1):
 
                 def rs():
-                    comm.cuda_p2p(rank == 0, x.data_ptr(), size, 1 - rank, stream(), False)
+                    cuda_p2p(rank == 0, x.data_ptr(), size, 1 - rank, stream(), False)
 
                 def nc():
                     (dist.send if rank == 0 else dist.recv)(x, 1 - rank, group=nccl)
@@ -207,7 +216,15 @@ def rank_main(rank, world, port, q):
             line = []
             for size in [16 << 20, 256 << 20]:
                 x = torch.empty(size, dtype=torch.uint8, device="cuda")
-                fn = (lambda: sc.cuda_p2p(rank == 0, x.data_ptr(), size, 1 - rank, stream(), False)) if rank < 2 else (lambda: None)
+                fn = (
+                    (
+                        lambda: sc.run(
+                            SEND if rank == 0 else RECV, x.data_ptr(), size, x.data_ptr(), size, UINT8, SUM, 1 - rank, stream(), True
+                        )
+                    )
+                    if rank < 2
+                    else (lambda: None)
+                )
                 t = timeit(fn, 10)
                 line.append(f"{size >> 20} MiB {size / t / 1e3:6.1f} GB/s")
             if rank == 0:

@@ -23,6 +23,9 @@ def rank_main(rank, world, port, q):
     import rsccl  # noqa: F401 - registers the backend
     import torch
     import torch.distributed as dist
+    from rsccl._ops import ALL_REDUCE, ALL_TO_ALL, DTYPE_CODES, SUM, UINT8
+
+    BF16 = DTYPE_CODES[torch.bfloat16]
 
     dev = rank % torch.cuda.device_count()
     shared = world > torch.cuda.device_count()
@@ -40,8 +43,8 @@ def rank_main(rank, world, port, q):
     comm = pg._comm
     cases = {
         "python loop only": lambda: None,
-        "comm.cuda_collective (Rust launch)": lambda: comm.cuda_collective(
-            "all_reduce", p, p, 512, "bfloat16", "SUM", 0, torch._C._cuda_getCurrentRawStream(dev), False
+        "comm.run (Rust launch)": lambda: comm.run(
+            ALL_REDUCE, p, 1024, p, 1024, BF16, SUM, 0, torch._C._cuda_getCurrentRawStream(dev), True
         ),
         "pg.allreduce([x], opts)": lambda: pg.allreduce([x], opts),
         "dist.all_reduce(x)": lambda: dist.all_reduce(x),
@@ -56,8 +59,8 @@ def rank_main(rank, world, port, q):
     sp, sb, rp = [p, p + half], [half, half], [o.data_ptr(), o.data_ptr() + half]
     cases.update(
         {
-            "comm.cuda_all_to_all (Rust launch)": lambda: comm.cuda_all_to_all(
-                sp, sb, rp, sb, torch._C._cuda_getCurrentRawStream(dev), False
+            "comm.run all_to_all (Rust launch)": lambda: comm.run(
+                ALL_TO_ALL, 0, 0, 0, 0, UINT8, SUM, 0, torch._C._cuda_getCurrentRawStream(dev), True, (sp, sb, rp, sb)
             ),
             "pg.alltoall_base(o, x, [], [], opts)": lambda: pg.alltoall_base(o, x, [], [], a2a_opts),
             "dist.all_to_all_single(o, x)": lambda: dist.all_to_all_single(o, x),

@@ -5,7 +5,7 @@ rank-major/tensor-major mix-up shows here, not only on a GPU machine."""
 
 import pytest
 import torch
-from rsccl._backend import (
+from rsccl._plan import (
     ArgumentError,
     _even_or_split_bytes,
     _gather_layout,

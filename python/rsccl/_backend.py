@@ -25,257 +25,65 @@ from . import _rsccl
 from ._cuda import (
     REDUCE_DTYPES,
     REDUCE_OPS,
-    CudaWork,
-    Pending,
     device_for_new_group,
     nccl_library_path,
     raw_stream,
 )
+from ._cuda_calls import CudaCalls
+from ._ops import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BARRIER,
+    BROADCAST,
+    DTYPE_CODES,
+    GATHER,
+    KIND_NAMES,
+    KINDS,
+    OP_CODES,
+    RECV,
+    REDUCE,
+    REDUCE_SCATTER,
+    SCATTER,
+    SEND,
+    SUM,
+    UINT8,
+    ArgumentError,
+    ErrorClass,
+    dtype_code,
+    op_code,
+    op_name,
+)
+from ._plan import (
+    _as_bytes,
+    _buf,
+    _chain,
+    _check_cuda_tensor,
+    _check_tensor,
+    _flat_cat,
+    _gather_layout,
+    _gathered,
+    _one,
+    _pack_bytes,
+    _Plan,
+    _raiser,
+    _rank_list,
+    _scatter_back,
+    _split_bytes,
+    _Staged,
+)
 from ._profile import instrument as instrument_profiler
-from ._work import DoneWork, RecvAnyWork, RsWork
+from ._work import DoneWork, Pending, RecvAnyWork, RsWork
 from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
-# (dtype, op) -> dtype name, for every combination rsccl's CUDA kernels reduce.
-_FAST_ALLREDUCE = {(dt, op): name for dt, name in REDUCE_DTYPES.items() for op in REDUCE_OPS if op != "AVG" or dt.is_floating_point}
+# (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce.
+_FAST_ALLREDUCE = {
+    (dt, OP_CODES[name]): DTYPE_CODES[dt] for dt in REDUCE_DTYPES for name in REDUCE_OPS if name != "AVG" or dt.is_floating_point
+}
 
 
-class ArgumentError(Exception):
-    """Raised while preparing a collective; carries the Python class to report."""
-
-    def __init__(self, message: str, cls: str = "value"):
-        super().__init__(message)
-        self.cls = cls
-
-
-def _buf(t: torch.Tensor) -> tuple[int, int]:
-    return (t.data_ptr(), t.numel() * t.element_size())
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-# RedOpType value -> name, built once: rsccl matches ops by name, and reading .name of a
-# pybind enum on every call costs microseconds a small collective cannot spare.
-_OP_NAMES = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
-
-
-def _op_name(op: Any) -> str:
-    """torch passes a ReduceOp (with .op) or a RedOpType."""
-    inner = getattr(op, "op", op)
-    try:
-        return _OP_NAMES[int(inner)]
-    except (KeyError, TypeError, ValueError):
-        return getattr(inner, "name", str(inner))
-
-
-def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}", "type")
-    if t.device.type != "cpu":
-        raise ArgumentError(
-            f"{what} is on {t.device}; rsccl takes CPU tensors, or CUDA tensors on the group's GPU "
-            "(every tensor of one call on the same device)",
-            "type",
-        )
-    if t.is_sparse or t.layout != torch.strided:
-        raise ArgumentError(f"{what} has layout {t.layout}; rsccl needs dense tensors", "type")
-    return t
-
-
-def _one(tensors: Any, what: str) -> torch.Tensor:
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
-        n = len(tensors) if isinstance(tensors, (list, tuple)) else "a non-list"
-        raise ArgumentError(f"{what} takes exactly one tensor per rank, got {n}")
-    return _check_tensor(tensors[0], what)
-
-
-class _Staged:
-    """A contiguous view of `t` for the engine; copies back after completion if needed."""
-
-    def __init__(self, t: torch.Tensor, copy_in: bool = True):
-        self.user = t
-        if t.is_contiguous():
-            self.buf = t
-        else:
-            self.buf = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
-
-    def post(self) -> None:
-        if self.buf is not self.user:
-            self.user.copy_(self.buf)
-
-
-def _check_cuda_tensor(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout != torch.strided:
-        raise ArgumentError(f"{what} must be a dense CUDA tensor like the others, got {getattr(t, 'device', type(t).__name__)}", "type")
-    return t
-
-
-def _rank_list(
-    lists: Any,
-    ref: torch.Tensor,
-    size: int,
-    what: str,
-    list_name: str,
-    ref_name: str,
-    owner: str = "",
-    check: Callable[[Any, str], torch.Tensor] = _check_tensor,
-) -> list[torch.Tensor]:
-    """Check torch's `[[t_0, ..., t_{size-1}]]` argument: one tensor per rank, each like
-    `ref` (same dtype and element count). Returns the tensors."""
-    if len(lists) != 1 or len(lists[0]) != size:
-        raise ArgumentError(f"{what}: {owner}{list_name} must hold group size {size} tensors")
-    ts = [check(t, f"{what} {list_name}") for t in lists[0]]
-    for i, t in enumerate(ts):
-        if t.numel() != ref.numel() or t.dtype != ref.dtype:
-            raise ArgumentError(f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]")
-    return ts
-
-
-def _cuda_buffers(inp: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """Contiguous buffers for a CUDA kernel: the input (a copy if needed), the output or a
-    contiguous stand-in, and the copy back into the real output (None if not needed)."""
-    i = inp.contiguous()
-    if out.is_contiguous():
-        return i, out, None
-    o = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    return i, o, lambda: out.copy_(o)
-
-
-def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
-    """Bytes per peer of an all_to_all_single buffer: `splits` counts rows (dim 0) per peer,
-    and an empty list splits the rows evenly. `what` starts the error message."""
-    rows = t.shape[0] if t.dim() > 0 else t.numel()
-    row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
-        raise ArgumentError(f"{what} split sizes {list(splits)} must be integers (rows per rank)", "type")
-    if not splits:
-        if rows % n:
-            raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
-        splits = [rows // n] * n
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ArgumentError(f"{what} split sizes {list(splits)} do not divide its {rows} rows among {n} ranks")
-    return [s * row_bytes for s in splits]
-
-
-def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int] | None:
-    """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
-    check (and report) the splits."""
-    rows = t.shape[0]
-    if rows == 0 or not all(type(s) is int for s in splits):
-        return None
-    row_bytes = t.nbytes // rows
-    if not splits:
-        if rows % n:
-            return None
-        return [rows // n * row_bytes] * n
-    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
-        return None
-    return [s * row_bytes for s in splits]
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors may overlap (same storage): an all_to_all must not read what it
-    writes, so such an input is copied first."""
-    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-# Coalesced all_gather moves the bytes of inputs of any dtypes in one launch. One rank's
-# block holds every input back to back, each starting 16-byte aligned, so that each input's
-# slice of the gathered result can be viewed as its dtype again.
-_ALIGN = 16
-
-
-def _gather_layout(inputs: list[torch.Tensor]) -> tuple[list[int], int]:
-    """(byte offset of each input in a rank's block, the block's bytes)."""
-    offsets, total = [], 0
-    for i in inputs:
-        offsets.append(total)
-        total += (i.numel() * i.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-    return offsets, total
-
-
-def _pack_bytes(inputs: list[torch.Tensor], offsets: list[int], total: int) -> torch.Tensor:
-    """This rank's block: every input's bytes at its offset (padding left uninitialized)."""
-    device = inputs[0].device if inputs else None
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    dsts = [flat[o : o + i.numel() * i.element_size()].view(i.dtype).view(i.shape) for o, i in zip(offsets, inputs)]
-    if dsts:
-        torch._foreach_copy_(dsts, list(inputs))
-    return flat
-
-
-def _gathered(flat_out: torch.Tensor, world: int, offsets: list[int], total: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per input k, a (world, numel_k) view of the gathered blocks: row r is rank r's input k."""
-    rows = flat_out.view(world, total)
-    return [rows[:, o : o + i.numel() * i.element_size()].view(i.dtype) for o, i in zip(offsets, inputs)]
-
-
-def _reduce_scatter_pack(inputs: list[torch.Tensor], out_numels: list[int], world: int) -> torch.Tensor:
-    """One reduce_scatter input for many: rank block r is every input's block r, back to
-    back, so the reduced block of rank r splits into its outputs in order."""
-    return torch.cat([i.reshape(world, m) for i, m in zip(inputs, out_numels)], dim=1).view(-1)
-
-
-def _raiser(e: ArgumentError) -> Callable[[], tuple]:
-    def prepare() -> tuple:
-        raise e
-
-    return prepare
-
-
-def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0)
-
-
-def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None]:
-    def post() -> None:
-        off = 0
-        for o in outs:
-            n = o.numel()
-            o.copy_(flat[off : off + n].view(o.shape))
-            off += n
-
-    return post
-
-
-class _Plan:
-    """What one torch call becomes: engine submissions, the tensors to keep alive until
-    they complete, the result torch's future reports, and the copy-back step."""
-
-    def __init__(self, submits: list[Callable[[bool], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
-        self.submits = submits
-        self.result = result
-        self.keep = keep
-        self.post = post
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous 1-D uint8 view (or copy) of `t`: data movement needs no dtype."""
-    c = t.contiguous().reshape(-1)
-    return c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Start of each piece of buffers laid out back to back."""
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
-
-
-def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
-    def post() -> None:
-        for p in posts:
-            if p is not None:
-                p()
-
-    return post
-
-
-class ProcessGroupRsccl(dist.ProcessGroup):
+class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
     """torch.distributed backend "rsccl" (see README.md)."""
 
     def __init__(
@@ -416,25 +224,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         `prepare` validates every argument and builds every buffer before anything is
         submitted, so a bad argument never leaves earlier operations of the same call in
-        flight. On an ArgumentError this rank submits `n_ops` `invalid` operations (as many
-        as a healthy rank submits for this call), so every rank stays in step and raises
-        the same error."""
+        flight. If preparing fails, this rank joins the `n_ops` operations a healthy rank
+        submits for this call as invalid (`_join_invalid`), so every rank stays in step and
+        raises the same error."""
         if self._gloo is not None:
             return gloo_call(self._gloo)
         try:
             plan = prepare()
-        except ArgumentError as e:
-            self._submit_invalid(kind, e.cls, str(e), n_ops)
-        except Exception as e:
-            # Not a check of ours: something unforeseen failed while this rank prepared its
-            # call (a torch op refusing an argument, memory for a staging copy). The peers
-            # must hear of it rather than wait; this rank raises the original.
-            cls = "type" if isinstance(e, (TypeError, AttributeError)) else "value"
-            try:
-                self._submit_invalid(kind, cls, f"{kind}: preparing the call failed: {type(e).__name__}: {e}", n_ops)
-            except Exception:  # noqa: BLE001, S110 - the original error is the one to raise
-                pass
-            raise
+        except Exception as e:  # noqa: BLE001 - raised by _join_invalid once the peers are told
+            self._join_invalid(kind, e, n_ops)
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
         # call runs on this thread when nothing is queued before it, raises here if it
         # fails, and needs none of an asynchronous Work's bookkeeping.
@@ -458,507 +256,53 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             raise
         return RsWork(parts, plan.result, plan.keep, plan.post)
 
-    def _submit_invalid(self, kind: str, cls: str, message: str, n_ops: int) -> NoReturn:
-        """Take part in `n_ops` operations of collective `kind` (as many as a healthy rank
-        submits for this call) as "invalid", so every rank stays in step and raises the
-        same error; raise it."""
-        works = [self._comm.invalid(kind, cls, message) for _ in range(max(n_ops, 1))]
-        errors = []
+    def _host(
+        self,
+        kind: int,
+        inp: torch.Tensor | None,
+        out: torch.Tensor | None,
+        blocking: bool,
+        op: int | str = SUM,
+        root: int = 0,
+        splits: tuple | None = None,
+    ) -> Any:
+        """One op on CPU buffers (contiguous tensors, or None where a rank has no such
+        side): the Work of Communicator.run, or None when `blocking` (done)."""
+        i = _buf(inp) if inp is not None else (0, 0)
+        o = _buf(out) if out is not None else (0, 0)
+        dtype = dtype_code(inp if inp is not None else out) if (inp is not None or out is not None) else UINT8
+        return self._comm.run(kind, i[0], i[1], o[0], o[1], dtype, op, root, None, blocking, splits)
+
+    def _join_invalid(self, kind: int | str, err: BaseException, n_ops: int, stream: int | None = None) -> NoReturn:
+        """Preparing a call of `kind` failed on this rank: its arguments (an ArgumentError)
+        or something unforeseen (a torch op refusing an argument, memory for a staging
+        copy). It joins the `n_ops` operations a healthy rank makes for this call as
+        invalid (the rule's one owner is Group::run in the Rust core), so the peers raise
+        instead of waiting; then it raises: on host memory the error the ranks agree on,
+        on CUDA (`stream` given) its own; an unforeseen error is re-raised as it came."""
+        code = KINDS[kind] if isinstance(kind, str) else kind
+        if isinstance(err, ArgumentError):
+            cls, message, original = err.cls, str(err), None
+        else:
+            cls = ErrorClass.TYPE if isinstance(err, (TypeError, AttributeError)) else ErrorClass.VALUE
+            message, original = f"{KIND_NAMES[code]}: preparing the call failed: {type(err).__name__}: {err}", err
+        works, errors = [], []
+        for _ in range(max(n_ops, 1)):
+            try:
+                w = self._comm.invalid(code, cls, message, stream)
+            except Exception as e:  # noqa: BLE001 - CUDA: this rank's error, once the peers are told
+                errors.append(e)
+                continue
+            if w is not None:
+                works.append(w)
         for w in works:
             try:
                 w.wait()
-            except Exception as err:  # noqa: BLE001 - the first agreed error is raised
-                errors.append(err)
+            except Exception as e:  # noqa: BLE001 - the first agreed error is raised
+                errors.append(e)
+        if original is not None:
+            raise original
         raise errors[0] if errors else RuntimeError(f"rsccl: {message}")
-
-    # -- CUDA ------------------------------------------------------------------------
-    def _cuda_check(self, t: torch.Tensor, what: str, reduce_op: str | None) -> None:
-        if self._cuda_device is None:
-            self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
-            raise ArgumentError(
-                f"{what}: this group has no CUDA engine (CUDA was not initialized when it was created); "
-                "call torch.cuda.set_device(local_rank) before init_process_group/new_group"
-            )
-        if t.device.index != self._cuda_device:
-            raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
-        if reduce_op is not None:
-            if t.dtype not in REDUCE_DTYPES:
-                raise ArgumentError(
-                    f"{what}: rank {self.rank()} passed {t.dtype}; rsccl's CUDA reductions take {', '.join(REDUCE_DTYPES.values())}",
-                    "type",
-                )
-            if reduce_op not in REDUCE_OPS or (reduce_op == "AVG" and not t.dtype.is_floating_point):
-                raise ArgumentError(f"{what}: rank {self.rank()} passed ReduceOp.{reduce_op} on {t.dtype}", "type")
-
-    def _cuda(self, kind: str, prepare: Callable[[], tuple], opts: Any, result: Any) -> Any:
-        """Check and launch one CUDA collective. `prepare` returns (inp, out, count, dtype,
-        op, root, keep, post). An invalid argument makes this rank take part in the
-        collective's first barrier as "invalid", so its peers report the mismatch instead
-        of waiting, and raises here."""
-        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
-        stream = raw_stream(device)
-        try:
-            inp, out, count, dtype, op, root, keep, post = prepare()
-        except ArgumentError as e:
-            if self._cuda_device is not None:
-                self._comm.cuda_invalid(stream)
-            exc = TypeError if e.cls == "type" else ValueError
-            raise exc(f"rsccl: {e}") from None
-        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
-            self._cuda_unprepared(e, 1)
-        asynchronous = opts is None or opts.asyncOp is not False
-        ev = self._comm.cuda_collective(kind, inp, out, count, dtype, op, root, stream, asynchronous)
-        return self._cuda_finish(ev, device, stream, result, keep, post)
-
-    def _cuda_allreduce(self, t: torch.Tensor, op: str, opts: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(t, "all_reduce", op)
-            c = t if t.is_contiguous() else t.contiguous()
-            post = None if c is t else (lambda: t.copy_(c))
-            return c.data_ptr(), c.data_ptr(), c.numel(), _dtype(c), op, 0, (t, c), post
-
-        return self._cuda("all_reduce", prepare, opts, [t])
-
-    def _cuda_all_gather(
-        self, out: torch.Tensor, inp: torch.Tensor, opts: Any, result: Any, post_extra: Callable[[], None] | None = None
-    ) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(inp, "all_gather input", None)
-            self._cuda_check(out, "all_gather output", None)
-            if out.dtype != inp.dtype or out.numel() != inp.numel() * self.size():
-                raise ArgumentError(
-                    f"all_gather: rank {self.rank()} passed output {out.dtype}[{out.numel()}] for input "
-                    f"{inp.dtype}[{inp.numel()}] (the output must hold group size {self.size()} inputs)"
-                )
-            i, o, copy_back = _cuda_buffers(inp, out)
-            post = _chain(copy_back, post_extra) if (copy_back or post_extra) else None
-            return i.data_ptr(), o.data_ptr(), i.numel() * i.element_size(), "uint8", "SUM", 0, (inp, out, i, o), post
-
-        return self._cuda("all_gather", prepare, opts, result)
-
-    def _cuda_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, opts: Any, result: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(inp, "reduce_scatter input", op)
-            self._cuda_check(out, "reduce_scatter output", op)
-            if out.dtype != inp.dtype or inp.numel() != out.numel() * self.size():
-                raise ArgumentError(
-                    f"reduce_scatter: rank {self.rank()} passed input {inp.dtype}[{inp.numel()}] for output "
-                    f"{out.dtype}[{out.numel()}] (the input must hold group size {self.size()} outputs)"
-                )
-            i, o, post = _cuda_buffers(inp, out)
-            return i.data_ptr(), o.data_ptr(), o.numel(), _dtype(o), op, 0, (inp, out, i, o), post
-
-        return self._cuda("reduce_scatter", prepare, opts, result)
-
-    def _cuda_broadcast(self, t: torch.Tensor, root: int, opts: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(t, "broadcast", None)
-            if not 0 <= root < self.size():
-                raise ArgumentError(f"broadcast: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
-            c = t if t.is_contiguous() else t.contiguous()
-            post = None if c is t else (lambda: t.copy_(c))
-            return c.data_ptr(), c.data_ptr(), c.numel() * c.element_size(), "uint8", "SUM", root, (t, c), post
-
-        return self._cuda("broadcast", prepare, opts, [t])
-
-    def _cuda_root(self, what: str, root: int) -> None:
-        if not 0 <= root < self.size():
-            raise ArgumentError(f"{what}: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
-
-    def _cuda_reduce(self, t: torch.Tensor, root: int, op: str, opts: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(t, "reduce", op)
-            self._cuda_root("reduce", root)
-            c = t if t.is_contiguous() else t.contiguous()
-            post = None if c is t or self.rank() != root else (lambda: t.copy_(c))
-            return c.data_ptr(), c.data_ptr(), c.numel(), _dtype(c), op, root, (t, c), post
-
-        return self._cuda("reduce", prepare, opts, [t])
-
-    def _cuda_gather(self, output_tensors: Any, inp: torch.Tensor, root: int, opts: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(inp, "gather input", None)
-            self._cuda_root("gather", root)
-            i = inp.contiguous()
-            flat, post = i, None
-            if self.rank() == root:
-                outs = _rank_list(
-                    output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor
-                )
-                for o in outs:
-                    self._cuda_check(o, "gather output", None)
-                flat = torch.empty(self.size() * i.numel(), dtype=i.dtype, device=i.device)
-                post = _scatter_back(flat, outs)
-            return i.data_ptr(), flat.data_ptr(), i.numel() * i.element_size(), "uint8", "SUM", root, (inp, i, flat), post
-
-        return self._cuda("gather", prepare, opts, output_tensors)
-
-    def _cuda_scatter(self, out: torch.Tensor, input_tensors: Any, root: int, opts: Any) -> Any:
-        def prepare() -> tuple:
-            self._cuda_check(out, "scatter output", None)
-            self._cuda_root("scatter", root)
-            o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            copy_back = None if o is out else (lambda: out.copy_(o))
-            flat = o
-            if self.rank() == root:
-                ins = _rank_list(
-                    input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor
-                )
-                for x in ins:
-                    self._cuda_check(x, "scatter input", None)
-                flat = _flat_cat(ins)
-            return flat.data_ptr(), o.data_ptr(), o.numel() * o.element_size(), "uint8", "SUM", root, (out, o, flat), copy_back
-
-        return self._cuda("scatter", prepare, opts, [out])
-
-    def _on_cuda(self, t: Any, what: str) -> bool:
-        """Whether all_to_all or send/recv whose (first) tensor is `t` takes the CUDA
-        engine's path: rsccl's kernels in a group on one host; across hosts, the NCCL
-        engine (all_to_all: one NCCL group of sends and receives on the flat communicator;
-        send/recv: the 2-rank communicator of that ordered pair, on its own stream, or
-        rsccl's kernels for a rank of this host; docs/multihost.md). Across hosts without
-        the NCCL engine (CUDA not initialized at creation) it is a clear TypeError: gloo
-        does not take CUDA tensors."""
-        if not getattr(t, "is_cuda", False):
-            return False
-        if self._gloo is None or self._cuda_engine == "nccl":
-            return True
-        raise TypeError(
-            f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
-            "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
-            "before init_process_group/new_group); or use CPU tensors"
-        )
-
-    def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:
-        """The Work of a launched CUDA operation: done (copies back made) when blocking (no
-        event), else a CudaWork holding `keep` until a stream is ordered after it."""
-        if ev is None:
-            if post is not None:
-                post()
-            return DoneWork(result)
-        w = CudaWork(self, device, ev, result, keep, post, stream)
-        self._pending.add(w)
-        return w
-
-    def _cuda_raise(self, e: ArgumentError, invalid_launches: int) -> NoReturn:
-        """Report this rank's bad arguments: take part in as many launches as a healthy rank
-        makes for this call, as "invalid", so the peers raise instead of waiting; then raise."""
-        if self._cuda_device is not None:
-            device_err = None
-            for _ in range(invalid_launches):
-                try:
-                    self._comm.cuda_invalid(raw_stream(self._cuda_device))
-                except Exception as err:  # noqa: BLE001 - this rank's own error is the one to raise
-                    device_err = device_err or err
-            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from device_err
-        raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
-
-    def _cuda_unprepared(self, err: BaseException, invalid_launches: int) -> NoReturn:
-        """Preparing a call failed for another reason than its arguments (out of memory in
-        a staging copy, say): this rank still takes part in the launches a healthy rank makes,
-        as "invalid", so the peers raise instead of waiting out the timeout; then re-raise."""
-        if self._cuda_device is not None:
-            for _ in range(invalid_launches):
-                try:
-                    self._comm.cuda_invalid(raw_stream(self._cuda_device))
-                except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
-                    break
-        raise err
-
-    def _cuda_launches(self, kind: str, prepare: Callable[[], tuple], launches: int, opts: Any, result: Any) -> Any:
-        """Check and launch a call that runs as `launches` CUDA collectives of one kind (one
-        per dtype of a coalesced list). `prepare` returns ([(inp, out, count, dtype, op,
-        root), ...], keep, post). Every rank makes every launch even when one fails (the
-        ranks stay in step), and the first error is raised after the last launch."""
-        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
-        stream = raw_stream(device)
-        try:
-            calls, keep, post = prepare()
-        except ArgumentError as e:
-            self._cuda_raise(e, max(launches, 1))
-        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
-            self._cuda_unprepared(e, max(launches, 1))
-        asynchronous = opts is None or opts.asyncOp is not False
-        ev, first = None, None
-        for c in calls:
-            try:
-                # Launches on one stream finish in order: the last event covers them all.
-                ev = self._comm.cuda_collective(kind, *c, stream, asynchronous)
-            except Exception as err:  # noqa: BLE001 - raised below, after the other launches
-                first = first or err
-        if first is not None:
-            if ev is not None:
-                ev.synchronize()  # the buffers in `keep` go when this raises
-            raise first
-        return self._cuda_finish(ev, device, stream, result, keep, post)
-
-    def _cuda_all_to_all(self, prepare: Callable[[], tuple], opts: Any, result: Any) -> Any:
-        """Check and launch one CUDA all_to_all. `prepare` returns (send_ptrs, send_bytes,
-        recv_ptrs, recv_bytes, keep, post), lists indexed by peer."""
-        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
-        stream = raw_stream(device)
-        try:
-            send_ptrs, send_bytes, recv_ptrs, recv_bytes, keep, post = prepare()
-            me = self.rank()
-            if send_bytes[me] != recv_bytes[me]:
-                raise ArgumentError(
-                    f"all_to_all: rank {me} sends itself {send_bytes[me]} bytes but expects {recv_bytes[me]} bytes "
-                    "from itself (its input and output splits disagree at its own rank)"
-                )
-        except ArgumentError as e:
-            self._cuda_raise(e, 1)
-        except Exception as e:  # noqa: BLE001 - re-raised once the peers are told
-            self._cuda_unprepared(e, 1)
-        asynchronous = opts is None or opts.asyncOp is not False
-        ev = self._comm.cuda_all_to_all(send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous)
-        return self._cuda_finish(ev, device, stream, result, keep, post)
-
-    def _cuda_alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any) -> Any:
-        def prepare() -> tuple:
-            me, n = self.rank(), self.size()
-            _check_cuda_tensor(output, "all_to_all_single output")
-            self._cuda_check(input, "all_to_all_single input", None)
-            self._cuda_check(output, "all_to_all_single output", None)
-            if output.dtype != input.dtype:
-                raise ArgumentError(f"all_to_all_single: rank {me} passed output {output.dtype} for input {input.dtype}", "type")
-            send = _split_bytes(input, list(in_splits), n, f"all_to_all_single: rank {me}'s input")
-            recv = _split_bytes(output, list(out_splits), n, f"all_to_all_single: rank {me}'s output")
-            i = input.contiguous()
-            if i is input and _shares_storage(input, output):
-                i = input.clone()  # in place: the kernels must not read what they write
-            o = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype, device=output.device)
-            post = None if o is output else (lambda: output.copy_(o))
-            send_ptrs = [i.data_ptr() + off for off in _offsets(send)]
-            recv_ptrs = [o.data_ptr() + off for off in _offsets(recv)]
-            return send_ptrs, send, recv_ptrs, recv, (input, output, i, o), post
-
-        return self._cuda_all_to_all(prepare, opts, [output])
-
-    def _a2a_fast(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> bool:
-        """The blocking all_to_all_single's fast path, for the common case only: both
-        buffers contiguous on the group's device, one dtype, disjoint, valid splits. Launches
-        and returns True; returns False (nothing launched) for anything else, which the full
-        path then checks and reports."""
-        dev = self._cuda_device
-        if (
-            dev is None
-            or not isinstance(output, torch.Tensor)
-            or output.dtype != input.dtype
-            or input.get_device() != dev
-            or output.get_device() != dev
-            or input.dim() == 0
-            or output.dim() == 0
-            or not input.is_contiguous()
-            or not output.is_contiguous()
-        ):
-            return False
-        n = self.size()
-        send = _even_or_split_bytes(input, in_splits, n)
-        recv = _even_or_split_bytes(output, out_splits, n)
-        if send is None or recv is None:
-            return False
-        me = self.rank()
-        ip, op = input.data_ptr(), output.data_ptr()
-        ib, ob = sum(send), sum(recv)
-        if send[me] != recv[me] or (ip < op + ob and op < ip + ib):
-            return False
-        send_ptrs = [ip + o for o in _offsets(send)]
-        recv_ptrs = [op + o for o in _offsets(recv)]
-        self._comm.cuda_all_to_all(send_ptrs, send, recv_ptrs, recv, raw_stream(dev), False)
-        return True
-
-    def _cuda_alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any) -> Any:
-        def prepare() -> tuple:
-            me, n = self.rank(), self.size()
-            if len(output_tensors) != n or len(input_tensors) != n:
-                raise ArgumentError(
-                    f"all_to_all: rank {me} passed {len(input_tensors)} input and {len(output_tensors)} output tensors; "
-                    f"expected group size {n} of each"
-                )
-            ins = [_check_cuda_tensor(t, "all_to_all input") for t in input_tensors]
-            outs = [_check_cuda_tensor(t, "all_to_all output") for t in output_tensors]
-            for t in ins + outs:
-                self._cuda_check(t, "all_to_all", None)
-            dts = {t.dtype for t in ins + outs}
-            if len(dts) != 1:
-                raise ArgumentError(
-                    f"all_to_all: rank {me} passed tensors of several dtypes {sorted(map(str, dts))}; give one dtype", "type"
-                )
-            # Each tensor is used where it is: no flattening. An input that shares storage with
-            # an output (in place) or is not contiguous is copied; a non-contiguous output gets a
-            # contiguous stand-in, copied back after.
-            written = {o.untyped_storage().data_ptr() for o in outs if o.numel()}
-            bufs_in = []
-            for t in ins:
-                c = t.contiguous()
-                if c is t and t.numel() and t.untyped_storage().data_ptr() in written:
-                    c = t.clone()
-                bufs_in.append(c)
-            bufs_out, posts = [], []
-            for t in outs:
-                if t.is_contiguous():
-                    bufs_out.append(t)
-                else:
-                    o = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                    bufs_out.append(o)
-                    posts.append(lambda t=t, o=o: t.copy_(o))
-            send = [c.numel() * c.element_size() for c in bufs_in]
-            recv = [c.numel() * c.element_size() for c in bufs_out]
-            post = _chain(*posts) if posts else None
-            return [c.data_ptr() for c in bufs_in], send, [c.data_ptr() for c in bufs_out], recv, (ins, outs, bufs_in, bufs_out), post
-
-        return self._cuda_all_to_all(prepare, opts, output_tensors)
-
-    def _cuda_allreduce_coalesced(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Any:
-        # One launch per dtype (in order of first appearance): a count every rank of a valid
-        # program agrees on, taken before any check so a rank with a bad tensor counts the same.
-        dtypes = list(dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)))
-
-        def prepare() -> tuple:
-            ts = [_check_cuda_tensor(t, "all_reduce_coalesced") for t in tensors]
-            for t in ts:
-                self._cuda_check(t, "all_reduce_coalesced", op)
-            calls, keep, dsts, srcs = [], [], [], []
-            for dt in dtypes:
-                group = [t for t in ts if t.dtype == dt]
-                if len(group) == 1 and group[0].is_contiguous():
-                    flat = group[0]  # reduced in place
-                else:
-                    flat = torch.cat([t.reshape(-1) for t in group])
-                    off = 0
-                    for t in group:
-                        dsts.append(t)
-                        srcs.append(flat[off : off + t.numel()].view(t.shape))
-                        off += t.numel()
-                calls.append((flat.data_ptr(), flat.data_ptr(), flat.numel(), _dtype(flat), op, 0))
-                keep.append(flat)
-            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
-            return calls, (ts, keep), post
-
-        return self._cuda_launches("all_reduce", prepare, len(dtypes), opts, list(tensors))
-
-    def _cuda_gather_bytes(self, what: str, inputs: list[torch.Tensor], outputs: list[Any], opts: Any, result: Any) -> Any:
-        """All-gather many inputs of any dtypes in ONE launch, moving bytes (see
-        _gather_layout). `outputs[k]` receives input k of every rank: a tensor of world x
-        numel_k elements, rank-major (all_gather_into_tensor), or a list of one tensor per
-        rank (all_gather_coalesced)."""
-
-        def prepare() -> tuple:
-            me, n = self.rank(), self.size()
-            if len(outputs) != len(inputs):
-                raise ArgumentError(f"{what}: rank {me} passed {len(outputs)} outputs for {len(inputs)} inputs")
-            ins = [_check_cuda_tensor(t, f"{what} input") for t in inputs]
-            for i in ins:
-                self._cuda_check(i, f"{what} input", None)
-            for k, (o, i) in enumerate(zip(outputs, ins)):
-                per_rank = list(o) if isinstance(o, (list, tuple)) else None
-                for x in per_rank if per_rank is not None else [o]:
-                    _check_cuda_tensor(x, f"{what} output")
-                    self._cuda_check(x, f"{what} output", None)
-                    if x.dtype != i.dtype:
-                        raise ArgumentError(f"{what} #{k}: rank {me} passed output {x.dtype} for input {i.dtype}", "type")
-                if per_rank is not None and (len(per_rank) != n or any(x.numel() != i.numel() for x in per_rank)):
-                    raise ArgumentError(f"{what} #{k}: rank {me} must pass {n} outputs of {i.numel()} elements (one per rank)")
-                if per_rank is None and o.numel() != n * i.numel():
-                    raise ArgumentError(
-                        f"{what} #{k}: rank {me} passed an output of {o.numel()} elements for an input of {i.numel()} "
-                        f"(the output holds group size {n} inputs)"
-                    )
-            offsets, total = _gather_layout(ins)
-            flat_in = _pack_bytes(ins, offsets, total)
-            flat_out = torch.empty(n * total, dtype=torch.uint8, device=flat_in.device)
-
-            def post() -> None:
-                dsts, srcs = [], []
-                for o, rows in zip(outputs, _gathered(flat_out, n, offsets, total, ins)):
-                    if isinstance(o, (list, tuple)):
-                        dsts += list(o)
-                        srcs += [rows[r].view(x.shape) for r, x in enumerate(o)]
-                    elif o.is_contiguous():
-                        dsts.append(o.view(n, rows.shape[1]))
-                        srcs.append(rows)
-                    else:
-                        dsts.append(o)
-                        srcs.append(rows.reshape(o.shape))  # rank-major, as o's element order
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
-
-            return [(flat_in.data_ptr(), flat_out.data_ptr(), total, "uint8", "SUM", 0)], (ins, outputs, flat_in, flat_out), post
-
-        return self._cuda_launches("all_gather", prepare, 1, opts, result)
-
-    def _cuda_reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str, opts: Any) -> Any:
-        # One launch per dtype, counted from the inputs (see _cuda_allreduce_coalesced).
-        dtypes = list(dict.fromkeys(t.dtype for t in inputs if isinstance(t, torch.Tensor)))
-
-        def prepare() -> tuple:
-            me, n = self.rank(), self.size()
-            if len(outputs) != len(inputs):
-                raise ArgumentError(f"reduce_scatter_tensor_coalesced: rank {me} passed {len(outputs)} outputs for {len(inputs)} inputs")
-            for k, (o, i) in enumerate(zip(outputs, inputs)):
-                _check_cuda_tensor(o, "reduce_scatter_tensor_coalesced output")
-                _check_cuda_tensor(i, "reduce_scatter_tensor_coalesced input")
-                self._cuda_check(i, "reduce_scatter_tensor_coalesced input", op)
-                self._cuda_check(o, "reduce_scatter_tensor_coalesced output", op)
-                if o.dtype != i.dtype or i.numel() != n * o.numel():
-                    raise ArgumentError(
-                        f"reduce_scatter_tensor_coalesced #{k}: rank {me} passed input {i.dtype}[{i.numel()}] for output "
-                        f"{o.dtype}[{o.numel()}] (the input must hold group size {n} outputs)"
-                    )
-            calls, keep, dsts, srcs = [], [], [], []
-            for dt in dtypes:
-                pairs = [(o, i) for o, i in zip(outputs, inputs) if i.dtype == dt]
-                if len(pairs) == 1 and pairs[0][0].is_contiguous():
-                    o, i = pairs[0]
-                    flat_in, flat_out = i.contiguous(), o
-                else:
-                    flat_in = _reduce_scatter_pack([i for _, i in pairs], [o.numel() for o, _ in pairs], n)
-                    flat_out = torch.empty(sum(o.numel() for o, _ in pairs), dtype=dt, device=flat_in.device)
-                    off = 0
-                    for o, _ in pairs:
-                        dsts.append(o)
-                        srcs.append(flat_out[off : off + o.numel()].view(o.shape))
-                        off += o.numel()
-                calls.append((flat_in.data_ptr(), flat_out.data_ptr(), flat_out.numel(), _dtype(flat_out), op, 0))
-                keep.append((flat_in, flat_out))
-            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
-            return calls, (inputs, outputs, keep), post
-
-        return self._cuda_launches("reduce_scatter", prepare, len(dtypes), opts, list(outputs))
-
-    def _cuda_p2p(self, tensors: list[torch.Tensor], peer: int, send: bool) -> Any:
-        """One send or recv on the CUDA engine. Each (peer, direction) has its own internal
-        stream (across hosts: its own NCCL communicator too), so a send to j and a recv
-        from j progress together, issued one at a time as torch issues them for
-        batch_isend_irecv; sends to one peer match that peer's recvs in order. Always
-        asynchronous (torch passes no asyncOp here: a blocking dist.send/recv waits on the
-        Work, which orders the caller's stream)."""
-        what = "send" if send else "recv"
-        device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
-        stream = raw_stream(device)
-        try:
-            if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
-                raise ArgumentError(
-                    f"{what}: rank {self.rank()} passed {len(tensors) if isinstance(tensors, (list, tuple)) else 'a non-list'}; give one tensor"
-                )
-            t = _check_cuda_tensor(tensors[0], what)
-            self._cuda_check(t, what, None)
-            if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
-                raise ArgumentError(
-                    f"{what}: rank {self.rank()} passed peer {peer}; give another rank of this group of {self.size()} "
-                    "(rsccl does not send to itself)"
-                )
-        except ArgumentError as e:
-            # Only this rank and its peer are involved: raise here; a peer left waiting for
-            # the message times out after the group's timeout.
-            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
-        if send:
-            c, post = t.contiguous(), None
-        else:
-            c = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            post = None if c is t else (lambda: t.copy_(c))
-        ev = self._comm.cuda_p2p(send, c.data_ptr(), c.numel() * c.element_size(), peer, stream, True)
-        return self._cuda_finish(ev, device, stream, [t], (t, c), post)
 
     # -- torch's _coalescing_manager(group, device) ---------------------------------------
     def _start_coalescing(self, device: torch.device) -> None:
@@ -978,28 +322,22 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     # -- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
             return self._sparse_allreduce(tensors, op, opts)
         if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             t = tensors[0]
             # The blocking call's fast path: nothing to check beyond this, nothing to keep.
-            name = _FAST_ALLREDUCE.get((t.dtype, op))
-            if (
-                name is not None
-                and opts is not None
-                and opts.asyncOp is False
-                and t.get_device() == self._cuda_device
-                and t.is_contiguous()
-            ):
-                p = t.data_ptr()
-                self._comm.cuda_collective("all_reduce", p, p, t.numel(), name, op, 0, raw_stream(self._cuda_device), False)
+            dt = _FAST_ALLREDUCE.get((t.dtype, op))
+            if dt is not None and opts is not None and opts.asyncOp is False and t.get_device() == self._cuda_device and t.is_contiguous():
+                p, nbytes = t.data_ptr(), t.nbytes
+                self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, op, 0, raw_stream(self._cuda_device), True)
                 return self._done
             return self._cuda_allreduce(t, op, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "all_reduce"))
-            return _Plan([lambda b: self._comm.all_reduce(_buf(s.buf), _dtype(s.buf), op, blocking=b)], tensors, s, s.post)
+            return _Plan([lambda b: self._host(ALL_REDUCE, s.buf, s.buf, b, op)], tensors, s, s.post)
 
         return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare, opts=opts)
 
@@ -1012,16 +350,16 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if self._gloo is not None:
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
-        if op != "SUM":
+        if op != SUM:
             raise TypeError(
-                f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op}"
+                f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op_name(op)}"
             )
         local = t.detach().to("cpu").coalesce()
         idx, vals = local.indices().contiguous(), local.values().contiguous()
         n = self.size()
         counts = torch.empty(n, dtype=torch.int64)
         mine = torch.tensor([idx.shape[1]], dtype=torch.int64)
-        self._comm.all_gather(_buf(mine), _buf(counts), "int64", blocking=True)
+        self._host(ALL_GATHER, mine, counts, True)
         # Pad every rank's entries to the largest count: all_gather moves equal blocks.
         m = int(counts.max())
         pad_idx = torch.zeros((idx.shape[0], m), dtype=idx.dtype)
@@ -1034,7 +372,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             for x in (pad_idx, pad_vals):
                 b = _as_bytes(x)
                 out = torch.empty(n * b.numel(), dtype=torch.uint8)
-                self._comm.all_gather(_buf(b), _buf(out), "uint8", blocking=True)
+                self._host(ALL_GATHER, b, out, True)
                 gathered.append(out.view(n, -1))
             for r in range(n):
                 k = int(counts[r])
@@ -1048,7 +386,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return DoneWork(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if tensors and self._cuda_ok(tensors[0]):
             return self._noted(self._cuda_allreduce_coalesced(list(tensors), op, opts))
         # Ops per dtype present: a count every rank of a valid program agrees on.
@@ -1061,7 +399,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             for dt in dtypes:
                 group = [t for t in ts if t.dtype == dt]
                 flat = _flat_cat(group).to(dt)
-                submits.append(lambda b, flat=flat: self._comm.all_reduce(_buf(flat), _dtype(flat), op, blocking=b))
+                submits.append(lambda b, flat=flat: self._host(ALL_REDUCE, flat, flat, b, op))
                 keep.append(flat)
                 posts.append(_scatter_back(flat, group))
             return _Plan(submits, tensors, keep, _chain(*posts))
@@ -1075,20 +413,20 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "broadcast"))
-            return _Plan([lambda b: self._comm.broadcast(_buf(s.buf), _dtype(s.buf), root, blocking=b)], tensors, s, s.post)
+            return _Plan([lambda b: self._host(BROADCAST, s.buf, s.buf, b, root=root)], tensors, s, s.post)
 
         return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare, opts=opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if len(tensors) == 1 and self._cuda_ok(tensors[0]):
             return self._cuda_reduce(tensors[0], root, op, opts)
 
         def prepare() -> _Plan:
             s = _Staged(_one(tensors, "reduce"))
             post = s.post if self.rank() == root else None
-            return _Plan([lambda b: self._comm.reduce(_buf(s.buf), _dtype(s.buf), op, root, blocking=b)], tensors, s, post)
+            return _Plan([lambda b: self._host(REDUCE, s.buf, s.buf, b, op, root)], tensors, s, post)
 
         return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare, opts=opts)
 
@@ -1096,9 +434,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         _check_tensor(out, "all_gather output")
         inp = _check_tensor(inp, "all_gather input").contiguous()
         if out.dtype != inp.dtype:
-            raise ArgumentError(f"all_gather: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
+            raise ArgumentError(f"all_gather: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
         s = _Staged(out, copy_in=False)
-        return (lambda b: self._comm.all_gather(_buf(inp), _buf(s.buf), _dtype(inp), blocking=b)), (inp, s), s.post
+        return (lambda b: self._host(ALL_GATHER, inp, s.buf, b)), (inp, s), s.post
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
         if self._cuda_ok(input):
@@ -1122,7 +460,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                         f"all_gather: rank {self.rank()} passed tensor_list tensors on devices other than the input's {inp.device}"
                     )
             except ArgumentError as e:
-                return self._cuda("all_gather", _raiser(e), opts, None)
+                return self._cuda(ALL_GATHER, _raiser(e), opts, None)
             flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
             return self._cuda_all_gather(flat, inp, opts, output_tensors, _scatter_back(flat, outs))
 
@@ -1146,25 +484,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 _check_tensor(o, "all_gather output")
                 if o.dtype != i.dtype or o.numel() != i.numel():
                     raise ArgumentError(f"all_gather (coalesced) #{k}: output is {o.dtype}[{o.numel()}], input {i.dtype}[{i.numel()}]")
-        # Each input starts 16-byte aligned in a rank's block, so every slice of the
-        # result can be viewed as its dtype again.
-        offsets, total = [], 0
-        for i in ins:
-            offsets.append(total)
-            total += (i.numel() * i.element_size() + 15) // 16 * 16
-        flat_in = torch.zeros(total, dtype=torch.uint8)
-        for off, i in zip(offsets, ins):
-            b = _as_bytes(i)
-            flat_in[off : off + b.numel()] = b
+        # The layout and packing of the CUDA path (_gather_layout): one way to pack.
+        offsets, total = _gather_layout(ins)
+        flat_in = _pack_bytes(ins, offsets, total)
         flat_out = torch.empty(n * total, dtype=torch.uint8)
 
         def post() -> None:
-            for off, (outs, i) in zip(offsets, pairs):
-                nb = i.numel() * i.element_size()
+            for (outs, _), rows in zip(pairs, _gathered(flat_out, n, offsets, total, ins)):
                 for r, o in enumerate(outs):
-                    o.copy_(flat_out[r * total + off : r * total + off + nb].view(i.dtype).view(o.shape))
+                    o.copy_(rows[r].view(o.shape))
 
-        submit = lambda b: self._comm.all_gather(_buf(flat_in), _buf(flat_out), "uint8", blocking=b)
+        submit = lambda b: self._host(ALL_GATHER, flat_in, flat_out, b)
         return _Plan([submit], None, (flat_in, flat_out), post)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
@@ -1207,7 +537,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             n = self.size()
             if len(output_lists) != n or any(len(lst) != len(input_list) for lst in output_lists):
                 e = ArgumentError(f"all_gather_coalesced: rank {self.rank()} must pass {n} output lists of {len(input_list)} tensors")
-                return self._cuda_launches("all_gather", _raiser(e), 1, opts, None)
+                return self._cuda_launches(ALL_GATHER, _raiser(e), 1, opts, None)
             per_input = [[output_lists[r][k] for r in range(n)] for k in range(len(input_list))]
             return self._cuda_gather_bytes("all_gather_coalesced", list(input_list), per_input, opts, output_lists)
 
@@ -1227,12 +557,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         _check_tensor(out, "reduce_scatter output")
         inp = _check_tensor(inp, "reduce_scatter input").contiguous()
         if out.dtype != inp.dtype:
-            raise ArgumentError(f"reduce_scatter: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
+            raise ArgumentError(f"reduce_scatter: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
         s = _Staged(out, copy_in=False)
-        return (lambda b: self._comm.reduce_scatter(_buf(inp), _buf(s.buf), _dtype(inp), op, blocking=b)), (inp, s), s.post
+        return (lambda b: self._host(REDUCE_SCATTER, inp, s.buf, b, op)), (inp, s), s.post
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RsWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if self._cuda_ok(input):
             return self._cuda_reduce_scatter(output, input, op, opts, [output])
 
@@ -1245,7 +575,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if len(output_tensors) == 1 and self._cuda_ok(output_tensors[0]):
             out = output_tensors[0]
             try:
@@ -1255,7 +585,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                         f"reduce_scatter: rank {self.rank()} passed input_list tensors on devices other than the output's {out.device}"
                     )
             except ArgumentError as e:
-                return self._cuda("reduce_scatter", _raiser(e), opts, None)
+                return self._cuda(REDUCE_SCATTER, _raiser(e), opts, None)
             flat = torch.cat([t.reshape(-1) for t in ins])
             return self._cuda_reduce_scatter(out, flat, op, opts, output_tensors)
 
@@ -1268,7 +598,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._run("reduce_scatter", lambda g: g.reduce_scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
-        op = _op_name(opts.reduceOp) if opts is not None else "SUM"
+        op = op_code(opts.reduceOp) if opts is not None else SUM
         if inputs and self._cuda_ok(inputs[0]):
             return self._noted(self._cuda_reduce_scatter_coalesced(list(outputs), list(inputs), op, opts))
         # From the inputs only, so a rank whose output is wrong still counts the same ops.
@@ -1283,7 +613,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 _check_tensor(i, "reduce_scatter input")
                 if o.dtype != i.dtype:
                     raise ArgumentError(
-                        f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", "type"
+                        f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", ErrorClass.TYPE
                     )
                 if i.numel() != n * o.numel():
                     raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
@@ -1295,7 +625,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             blocks = [i.reshape(n, -1) for i in inputs]
             flat_in = torch.cat(blocks, dim=1).reshape(-1) if blocks else torch.empty(0)
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
-            submit = lambda b: self._comm.reduce_scatter(_buf(flat_in), _buf(flat_out), _dtype(flat_in), op, blocking=b)
+            submit = lambda b: self._host(REDUCE_SCATTER, flat_in, flat_out, b, op)
             return _Plan([submit], outputs, (flat_in, flat_out), _scatter_back(flat_out, list(outputs)))
 
         n_ops = 1 if one_dtype else len(inputs)
@@ -1315,12 +645,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             out = _check_tensor(output, "all_to_all output")
             inp = _check_tensor(input, "all_to_all input").contiguous()
             if out.dtype != inp.dtype:
-                raise ArgumentError(f"all_to_all: output dtype {out.dtype} differs from input dtype {inp.dtype}", "type")
+                raise ArgumentError(f"all_to_all: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
             n = self.size()
             send = _split_bytes(inp, list(input_split_sizes), n, "all_to_all: input")
             recv = _split_bytes(out, list(output_split_sizes), n, "all_to_all: output")
             s = _Staged(out, copy_in=False)
-            submit = lambda b: self._comm.all_to_all(_buf(inp), _buf(s.buf), _dtype(inp), send, recv, blocking=b)
+            submit = lambda b: self._host(ALL_TO_ALL, inp, s.buf, b, splits=([], send, [], recv))
             return _Plan([submit], [output], (inp, s), s.post)
 
         return self._run(
@@ -1346,12 +676,12 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             outs = [_check_tensor(t, "all_to_all output") for t in output_tensors]
             dts = {t.dtype for t in ins + outs}
             if len(dts) != 1:
-                raise ArgumentError(f"all_to_all: tensors must share one dtype, got {sorted(map(str, dts))}", "type")
+                raise ArgumentError(f"all_to_all: tensors must share one dtype, got {sorted(map(str, dts))}", ErrorClass.TYPE)
             flat_in = _flat_cat(ins).to(ins[0].dtype)
             flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
-            submit = lambda b: self._comm.all_to_all(_buf(flat_in), _buf(flat_out), _dtype(flat_in), send, recv, blocking=b)
+            submit = lambda b: self._host(ALL_TO_ALL, flat_in, flat_out, b, splits=([], send, [], recv))
             return _Plan([submit], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
 
         return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare, opts=opts)
@@ -1368,7 +698,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 outs = _rank_list(output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ")
                 flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
                 post = _scatter_back(flat, outs)
-            submit = lambda b: self._comm.gather(_buf(inp), None if flat is None else _buf(flat), _dtype(inp), root, blocking=b)
+            submit = lambda b: self._host(GATHER, inp, flat, b, root=root)
             return _Plan([submit], output_tensors, (inp, flat), post)
 
         return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare, opts=opts)
@@ -1384,7 +714,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             if self.rank() == root:
                 ins = _rank_list(input_tensors, s.user, self.size(), "scatter", "scatter_list", "output", "the root's ")
                 flat = _flat_cat(ins).to(s.user.dtype)
-            submit = lambda b: self._comm.scatter(None if flat is None else _buf(flat), _buf(s.buf), _dtype(s.buf), root, blocking=b)
+            submit = lambda b: self._host(SCATTER, flat, s.buf, b, root=root)
             return _Plan([submit], output_tensors, (flat, s), s.post)
 
         return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
@@ -1394,11 +724,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             # Like NCCL's barrier: every GPU reaches a device barrier, and this CPU waits
             # for its own, so all ranks' earlier work is done and every rank got here.
             stream = raw_stream(self._cuda_device)
-            self._comm.cuda_collective("barrier", 0, 0, 0, "uint8", "SUM", 0, stream, False)
+            self._comm.run(BARRIER, 0, 0, 0, 0, UINT8, SUM, 0, stream, True)
             torch.cuda.current_stream(self._cuda_device).synchronize()
             self._comm.cuda_health()
             return DoneWork([])
-        return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([lambda b: self._comm.barrier(blocking=b)], []), opts=opts)
+        return self._run("barrier", lambda g: g.barrier(opts), lambda: _Plan([lambda b: self._host(BARRIER, None, None, b)], []), opts=opts)
 
     # -- point to point ----------------------------------------------------------------
     def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> RsWork:
@@ -1413,7 +743,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         try:
             t = _one(tensors, what)
         except ArgumentError as e:
-            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
+            raise e.to_raise() from None
         if not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(f"rsccl: {what} peer {peer} is invalid for rank {self.rank()} of a group of size {self.size()}")
         # Tags past 64 bits are clamped so that the engine refuses them (with this clamped
@@ -1421,9 +751,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         tag = max(min(int(tag), 2**63 - 1), -(2**63))
         if send:
             c = t.contiguous()
-            return RsWork([self._comm.send(_buf(c), _dtype(c), peer, tag)], tensors, c)
+            return RsWork([self._comm.run(SEND, *_buf(c), 0, 0, dtype_code(c), SUM, peer, None, False, None, tag)], tensors, c)
         s = _Staged(t, copy_in=False)
-        return RsWork([self._comm.recv(_buf(s.buf), _dtype(s.buf), peer, tag)], tensors, s, s.post)
+        return RsWork([self._comm.run(RECV, 0, 0, *_buf(s.buf), dtype_code(s.buf), SUM, peer, None, False, None, tag)], tensors, s, s.post)
 
     # torch calls these for dist.send/recv/isend/irecv, and batch_isend_irecv calls
     # isend/irecv one by one for a ProcessGroup subclass. On CUDA tensors the tag is ignored,
@@ -1453,9 +783,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         try:
             t = _one(tensors, "recv")
         except ArgumentError as e:
-            raise (TypeError if e.cls == "type" else ValueError)(f"rsccl: {e}") from None
+            raise e.to_raise() from None
         s = _Staged(t, copy_in=False)
-        part, source = self._comm.recv_any(_buf(s.buf), _dtype(s.buf), tag)
+        part, source = self._comm.recv_any(_buf(s.buf), dtype_code(s.buf), tag)
         return RecvAnyWork(source, [part], tensors, s, s.post)
 
 

@@ -1,7 +1,16 @@
-"""Work objects returned by rsccl's ProcessGroup: one job each."""
+"""Work objects returned by rsccl's ProcessGroup: one job each.
+
+Tensor lifetime without marking tensors on streams: a Work keeps the tensors an operation
+reads and writes until it completed (RsWork, host memory) or until the consumer is ordered
+after it (CudaWork): `wait()` makes the caller's current stream wait on the collective's
+end event, and from then on the caching allocator can reuse the memory safely (later work
+on that stream runs after the collective). A CudaWork nobody waits on stays in its group's
+pending list until its end event has completed.
+"""
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -9,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ._cuda import raw_stream
 
 
 class RsWork(dist._Work):
@@ -160,3 +171,100 @@ class DoneWork(dist._Work):
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self._result)
         return fut
+
+
+class CudaWork(dist._Work):
+    """An asynchronous CUDA collective: its end event, and the tensors it uses."""
+
+    def __init__(
+        self, pg: Any, device: int, event: Any, result: Any, keep: Any, post: Callable[[], None] | None = None, stream: int | None = None
+    ):
+        super().__init__()
+        self._pg = pg
+        self._device = device
+        # The stream current at launch: its allocations (staging copies) are in `keep`.
+        self._stream = stream
+        self._event = event
+        self._result = [result] if isinstance(result, torch.Tensor) else (result if result is not None else [])
+        self._keep = keep
+        self._post = post
+        self._ordered = False
+
+    def _order_current_stream(self) -> None:
+        if not self._ordered:
+            current = raw_stream(self._device)
+            self._event.wait_on(current)
+            if self._stream is not None and self._stream != current:
+                # Temporaries made at launch belong to the launch stream's pool: order it too.
+                self._event.wait_on(self._stream)
+            self._ordered = True
+            if self._post is not None:
+                post, self._post = self._post, None
+                post()
+                if self._stream is not None and self._stream != current and not torch.cuda.is_current_stream_capturing():
+                    # The copies just queued on the current stream read temporaries from the
+                    # launch stream's pool: that stream waits for them before it can reuse
+                    # the memory (freed below).
+                    done = torch.cuda.Event()
+                    done.record()
+                    torch.cuda.ExternalStream(self._stream, device=torch.device("cuda", self._device)).wait_event(done)
+            # The consumer stream now runs after the collective: the memory may be reused.
+            self._keep = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._order_current_stream()
+        self._pg._comm.cuda_health()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> BaseException | None:
+        try:
+            self._pg._comm.cuda_health()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            return e
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self._order_current_stream()
+        self._event.synchronize()
+        self._pg._comm.cuda_health()
+
+    def get_future(self) -> torch.futures.Future:
+        # A CUDA-aware future: set_result records the current stream, which now waits on
+        # the collective, and consumers of the value wait on that.
+        self._order_current_stream()
+        fut: torch.futures.Future = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+        fut.set_result(self._result)
+        return fut
+
+    def _release_if_done(self) -> bool:
+        """Drop the tensors once the collective finished on the GPU; True if released."""
+        if self._keep is None:
+            return True
+        if self._event.query():
+            self._keep = None
+            return True
+        return False
+
+
+class Pending:
+    """Asynchronous Works not yet known to be finished, oldest first."""
+
+    def __init__(self) -> None:
+        self.works: collections.deque[CudaWork] = collections.deque()
+
+    def add(self, w: CudaWork) -> None:
+        self.works.append(w)
+        if len(self.works) > 1 and not torch.cuda.is_current_stream_capturing():
+            # Works on one stream finish in order: stop at the first one still running.
+            while self.works and self.works[0]._release_if_done():
+                self.works.popleft()

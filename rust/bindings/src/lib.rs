@@ -11,12 +11,13 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rsccl_core::collective::{Buf, Collective, Kind};
+use rsccl_core::collective::op::{Op, Place, Span};
+use rsccl_core::collective::{Buf, Kind};
 use rsccl_core::config::{Config, SETTINGS};
-use rsccl_core::cuda::{AllToAll, CudaCall, CudaKind};
+use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::engine::P2p;
-use rsccl_core::group::Group;
+use rsccl_core::group::{Group, Ran};
 use rsccl_core::work::WorkState;
 use rsccl_core::Error;
 
@@ -140,145 +141,68 @@ impl Communicator {
         self.0.timeout.as_secs_f64()
     }
 
-    #[pyo3(signature = (b, dtype, op, blocking=false))]
-    fn all_reduce(&self, b: PyBuf, dtype: &str, op: &str, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || Ok(Collective::AllReduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)? }),
-            Kind::AllReduce,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (b, dtype, root, blocking=false))]
-    fn broadcast(&self, b: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || Ok(Collective::Broadcast { buf: buf(b), dtype: DType::from_name(dtype)?, root: self.root(Kind::Broadcast, root)? }),
-            Kind::Broadcast,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (b, dtype, op, root, blocking=false))]
-    fn reduce(&self, b: PyBuf, dtype: &str, op: &str, root: i64, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || {
-                let root = self.root(Kind::Reduce, root)?;
-                Ok(Collective::Reduce { buf: buf(b), dtype: DType::from_name(dtype)?, op: ReduceOp::from_name(op)?, root })
-            },
-            Kind::Reduce,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (input, output, dtype, blocking=false))]
-    fn all_gather(&self, input: PyBuf, output: PyBuf, dtype: &str, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || Ok(Collective::AllGather { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)? }),
-            Kind::AllGather,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (input, output, dtype, op, blocking=false))]
-    fn reduce_scatter(&self, input: PyBuf, output: PyBuf, dtype: &str, op: &str, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || {
-                Ok(Collective::ReduceScatter {
-                    input: buf(input),
-                    output: buf(output),
-                    dtype: DType::from_name(dtype)?,
-                    op: ReduceOp::from_name(op)?,
-                })
-            },
-            Kind::ReduceScatter,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (input, output, dtype, send_bytes, recv_bytes, blocking=false))]
-    fn all_to_all(
+    /// The one entry point of every operation (collective/op.rs, Group::run): `kind`,
+    /// `dtype`, `op` are the codes of KINDS, DTYPES, OPS (a dtype or op rsccl lacks comes
+    /// as its torch name, and the call joins as invalid with the message naming it);
+    /// buffers are (address, bytes); `root` is the root of rooted kinds or the peer of
+    /// send/recv; `stream` is the caller's current CUDA stream for device buffers, None for
+    /// host memory; `splits` (all_to_all) are per peer (send addresses, send bytes, recv
+    /// addresses, recv bytes). Plain positional ints keep the blocking CUDA all_reduce's
+    /// CPU cost down (no options object per call). Returns a Work (host), the end event of
+    /// an asynchronous CUDA op, or None (a blocking op, done). Runs with the GIL released.
+    #[pyo3(signature = (kind, inp, inp_bytes, out, out_bytes, dtype, op, root, stream, blocking, splits=None, tag=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
         &self,
-        input: PyBuf,
-        output: PyBuf,
-        dtype: &str,
-        send_bytes: Vec<u64>,
-        recv_bytes: Vec<u64>,
+        py: Python<'_>,
+        kind: u8,
+        inp: u64,
+        inp_bytes: u64,
+        out: u64,
+        out_bytes: u64,
+        dtype: Code,
+        op: Code,
+        root: i64,
+        stream: Option<u64>,
         blocking: bool,
-    ) -> PyResult<Work> {
-        self.collective(
-            || Ok(Collective::AllToAll { input: buf(input), output: buf(output), dtype: DType::from_name(dtype)?, send_bytes, recv_bytes }),
-            Kind::AllToAll,
+        splits: Option<Splits>,
+        tag: i64,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let kind = Kind::from_code(kind).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown kind code {kind}")))?;
+        let place = stream.map_or(Place::Host, |stream| Place::Cuda { stream });
+        let (dtype, op, invalid) = match (dtype.dtype(), op.op()) {
+            (Ok(d), Ok(o)) => (d, o, None),
+            (Err(e), _) | (_, Err(e)) => (DType::U8, ReduceOp::Sum, Some(e)),
+        };
+        let splits = splits.map(|(send, send_bytes, recv, recv_bytes)| AllToAll { send, send_bytes, recv, recv_bytes });
+        let op = Op {
+            kind,
+            place,
+            inp: Span { ptr: inp, bytes: inp_bytes },
+            out: Span { ptr: out, bytes: out_bytes },
+            dtype,
+            op,
+            root,
+            tag,
+            splits,
             blocking,
-        )
+            invalid,
+        };
+        let ran = py.detach(|| self.0.run(op)).py()?;
+        ran_to_py(py, ran)
     }
 
-    #[pyo3(signature = (input, output, dtype, root, blocking=false))]
-    fn gather(&self, input: PyBuf, output: Option<PyBuf>, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || {
-                Ok(Collective::Gather {
-                    input: buf(input),
-                    output: output.map(buf),
-                    dtype: DType::from_name(dtype)?,
-                    root: self.root(Kind::Gather, root)?,
-                })
-            },
-            Kind::Gather,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (input, output, dtype, root, blocking=false))]
-    fn scatter(&self, input: Option<PyBuf>, output: PyBuf, dtype: &str, root: i64, blocking: bool) -> PyResult<Work> {
-        self.collective(
-            || {
-                Ok(Collective::Scatter {
-                    input: input.map(buf),
-                    output: buf(output),
-                    dtype: DType::from_name(dtype)?,
-                    root: self.root(Kind::Scatter, root)?,
-                })
-            },
-            Kind::Scatter,
-            blocking,
-        )
-    }
-
-    #[pyo3(signature = (blocking=false))]
-    fn barrier(&self, blocking: bool) -> PyResult<Work> {
-        self.collective(|| Ok(Collective::Barrier), Kind::Barrier, blocking)
-    }
-
-    /// Take part in collective `kind` with arguments this rank found invalid, so every
-    /// rank raises `message` (class "value" -> ValueError, "type" -> TypeError).
-    #[pyo3(signature = (kind, class_, message))]
-    fn invalid(&self, kind: &str, class_: &str, message: String) -> PyResult<Work> {
-        let k = [
-            Kind::AllReduce,
-            Kind::Broadcast,
-            Kind::Reduce,
-            Kind::AllGather,
-            Kind::ReduceScatter,
-            Kind::AllToAll,
-            Kind::Gather,
-            Kind::Scatter,
-            Kind::Barrier,
-        ]
-        .into_iter()
-        .find(|k| k.name() == kind)
-        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown collective {kind:?}")))?;
-        let error = if class_ == "type" { Error::InvalidType(message) } else { Error::InvalidArgument(message) };
-        self.collective(|| Ok(Collective::Invalid { kind: k, error }), k, false)
-    }
-
-    fn send(&self, b: PyBuf, dtype: &str, peer: usize, tag: i64) -> PyResult<Work> {
-        let op = P2p::Send { buf: buf(b), dtype: DType::from_name(dtype).py()?, peer, tag };
-        Ok(Work(self.0.submit_p2p(op, None).py()?))
-    }
-
-    fn recv(&self, b: PyBuf, dtype: &str, peer: usize, tag: i64) -> PyResult<Work> {
-        let op = P2p::Recv { buf: buf(b), dtype: DType::from_name(dtype).py()?, peer, tag };
-        Ok(Work(self.0.submit_p2p(op, None).py()?))
+    /// This rank's arguments to `kind` (a KINDS code) were invalid: join the call as
+    /// invalid (Group::run), so every rank raises instead of waiting. `error_class` is an
+    /// ERROR_CLASSES code. Host memory (`stream` None): returns the Work that fails with the
+    /// error the ranks agree on. CUDA: raises this rank's error once the peers are told.
+    #[pyo3(signature = (kind, error_class, message, stream=None))]
+    fn invalid(&self, py: Python<'_>, kind: u8, error_class: u8, message: String, stream: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
+        let kind = Kind::from_code(kind).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown kind code {kind}")))?;
+        let place = stream.map_or(Place::Host, |stream| Place::Cuda { stream });
+        let op = Op::invalid(kind, place, Error::from_class_code(error_class, message));
+        let ran = py.detach(|| self.0.run(op)).py()?;
+        ran_to_py(py, ran)
     }
 
     /// The global rank of each group rank, named in this subgroup's error messages.
@@ -288,9 +212,9 @@ impl Communicator {
 
     /// A recv from whichever rank sends a message with `tag` first (CPU buffers); the
     /// RecvSource names that rank once the Work completed.
-    fn recv_any(&self, b: PyBuf, dtype: &str, tag: i64) -> PyResult<(Work, RecvSource)> {
+    fn recv_any(&self, b: PyBuf, dtype: Code, tag: i64) -> PyResult<(Work, RecvSource)> {
         let source = Arc::new(AtomicUsize::new(usize::MAX));
-        let op = P2p::RecvAny { buf: buf(b), dtype: DType::from_name(dtype).py()?, tag, source: source.clone() };
+        let op = P2p::RecvAny { buf: buf(b), dtype: dtype.dtype().py()?, tag, source: source.clone() };
         Ok((Work(self.0.submit_p2p(op, None).py()?), RecvSource(source)))
     }
 
@@ -323,72 +247,6 @@ impl Communicator {
             )
         })?;
         rsccl_core::cuda::heap::allocator_fns(heap).py()
-    }
-
-    /// Launch a CUDA collective (see rsccl_core::cuda::CudaCall for `count`). Returns the
-    /// end event of an asynchronous call, None for a blocking one.
-    #[pyo3(signature = (kind, inp, out, count, dtype, op, root, stream, asynchronous))]
-    #[allow(clippy::too_many_arguments)]
-    fn cuda_collective(
-        &self,
-        kind: &str,
-        inp: u64,
-        out: u64,
-        count: u64,
-        dtype: &str,
-        op: &str,
-        root: usize,
-        stream: u64,
-        asynchronous: bool,
-    ) -> PyResult<Option<CudaEvent>> {
-        let kind = match kind {
-            "all_reduce" => CudaKind::AllReduce,
-            "reduce_scatter" => CudaKind::ReduceScatter,
-            "all_gather" => CudaKind::AllGather,
-            "broadcast" => CudaKind::Broadcast,
-            "barrier" => CudaKind::Barrier,
-            "gather" => CudaKind::Gather,
-            "scatter" => CudaKind::Scatter,
-            "reduce" => CudaKind::Reduce,
-            other => return Err(pyo3::exceptions::PyValueError::new_err(format!("unknown CUDA collective {other:?}"))),
-        };
-        let dtype = DType::from_name(dtype).py()?;
-        let op = ReduceOp::from_name(op).py()?;
-        let call = CudaCall { kind, dtype, op, root, inp, out, count, stream, asynchronous };
-        Ok(self.0.cuda_launch(&call).py()?.map(CudaEvent))
-    }
-
-    /// Launch one CUDA all_to_all: per peer (group rank order), the chunk this rank sends
-    /// (address, bytes) and where the chunk from that peer lands (address, bytes). Returns
-    /// the end event of an asynchronous call, None for a blocking one.
-    #[pyo3(signature = (send_ptrs, send_bytes, recv_ptrs, recv_bytes, stream, asynchronous))]
-    fn cuda_all_to_all(
-        &self,
-        send_ptrs: Vec<u64>,
-        send_bytes: Vec<u64>,
-        recv_ptrs: Vec<u64>,
-        recv_bytes: Vec<u64>,
-        stream: u64,
-        asynchronous: bool,
-    ) -> PyResult<Option<CudaEvent>> {
-        let x = AllToAll { send: send_ptrs, send_bytes, recv: recv_ptrs, recv_bytes };
-        Ok(self.0.cuda_all_to_all(&x, stream, asynchronous).py()?.map(CudaEvent))
-    }
-
-    /// Launch one CUDA send (`send`) or recv of `nbytes` at `ptr` with group rank `peer`,
-    /// after the caller's `stream` (see Group::cuda_p2p: rsccl's kernels on one host, the
-    /// NCCL engine's pair communicators across hosts). Returns the end event of an
-    /// asynchronous call, None for a blocking one.
-    #[pyo3(signature = (send, ptr, nbytes, peer, stream, asynchronous))]
-    fn cuda_p2p(&self, send: bool, ptr: u64, nbytes: u64, peer: usize, stream: u64, asynchronous: bool) -> PyResult<Option<CudaEvent>> {
-        Ok(self.0.cuda_p2p(send, ptr, nbytes, peer, stream, asynchronous).py()?.map(CudaEvent))
-    }
-
-    /// This rank's arguments to a CUDA collective were invalid: take part in its first
-    /// barrier only, so the other ranks report the mismatch instead of waiting (a group
-    /// that spans hosts is aborted instead: NCCL cannot skip a collective).
-    fn cuda_invalid(&self, stream: u64) -> PyResult<()> {
-        self.0.cuda_invalid(stream).py()
     }
 
     /// Raise the error a CUDA kernel reported (timeout, dead peer, mismatched calls) or
@@ -447,23 +305,39 @@ impl Communicator {
     }
 }
 
-impl Communicator {
-    /// A root as Python gave it (negative included), checked: see collective::root_index.
-    fn root(&self, kind: Kind, root: i64) -> rsccl_core::Result<usize> {
-        rsccl_core::collective::root_index(kind, root, self.0.topo.size)
+/// (send addresses, send bytes, recv addresses, recv bytes) per peer of an all_to_all.
+type Splits = (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>);
+
+/// A dtype or reduce op: its rsccl code (DTYPES, OPS), or torch's name of one rsccl lacks
+/// (the error message names it).
+#[derive(FromPyObject)]
+enum Code {
+    Int(u8),
+    Name(String),
+}
+
+impl Code {
+    fn dtype(&self) -> rsccl_core::Result<DType> {
+        match self {
+            Code::Int(c) => DType::from_code(*c).ok_or_else(|| Error::Internal(format!("unknown dtype code {c}"))),
+            Code::Name(n) => DType::from_name(n),
+        }
     }
 
-    /// Build the collective; if this rank's arguments are invalid, submit them as
-    /// `Invalid` so the other ranks learn of it instead of waiting. A blocking call runs
-    /// it (GIL released), raises its error, or returns an already completed Work.
-    fn collective(&self, build: impl FnOnce() -> rsccl_core::Result<Collective>, kind: Kind, blocking: bool) -> PyResult<Work> {
-        let c = build().unwrap_or_else(|error| Collective::Invalid { kind, error });
-        if blocking {
-            Python::attach(|py| py.detach(|| self.0.run_now(c, None))).py()?;
-            return Ok(Work(Arc::new(WorkState::completed(Ok(())))));
+    fn op(&self) -> rsccl_core::Result<ReduceOp> {
+        match self {
+            Code::Int(c) => ReduceOp::from_code(*c).ok_or_else(|| Error::Internal(format!("unknown reduce op code {c}"))),
+            Code::Name(n) => ReduceOp::from_name(n),
         }
-        Ok(Work(self.0.submit(c, None).py()?))
     }
+}
+
+fn ran_to_py(py: Python<'_>, ran: Ran) -> PyResult<Option<Py<PyAny>>> {
+    Ok(match ran {
+        Ran::Work(w) => Some(Py::new(py, Work(w))?.into_any()),
+        Ran::Event(e) => Some(Py::new(py, CudaEvent(e))?.into_any()),
+        Ran::Done => None,
+    })
 }
 
 /// The sender of a recv from any source.
@@ -627,6 +501,17 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(finish_completions, m)?)?;
     m.add("PeerFailureError", m.py().get_type::<errors::PeerFailureError>())?;
     m.add("GroupAbortedError", m.py().get_type::<errors::GroupAbortedError>())?;
+    // The code tables, once: Python maps torch's dtypes and ReduceOps onto these at import.
+    m.add("KINDS", Kind::ALL.iter().map(|k| (k.name(), *k as u8)).collect::<Vec<_>>())?;
+    m.add("DTYPES", DType::ALL.iter().map(|d| (d.name(), *d as u8)).collect::<Vec<_>>())?;
+    m.add("OPS", ReduceOp::ALL.iter().map(|o| (o.name(), *o as u8)).collect::<Vec<_>>())?;
+    // What rsccl's CUDA kernels reduce: the Python layer checks a call against these.
+    m.add("CUDA_REDUCE_DTYPES", rsccl_core::cuda::kernels::REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    m.add("CUDA_REDUCE_OPS", rsccl_core::cuda::kernels::REDUCE_OPS.iter().map(|o| o.name()).collect::<Vec<_>>())?;
+    m.add(
+        "ERROR_CLASSES",
+        vec![("value", Error::InvalidArgument(String::new()).class_code()), ("type", Error::InvalidType(String::new()).class_code())],
+    )?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -10,7 +10,8 @@ use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
-use crate::collective::Collective;
+use crate::collective::op::{Op, Place};
+use crate::collective::{Collective, Kind};
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
 use crate::cuda::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaStats, NcclEngine, NcclStats};
@@ -58,6 +59,14 @@ pub struct Group {
     engine: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
     /// The CUDA engine, when the group was created with a device.
     cuda: parking_lot::Mutex<Option<CudaSide>>,
+}
+
+/// What `Group::run` returns: the Work of a host op, the end event of an asynchronous CUDA
+/// op, or nothing (a blocking op that completed).
+pub enum Ran {
+    Work(Arc<WorkState>),
+    Event(CudaEvent),
+    Done,
 }
 
 /// Which engine runs a group's CUDA collectives.
@@ -169,6 +178,104 @@ impl Group {
             "rsccl group created"
         );
         Ok(g)
+    }
+
+    /// The seam: run one op on the engine of its place. Every torch method reaches the
+    /// engines through here (Python: `Communicator.run`).
+    ///
+    /// The rule "a rank with bad arguments still joins the call as invalid, so its peers
+    /// raise instead of waiting" lives here and nowhere else: an op that carries an error
+    /// (found by the Python layer) or whose arguments fail to translate joins its call as
+    /// invalid (host: `Collective::Invalid`, whose Work fails with the error every rank
+    /// agrees on; CUDA: the first barrier only, see `cuda_invalid`) and returns the error.
+    /// Point-to-point calls involve one peer only: they raise without joining.
+    pub fn run(&self, op: Op) -> Result<Ran> {
+        match op.place {
+            Place::Host => self.run_host(op),
+            Place::Cuda { stream } => self.run_cuda(op, stream),
+        }
+    }
+
+    fn run_host(&self, op: Op) -> Result<Ran> {
+        match op.kind {
+            Kind::Send | Kind::Recv => {
+                if let Some(e) = op.invalid {
+                    return Err(e);
+                }
+                Ok(Ran::Work(self.submit_p2p(op.to_p2p()?, None)?))
+            }
+            Kind::AllReduce
+            | Kind::ReduceScatter
+            | Kind::AllGather
+            | Kind::Broadcast
+            | Kind::Barrier
+            | Kind::Invalid
+            | Kind::Gather
+            | Kind::Scatter
+            | Kind::Reduce
+            | Kind::AllToAll => {
+                let built = match op.invalid {
+                    Some(e) => Err(e),
+                    None => op.to_collective(self.topo.rank, self.topo.size),
+                };
+                let c = built.unwrap_or_else(|error| Collective::Invalid { kind: op.kind, error });
+                if op.blocking {
+                    self.run_now(c, None)?;
+                    return Ok(Ran::Done);
+                }
+                Ok(Ran::Work(self.submit(c, None)?))
+            }
+        }
+    }
+
+    fn run_cuda(&self, op: Op, stream: u64) -> Result<Ran> {
+        let ran = |ev: Option<CudaEvent>| ev.map_or(Ran::Done, Ran::Event);
+        let asynchronous = !op.blocking;
+        match op.kind {
+            Kind::Send | Kind::Recv => {
+                if let Some(e) = op.invalid {
+                    return Err(e);
+                }
+                let peer = usize::try_from(op.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", op.root)))?;
+                let (send, span) = if op.kind == Kind::Send { (true, op.inp) } else { (false, op.out) };
+                Ok(ran(self.cuda_p2p(send, span.ptr, span.bytes, peer, stream, asynchronous)?))
+            }
+            Kind::AllToAll if op.invalid.is_none() && op.splits.is_some() => {
+                let x = op.splits.as_ref().expect("checked");
+                Ok(ran(self.cuda_all_to_all(x, stream, asynchronous)?))
+            }
+            Kind::AllReduce
+            | Kind::ReduceScatter
+            | Kind::AllGather
+            | Kind::Broadcast
+            | Kind::Barrier
+            | Kind::Invalid
+            | Kind::Gather
+            | Kind::Scatter
+            | Kind::Reduce
+            | Kind::AllToAll => {
+                let call = match op.invalid {
+                    Some(e) => Err(e),
+                    None if op.kind == Kind::AllToAll => Err(Error::Internal("all_to_all without splits".into())),
+                    None if op.kind == Kind::Invalid => Err(Error::Internal("an invalid call without its error".into())),
+                    None => op.to_cuda(self.topo.size, stream),
+                };
+                match call {
+                    Ok(c) => Ok(ran(self.cuda_launch(&c)?)),
+                    Err(e) => {
+                        // The peers' error is the mismatch they see; this rank's own is `e`
+                        // (a failure to tell them is logged: `e` is the one to raise).
+                        if !self.has_cuda() {
+                            return Err(e);
+                        }
+                        if let Err(told) = self.cuda_invalid(stream) {
+                            tracing::warn!(error = %told, "could not report an invalid CUDA call to the peers");
+                        }
+                        Err(e)
+                    }
+                }
+            }
+        }
     }
 
     fn engine(&self) -> Result<Arc<dyn Engine>> {

@@ -1,7 +1,11 @@
 //! Collective operations as data: what each rank passed, the header that every rank
 //! checks against every other rank's, and the algorithm choice (a pure function).
 
+mod kind;
+pub mod op;
 pub mod reduce;
+
+pub use kind::Kind;
 
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -31,49 +35,6 @@ pub fn root_index(kind: Kind, root: i64, n: usize) -> Result<usize> {
     match usize::try_from(root) {
         Ok(r) if r < n => Ok(r),
         _ => Err(Error::InvalidArgument(format!("{}: root/src rank {root} is out of range for a group of size {n}", kind.name()))),
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Kind {
-    AllReduce = 1,
-    Broadcast = 2,
-    Reduce = 3,
-    AllGather = 4,
-    ReduceScatter = 5,
-    AllToAll = 6,
-    Gather = 7,
-    Scatter = 8,
-    Barrier = 9,
-}
-
-impl Kind {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::Broadcast => "broadcast",
-            Kind::Reduce => "reduce",
-            Kind::AllGather => "all_gather",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::AllToAll => "all_to_all",
-            Kind::Gather => "gather",
-            Kind::Scatter => "scatter",
-            Kind::Barrier => "barrier",
-        }
-    }
-
-    pub fn from_code(c: u8) -> Option<Kind> {
-        use Kind::*;
-        [AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier].into_iter().find(|k| *k as u8 == c)
-    }
-
-    fn has_op(self) -> bool {
-        matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
-    }
-
-    fn has_root(self) -> bool {
-        matches!(self, Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter)
     }
 }
 
@@ -351,7 +312,14 @@ pub fn agree(h: &[CollHeader]) -> Result<()> {
             let what = match kind {
                 Kind::AllGather | Kind::Gather => "input elements",
                 Kind::ReduceScatter | Kind::Scatter => "output elements",
-                _ => "elements",
+                Kind::AllReduce
+                | Kind::Broadcast
+                | Kind::Reduce
+                | Kind::Barrier
+                | Kind::Invalid
+                | Kind::AllToAll
+                | Kind::Send
+                | Kind::Recv => "elements",
             };
             return differ(what, a.count.to_string(), b.count.to_string());
         }

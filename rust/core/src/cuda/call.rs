@@ -1,85 +1,12 @@
-//! What a CUDA collective is (`CudaKind`) and one call of it (`CudaCall`): the description
-//! the engines receive, and the descriptor words peers compare (`describe`).
+//! One call of a CUDA collective (`CudaCall`): the description the CUDA engines receive,
+//! made from the op record (collective/op.rs), and the descriptor words peers compare
+//! (`describe`).
 
 use crate::dtype::{DType, ReduceOp};
 
-/// What a CUDA collective is. Counts are in elements of `dtype` (bytes for gather and
-/// broadcast, which move bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CudaKind {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-    Broadcast,
-    Barrier,
-    /// Rooted: count is bytes per rank (gather, scatter) or elements (reduce).
-    Gather,
-    Scatter,
-    Reduce,
-    /// Bytes per peer in the AllToAll passed along (count is unused).
-    AllToAll,
-    /// Point to point with `root` (a local index): count is bytes.
-    Send,
-    Recv,
-    /// This rank's arguments were invalid: it takes part in the first barrier only, so
-    /// every peer learns of it (descriptor mismatch) instead of waiting.
-    Invalid,
-}
-
-impl CudaKind {
-    pub(crate) fn code(self) -> u64 {
-        match self {
-            CudaKind::AllReduce => 1,
-            CudaKind::ReduceScatter => 2,
-            CudaKind::AllGather => 3,
-            CudaKind::Broadcast => 4,
-            CudaKind::Barrier => 5,
-            CudaKind::Invalid => 6,
-            CudaKind::Gather => 7,
-            CudaKind::Scatter => 8,
-            CudaKind::Reduce => 9,
-            CudaKind::AllToAll => 10,
-            CudaKind::Send => 11,
-            CudaKind::Recv => 12,
-        }
-    }
-
-    pub(crate) fn from_code(c: u64) -> Option<CudaKind> {
-        [
-            CudaKind::AllReduce,
-            CudaKind::ReduceScatter,
-            CudaKind::AllGather,
-            CudaKind::Broadcast,
-            CudaKind::Barrier,
-            CudaKind::Invalid,
-            CudaKind::Gather,
-            CudaKind::Scatter,
-            CudaKind::Reduce,
-            CudaKind::AllToAll,
-            CudaKind::Send,
-            CudaKind::Recv,
-        ]
-        .into_iter()
-        .find(|k| k.code() == c)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            CudaKind::AllReduce => "all_reduce",
-            CudaKind::ReduceScatter => "reduce_scatter",
-            CudaKind::AllGather => "all_gather",
-            CudaKind::Broadcast => "broadcast",
-            CudaKind::Barrier => "barrier",
-            CudaKind::Invalid => "an invalid call",
-            CudaKind::Gather => "gather",
-            CudaKind::Scatter => "scatter",
-            CudaKind::Reduce => "reduce",
-            CudaKind::AllToAll => "all_to_all",
-            CudaKind::Send => "send",
-            CudaKind::Recv => "recv",
-        }
-    }
-}
+/// The kinds of CUDA operations are rsccl's one list of kinds (collective/kind.rs); the
+/// name stays for the engines' code.
+pub use crate::collective::Kind as CudaKind;
 
 #[derive(Debug, Clone, Copy)]
 pub struct CudaCall {
@@ -108,19 +35,20 @@ impl CudaCall {
 /// A kernel descriptor (the two words every rank publishes at a barrier) in words, for
 /// mismatch messages.
 pub(crate) fn describe(d0: u64, d1: u64) -> String {
-    let kind = CudaKind::from_code(d0 & 0xff).map(|k| k.name()).unwrap_or("an unknown call");
-    if kind == "barrier" || kind == "an invalid call" || kind == "all_to_all" {
-        return kind.to_string();
-    }
+    let Some(k) = CudaKind::from_code((d0 & 0xff) as u8) else {
+        return "an unknown call".to_string();
+    };
+    let kind = k.name();
     let dtype = DType::from_code(((d0 >> 8) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
     let op = ReduceOp::from_code(((d0 >> 16) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
     let root = (d0 >> 32) as u32;
-    match kind {
-        "all_reduce" | "reduce_scatter" => format!("{kind} {dtype}[{d1}] {op}"),
-        "reduce" => format!("{kind} {dtype}[{d1}] {op} to local rank {root}"),
-        "broadcast" => format!("{kind} of {d1} bytes from local rank {root}"),
-        "gather" => format!("{kind} of {d1} bytes per rank to local rank {root}"),
-        "scatter" => format!("{kind} of {d1} bytes per rank from local rank {root}"),
-        _ => format!("{kind} of {d1} bytes per rank"),
+    match k {
+        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => kind.to_string(),
+        CudaKind::AllReduce | CudaKind::ReduceScatter => format!("{kind} {dtype}[{d1}] {op}"),
+        CudaKind::Reduce => format!("{kind} {dtype}[{d1}] {op} to local rank {root}"),
+        CudaKind::Broadcast => format!("{kind} of {d1} bytes from local rank {root}"),
+        CudaKind::Gather => format!("{kind} of {d1} bytes per rank to local rank {root}"),
+        CudaKind::Scatter => format!("{kind} of {d1} bytes per rank from local rank {root}"),
+        CudaKind::AllGather | CudaKind::Send | CudaKind::Recv => format!("{kind} of {d1} bytes per rank"),
     }
 }

@@ -1,0 +1,87 @@
+"""The op vocabulary shared with the Rust core, resolved once at import: kind, dtype and
+reduce-op codes (the tables live in Rust: rust/core/src/collective/kind.rs, dtype.rs) and
+the classes of argument errors. The hot path passes these small ints to
+`Communicator.run`; nothing here is looked up by string per call.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _rsccl
+
+KINDS: dict[str, int] = dict(_rsccl.KINDS)
+KIND_NAMES: dict[int, str] = {code: name for name, code in KINDS.items()}
+
+ALL_REDUCE = KINDS["all_reduce"]
+REDUCE_SCATTER = KINDS["reduce_scatter"]
+ALL_GATHER = KINDS["all_gather"]
+BROADCAST = KINDS["broadcast"]
+BARRIER = KINDS["barrier"]
+GATHER = KINDS["gather"]
+SCATTER = KINDS["scatter"]
+REDUCE = KINDS["reduce"]
+ALL_TO_ALL = KINDS["all_to_all"]
+SEND = KINDS["send"]
+RECV = KINDS["recv"]
+
+# torch dtype -> rsccl dtype code, for every dtype rsccl moves (by torch's name).
+DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in _rsccl.DTYPES}
+UINT8 = DTYPE_CODES[torch.uint8]
+
+# ReduceOp name -> rsccl op code.
+OP_CODES: dict[str, int] = dict(_rsccl.OPS)
+OP_NAMES: dict[int, str] = {code: name for name, code in OP_CODES.items()}
+SUM = OP_CODES["SUM"]
+
+# torch's RedOpType value -> rsccl op code (or torch's name, for ops rsccl lacks: the core
+# refuses those with a message naming them). Built once: reading .name of a pybind enum on
+# every call costs microseconds a small collective cannot spare.
+_TORCH_OPS: dict[int, int | str] = {int(v): OP_CODES.get(k, k) for k, v in dist.ReduceOp.RedOpType.__members__.items()}
+
+
+def op_code(op: Any) -> int | str:
+    """torch passes a ReduceOp (with .op) or a RedOpType."""
+    inner = getattr(op, "op", op)
+    try:
+        return _TORCH_OPS[int(inner)]
+    except (KeyError, TypeError, ValueError):
+        return getattr(inner, "name", str(inner))
+
+
+def op_name(code: int | str) -> str:
+    return OP_NAMES.get(code, str(code)) if isinstance(code, int) else code
+
+
+def dtype_code(t: torch.Tensor) -> int | str:
+    """The rsccl code of `t`'s dtype, or torch's name of one rsccl lacks (refused by the core)."""
+    code = DTYPE_CODES.get(t.dtype)
+    return code if code is not None else str(t.dtype).removeprefix("torch.")
+
+
+class ErrorClass(enum.IntEnum):
+    """The class of an argument error: the Rust core's error class code, and the Python
+    exception it becomes (rust/bindings/src/errors.rs)."""
+
+    VALUE = dict(_rsccl.ERROR_CLASSES)["value"]
+    TYPE = dict(_rsccl.ERROR_CLASSES)["type"]
+
+    @property
+    def exception(self) -> type[Exception]:
+        return TypeError if self is ErrorClass.TYPE else ValueError
+
+
+class ArgumentError(Exception):
+    """Raised while preparing a collective; carries the class of error to report."""
+
+    def __init__(self, message: str, cls: ErrorClass = ErrorClass.VALUE):
+        super().__init__(message)
+        self.cls = cls
+
+    def to_raise(self) -> Exception:
+        """The exception this rank raises for it ("rsccl: " and the message)."""
+        return self.cls.exception(f"rsccl: {self}")

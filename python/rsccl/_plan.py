@@ -1,0 +1,226 @@
+"""Plan building: what buffers, splits and packing a torch call uses, as pure functions of
+its tensors (any device; no group, no Rust). The ProcessGroup (_backend.py) checks torch's
+arguments with these, lays out the buffers an op reads and writes, and copies results back
+where torch expects them; tests/test_cuda_layout.py and tests/test_plan.py run them on CPU
+tensors without processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._ops import ArgumentError, ErrorClass
+
+
+def _buf(t: torch.Tensor) -> tuple[int, int]:
+    return (t.data_ptr(), t.numel() * t.element_size())
+
+
+def _check_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}", ErrorClass.TYPE)
+    if t.device.type != "cpu":
+        raise ArgumentError(
+            f"{what} is on {t.device}; rsccl takes CPU tensors, or CUDA tensors on the group's GPU "
+            "(every tensor of one call on the same device)",
+            ErrorClass.TYPE,
+        )
+    if t.is_sparse or t.layout != torch.strided:
+        raise ArgumentError(f"{what} has layout {t.layout}; rsccl needs dense tensors", ErrorClass.TYPE)
+    return t
+
+
+def _one(tensors: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        n = len(tensors) if isinstance(tensors, (list, tuple)) else "a non-list"
+        raise ArgumentError(f"{what} takes exactly one tensor per rank, got {n}")
+    return _check_tensor(tensors[0], what)
+
+
+class _Staged:
+    """A contiguous view of `t` for the engine; copies back after completion if needed."""
+
+    def __init__(self, t: torch.Tensor, copy_in: bool = True):
+        self.user = t
+        if t.is_contiguous():
+            self.buf = t
+        else:
+            self.buf = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+
+    def post(self) -> None:
+        if self.buf is not self.user:
+            self.user.copy_(self.buf)
+
+
+def _check_cuda_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_cuda or t.layout != torch.strided:
+        raise ArgumentError(
+            f"{what} must be a dense CUDA tensor like the others, got {getattr(t, 'device', type(t).__name__)}", ErrorClass.TYPE
+        )
+    return t
+
+
+def _rank_list(
+    lists: Any,
+    ref: torch.Tensor,
+    size: int,
+    what: str,
+    list_name: str,
+    ref_name: str,
+    owner: str = "",
+    check: Callable[[Any, str], torch.Tensor] = _check_tensor,
+) -> list[torch.Tensor]:
+    """Check torch's `[[t_0, ..., t_{size-1}]]` argument: one tensor per rank, each like
+    `ref` (same dtype and element count). Returns the tensors."""
+    if len(lists) != 1 or len(lists[0]) != size:
+        raise ArgumentError(f"{what}: {owner}{list_name} must hold group size {size} tensors")
+    ts = [check(t, f"{what} {list_name}") for t in lists[0]]
+    for i, t in enumerate(ts):
+        if t.numel() != ref.numel() or t.dtype != ref.dtype:
+            raise ArgumentError(f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]")
+    return ts
+
+
+def _cuda_buffers(inp: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """Contiguous buffers for a CUDA kernel: the input (a copy if needed), the output or a
+    contiguous stand-in, and the copy back into the real output (None if not needed)."""
+    i = inp.contiguous()
+    if out.is_contiguous():
+        return i, out, None
+    o = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return i, o, lambda: out.copy_(o)
+
+
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
+    """Bytes per peer of an all_to_all_single buffer: `splits` counts rows (dim 0) per peer,
+    and an empty list splits the rows evenly. `what` starts the error message."""
+    rows = t.shape[0] if t.dim() > 0 else t.numel()
+    row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
+        raise ArgumentError(f"{what} split sizes {list(splits)} must be integers (rows per rank)", ErrorClass.TYPE)
+    if not splits:
+        if rows % n:
+            raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
+        splits = [rows // n] * n
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ArgumentError(f"{what} split sizes {list(splits)} do not divide its {rows} rows among {n} ranks")
+    return [s * row_bytes for s in splits]
+
+
+def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int] | None:
+    """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
+    check (and report) the splits."""
+    rows = t.shape[0]
+    if rows == 0 or not all(type(s) is int for s in splits):
+        return None
+    row_bytes = t.nbytes // rows
+    if not splits:
+        if rows % n:
+            return None
+        return [rows // n * row_bytes] * n
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        return None
+    return [s * row_bytes for s in splits]
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may overlap (same storage): an all_to_all must not read what it
+    writes, so such an input is copied first."""
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# Coalesced all_gather moves the bytes of inputs of any dtypes in one launch. One rank's
+# block holds every input back to back, each starting 16-byte aligned, so that each input's
+# slice of the gathered result can be viewed as its dtype again.
+_ALIGN = 16
+
+
+def _gather_layout(inputs: list[torch.Tensor]) -> tuple[list[int], int]:
+    """(byte offset of each input in a rank's block, the block's bytes)."""
+    offsets, total = [], 0
+    for i in inputs:
+        offsets.append(total)
+        total += (i.numel() * i.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, total
+
+
+def _pack_bytes(inputs: list[torch.Tensor], offsets: list[int], total: int) -> torch.Tensor:
+    """This rank's block: every input's bytes at its offset (padding left uninitialized)."""
+    device = inputs[0].device if inputs else None
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    dsts = [flat[o : o + i.numel() * i.element_size()].view(i.dtype).view(i.shape) for o, i in zip(offsets, inputs)]
+    if dsts:
+        torch._foreach_copy_(dsts, list(inputs))
+    return flat
+
+
+def _gathered(flat_out: torch.Tensor, world: int, offsets: list[int], total: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per input k, a (world, numel_k) view of the gathered blocks: row r is rank r's input k."""
+    rows = flat_out.view(world, total)
+    return [rows[:, o : o + i.numel() * i.element_size()].view(i.dtype) for o, i in zip(offsets, inputs)]
+
+
+def _reduce_scatter_pack(inputs: list[torch.Tensor], out_numels: list[int], world: int) -> torch.Tensor:
+    """One reduce_scatter input for many: rank block r is every input's block r, back to
+    back, so the reduced block of rank r splits into its outputs in order."""
+    return torch.cat([i.reshape(world, m) for i, m in zip(inputs, out_numels)], dim=1).view(-1)
+
+
+def _raiser(e: ArgumentError) -> Callable[[], tuple]:
+    def prepare() -> tuple:
+        raise e
+
+    return prepare
+
+
+def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0)
+
+
+def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None]:
+    def post() -> None:
+        off = 0
+        for o in outs:
+            n = o.numel()
+            o.copy_(flat[off : off + n].view(o.shape))
+            off += n
+
+    return post
+
+
+class _Plan:
+    """What one torch call becomes: engine submissions, the tensors to keep alive until
+    they complete, the result torch's future reports, and the copy-back step."""
+
+    def __init__(self, submits: list[Callable[[bool], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+        self.submits = submits
+        self.result = result
+        self.keep = keep
+        self.post = post
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D uint8 view (or copy) of `t`: data movement needs no dtype."""
+    c = t.contiguous().reshape(-1)
+    return c.view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Start of each piece of buffers laid out back to back."""
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
+    def post() -> None:
+        for p in posts:
+            if p is not None:
+                p()
+
+    return post

@@ -1,0 +1,209 @@
+//! The op record: one operation as one rank called it, on any device. Every torch method
+//! builds one (Python: `Communicator.run`), and `Group::run` routes it to the engine of its
+//! place. The translations into each engine's own description (`Collective`, `P2p`,
+//! `CudaCall`) live here, once, with exhaustive matches on `Kind`.
+
+use super::{root_index, Buf, Collective, Kind};
+use crate::cuda::{AllToAll, CudaCall};
+use crate::dtype::{DType, ReduceOp};
+use crate::engine::P2p;
+use crate::error::{Error, Result};
+
+/// Where an op's buffers live, and so which engine runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// CPU memory: the host engine (shared memory, one host).
+    Host,
+    /// Device memory, ordered after the caller's current `stream` (raw handle): rsccl's
+    /// CUDA engine on one host, the NCCL engine across hosts.
+    Cuda { stream: u64 },
+}
+
+/// A contiguous buffer: address and bytes. The caller keeps its storage alive until the
+/// op completed (Python: the Work's `keep`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Span {
+    pub ptr: u64,
+    pub bytes: u64,
+}
+
+impl Span {
+    fn buf(self) -> Buf {
+        if self.bytes == 0 {
+            Buf::empty()
+        } else {
+            Buf { ptr: self.ptr as *mut u8, len: self.bytes as usize }
+        }
+    }
+}
+
+/// One operation as one rank called it.
+#[derive(Debug)]
+pub struct Op {
+    pub kind: Kind,
+    pub place: Place,
+    /// What it reads. all_reduce, broadcast and reduce work in place (`inp` == `out`);
+    /// a rank other than the root passes its own buffer for the root-only side of gather
+    /// and scatter.
+    pub inp: Span,
+    /// What it writes.
+    pub out: Span,
+    /// Element type. Operations that move bytes on CUDA (`Kind::moves_bytes`) run as uint8.
+    pub dtype: DType,
+    /// Reduce op (kinds that `has_op`), else SUM.
+    pub op: ReduceOp,
+    /// Root (src/dst) of rooted kinds, peer of send/recv, as the caller gave it.
+    pub root: i64,
+    /// Tag of a send/recv on host memory (CUDA ignores it, as NCCL does).
+    pub tag: i64,
+    /// all_to_all: per peer, in group-rank order, the chunk sent (address, bytes) and where
+    /// the chunk from that peer lands. The host engine uses the byte counts only.
+    pub splits: Option<AllToAll>,
+    /// Run now and return when done (torch's asyncOp = False), instead of a Work/event.
+    pub blocking: bool,
+    /// This rank's arguments were found invalid (by Python or while building the op): it
+    /// joins the call as invalid, so every rank raises instead of waiting for it.
+    pub invalid: Option<Error>,
+}
+
+impl Op {
+    /// An op that only joins `kind` as invalid with `error` (see `Group::run`).
+    pub fn invalid(kind: Kind, place: Place, error: Error) -> Op {
+        Op {
+            kind,
+            place,
+            inp: Span::default(),
+            out: Span::default(),
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            tag: 0,
+            splits: None,
+            blocking: false,
+            invalid: Some(error),
+        }
+    }
+
+    /// The host engine's description of a collective (`rank` of `n`). Errors are this
+    /// rank's bad arguments, which it then submits as `Collective::Invalid`.
+    pub fn to_collective(&self, rank: usize, n: usize) -> Result<Collective> {
+        let (inp, out, dtype, op) = (self.inp.buf(), self.out.buf(), self.dtype, self.op);
+        let root = || root_index(self.kind, self.root, n);
+        Ok(match self.kind {
+            Kind::AllReduce => Collective::AllReduce { buf: out, dtype, op },
+            Kind::Broadcast => Collective::Broadcast { buf: out, dtype, root: root()? },
+            Kind::Reduce => Collective::Reduce { buf: out, dtype, op, root: root()? },
+            Kind::AllGather => Collective::AllGather { input: inp, output: out, dtype },
+            Kind::ReduceScatter => Collective::ReduceScatter { input: inp, output: out, dtype, op },
+            Kind::AllToAll => {
+                let s = self.splits.as_ref().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+                Collective::AllToAll { input: inp, output: out, dtype, send_bytes: s.send_bytes.clone(), recv_bytes: s.recv_bytes.clone() }
+            }
+            Kind::Gather => {
+                let root = root()?;
+                Collective::Gather { input: inp, output: (rank == root).then_some(out), dtype, root }
+            }
+            Kind::Scatter => {
+                let root = root()?;
+                Collective::Scatter { input: (rank == root).then_some(inp), output: out, dtype, root }
+            }
+            Kind::Barrier => Collective::Barrier,
+            Kind::Send | Kind::Recv | Kind::Invalid => {
+                return Err(Error::Internal(format!("{} is not a collective of the host engine", self.kind.name())))
+            }
+        })
+    }
+
+    /// The host engine's description of a send or recv.
+    pub fn to_p2p(&self) -> Result<P2p> {
+        let peer = usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))?;
+        let (dtype, tag) = (self.dtype, self.tag);
+        match self.kind {
+            Kind::Send => Ok(P2p::Send { buf: self.inp.buf(), dtype, peer, tag }),
+            Kind::Recv => Ok(P2p::Recv { buf: self.out.buf(), dtype, peer, tag }),
+            Kind::AllReduce
+            | Kind::ReduceScatter
+            | Kind::AllGather
+            | Kind::Broadcast
+            | Kind::Barrier
+            | Kind::Invalid
+            | Kind::Gather
+            | Kind::Scatter
+            | Kind::Reduce
+            | Kind::AllToAll => Err(Error::Internal(format!("{} is not point to point", self.kind.name()))),
+        }
+    }
+
+    /// The CUDA engines' description of a collective on `stream` in a group of `n` ranks:
+    /// what its `count` means per kind, and uint8/SUM for operations that move bytes.
+    pub fn to_cuda(&self, n: usize, stream: u64) -> Result<CudaCall> {
+        let elem = self.dtype.size() as u64;
+        let count = match self.kind {
+            Kind::AllReduce | Kind::Reduce => self.inp.bytes / elem,
+            Kind::ReduceScatter => self.out.bytes / elem,
+            Kind::AllGather | Kind::Gather | Kind::Broadcast | Kind::Send => self.inp.bytes,
+            Kind::Scatter | Kind::Recv => self.out.bytes,
+            Kind::Barrier | Kind::Invalid | Kind::AllToAll => 0,
+        };
+        let (dtype, op) = if self.kind.moves_bytes() || !self.kind.has_op() { (DType::U8, ReduceOp::Sum) } else { (self.dtype, self.op) };
+        let root = if self.kind.has_root() { root_index(self.kind, self.root, n)? } else { 0 };
+        Ok(CudaCall { kind: self.kind, dtype, op, root, inp: self.inp.ptr, out: self.out.ptr, count, stream, asynchronous: !self.blocking })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(kind: Kind, inp: u64, out: u64, dtype: DType) -> Op {
+        Op {
+            kind,
+            place: Place::Cuda { stream: 7 },
+            inp: Span { ptr: 0x1000, bytes: inp },
+            out: Span { ptr: 0x2000, bytes: out },
+            dtype,
+            op: ReduceOp::Max,
+            root: 1,
+            tag: 3,
+            splits: None,
+            blocking: true,
+            invalid: None,
+        }
+    }
+
+    /// Every kind has exactly one route: a CUDA call, a host collective, or host p2p
+    /// (the registry check that a new kind is wired through the seam).
+    #[test]
+    fn every_kind_has_a_route() {
+        for k in Kind::ALL {
+            let mut o = op(k, 64, 64 * 4, DType::F32);
+            o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
+            let host = o.to_collective(0, 4).is_ok() || o.to_p2p().is_ok();
+            assert_eq!(host, k != Kind::Invalid, "{k:?} on the host engine");
+            assert!(o.to_cuda(4, 7).is_ok(), "{k:?} on CUDA");
+        }
+    }
+
+    #[test]
+    fn cuda_counts_follow_each_kind() {
+        let c = op(Kind::AllReduce, 4096, 4096, DType::BF16).to_cuda(2, 9).unwrap();
+        assert_eq!((c.count, c.dtype, c.op, c.root, c.stream, c.asynchronous), (2048, DType::BF16, ReduceOp::Max, 0, 9, false));
+        let c = op(Kind::ReduceScatter, 4096, 1024, DType::F32).to_cuda(4, 0).unwrap();
+        assert_eq!(c.count, 256);
+        let c = op(Kind::AllGather, 100, 400, DType::F32).to_cuda(4, 0).unwrap();
+        assert_eq!((c.count, c.dtype, c.op), (100, DType::U8, ReduceOp::Sum));
+        let c = op(Kind::Scatter, 400, 100, DType::I64).to_cuda(4, 0).unwrap();
+        assert_eq!((c.count, c.root, c.dtype), (100, 1, DType::U8));
+        assert!(op(Kind::Broadcast, 8, 8, DType::U8).to_cuda(1, 0).is_err(), "root 1 in a group of 1");
+    }
+
+    #[test]
+    fn host_roots_are_checked_and_root_only_sides_dropped() {
+        let mut g = op(Kind::Gather, 16, 64, DType::F32);
+        assert!(matches!(g.to_collective(0, 4).unwrap(), Collective::Gather { output: None, root: 1, .. }));
+        assert!(matches!(g.to_collective(1, 4).unwrap(), Collective::Gather { output: Some(_), .. }));
+        g.root = -1;
+        let e = g.to_collective(0, 4).unwrap_err().to_string();
+        assert!(e.contains("gather: root/src rank -1 is out of range for a group of size 4"), "{e}");
+    }
+}

@@ -1,0 +1,244 @@
+"""The op records the ProcessGroup hands to the Rust core (`Communicator.run`), for every
+torch method, on CPU tensors and without processes: a recording stand-in for the
+Communicator checks each op's kind, buffers, dtype, op, root and splits, and the CUDA
+paths run on CPU tensors dressed as CUDA ones (the launch is recorded, not made), so the
+CUDA plans are exercised on a machine without a GPU. The registry test checks that every
+kind of the Rust core is named, routed and covered here."""
+
+import random
+from pathlib import Path
+
+import pytest
+import rsccl._backend as backend
+import rsccl._cuda_calls as cuda_calls
+import torch
+import torch.distributed as dist
+from rsccl import _ops, _rsccl
+from torch._C._distributed_c10d import AllgatherOptions
+
+
+class _Cuda(torch.Tensor):
+    """A CPU tensor that the ProcessGroup takes for a CUDA tensor of its device."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = True
+
+
+class _DoneWork:
+    """What the Communicator returns for an asynchronous host op: here, already done."""
+
+    def add_done_callback(self, cb) -> None:
+        cb(None)
+
+    def wait(self, timeout_s=None) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Recorder:
+    """Stands in for rsccl._rsccl.Communicator: records each op, runs nothing."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+
+    def run(self, *args):
+        self.ops.append(args)
+        kind, stream, blocking = args[0], args[8], args[9]
+        return _DoneWork() if stream is None and (not blocking or kind in (_ops.SEND, _ops.RECV)) else None
+
+    def invalid(self, kind, error_class, message, stream=None):
+        self.ops.append(("invalid", kind, error_class, message, stream))
+        raise _ops.ErrorClass(error_class).exception(f"rsccl: {message}")
+
+    def cuda_health(self) -> None:
+        pass
+
+
+def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> backend.ProcessGroupRsccl:
+    monkeypatch.setattr(backend, "raw_stream", lambda device: 77)
+    monkeypatch.setattr(cuda_calls, "raw_stream", lambda device: 77)
+    pg = backend.ProcessGroupRsccl.__new__(backend.ProcessGroupRsccl)
+    dist.ProcessGroup.__init__(pg, rank, size)
+    pg._comm = _Recorder()
+    pg._gloo = None
+    pg._cuda_engine = "rsccl" if cuda else None
+    pg._cuda_device = -1 if cuda else None  # a CPU tensor's get_device()
+    pg._done = backend.DoneWork([])
+    pg._coalesced = None
+    pg._pending = None
+    if cuda:
+        # Device checks need a GPU; they have their own tests (tests/gpu).
+        monkeypatch.setattr(pg, "_cuda_check", lambda t, what, op: None)
+    return pg
+
+
+def _opts(cls, asynchronous: bool = False, **kw):
+    o = cls()
+    o.asyncOp = asynchronous
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.fixture
+def seed():
+    s = random.randrange(1 << 30)
+    print(f"seed {s}")
+    return s
+
+
+def test_host_ops(monkeypatch, seed):
+    g = torch.Generator().manual_seed(seed)
+    pg = _group(monkeypatch)
+    x = torch.randn(6, 5, generator=g)
+    pg.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
+    pg.broadcast([x], _opts(dist.BroadcastOptions, rootRank=2))
+    out = torch.empty(4 * 30)
+    pg._allgather_base(out, x.reshape(-1), _opts(AllgatherOptions))
+    pg._reduce_scatter_base(x.reshape(-1)[:5], out[:20], _opts(dist.ReduceScatterOptions))
+    o2 = torch.empty(8, 5)
+    pg.alltoall_base(o2, x, [1, 3, 2, 2], [2, 2, 1, 1], _opts(dist.AllToAllOptions))
+    ops = pg._comm.ops
+    f32, mx, s = _ops.DTYPE_CODES[torch.float32], _ops.OP_CODES["MAX"], _ops.SUM
+    assert ops[0] == (_ops.ALL_REDUCE, x.data_ptr(), 120, x.data_ptr(), 120, f32, mx, 0, None, True, None)
+    assert ops[1][:1] + ops[1][5:] == (_ops.BROADCAST, f32, s, 2, None, True, None)
+    assert ops[2][:5] == (_ops.ALL_GATHER, x.data_ptr(), 120, out.data_ptr(), 480)
+    assert ops[3][0] == _ops.REDUCE_SCATTER and ops[3][2] == 80 and ops[3][4] == 20
+    assert ops[4][0] == _ops.ALL_TO_ALL and ops[4][10] == ([], [40, 40, 20, 20], [], [20, 60, 40, 40])
+    pg.barrier()
+    assert ops[5] == (_ops.BARRIER, 0, 0, 0, 0, _ops.UINT8, s, 0, None, False, None)
+    pg.recv([x], 3, 5)
+    assert ops[6] == (_ops.RECV, 0, 0, x.data_ptr(), 120, f32, s, 3, None, False, None, 5)
+
+
+def test_host_rooted_ops_pass_the_root_only_side_at_the_root(monkeypatch, seed):
+    g = torch.Generator().manual_seed(seed)
+    for rank in (0, 2):
+        pg = _group(monkeypatch, rank=rank)
+        x = torch.randn(3, generator=g)
+        outs = [[torch.empty(3) for _ in range(4)]]
+        pg.gather(outs if rank == 2 else [], [x], _opts(dist.GatherOptions, rootRank=2))
+        op = pg._comm.ops[-1]
+        assert op[0] == _ops.GATHER and op[7] == 2 and op[1:3] == (x.data_ptr(), 12)
+        assert op[4] == (48 if rank == 2 else 0)
+        out = torch.empty(3)
+        ins = [[torch.randn(3, generator=g) for _ in range(4)]]
+        pg.scatter([out], ins if rank == 2 else [], _opts(dist.ScatterOptions, rootRank=2))
+        op = pg._comm.ops[-1]
+        assert op[0] == _ops.SCATTER and op[7] == 2 and op[3:5] == (out.data_ptr(), 12)
+        assert op[2] == (48 if rank == 2 else 0)
+
+
+def test_coalesced_all_gather_is_packed_once_for_both_devices(monkeypatch, seed):
+    """The CPU and CUDA plans of a coalesced all_gather make the same block: one layout."""
+    g = torch.Generator().manual_seed(seed)
+    ins = [torch.randn(7, generator=g), torch.randint(0, 9, (3, 2), generator=g), torch.randn(5, generator=g).bfloat16()]
+    blocks = []
+    for cuda in (False, True):
+        pg = _group(monkeypatch, size=2, cuda=cuda)
+        inputs = [t.as_subclass(_Cuda) if cuda else t for t in ins]
+        outs = [torch.empty(2 * t.numel(), dtype=t.dtype) for t in ins]
+        outs = [t.as_subclass(_Cuda) for t in outs] if cuda else outs
+        captured = []
+        real_pack = backend._pack_bytes
+
+        def pack(inputs, offsets, total, captured=captured, real_pack=real_pack):
+            flat = real_pack(inputs, offsets, total)
+            captured.append((list(offsets), total, flat))
+            return flat
+
+        monkeypatch.setattr(backend, "_pack_bytes", pack)
+        monkeypatch.setattr(cuda_calls, "_pack_bytes", pack)
+        pg.allgather_into_tensor_coalesced(outs, inputs, _opts(AllgatherOptions))
+        (op,) = pg._comm.ops
+        assert op[0] == _ops.ALL_GATHER and op[5] == _ops.UINT8
+        offsets, total, flat = captured[0]
+        assert op[2] == total and op[4] == 2 * total
+        blocks.append((offsets, total, [flat[o : o + _nbytes(t)] for o, t in zip(offsets, ins)]))
+    assert blocks[0][:2] == blocks[1][:2]
+    for a, b in zip(blocks[0][2], blocks[1][2]):
+        assert torch.equal(a, b)
+
+
+def test_cuda_ops(monkeypatch, seed):
+    g = torch.Generator().manual_seed(seed)
+    pg = _group(monkeypatch, cuda=True)
+    x = torch.randn(64, generator=g).bfloat16().as_subclass(_Cuda)
+    bf16, f32 = _ops.DTYPE_CODES[torch.bfloat16], _ops.DTYPE_CODES[torch.float32]
+    # The blocking all_reduce's fast path and its full path make the same op.
+    pg.allreduce([x], _opts(dist.AllreduceOptions))
+    pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True))
+    fast, full = pg._comm.ops
+    assert fast == (_ops.ALL_REDUCE, x.data_ptr(), 128, x.data_ptr(), 128, bf16, _ops.SUM, 0, 77, True)
+    assert full == fast[:9] + (False,)
+    y = torch.randn(8, generator=g).as_subclass(_Cuda)
+    pg.broadcast([y], _opts(dist.BroadcastOptions, rootRank=3))
+    pg.reduce([y], _opts(dist.ReduceOptions, rootRank=2, reduceOp=dist.ReduceOp.MIN))
+    out = torch.empty(32).as_subclass(_Cuda)
+    pg._allgather_base(out, y, _opts(AllgatherOptions))
+    pg._reduce_scatter_base(y, out, _opts(dist.ReduceScatterOptions))
+    b, r, ag, rs = pg._comm.ops[2:]
+    assert b[5:8] == (_ops.UINT8, _ops.SUM, 3) and b[2] == 32
+    assert r[0] == _ops.REDUCE and r[5:8] == (f32, _ops.OP_CODES["MIN"], 2)
+    assert ag[:5] == (_ops.ALL_GATHER, y.data_ptr(), 32, out.data_ptr(), 128) and ag[5] == _ops.UINT8
+    assert rs[:5] == (_ops.REDUCE_SCATTER, out.data_ptr(), 128, y.data_ptr(), 32) and rs[5] == f32
+    # all_to_all: the chunks per peer travel as splits.
+    o = torch.empty(16).as_subclass(_Cuda)
+    i = torch.randn(16, generator=g).as_subclass(_Cuda)
+    pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions))
+    a2a = pg._comm.ops[-1]
+    ip, op_ = i.data_ptr(), o.data_ptr()
+    assert a2a[0] == _ops.ALL_TO_ALL and a2a[8:] == (
+        77,
+        True,
+        ([ip, ip + 16, ip + 32, ip + 48], [16] * 4, [op_, op_ + 16, op_ + 32, op_ + 48], [16] * 4),
+    )
+    # send/recv: the peer in the root field.
+    pg.send([y], 3)
+    assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, y.data_ptr(), 32, _ops.UINT8, _ops.SUM, 3)
+    pg.recv([y], 0)
+    assert pg._comm.ops[-1][:10] == (_ops.RECV, y.data_ptr(), 32, y.data_ptr(), 32, _ops.UINT8, _ops.SUM, 0, 77, False)
+
+
+def test_cuda_coalesced_all_reduce_is_one_op_per_dtype(monkeypatch, seed):
+    g = torch.Generator().manual_seed(seed)
+    pg = _group(monkeypatch, cuda=True)
+    ts = [torch.randn(5, generator=g), torch.randn(3, generator=g).bfloat16(), torch.randn(4, generator=g)]
+    pg.allreduce_coalesced([t.as_subclass(_Cuda) for t in ts], _opts(dist.AllreduceCoalescedOptions))
+    ops = pg._comm.ops
+    assert [(op[0], op[2], op[5]) for op in ops] == [
+        (_ops.ALL_REDUCE, 36, _ops.DTYPE_CODES[torch.float32]),
+        (_ops.ALL_REDUCE, 6, _ops.DTYPE_CODES[torch.bfloat16]),
+    ]
+
+
+def test_bad_arguments_join_as_invalid_through_one_owner(monkeypatch):
+    pg = _group(monkeypatch, cuda=True)
+    x = torch.randn(4).as_subclass(_Cuda)
+    with pytest.raises(ValueError, match="rsccl: broadcast: rank 1 passed root 9, not a rank of this group of 4"):
+        pg.broadcast([x], _opts(dist.BroadcastOptions, rootRank=9))
+    assert pg._comm.ops[-1][:3] == ("invalid", _ops.BROADCAST, _ops.ErrorClass.VALUE) and pg._comm.ops[-1][4] == 77
+
+
+def test_registry_every_kind_is_named_routed_and_covered():
+    """Every kind of the Rust core (collective/kind.rs) has a constant in rsccl._ops, is
+    used by the ProcessGroup, and by this file's checks; every dtype and op has a torch
+    counterpart; every error class its exception."""
+    src = Path(backend.__file__).read_text()
+    here = Path(__file__).read_text()
+    for name, code in _rsccl.KINDS:
+        if name == "an invalid call":
+            continue
+        const = name.upper()
+        assert getattr(_ops, const) == code, f"rsccl._ops lacks {const}"
+        assert src.count(const) >= 2, f"_backend.py does not route {name}"
+        assert f"_ops.{const}" in here, f"tests/test_plan.py does not cover {name}"
+    assert {getattr(torch, n) for n, _ in _rsccl.DTYPES} == set(_ops.DTYPE_CODES)
+    assert set(_ops.OP_CODES) <= set(dist.ReduceOp.RedOpType.__members__)
+    assert {c.exception for c in _ops.ErrorClass} == {ValueError, TypeError}
