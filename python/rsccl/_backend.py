@@ -60,6 +60,7 @@ from ._plan import (
     _chain,
     _check_cuda_tensor,
     _check_tensor,
+    _first_tensor,
     _flat_cat,
     _gather_layout,
     _gathered,
@@ -219,20 +220,29 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
         self._comm.shutdown()
 
     # -- the single seam ---------------------------------------------------------------
-    def _run(self, kind: str, gloo_call: Callable[[Any], Any], prepare: Callable[[], _Plan], n_ops: int = 1, opts: Any = None) -> Any:
+    def _run(
+        self,
+        kind: str,
+        gloo_call: Callable[[Any], Any],
+        prepare: Callable[[], _Plan],
+        n_ops: int = 1,
+        opts: Any = None,
+        args: tuple = (),
+    ) -> Any:
         """Delegate to gloo for multi-host groups; else prepare, then submit.
 
         `prepare` validates every argument and builds every buffer before anything is
         submitted, so a bad argument never leaves earlier operations of the same call in
         flight. If preparing fails, this rank joins the `n_ops` operations a healthy rank
         submits for this call as invalid (`_join_invalid`), so every rank stays in step and
-        raises the same error."""
+        raises the same error. `args` are the call's tensor arguments as torch passed them:
+        they say which side the call was meant for (`_invalid_stream`)."""
         if self._gloo is not None:
             return gloo_call(self._gloo)
         try:
             plan = prepare()
         except Exception as e:  # noqa: BLE001 - raised by _join_invalid once the peers are told
-            self._join_invalid(kind, e, n_ops)
+            self._join_invalid(kind, e, n_ops, self._invalid_stream(args))
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
         # call runs on this thread when nothing is queued before it, raises here if it
         # fails, and needs none of an asynchronous Work's bookkeeping.
@@ -272,6 +282,20 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
         o = _buf(out) if out is not None else (0, 0)
         dtype = dtype_code(inp if inp is not None else out) if (inp is not None or out is not None) else UINT8
         return self._comm.run(kind, i[0], i[1], o[0], o[1], dtype, op, root, None, blocking, splits)
+
+    def _invalid_stream(self, args: tuple) -> int | None:
+        """Where a call whose arguments did not even route (two tensors for all_reduce, a list
+        of floats, a non-tensor in a tensor list) joins as invalid: the CUDA side (its stream)
+        when its first tensor is a CUDA tensor of this group, or when it holds no tensor at
+        all and the group has a CUDA engine (a group made with a GPU mostly runs CUDA calls);
+        else host memory (None). The peers of a rank that guessed wrong time out naming it
+        (docs/errors.md)."""
+        if self._cuda_device is None:
+            return None
+        t = _first_tensor(args)
+        if t is None or self._cuda_ok(t):
+            return raw_stream(self._cuda_device)
+        return None
 
     def _join_invalid(self, kind: int | str, err: BaseException, n_ops: int, stream: int | None = None) -> NoReturn:
         """Preparing a call of `kind` failed on this rank: its arguments (an ArgumentError)
@@ -339,7 +363,7 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             s = _Staged(_one(tensors, "all_reduce"))
             return _Plan([lambda b: self._host(ALL_REDUCE, s.buf, s.buf, b, op)], tensors, s, s.post)
 
-        return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare, opts=opts)
+        return self._run("all_reduce", lambda g: g.allreduce(tensors, opts), prepare, opts=opts, args=(tensors,))
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, opts: Any) -> Any:
         """Sum of sparse COO tensors (DDP's path for nn.Embedding(sparse=True)), as gloo
@@ -404,7 +428,9 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
                 posts.append(_scatter_back(flat, group))
             return _Plan(submits, tensors, keep, _chain(*posts))
 
-        return self._noted(self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes), opts=opts))
+        return self._noted(
+            self._run("all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), prepare, len(dtypes), opts=opts, args=(tensors,))
+        )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -415,7 +441,7 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             s = _Staged(_one(tensors, "broadcast"))
             return _Plan([lambda b: self._host(BROADCAST, s.buf, s.buf, b, root=root)], tensors, s, s.post)
 
-        return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare, opts=opts)
+        return self._run("broadcast", lambda g: g.broadcast(tensors, opts), prepare, opts=opts, args=(tensors,))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -428,7 +454,7 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             post = s.post if self.rank() == root else None
             return _Plan([lambda b: self._host(REDUCE, s.buf, s.buf, b, op, root)], tensors, s, post)
 
-        return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare, opts=opts)
+        return self._run("reduce", lambda g: g.reduce(tensors, opts), prepare, opts=opts, args=(tensors,))
 
     def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "all_gather output")
@@ -446,7 +472,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit, keep, post = self._all_gather_one(output, input)
             return _Plan([submit], [output], keep, post)
 
-        return self._run("all_gather", lambda g: g._allgather_base(output, input, opts), prepare, opts=opts)
+        return self._run(
+            "all_gather",
+            lambda g: g._allgather_base(output, input, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output,
+                input,
+            ),
+        )
 
     all_gather_single = _allgather_base
 
@@ -471,7 +506,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit, keep, _ = self._all_gather_one(flat, inp)
             return _Plan([submit], output_tensors, keep, _scatter_back(flat, outs))
 
-        return self._run("all_gather", lambda g: g.allgather(output_tensors, input_tensors, opts), prepare, opts=opts)
+        return self._run(
+            "all_gather",
+            lambda g: g.allgather(output_tensors, input_tensors, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_tensors,
+                input_tensors,
+            ),
+        )
 
     def _gather_bytes(self, pairs: list[tuple[list[torch.Tensor], torch.Tensor]]) -> _Plan:
         """All-gather many inputs of any dtypes in ONE engine operation, moving bytes:
@@ -530,7 +574,18 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             plan.post, plan.result = post, outputs
             return plan
 
-        return self._noted(self._run("all_gather", lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts), prepare, opts=opts))
+        return self._noted(
+            self._run(
+                "all_gather",
+                lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts),
+                prepare,
+                opts=opts,
+                args=(
+                    outputs,
+                    inputs,
+                ),
+            )
+        )
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> RsWork:
         if input_list and self._cuda_ok(input_list[0]):
@@ -549,7 +604,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             plan.result = output_lists
             return plan
 
-        return self._run("all_gather", lambda g: g.allgather_coalesced(output_lists, input_list, opts), prepare, opts=opts)
+        return self._run(
+            "all_gather",
+            lambda g: g.allgather_coalesced(output_lists, input_list, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_lists,
+                input_list,
+            ),
+        )
 
     def _reduce_scatter_one(
         self, out: torch.Tensor, inp: torch.Tensor, op: str
@@ -570,7 +634,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit, keep, post = self._reduce_scatter_one(output, input, op)
             return _Plan([submit], [output], keep, post)
 
-        return self._run("reduce_scatter", lambda g: g._reduce_scatter_base(output, input, opts), prepare, opts=opts)
+        return self._run(
+            "reduce_scatter",
+            lambda g: g._reduce_scatter_base(output, input, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output,
+                input,
+            ),
+        )
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -595,7 +668,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit, keep, post = self._reduce_scatter_one(out, _flat_cat(ins), op)
             return _Plan([submit], output_tensors, keep, post)
 
-        return self._run("reduce_scatter", lambda g: g.reduce_scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
+        return self._run(
+            "reduce_scatter",
+            lambda g: g.reduce_scatter(output_tensors, input_tensors, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_tensors,
+                input_tensors,
+            ),
+        )
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RsWork:
         op = op_code(opts.reduceOp) if opts is not None else SUM
@@ -630,7 +712,17 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
 
         n_ops = 1 if one_dtype else len(inputs)
         return self._noted(
-            self._run("reduce_scatter", lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts), prepare, n_ops, opts=opts)
+            self._run(
+                "reduce_scatter",
+                lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+                prepare,
+                n_ops,
+                opts=opts,
+                args=(
+                    outputs,
+                    inputs,
+                ),
+            )
         )
 
     def alltoall_base(
@@ -658,6 +750,12 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
             prepare,
             opts=opts,
+            args=(
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            ),
         )
 
     all_to_all_single = alltoall_base
@@ -684,7 +782,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit = lambda b: self._host(ALL_TO_ALL, flat_in, flat_out, b, splits=([], send, [], recv))
             return _Plan([submit], output_tensors, (flat_in, flat_out), _scatter_back(flat_out, outs))
 
-        return self._run("all_to_all", lambda g: g.alltoall(output_tensors, input_tensors, opts), prepare, opts=opts)
+        return self._run(
+            "all_to_all",
+            lambda g: g.alltoall(output_tensors, input_tensors, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_tensors,
+                input_tensors,
+            ),
+        )
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -701,7 +808,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit = lambda b: self._host(GATHER, inp, flat, b, root=root)
             return _Plan([submit], output_tensors, (inp, flat), post)
 
-        return self._run("gather", lambda g: g.gather(output_tensors, input_tensors, opts), prepare, opts=opts)
+        return self._run(
+            "gather",
+            lambda g: g.gather(output_tensors, input_tensors, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_tensors,
+                input_tensors,
+            ),
+        )
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> RsWork:
         root = opts.rootRank if opts is not None else 0
@@ -717,7 +833,16 @@ class ProcessGroupRsccl(CudaCalls, dist.ProcessGroup):
             submit = lambda b: self._host(SCATTER, flat, s.buf, b, root=root)
             return _Plan([submit], output_tensors, (flat, s), s.post)
 
-        return self._run("scatter", lambda g: g.scatter(output_tensors, input_tensors, opts), prepare, opts=opts)
+        return self._run(
+            "scatter",
+            lambda g: g.scatter(output_tensors, input_tensors, opts),
+            prepare,
+            opts=opts,
+            args=(
+                output_tensors,
+                input_tensors,
+            ),
+        )
 
     def barrier(self, opts: Any = None) -> RsWork:
         if self._cuda_device is not None:

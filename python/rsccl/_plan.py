@@ -224,3 +224,16 @@ def _chain(*posts: Callable[[], None] | None) -> Callable[[], None]:
                 p()
 
     return post
+
+
+def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
+    """The first tensor in torch's argument nesting (a tensor, a list of them, a list of
+    lists), depth first; None if there is none."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)) and depth < 3:
+        for y in x:
+            t = _first_tensor(y, depth + 1)
+            if t is not None:
+                return t
+    return None
