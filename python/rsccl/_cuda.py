@@ -17,7 +17,7 @@ from . import _rsccl
 _NVRTC_LOADED = False
 
 # dtypes (torch dtype -> name) and ops rsccl's CUDA kernels reduce, from the kernel table
-# (rust/core/src/cuda/kernels.rs); gathers and broadcasts move bytes of any dtype.
+# (rust/core/src/cuda/kernels/mod.rs); gathers and broadcasts move bytes of any dtype.
 REDUCE_DTYPES = {getattr(torch, name): name for name in _rsccl.CUDA_REDUCE_DTYPES}
 REDUCE_OPS = tuple(_rsccl.CUDA_REDUCE_OPS)
 

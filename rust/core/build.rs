@@ -1,6 +1,6 @@
 //! With the `prebuilt-kernels` feature (on in the wheel: pyproject.toml), compile rsccl's
 //! kernels (csrc_kernels/*.cu) with nvcc into one fat binary per family and embed them
-//! (src/cuda/kernels.rs, `prebuilt`): SASS for every arch of TARGETS and PTX of the newest,
+//! (src/cuda/kernels/fatbin.rs, `prebuilt`): SASS for every arch of TARGETS and PTX of the newest,
 //! so that no GPU machine compiles anything at init_process_group. Without the feature
 //! (`cargo test`, `cargo build`) nothing is compiled and the runtime uses NVRTC.
 //!

@@ -88,7 +88,7 @@ def pool_gpus(gpus):
 
 
 def _auto_one_shot_max(local_ranks: int) -> int:
-    """rust/core/src/cuda/engine.rs auto_one_shot_max: the one-shot limit when
+    """rust/core/src/cuda/decide.rs auto_one_shot_max: the one-shot limit when
     cuda_allreduce_one_shot_max_bytes is 0."""
     return 2 * MiB if local_ranks <= 2 else 512 << 10 if local_ranks <= 4 else 256 << 10
 

@@ -182,7 +182,7 @@ def options_text(options: dict[str, int | str]) -> str:
 
 def one_shot_limit(world: int, options: dict[str, int | str]) -> int | None:
     """The all_reduce size up to which rsccl runs one-shot (staged even on pool buffers: in
-    place applies to two-shot only), as rsccl resolves it (rust/core/src/cuda/engine.rs,
+    place applies to two-shot only), as rsccl resolves it (rust/core/src/cuda/decide.rs,
     auto_one_shot_max); None where rsccl would refuse the options."""
     r = resolved(options)
     if r is None:

@@ -2,7 +2,7 @@
 //! (one-shot vs two-shot), placement (which buffers a call offers in place), the bytes a
 //! call moves, the staging split, the send/recv inbox chunk, the send/recv grid and the
 //! grids of ranks that share a GPU. (Hierarchical vs flat, the NCCL engine's choice, lives
-//! in nccl_engine.rs.)
+//! in nccl_engine/choice.rs.)
 
 use super::call::{CudaCall, CudaKind};
 use super::kernels::{Family, STAGE_OFF};

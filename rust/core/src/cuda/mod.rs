@@ -2,7 +2,7 @@
 //! rsccl's kernels (kernels/: csrc_kernels/, prebuilt or compiled by NVRTC and cached),
 //! the engine for ranks on one host (engine/: the launch path with its stream and error
 //! rules, on the symmetric pool of memory/device_pool.rs), its pure choices (decide.rs),
-//! and the NCCL engine for groups that span hosts (nccl.rs, nccl_engine.rs), which uses the
+//! and the NCCL engine for groups that span hosts (nccl.rs, nccl_engine/), which uses the
 //! former inside each host.
 
 pub mod call;

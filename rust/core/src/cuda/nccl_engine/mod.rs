@@ -20,7 +20,7 @@
 //! communicator and one stream per direction, a send to j never waits behind a receive
 //! from j (docs/multihost.md).
 //!
-//! Streams, as in rsccl's CUDA engine (engine.rs): a blocking call runs on the caller's
+//! Streams, as in rsccl's CUDA engine (engine/): a blocking call runs on the caller's
 //! stream (`cuda_sync_stream = 1`), an asynchronous one on the internal stream after an
 //! event makes it wait for the caller's; a call on another stream than the previous one
 //! is ordered after it; an asynchronous call returns its end event. The three phases of a
