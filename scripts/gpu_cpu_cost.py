@@ -5,9 +5,9 @@ call of each layer (torch.distributed, the ProcessGroup method, the Rust launch)
     python3 scripts/gpu_cpu_cost.py
 
 On one GPU both ranks share it (rsccl's allow_shared_gpu; start MPS first for a fair GPU
-column), and the NCCL rows are left out (NCCL refuses two ranks on one GPU). 500 timed calls
-per row, fewer than CUDA's launch queue holds, so the CPU column is the CPU's time even
-where the GPU is slower than the launches.
+column), and the NCCL rows are left out (NCCL refuses two ranks on one GPU). Each row is the
+median of 7 blocks of 500 timed calls (a block is fewer calls than CUDA's launch queue
+holds, so the CPU column is the CPU's time even where the GPU is slower than the launches).
 """
 
 import os
@@ -74,18 +74,24 @@ def rank_main(rank, world, port, q):
     for name, fn in cases.items():
         for _ in range(50):
             fn()
-        torch.cuda.synchronize()
-        dist.barrier(group=nccl)
-        n = 500
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t = time.perf_counter()
-        e0.record()
-        for _ in range(n):
-            fn()
-        cpu = (time.perf_counter() - t) / n * 1e6
-        e1.record()
-        torch.cuda.synchronize()
-        out[name] = (cpu, e0.elapsed_time(e1) * 1000 / n)
+        # Seven blocks of 500 calls, the median block reported (one-off stalls of a shared
+        # machine do not move it).
+        rows = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            dist.barrier(group=nccl)
+            n = 500
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            e0.record()
+            for _ in range(n):
+                fn()
+            cpu = (time.perf_counter() - t) / n * 1e6
+            e1.record()
+            torch.cuda.synchronize()
+            rows.append((cpu, e0.elapsed_time(e1) * 1000 / n))
+        rows.sort()
+        out[name] = rows[len(rows) // 2]
     q.put((rank, out))
     dist.destroy_process_group()
 

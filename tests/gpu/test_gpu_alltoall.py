@@ -136,7 +136,8 @@ def body_views_list_async(ctx, seed: int) -> None:
     n_out = sum(s[i][me] for i in range(w))
     wide_out = torch.full((n_out, 2 * COLS), 5, dtype=torch.bfloat16, device=ctx.device)
     view_in, view_out = wide_in[:, ::2], wide_out[:, ::2]
-    assert not view_in.is_contiguous() and not view_out.is_contiguous()
+    # (An empty view counts as contiguous: an uneven split may give a rank no rows.)
+    assert all(v.numel() == 0 or not v.is_contiguous() for v in (view_in, view_out))
     f.run(what, dist.all_to_all_single, view_out, view_in, [s[i][me] for i in range(w)], s[me])
     f.run(what, assert_equal, view_out, expected(xs, s, me), what)
     f.run(

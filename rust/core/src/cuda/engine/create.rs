@@ -245,6 +245,8 @@ impl CudaEngine {
             peers_poisoned: AtomicBool::new(false),
         });
         let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
+        // Read while the connections are up: a peer that died can no longer be asked.
+        let pids: Vec<Option<u32>> = (0..n).map(|j| mesh.peer_pid(j)).collect();
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
@@ -261,6 +263,8 @@ impl CudaEngine {
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
             sync_on_caller: cfg.cuda_sync_stream,
             local_ranks: local_ranks.clone(),
+            mesh: mesh.clone(),
+            pids: pids.clone(),
             collectives: Default::default(),
             watchdog: Mutex::new(None),
             timeout,
@@ -276,7 +280,7 @@ impl CudaEngine {
             let mesh = mesh.clone();
             std::thread::Builder::new()
                 .name("rsccl-cuda-watchdog".into())
-                .spawn(move || watchdog(sh, mesh, local_ranks))
+                .spawn(move || watchdog(sh, mesh, local_ranks, pids))
                 .map_err(|e| Error::os("starting the CUDA watchdog thread", e))?
         };
         *engine.watchdog.lock() = Some(wd);

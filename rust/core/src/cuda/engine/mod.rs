@@ -45,6 +45,7 @@ pub use super::decide::{
 };
 use super::driver::Stream;
 use super::kernels::{Family, Kernels};
+use crate::bootstrap::LocalMesh;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
@@ -78,6 +79,10 @@ pub struct CudaEngine {
     one_shot_max: usize,
     sync_on_caller: bool,
     local_ranks: Vec<usize>,
+    /// The local ranks' connections and pids (read at creation, while they were up): a
+    /// peer named by a kernel's abort is checked against them (`fatal`).
+    mesh: Arc<LocalMesh>,
+    pids: Vec<Option<u32>>,
     collectives: std::sync::atomic::AtomicU64,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     timeout: Duration,

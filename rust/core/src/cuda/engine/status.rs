@@ -192,6 +192,9 @@ impl CudaEngine {
                 self.timeout.as_secs_f64()
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
+            // A peer stopped the group; if its process is gone, say so as this rank's own
+            // watchdog would have (it may not have polled yet: the peer's poison came first).
+            ERR_PEER if self.mesh.gone().contains(&peer) => super::watchdog::gone_error(&self.local_ranks, &self.pids, peer),
             ERR_PEER => Error::Aborted(format!(
                 "the group was stopped because of rank {grank}: it failed (a timeout, a send/recv size mismatch, an \
                  abort) or died; see rank {grank}'s error, or its exit"

@@ -9,20 +9,24 @@ use super::status::{HostWords, Shared};
 use crate::bootstrap::LocalMesh;
 use crate::error::Error;
 
-pub(super) fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>) {
-    // Read while the connections are up: a peer that died can no longer be asked.
-    let pids: Vec<Option<u32>> = (0..mesh.size()).map(|j| mesh.peer_pid(j)).collect();
+/// The error naming local peer `j`, whose process is gone (`pids`: each local peer's pid,
+/// read while the connections were up).
+pub(super) fn gone_error(local_ranks: &[usize], pids: &[Option<u32>], j: usize) -> Error {
+    let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
+    Error::PeerFailure(format!(
+        "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
+        local_ranks.get(j).copied().unwrap_or(j)
+    ))
+}
+
+pub(super) fn watchdog(sh: Arc<Shared>, mesh: Arc<LocalMesh>, local_ranks: Vec<usize>, pids: Vec<Option<u32>>) {
     while !sh.stop.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_millis(50));
         let gone = mesh.gone();
         if let Some(&j) = gone.first() {
             let mut p = sh.poisoned.lock();
             if p.is_none() {
-                let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
-                *p = Some(Error::PeerFailure(format!(
-                    "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
-                    local_ranks.get(j).copied().unwrap_or(j)
-                )));
+                *p = Some(gone_error(&local_ranks, &pids, j));
             }
             drop(p);
             // Kernels poll this word while they wait and return (NOTE [Bounded waits] in csrc_kernels/protocol.cuh).
