@@ -60,6 +60,7 @@ class _Recorder:
 def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> backend.ProcessGroupRsccl:
     monkeypatch.setattr(backend, "raw_stream", lambda device: 77)
     monkeypatch.setattr(cuda_calls, "raw_stream", lambda device: 77)
+    monkeypatch.setattr(collectives, "raw_stream", lambda device: 77)
     pg = backend.ProcessGroupRsccl.__new__(backend.ProcessGroupRsccl)
     dist.ProcessGroup.__init__(pg, rank, size)
     pg._comm = _Recorder()
@@ -243,3 +244,29 @@ def test_registry_every_kind_is_named_routed_and_covered():
     assert {getattr(torch, n) for n, _ in _rsccl.DTYPES} == set(_ops.DTYPE_CODES)
     assert set(_ops.OP_CODES) <= set(dist.ReduceOp.RedOpType.__members__)
     assert {c.exception for c in _ops.ErrorClass} == {ValueError, TypeError}
+
+
+def test_arguments_too_broken_to_route_join_the_side_of_their_first_tensor(monkeypatch, seed):
+    """A rank whose arguments do not even route (two tensors for all_reduce, a list of
+    floats) joins as invalid on the side its peers are on: its first tensor's, else the
+    CUDA engine's in a group that has one; on CUDA it names itself (docs/errors.md)."""
+    g = torch.Generator().manual_seed(seed)
+    pg = _group(monkeypatch, cuda=True)
+    x = torch.randn(5, generator=g)
+    cases = [
+        ([x.as_subclass(_Cuda), x.as_subclass(_Cuda)], ValueError, 77),  # CUDA tensors: the CUDA side
+        ([[1.0, 2.0]], TypeError, 77),  # no tensor at all: the group's CUDA engine
+        ([x, x.clone()], ValueError, None),  # CPU tensors: the host engine
+    ]
+    for tensors, exc, stream in cases:
+        with pytest.raises(exc) as info:
+            pg.allreduce(tensors, _opts(dist.AllreduceOptions))
+        invalid = pg._comm.ops[-1]
+        assert invalid[:2] == ("invalid", _ops.ALL_REDUCE) and invalid[4] == stream, (tensors, invalid)
+        if stream is not None:
+            assert "rank 1" in str(info.value), f"the bad rank's own CUDA error does not name it: {info.value}"
+    # A group without a CUDA engine never guesses CUDA.
+    cpu = _group(monkeypatch, cuda=False)
+    with pytest.raises(TypeError):
+        cpu.allreduce([[1.0, 2.0]], _opts(dist.AllreduceOptions))
+    assert cpu._comm.ops[-1][4] is None
