@@ -221,6 +221,28 @@ fn random_nonce() -> Result<[u8; 16]> {
     Ok(b)
 }
 
+/// An in-memory store, as torch's HashStore (for the tests of the modules that use a store).
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+#[cfg(test)]
+impl Store for MemStore {
+    fn set(&self, k: &str, v: &[u8]) -> Result<()> {
+        self.0.lock().insert(k.into(), v.into());
+        Ok(())
+    }
+    fn get(&self, k: &str, _: Duration) -> Result<Vec<u8>> {
+        self.0.lock().get(k).cloned().ok_or_else(|| Error::Timeout(k.into()))
+    }
+    fn add(&self, k: &str, d: i64) -> Result<i64> {
+        let mut m = self.0.lock();
+        let v = m.get(k).map_or(0, |b| i64::from_le_bytes(b[..8].try_into().unwrap())) + d;
+        m.insert(k.into(), v.to_le_bytes().to_vec());
+        Ok(v)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,26 +273,6 @@ mod tests {
         b.settings[1] = 9;
         let e = check_same_settings(&[info("a"), info("a"), b], &names).unwrap_err().to_string();
         assert!(e.contains("p2p_buffer_bytes (RSCCL_P2P_BUFFER_BYTES): rank 0 has 2, rank 2 has 9"), "{e}");
-    }
-
-    /// An in-memory store, as torch's HashStore.
-    #[derive(Default)]
-    struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
-
-    impl Store for MemStore {
-        fn set(&self, k: &str, v: &[u8]) -> Result<()> {
-            self.0.lock().insert(k.into(), v.into());
-            Ok(())
-        }
-        fn get(&self, k: &str, _: Duration) -> Result<Vec<u8>> {
-            self.0.lock().get(k).cloned().ok_or_else(|| Error::Timeout(k.into()))
-        }
-        fn add(&self, k: &str, d: i64) -> Result<i64> {
-            let mut m = self.0.lock();
-            let v = m.get(k).map_or(0, |b| i64::from_le_bytes(b[..8].try_into().unwrap())) + d;
-            m.insert(k.into(), v.to_le_bytes().to_vec());
-            Ok(v)
-        }
     }
 
     #[test]

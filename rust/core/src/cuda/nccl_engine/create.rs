@@ -130,37 +130,46 @@ fn share_id(store: &dyn Store, maker: Option<&Nccl>, nonce: &[u8; 16], role: Com
         store.add(&published, 1)?;
     }
     let during = format!("the creation of the {} NCCL communicator", role.label());
-    let mut pause = Duration::from_millis(1);
-    while store.add(&published, 0)? < 1 {
-        bound.peers_alive(&during)?;
-        reported_death(store, nonce)?;
-        if Instant::now() > bound.deadline {
-            return Err(Error::Timeout(format!(
-                "the NCCL id of the {} communicator was not published within the group timeout: its first rank did not get this far",
-                role.label()
-            )));
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(20));
-    }
+    poll_count(store, &published, 1, &bound, &during, nonce, |_| {
+        format!(
+            "the NCCL id of the {} communicator was not published within the group timeout: its first rank did not get this far",
+            role.label()
+        )
+    })?;
     let left = bound.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let raw = store.get(&key, left)?;
     let id: [u8; 128] = raw.as_slice().try_into().map_err(|_| Error::Internal(format!("NCCL id of {} bytes in the store", raw.len())))?;
     let joined = id_key(nonce, role, "joined");
     store.add(&joined, 1)?;
+    poll_count(store, &joined, members as i64, &bound, &during, nonce, |n| {
+        format!("only {n} of the {members} ranks of the {} NCCL communicator reached its creation within the group timeout", role.label())
+    })?;
+    Ok(id)
+}
+
+/// Poll the store counter `key` until it reaches `target`, checking between polls that the
+/// local ranks live (`bound`) and that no rank of another host reported a death; past the
+/// deadline, a timeout whose text `timed_out` gives from the last count. Never blocks in
+/// the store.
+fn poll_count(
+    store: &dyn Store,
+    key: &str,
+    target: i64,
+    bound: &Bound,
+    during: &str,
+    nonce: &[u8; 16],
+    timed_out: impl Fn(i64) -> String,
+) -> Result<()> {
     let mut pause = Duration::from_millis(1);
     loop {
-        let n = store.add(&joined, 0)?;
-        if n >= members as i64 {
-            return Ok(id);
+        let n = store.add(key, 0)?;
+        if n >= target {
+            return Ok(());
         }
-        bound.peers_alive(&during)?;
+        bound.peers_alive(during)?;
         reported_death(store, nonce)?;
         if Instant::now() > bound.deadline {
-            return Err(Error::Timeout(format!(
-                "only {n} of the {members} ranks of the {} NCCL communicator reached its creation within the group timeout",
-                role.label()
-            )));
+            return Err(Error::Timeout(timed_out(n)));
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(20));
@@ -437,25 +446,7 @@ mod tests {
         assert_ne!(id_key(&a, CommRole::Cross(0), "id"), id_key(&a, CommRole::Cross(0), "joined"));
     }
 
-    /// An in-memory store, as torch's HashStore.
-    #[derive(Default)]
-    struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
-
-    impl Store for MemStore {
-        fn set(&self, k: &str, v: &[u8]) -> Result<()> {
-            self.0.lock().insert(k.into(), v.into());
-            Ok(())
-        }
-        fn get(&self, k: &str, _: Duration) -> Result<Vec<u8>> {
-            self.0.lock().get(k).cloned().ok_or_else(|| Error::Timeout(k.into()))
-        }
-        fn add(&self, k: &str, d: i64) -> Result<i64> {
-            let mut m = self.0.lock();
-            let v = m.get(k).map_or(0, |b| i64::from_le_bytes(b[..8].try_into().unwrap())) + d;
-            m.insert(k.into(), v.to_le_bytes().to_vec());
-            Ok(v)
-        }
-    }
+    use crate::bootstrap::rendezvous::MemStore;
 
     fn random_id() -> [u8; 128] {
         let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
