@@ -535,6 +535,10 @@ mod tests {
         assert_eq!(a.num_keys().unwrap(), 1);
         let p = PrefixStore::new(Arc::new(a), "g");
         p.set("x", b"1").unwrap();
+        // SET has no reply (as in torch's protocol) and each connection has its own server
+        // thread: a round trip on the same connection makes sure the server applied it
+        // before the other connection looks (seen failing under load without it).
+        assert_eq!(p.add("sync", 0).unwrap(), 0);
         assert!(b.check(&["g/x"]).unwrap());
     }
 
