@@ -257,7 +257,9 @@ impl Communicator {
 
     /// Bytes reserved and mapped for this group, and traffic counters.
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.0.stats();
+        // Reading the kernels' counters waits for the group's kernels: without the GIL.
+        let all = py.detach(|| self.0.stats());
+        let s = &all.host;
         let d = PyDict::new(py);
         d.set_item("engine", self.0.kind.name())?;
         d.set_item("host_region_bytes", s.host_region_bytes)?;
@@ -265,8 +267,7 @@ impl Communicator {
         d.set_item("collectives", s.collectives)?;
         d.set_item("p2p_messages", s.p2p_messages)?;
         d.set_item("staged_bytes", s.staged_bytes)?;
-        // Reading the kernels' counters waits for the group's kernels: without the GIL.
-        if let Some(c) = py.detach(|| self.0.cuda_stats()) {
+        if let Some(c) = &all.cuda {
             d.set_item("cuda_device", c.device)?;
             d.set_item("cuda_va_reserved_bytes", c.va_reserved_bytes)?;
             d.set_item("cuda_mapped_own_bytes", c.mapped_own_bytes)?;
@@ -285,7 +286,7 @@ impl Communicator {
             d.set_item("cuda_blocks", c.blocks)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
         }
-        if let Some(n) = self.0.nccl_stats() {
+        if let Some(n) = &all.nccl {
             d.set_item("cuda_device", n.device)?;
             d.set_item("nccl_bytes", n.nccl_bytes)?;
             d.set_item("nccl_scratch_bytes", n.scratch_bytes)?;

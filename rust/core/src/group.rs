@@ -11,12 +11,13 @@ use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
 use crate::collective::op::{Op, Place};
-use crate::collective::{Collective, Kind};
+use crate::collective::Collective;
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
-use crate::cuda::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaStats, NcclEngine, NcclStats};
+use crate::cuda::{CudaEngine, DeviceCall, NcclEngine};
 use crate::engine::host::HostEngine;
-use crate::engine::{Engine, MemoryStats, P2p};
+pub use crate::engine::Ran;
+use crate::engine::{Engine, GroupStats, MemoryStats, P2p};
 use crate::error::{Error, Result};
 use crate::memory::Layout;
 use crate::work::WorkState;
@@ -54,28 +55,23 @@ pub struct Group {
     pub cfg: Config,
     pub timeout: Duration,
     pub kind: EngineKind,
-    /// Taken out at shutdown, so the region and sockets are released then, not whenever
-    /// Python drops the last reference to the group.
-    engine: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
-    /// The CUDA engine, when the group was created with a device.
-    cuda: parking_lot::Mutex<Option<CudaSide>>,
+    /// The engine of host memory (None where CPU tensors run on gloo). Taken out at
+    /// shutdown, so the region and sockets are released then, not whenever Python drops
+    /// the last reference to the group.
+    host: parking_lot::Mutex<Option<Arc<HostEngine>>>,
+    /// The engine of device memory, when the group was created with a device; taken out
+    /// at shutdown too.
+    device: parking_lot::Mutex<Option<Device>>,
 }
 
-/// What `Group::run` returns: the Work of a host op, the end event of an asynchronous CUDA
-/// op, or nothing (a blocking op that completed).
-pub enum Ran {
-    Work(Arc<WorkState>),
-    Event(CudaEvent),
-    Done,
-}
-
-/// Which engine runs a group's CUDA collectives.
+/// A group's device engine: rsccl's kernels (all ranks on one host) or NCCL (ranks span
+/// hosts, with rsccl's kernels inside each host where it runs hierarchically).
 #[derive(Clone)]
-enum CudaSide {
-    /// All ranks on one host: rsccl's kernels.
-    Local(Arc<CudaEngine>),
-    /// Ranks span hosts: NCCL (and rsccl's kernels inside each host, hierarchically).
-    Nccl(Arc<NcclEngine>),
+struct Device {
+    engine: Arc<dyn Engine<Call = DeviceCall>>,
+    /// rsccl's CUDA engine of this host, which holds the pool: the device engine itself on
+    /// one host; across hosts, the NCCL engine's host-local engine, if it has one.
+    local: Option<Arc<CudaEngine>>,
 }
 
 impl Group {
@@ -133,7 +129,7 @@ impl Group {
         let listener = listener.ok_or_else(|| Error::Internal("listener not bound".into()))?;
         let (kind, why) = choose_engine(&topo);
         let mut cuda = None;
-        let engine: Option<Arc<dyn Engine>> = match kind {
+        let host: Option<Arc<HostEngine>> = match kind {
             EngineKind::Gloo => {
                 if let Some(d) = cuda_device {
                     let nccl = Nccl::get().ok_or_else(|| {
@@ -146,7 +142,7 @@ impl Group {
                     let e = watch.during(Phase::Nccl, || {
                         NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline, &watch)
                     })?;
-                    cuda = Some(CudaSide::Nccl(e));
+                    cuda = Some(Device { local: e.local().cloned(), engine: e });
                 }
                 None
             }
@@ -161,125 +157,48 @@ impl Group {
                 // starts watching the mesh for peers that leave.
                 if let Some(d) = cuda_device {
                     let c = watch.during(Phase::Cuda, || CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline))?;
-                    cuda = Some(CudaSide::Local(c));
+                    cuda = Some(Device { local: Some(c.clone()), engine: c });
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
                 Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids))?))
             }
         };
-        let g = Group { topo, cfg, timeout, kind, engine: parking_lot::Mutex::new(engine), cuda: parking_lot::Mutex::new(cuda) };
+        let g = Group { topo, cfg, timeout, kind, host: parking_lot::Mutex::new(host), device: parking_lot::Mutex::new(cuda) };
         tracing::info!(
             rank,
             size,
             engine = kind.name(),
             why,
             hosts = g.topo.hosts.len(),
-            host_region_bytes = g.stats().host_region_bytes,
+            host_region_bytes = g.host_stats().host_region_bytes,
             "rsccl group created"
         );
         Ok(g)
     }
 
     /// The seam: run one op on the engine of its place. Every torch method reaches the
-    /// engines through here (Python: `Communicator.run`).
+    /// engines through here (Python: `Communicator.run`; the Rust front end too).
     ///
     /// The rule "a rank with bad arguments still joins the call as invalid, so its peers
     /// raise instead of waiting" lives here and nowhere else: an op that carries an error
-    /// (found by the Python layer) or whose arguments fail to translate joins its call as
-    /// invalid (host: `Collective::Invalid`, whose Work fails with the error every rank
-    /// agrees on; CUDA: the first barrier only, see `cuda_invalid`) and returns the error.
-    /// Point-to-point calls involve one peer only: they raise without joining.
+    /// (found by the front end) or whose arguments fail to translate for its engine joins
+    /// its call as invalid (`Engine::join_invalid`) and returns the error. Point-to-point
+    /// calls involve one peer only: they raise without joining.
     pub fn run(&self, op: Op) -> Result<Ran> {
         match op.place {
-            Place::Host => self.run_host(op),
-            Place::Cuda { stream } => self.run_cuda(op, stream),
-        }
-    }
-
-    fn run_host(&self, op: Op) -> Result<Ran> {
-        match op.kind {
-            Kind::Send | Kind::Recv => {
-                if let Some(e) = op.invalid {
-                    return Err(e);
-                }
-                Ok(Ran::Work(self.submit_p2p(op.to_p2p()?, None)?))
+            Place::Host => {
+                let (rank, n) = (self.topo.rank, self.topo.size);
+                run_on(self.host_engine(), op, self.timeout, |op| op.to_host(rank, n))
             }
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::Reduce
-            | Kind::AllToAll => {
-                let built = match op.invalid {
-                    Some(e) => Err(e),
-                    None => op.to_collective(self.topo.rank, self.topo.size),
-                };
-                let c = built.unwrap_or_else(|error| Collective::Invalid { kind: op.kind, error });
-                if op.blocking {
-                    self.run_now(c, None)?;
-                    return Ok(Ran::Done);
-                }
-                Ok(Ran::Work(self.submit(c, None)?))
+            Place::Cuda { stream } => {
+                let n = self.topo.size;
+                run_on(self.device().map(|d| d.engine), op, self.timeout, |op| op.to_device(n, stream))
             }
         }
     }
 
-    fn run_cuda(&self, op: Op, stream: u64) -> Result<Ran> {
-        let ran = |ev: Option<CudaEvent>| ev.map_or(Ran::Done, Ran::Event);
-        let asynchronous = !op.blocking;
-        match op.kind {
-            Kind::Send | Kind::Recv => {
-                if let Some(e) = op.invalid {
-                    return Err(e);
-                }
-                let peer = usize::try_from(op.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", op.root)))?;
-                let (send, span) = if op.kind == Kind::Send { (true, op.inp) } else { (false, op.out) };
-                Ok(ran(self.cuda_p2p(send, span.ptr, span.bytes, peer, stream, asynchronous)?))
-            }
-            Kind::AllToAll if op.invalid.is_none() && op.splits.is_some() => {
-                let x = op.splits.as_ref().expect("checked");
-                Ok(ran(self.cuda_all_to_all(x, stream, asynchronous)?))
-            }
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::Reduce
-            | Kind::AllToAll => {
-                let call = match op.invalid {
-                    Some(e) => Err(e),
-                    None if op.kind == Kind::AllToAll => Err(Error::Internal("all_to_all without splits".into())),
-                    None if op.kind == Kind::Invalid => Err(Error::Internal("an invalid call without its error".into())),
-                    None => op.to_cuda(self.topo.size, stream),
-                };
-                match call {
-                    Ok(c) => Ok(ran(self.cuda_launch(&c)?)),
-                    Err(e) => {
-                        // The peers' error is the mismatch they see; this rank's own is `e`
-                        // (a failure to tell them is logged: `e` is the one to raise).
-                        if !self.has_cuda() {
-                            return Err(e);
-                        }
-                        if let Err(told) = self.cuda_invalid(stream) {
-                            tracing::warn!(error = %told, "could not report an invalid CUDA call to the peers");
-                        }
-                        Err(e)
-                    }
-                }
-            }
-        }
-    }
-
-    fn engine(&self) -> Result<Arc<dyn Engine>> {
-        match (&*self.engine.lock(), self.kind) {
+    fn host_engine(&self) -> Result<Arc<HostEngine>> {
+        match (&*self.host.lock(), self.kind) {
             (Some(e), _) => Ok(e.clone()),
             (None, EngineKind::Host) => Err(Error::Aborted("the group was destroyed".into())),
             (None, EngineKind::Gloo) => {
@@ -288,13 +207,21 @@ impl Group {
         }
     }
 
+    /// Queue a host collective (the Rust front end's plans; Python goes through `run`).
     pub fn submit(&self, c: Collective, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.engine()?.submit(c, timeout.unwrap_or(self.timeout)))
+        Ok(self.host_engine()?.submit(c, timeout.unwrap_or(self.timeout)))
     }
 
-    /// Run a collective on the calling thread (or after the queued ones) and return when done.
+    /// Run a host collective on the calling thread (or after the queued ones) and return
+    /// when done.
     pub fn run_now(&self, c: Collective, timeout: Option<Duration>) -> Result<()> {
-        self.engine()?.run_now(c, timeout.unwrap_or(self.timeout))
+        self.host_engine()?.run_now(c, timeout.unwrap_or(self.timeout))
+    }
+
+    /// Queue a host send/recv (a recv from any source has no `Op`: its Work names the
+    /// source).
+    pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
+        Ok(self.host_engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
     }
 
     /// Name the global rank of each group rank in this group's messages (a subgroup's).
@@ -302,26 +229,37 @@ impl Group {
         if global.len() != self.topo.size {
             return Err(Error::InvalidArgument(format!("{} global ranks given for a group of {} ranks", global.len(), self.topo.size)));
         }
-        if let Some(e) = &*self.engine.lock() {
+        if let Some(e) = &*self.host.lock() {
             e.name_global_ranks(global);
         }
         Ok(())
     }
 
-    pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
+    /// What the host engine reserved, mapped and moved (zeros without one).
+    pub fn host_stats(&self) -> MemoryStats {
+        self.host.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
     }
 
-    pub fn stats(&self) -> MemoryStats {
-        self.engine.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
+    /// Every engine's part. Reading the CUDA counters waits for the group's queued kernels.
+    pub fn stats(&self) -> GroupStats {
+        let mut s = GroupStats::default();
+        let host = self.host.lock().clone();
+        if let Some(h) = host {
+            h.add_stats(&mut s);
+        }
+        // Not under the lock: shutdown needs it to stop the kernels this may wait for.
+        if let Ok(d) = self.device() {
+            d.engine.add_stats(&mut s);
+        }
+        s
     }
 
-    fn cuda_side(&self) -> Result<CudaSide> {
-        if let Some(c) = &*self.cuda.lock() {
-            return Ok(c.clone());
+    fn device(&self) -> Result<Device> {
+        if let Some(d) = &*self.device.lock() {
+            return Ok(d.clone());
         }
         Err(match self.kind {
-            EngineKind::Host if self.engine.lock().is_none() => Error::Aborted("the group was destroyed".into()),
+            EngineKind::Host if self.host.lock().is_none() => Error::Aborted("the group was destroyed".into()),
             EngineKind::Gloo => Error::InvalidArgument(
                 "this group spans hosts and has no CUDA engine: CUDA was not initialized when it was created. Call \
                  torch.cuda.set_device(local_rank) before init_process_group/new_group"
@@ -339,119 +277,73 @@ impl Group {
     /// group that spans hosts has one only where every host has the same number >= 2 of
     /// its GPUs (it runs the host-local phases of hierarchical collectives).
     pub fn cuda(&self) -> Result<Arc<CudaEngine>> {
-        match self.cuda_side()? {
-            CudaSide::Local(c) => Ok(c),
-            CudaSide::Nccl(n) => n.local().cloned().ok_or_else(|| {
-                Error::InvalidArgument(
-                    "this group spans hosts with unequal or single GPUs per host: its CUDA collectives run on NCCL \
-                     alone, and it has no rsccl CUDA engine (nor pool) on this host"
-                        .into(),
-                )
-            }),
-        }
+        self.device()?.local.ok_or_else(|| {
+            Error::InvalidArgument(
+                "this group spans hosts with unequal or single GPUs per host: its CUDA collectives run on NCCL \
+                 alone, and it has no rsccl CUDA engine (nor pool) on this host"
+                    .into(),
+            )
+        })
     }
 
-    /// Launch a CUDA collective on whichever engine the group has.
-    pub fn cuda_launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        match self.cuda_side()? {
-            CudaSide::Local(e) => e.launch(c),
-            CudaSide::Nccl(n) => n.launch(c),
-        }
+    /// Run one call on the device engine (the Rust front end's CUDA plans, checked; an op
+    /// that failed its checks goes through `run` as `Op::invalid`).
+    pub fn run_device(&self, call: DeviceCall) -> Result<Ran> {
+        self.device()?.engine.run(call, self.timeout)
     }
 
-    /// Launch a CUDA all_to_all (chunks in group-rank order) on whichever engine the group
-    /// has: rsccl's kernel on one host (a group rank is then its local index), one NCCL
-    /// group of sends and receives across hosts.
-    pub fn cuda_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
-        match self.cuda_side()? {
-            CudaSide::Local(e) => e.launch_all_to_all(x, stream, asynchronous),
-            CudaSide::Nccl(n) => n.launch_all_to_all(x, stream, asynchronous),
-        }
-    }
-
-    /// Launch one CUDA send (`send`) or recv of `bytes` at `ptr` with group rank `peer`,
-    /// after the caller's `stream`: on one host, rsccl's kernel on that (peer, direction)'s
-    /// stream; across hosts, the NCCL engine (rsccl's kernel for a rank of this host where
-    /// the group has a local engine, else the pair's NCCL communicator).
-    pub fn cuda_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
-        match self.cuda_side()? {
-            CudaSide::Local(e) => {
-                let local = self.topo.local_ranks().iter().position(|&r| r == peer).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "rank {}: CUDA {} rank {peer}: not a rank of this host in this group",
-                        self.topo.rank,
-                        if send { "send to" } else { "recv from" }
-                    ))
-                })?;
-                e.launch_p2p(send, ptr, bytes, local, stream, asynchronous)
-            }
-            CudaSide::Nccl(n) => n.launch_p2p(send, ptr, bytes, peer, stream, asynchronous),
-        }
-    }
-
-    /// This rank's arguments to a CUDA collective were invalid (see CudaKind::Invalid and
-    /// NcclEngine::invalid): let the peers know instead of leaving them waiting.
-    pub fn cuda_invalid(&self, stream: u64) -> Result<()> {
-        match self.cuda_side()? {
-            CudaSide::Local(e) => e.launch(&CudaCall::bare(crate::cuda::CudaKind::Invalid, 0, stream, false)).map(|_| ()),
-            CudaSide::Nccl(n) => n.invalid(),
-        }
-    }
-
-    /// Raise the error that made the group's CUDA side unusable, or a reported mismatch.
-    /// Ok for a group without CUDA.
+    /// Raise the error that made the group's device engine unusable, or a reported
+    /// mismatch. Ok for a group without CUDA.
     pub fn cuda_health(&self) -> Result<()> {
-        match self.cuda.lock().clone() {
-            Some(CudaSide::Local(e)) => e.health(),
-            Some(CudaSide::Nccl(n)) => n.health(),
+        match self.device.lock().clone() {
+            Some(d) => d.engine.health(),
             None => Ok(()),
         }
     }
 
     pub fn has_cuda(&self) -> bool {
-        self.cuda.lock().is_some()
+        self.device.lock().is_some()
     }
 
     /// "rsccl" (rsccl's kernels), "nccl" (the group spans hosts), or None (no CUDA).
     pub fn cuda_engine_name(&self) -> Option<&'static str> {
-        self.cuda.lock().as_ref().map(|c| match c {
-            CudaSide::Local(_) => "rsccl",
-            CudaSide::Nccl(_) => "nccl",
-        })
+        self.device.lock().as_ref().map(|d| d.engine.name())
     }
 
-    /// Waits for the group's queued kernels (see CudaEngine::stats). A group that spans
-    /// hosts reports its host-local rsccl engine, if it has one.
-    pub fn cuda_stats(&self) -> Option<CudaStats> {
-        // Not under the lock: reading the counters waits for the group's kernels, and
-        // shutdown needs this lock to stop them.
-        let side = self.cuda.lock().clone();
-        match side? {
-            CudaSide::Local(c) => Some(c.stats()),
-            CudaSide::Nccl(n) => n.local().map(|c| c.stats()),
-        }
-    }
-
-    /// The NCCL engine's counters (groups that span hosts, with CUDA).
-    pub fn nccl_stats(&self) -> Option<NcclStats> {
-        match self.cuda.lock().clone()? {
-            CudaSide::Nccl(n) => Some(n.stats()),
-            CudaSide::Local(_) => None,
-        }
-    }
-
-    /// Stop the engine and release its region and sockets. Idempotent.
+    /// Stop the engines and release their memory, region and sockets. Idempotent.
     pub fn shutdown(&self) {
-        let cuda = self.cuda.lock().take();
-        match cuda {
-            Some(CudaSide::Local(c)) => c.shutdown(),
-            Some(CudaSide::Nccl(n)) => n.shutdown(),
-            None => {}
+        let device = self.device.lock().take();
+        if let Some(d) = device {
+            d.engine.shutdown();
         }
-        let engine = self.engine.lock().take();
-        if let Some(e) = engine {
+        let host = self.host.lock().take();
+        if let Some(e) = host {
             e.shutdown();
         }
+    }
+}
+
+/// `Group::run` on one engine: run `op` translated for it, or join its call as invalid.
+fn run_on<E: Engine + ?Sized>(
+    engine: Result<Arc<E>>,
+    mut op: Op,
+    timeout: Duration,
+    translate: impl FnOnce(&Op) -> Result<E::Call>,
+) -> Result<Ran> {
+    let invalid = op.invalid.take();
+    let engine = match engine {
+        Ok(e) => e,
+        // No engine to join: this rank's own error, where it has one, says more.
+        Err(none) => return Err(invalid.unwrap_or(none)),
+    };
+    let call = match invalid {
+        Some(e) => Err(e),
+        None => translate(&op),
+    };
+    match call {
+        Ok(c) => engine.run(c, timeout),
+        Err(e) if op.kind.is_p2p() => Err(e),
+        Err(e) => engine.join_invalid(&op, e, timeout),
     }
 }
 
@@ -459,6 +351,67 @@ impl Group {
 mod tests {
     use super::*;
     use crate::bootstrap::RankInfo;
+    use crate::collective::Kind;
+
+    /// An engine that records what reached it.
+    #[derive(Default)]
+    struct Recorder(parking_lot::Mutex<Vec<String>>);
+
+    impl Engine for Recorder {
+        type Call = u32;
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn run(self: Arc<Self>, call: u32, _: Duration) -> Result<Ran> {
+            self.0.lock().push(format!("run {call}"));
+            Ok(Ran::Done)
+        }
+        fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _: Duration) -> Result<Ran> {
+            self.0.lock().push(format!("invalid {}: {error}", op.kind.name()));
+            Err(error)
+        }
+        fn add_stats(&self, _: &mut GroupStats) {}
+        fn shutdown(&self) {}
+    }
+
+    fn op(kind: Kind, invalid: Option<&str>) -> Op {
+        let mut o = Op::invalid(kind, Place::Host, Error::InvalidArgument(invalid.unwrap_or("").into()));
+        if invalid.is_none() {
+            o.invalid = None;
+        }
+        o
+    }
+
+    /// The one owner of "join as invalid": a collective whose arguments were found bad
+    /// (by the front end or in translation) joins; a send/recv raises alone; a good op runs.
+    #[test]
+    fn bad_collectives_join_and_bad_p2p_raise_alone() {
+        let t = Duration::from_secs(1);
+        let e = Arc::new(Recorder::default());
+        let ok = |_: &Op| Ok(7u32);
+        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), t, ok).is_ok());
+        let bad = |_: &Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
+        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), t, bad);
+        assert!(r.err().unwrap().to_string().contains("root 9 out of range"));
+        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), t, ok);
+        assert!(r.err().unwrap().to_string().contains("rank 1 passed 3 outputs"));
+        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), t, ok);
+        assert!(r.err().unwrap().to_string().contains("tag -1"));
+        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), t, bad);
+        assert!(r.is_err());
+        assert_eq!(
+            *e.0.lock(),
+            vec![
+                "run 7".to_string(),
+                "invalid broadcast: root 9 out of range".into(),
+                "invalid all_gather: rank 1 passed 3 outputs".into(),
+            ]
+        );
+        // No engine of that place: the rank's own error says more than "no CUDA engine".
+        let none: Result<Arc<Recorder>> = Err(Error::InvalidArgument("this group has no CUDA engine".into()));
+        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), t, ok);
+        assert!(r.err().unwrap().to_string().contains("float64 is not reduced on CUDA"));
+    }
 
     #[test]
     fn engine_choice_follows_topology() {

@@ -106,6 +106,24 @@ impl Kind {
         }
     }
 
+    /// Whether it involves one peer only (send, recv): a rank with bad arguments raises
+    /// without joining (`Group::run`), as there is no call of the whole group to join.
+    pub fn is_p2p(self) -> bool {
+        match self {
+            Kind::Send | Kind::Recv => true,
+            Kind::AllReduce
+            | Kind::ReduceScatter
+            | Kind::AllGather
+            | Kind::Broadcast
+            | Kind::Barrier
+            | Kind::Invalid
+            | Kind::Gather
+            | Kind::Scatter
+            | Kind::Reduce
+            | Kind::AllToAll => false,
+        }
+    }
+
     /// Whether the CUDA engines run it on bytes (any dtype, no op): the descriptor then
     /// carries uint8/SUM, so ranks that pass different dtypes of the same bytes agree.
     pub fn moves_bytes(self) -> bool {

@@ -4,9 +4,9 @@
 //! `CudaCall`) live here, once, with exhaustive matches on `Kind`.
 
 use super::{root_index, Buf, Collective, Kind};
-use crate::cuda::{AllToAll, CudaCall};
+use crate::cuda::{AllToAll, CudaCall, DeviceCall};
 use crate::dtype::{DType, ReduceOp};
-use crate::engine::P2p;
+use crate::engine::{HostCall, P2p};
 use crate::error::{Error, Result};
 
 /// Where an op's buffers live, and so which engine runs it.
@@ -81,6 +81,42 @@ impl Op {
             splits: None,
             blocking: false,
             invalid: Some(error),
+        }
+    }
+
+    /// What the host engine runs for this op (`rank` of `n`). Errors are this rank's bad
+    /// arguments.
+    pub fn to_host(&self, rank: usize, n: usize) -> Result<HostCall> {
+        if self.kind.is_p2p() {
+            return Ok(HostCall::P2p(self.to_p2p()?));
+        }
+        Ok(HostCall::Collective { c: self.to_collective(rank, n)?, blocking: self.blocking })
+    }
+
+    /// What a device engine runs for this op, in a group of `n` ranks, after `stream`.
+    /// Errors are this rank's bad arguments.
+    pub fn to_device(&self, n: usize, stream: u64) -> Result<DeviceCall> {
+        let asynchronous = !self.blocking;
+        match self.kind {
+            Kind::Send | Kind::Recv => {
+                let peer = usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))?;
+                let send = self.kind == Kind::Send;
+                let span = if send { self.inp } else { self.out };
+                Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer, stream, asynchronous })
+            }
+            Kind::AllToAll => {
+                let chunks = self.splits.clone().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+                Ok(DeviceCall::AllToAll { chunks, stream, asynchronous })
+            }
+            Kind::Invalid => Err(Error::Internal("an invalid call without its error".into())),
+            Kind::AllReduce
+            | Kind::ReduceScatter
+            | Kind::AllGather
+            | Kind::Broadcast
+            | Kind::Barrier
+            | Kind::Gather
+            | Kind::Scatter
+            | Kind::Reduce => Ok(DeviceCall::Collective(self.to_cuda(n, stream)?)),
         }
     }
 
@@ -171,17 +207,53 @@ mod tests {
         }
     }
 
-    /// Every kind has exactly one route: a CUDA call, a host collective, or host p2p
-    /// (the registry check that a new kind is wired through the seam).
+    /// Every kind has one route on each place: a call of the host engine and one of the
+    /// device engines, of the matching shape (the registry check that a new kind is wired
+    /// through the seam). Invalid has none: it only joins, through `Engine::join_invalid`.
     #[test]
     fn every_kind_has_a_route() {
         for k in Kind::ALL {
             let mut o = op(k, 64, 64 * 4, DType::F32);
             o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
-            let host = o.to_collective(0, 4).is_ok() || o.to_p2p().is_ok();
-            assert_eq!(host, k != Kind::Invalid, "{k:?} on the host engine");
-            assert!(o.to_cuda(4, 7).is_ok(), "{k:?} on CUDA");
+            let (host, device) = (o.to_host(0, 4), o.to_device(4, 7));
+            assert_eq!(host.is_ok(), k != Kind::Invalid, "{k:?} on the host engine");
+            assert_eq!(device.is_ok(), k != Kind::Invalid, "{k:?} on a device engine");
+            if k == Kind::Invalid {
+                continue;
+            }
+            assert_eq!(matches!(host.unwrap(), HostCall::P2p(_)), k.is_p2p(), "{k:?} on the host engine");
+            match device.unwrap() {
+                DeviceCall::P2p { send, ptr, bytes, peer, stream, asynchronous } => {
+                    assert!(k.is_p2p(), "{k:?}");
+                    let want = if k == Kind::Send { (true, 0x1000, 64) } else { (false, 0x2000, 256) };
+                    assert_eq!((send, ptr, bytes, peer, stream, asynchronous), (want.0, want.1, want.2, 1, 7, false));
+                }
+                DeviceCall::AllToAll { chunks, stream, .. } => {
+                    assert_eq!((k, chunks.send_bytes, stream), (Kind::AllToAll, vec![32, 32], 7));
+                }
+                DeviceCall::Collective(c) => {
+                    assert!(!k.is_p2p() && k != Kind::AllToAll, "{k:?}");
+                    assert_eq!((c.kind, c.stream), (k, 7));
+                }
+            }
         }
+        let mut a2a = op(Kind::AllToAll, 64, 64, DType::F32);
+        a2a.splits = None;
+        assert!(a2a.to_device(4, 7).is_err() && a2a.to_host(0, 4).is_err(), "all_to_all needs its splits");
+        let mut send = op(Kind::Send, 64, 64, DType::F32);
+        send.root = -2;
+        assert!(send.to_device(4, 7).unwrap_err().to_string().contains("peer -2 is not a rank"));
+    }
+
+    #[test]
+    fn device_calls_take_the_stream_they_run_after() {
+        let o = op(Kind::Recv, 64, 64, DType::F32);
+        let DeviceCall::P2p { stream, asynchronous, .. } = o.to_device(2, 0).unwrap().after(11, true) else { panic!("not p2p") };
+        assert_eq!((stream, asynchronous), (11, true));
+        let DeviceCall::Collective(c) = op(Kind::AllReduce, 64, 64, DType::F32).to_device(2, 0).unwrap().after(5, false) else {
+            panic!("not a collective")
+        };
+        assert_eq!((c.stream, c.asynchronous), (5, false));
     }
 
     #[test]

@@ -1,8 +1,35 @@
-//! One call of a CUDA collective (`CudaCall`): the description the CUDA engines receive,
-//! made from the op record (collective/op.rs), and the descriptor words peers compare
+//! What the device engines run (`DeviceCall`, of which a collective is a `CudaCall`), made
+//! from the op record (collective/op.rs), and the descriptor words peers compare
 //! (`describe`).
 
+use super::AllToAll;
 use crate::dtype::{DType, ReduceOp};
+
+/// One call to a device engine (`Engine::Call` of `CudaEngine` and `NcclEngine`), ordered
+/// after the caller's current stream.
+#[derive(Debug, Clone)]
+pub enum DeviceCall {
+    /// A collective, a barrier, or the invalid call (`CudaKind::Invalid`).
+    Collective(CudaCall),
+    /// An all_to_all: its chunks, one per group rank.
+    AllToAll { chunks: AllToAll, stream: u64, asynchronous: bool },
+    /// A send (`send`) or recv of `bytes` at `ptr` with group rank `peer`.
+    P2p { send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool },
+}
+
+impl DeviceCall {
+    /// The same call ordered after `stream`, asynchronous or not (a front end that builds
+    /// its calls before it knows the stream).
+    pub fn after(mut self, on: u64, is_async: bool) -> DeviceCall {
+        match &mut self {
+            DeviceCall::Collective(c) => (c.stream, c.asynchronous) = (on, is_async),
+            DeviceCall::AllToAll { stream, asynchronous, .. } | DeviceCall::P2p { stream, asynchronous, .. } => {
+                (*stream, *asynchronous) = (on, is_async)
+            }
+        }
+        self
+    }
+}
 
 /// The kinds of CUDA operations are rsccl's one list of kinds (collective/kind.rs); the
 /// name stays for the engines' code.

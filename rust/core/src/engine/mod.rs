@@ -1,5 +1,7 @@
-//! Engines run submitted operations. All engines sit behind `Engine`; the group picks one
-//! from the topology (`group::choose_engine`).
+//! Engines run operations. All engines sit behind `Engine`: the host engine (host/) for
+//! host memory, and for device memory rsccl's CUDA engine (cuda/engine/) or the NCCL
+//! engine (cuda/nccl_engine/); the group picks them from the topology
+//! (`group::choose_engine`) and routes each op by its place (`Group::run`).
 
 pub mod host;
 
@@ -7,7 +9,9 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::collective::op::Op;
 use crate::collective::{Buf, Collective};
+use crate::cuda::{CudaEvent, CudaStats, NcclStats};
 use crate::dtype::DType;
 use crate::work::WorkState;
 
@@ -34,6 +38,14 @@ pub enum P2p {
         tag: i64,
         source: Arc<AtomicUsize>,
     },
+}
+
+/// What the host engine runs: a collective (on the calling thread, returning when done,
+/// when `blocking`) or a send/recv (always a Work).
+#[derive(Debug)]
+pub enum HostCall {
+    Collective { c: Collective, blocking: bool },
+    P2p(P2p),
 }
 
 /// Tags run from 0 to 2^31 - 1, as gloo's (a 32-bit slot) do: a tag outside is a bad
@@ -73,17 +85,66 @@ pub struct MemoryStats {
     pub staged_bytes: u64,
 }
 
+/// What a group's engines report, each its own part (`Engine::add_stats`).
+#[derive(Debug, Clone, Default)]
+pub struct GroupStats {
+    /// The host engine (zeros where CPU tensors run on gloo).
+    pub host: MemoryStats,
+    /// rsccl's CUDA engine of this host: the group's own, or the one the NCCL engine runs
+    /// the host-local phases on.
+    pub cuda: Option<CudaStats>,
+    /// The NCCL engine (groups that span hosts, with CUDA).
+    pub nccl: Option<NcclStats>,
+}
+
+/// An engine runs the ops of one place: host memory (`HostEngine`), or this rank's GPU
+/// (`CudaEngine` on one host, `NcclEngine` across hosts). `Group::run` is its one caller:
+/// it translates each op for the engine's place (`Call`, built in collective/op.rs), and
+/// owns the rule that a rank whose op fails to translate joins the call as invalid.
 pub trait Engine: Send + Sync {
-    fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState>;
-    /// Run `c` and return when it completed, after every collective submitted before it.
-    fn run_now(&self, c: Collective, timeout: Duration) -> crate::Result<()> {
-        self.submit(c, timeout).wait(None)
+    /// What this engine runs: an op translated for its place (`HostCall`, `DeviceCall`).
+    type Call;
+
+    /// "host", "rsccl" (rsccl's kernels) or "nccl".
+    fn name(&self) -> &'static str;
+
+    /// Run one call whose arguments were valid on this rank. Returns a Work (host), the
+    /// end event of an asynchronous CUDA call, or Done (a blocking call that completed).
+    fn run(self: Arc<Self>, call: Self::Call, timeout: Duration) -> crate::Result<Ran>;
+
+    /// This rank's `op` was invalid (`error`): take part in its call as invalid, so that
+    /// every peer raises instead of waiting for it. Returns what this rank gets: the host
+    /// engine's Work (or, blocking, the error) that all ranks agree on; on CUDA, `error`.
+    fn join_invalid(self: Arc<Self>, op: &Op, error: crate::Error, timeout: Duration) -> crate::Result<Ran>;
+
+    /// The error that made the engine unusable, or one its kernels reported.
+    fn health(&self) -> crate::Result<()> {
+        Ok(())
     }
-    fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState>;
-    fn stats(&self) -> MemoryStats;
+
+    /// Fill this engine's part of `stats` (may wait for the engine's queued GPU work).
+    fn add_stats(&self, stats: &mut GroupStats);
+
     /// The global rank of each group rank, for error messages of a subgroup (called once,
     /// right after creation; engines without such messages ignore it).
     fn name_global_ranks(&self, _global: Vec<usize>) {}
-    /// Stop the engine's threads; pending operations fail with `Error::Aborted`.
+
+    /// Stop the engine's threads and release what it holds; pending operations fail with
+    /// `Error::Aborted`. Idempotent.
     fn shutdown(&self);
+}
+
+/// What `Engine::run` returns: the Work of a host op, the end event of an asynchronous CUDA
+/// op, or nothing (a blocking op that completed).
+pub enum Ran {
+    Work(Arc<WorkState>),
+    Event(CudaEvent),
+    Done,
+}
+
+impl Ran {
+    /// A CUDA launch's result: its end event (asynchronous) or Done.
+    pub fn from_event(ev: Option<CudaEvent>) -> Ran {
+        ev.map_or(Ran::Done, Ran::Event)
+    }
 }

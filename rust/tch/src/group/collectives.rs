@@ -294,7 +294,11 @@ impl ProcessGroup {
                     recv: tensor::offsets(&recv).iter().map(|x| op + x).collect(),
                     recv_bytes: recv,
                 };
-                Ok(op_plan(Launch::AllToAll(x), vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
+                Ok(op_plan(
+                    DeviceCall::AllToAll { chunks: x, stream: 0, asynchronous: false },
+                    vec![input.shallow_clone(), output.shallow_clone(), i, o],
+                    CopyBack::chain(post, extra),
+                ))
             }),
         }
     }
@@ -360,7 +364,9 @@ impl ProcessGroup {
             // The barrier kernel runs after the current stream's earlier work; its end event
             // completing means both are done. synchronize() is bounded by the group timeout.
             let stream = crate::cuda::current_stream(d)?;
-            if let Some(ev) = self.inner.group.cuda_launch(&CudaCall::bare(CudaKind::Barrier, 0, stream, true))? {
+            if let Ran::Event(ev) =
+                self.inner.group.run_device(DeviceCall::Collective(CudaCall::bare(CudaKind::Barrier, 0, stream, true)))?
+            {
                 ev.wait_on(stream)?;
                 ev.synchronize()?;
             }
@@ -423,7 +429,11 @@ impl ProcessGroup {
             Place::Cuda(d) => {
                 self.cuda_arg(t, &format!("{what} tensor"), None)?;
                 let (ptr, bytes) = (tensor::ptr(&c), tensor::nbytes(&c, a.dtype) as u64);
-                self.cuda(d, false, op_plan(Launch::P2p { send, ptr, bytes, peer }, vec![t.shallow_clone(), c], post))
+                self.cuda(
+                    d,
+                    false,
+                    op_plan(DeviceCall::P2p { send, ptr, bytes, peer, stream: 0, asynchronous: false }, vec![t.shallow_clone(), c], post),
+                )
             }
         }
     }

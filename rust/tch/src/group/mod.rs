@@ -17,9 +17,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use rsccl_core::collective::op::{Op, Place as OpPlace};
 use rsccl_core::collective::{Collective, Kind};
-use rsccl_core::cuda::{AllToAll, CudaCall, CudaEvent, CudaKind, CudaStats, NcclStats};
+use rsccl_core::cuda::{CudaCall, CudaEvent, CudaKind, CudaStats, DeviceCall, NcclStats};
 use rsccl_core::dtype::{DType, ReduceOp};
+use rsccl_core::group::Ran;
 use rsccl_core::group::{EngineKind, Group};
 use rsccl_core::{Error, Result};
 use tch::Tensor;
@@ -86,12 +88,8 @@ impl Drop for Inner {
     }
 }
 
-/// A CUDA operation, its stream filled in at launch.
-enum Launch {
-    Coll(CudaCall),
-    AllToAll(AllToAll),
-    P2p { send: bool, ptr: u64, bytes: u64, peer: usize },
-}
+/// A CUDA operation: a `DeviceCall` whose stream is filled in at launch.
+type Launch = DeviceCall;
 
 /// What one call becomes on an engine: the operation, the tensors to keep alive until it
 /// completed, and the copies into the caller's tensors after.
@@ -247,7 +245,8 @@ impl ProcessGroup {
 
     pub fn memory_stats(&self) -> MemoryStats {
         let g = &self.inner.group;
-        MemoryStats { engine: g.kind.name(), host: g.stats(), cuda: g.cuda_stats(), nccl: g.nccl_stats() }
+        let s = g.stats();
+        MemoryStats { engine: g.kind.name(), host: s.host, cuda: s.cuda, nccl: s.nccl }
     }
 
     /// A group of some of this group's ranks (`ranks`: group ranks of this group, any
@@ -301,8 +300,11 @@ impl ProcessGroup {
         let plan = match prepare() {
             Ok(p) => p,
             Err(error) => {
-                let r = g.run_now(Collective::Invalid { kind, error: error.clone() }, None);
-                return Err(r.err().unwrap_or(error));
+                // Joins the call as invalid (Group::run): every rank's Work fails with the
+                // error they agree on.
+                let mut op = Op::invalid(kind, OpPlace::Host, error.clone());
+                op.blocking = true;
+                return Err(g.run(op).err().unwrap_or(error));
             }
         };
         if blocking {
@@ -322,14 +324,10 @@ impl ProcessGroup {
         let stream = crate::cuda::current_stream(device)?;
         self.inner.release_finished();
         let asynchronous = !blocking;
-        let ev = match plan.op {
-            Launch::Coll(mut c) => {
-                c.stream = stream;
-                c.asynchronous = asynchronous;
-                g.cuda_launch(&c)?
-            }
-            Launch::AllToAll(x) => g.cuda_all_to_all(&x, stream, asynchronous)?,
-            Launch::P2p { send, ptr, bytes, peer } => g.cuda_p2p(send, ptr, bytes, peer, stream, asynchronous)?,
+        let ev = match g.run_device(plan.op.after(stream, asynchronous))? {
+            Ran::Event(ev) => Some(ev),
+            Ran::Done => None,
+            Ran::Work(_) => return Err(Error::Internal("a device engine returned a host Work".into())),
         };
         match ev {
             None => {
@@ -377,11 +375,13 @@ impl ProcessGroup {
         Ok(a)
     }
 
-    /// A CUDA collective whose preparation failed: take part as "invalid" (see `cuda`).
+    /// A CUDA collective whose preparation failed: take part as "invalid" (Group::run), so
+    /// the peers raise too; returns this rank's error.
     fn cuda_failed(&self, device: i32, e: Error) -> Error {
         if self.inner.cuda_device.is_some() {
             if let Ok(stream) = crate::cuda::current_stream(device) {
-                let _ = self.inner.group.cuda_invalid(stream);
+                let op = Op::invalid(Kind::Invalid, OpPlace::Cuda { stream }, e.clone());
+                return self.inner.group.run(op).err().unwrap_or(e);
             }
         }
         e
@@ -399,7 +399,7 @@ impl ProcessGroup {
     }
 
     fn cuda_call(kind: CudaKind, dtype: DType, op: ReduceOp, root: usize, inp: u64, out: u64, count: u64) -> Launch {
-        Launch::Coll(CudaCall { kind, dtype, op, root, inp, out, count, stream: 0, asynchronous: false })
+        DeviceCall::Collective(CudaCall { kind, dtype, op, root, inp, out, count, stream: 0, asynchronous: false })
     }
 
     /// Check the (input, output) pair of collective `what`: same dtype and device (CUDA:

@@ -18,7 +18,7 @@
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
 //! the group's failure state and its reports), `events` (the event pool and stream
-//! ordering), `launch` (collectives and all_to_all), `p2p` (send/recv), `stats`,
+//! ordering), `launch` (collectives and all_to_all), `p2p` (send/recv), `run` (the `Engine` trait), `stats`,
 //! `shutdown` (drain and teardown) and `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`.
 
@@ -27,6 +27,7 @@ mod create;
 mod events;
 mod launch;
 mod p2p;
+mod run;
 mod shutdown;
 mod stats;
 mod status;

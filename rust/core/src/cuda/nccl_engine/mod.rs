@@ -49,6 +49,7 @@ mod hier;
 mod launch;
 mod pair_rounds;
 mod pairs;
+mod run;
 mod warm;
 mod watchdog;
 
@@ -237,14 +238,13 @@ impl NcclEngine {
 
     /// This rank's arguments to a CUDA collective were invalid. NCCL has no way to tell
     /// the peers, which would wait for it until the timeout: the group is aborted now
-    /// instead, so they fail fast too. Returns Ok: the caller raises its own error.
-    pub fn invalid(&self) -> Result<()> {
+    /// instead, so they fail fast too. The caller raises its own error.
+    pub fn invalid(&self) {
         self.sh.fail(Error::Aborted(format!(
             "rank {} passed invalid arguments to a CUDA collective; a group that spans hosts cannot skip a \
              collective (NCCL runs every call on every rank), so the group was aborted",
             self.sh.rank
         )));
-        Ok(())
     }
 
     /// Launch one collective. Returns the end event for an asynchronous call (the Work

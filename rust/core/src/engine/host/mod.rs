@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{Engine, MemoryStats, P2p};
+use super::{Engine, GroupStats, HostCall, MemoryStats, P2p, Ran};
 use crate::bootstrap::LocalMesh;
+use crate::collective::op::Op;
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -291,7 +292,57 @@ impl HostEngine {
 }
 
 impl Engine for HostEngine {
-    fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState> {
+    type Call = HostCall;
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn run(self: Arc<Self>, call: HostCall, timeout: Duration) -> Result<Ran> {
+        Ok(match call {
+            HostCall::Collective { c, blocking: true } => {
+                self.run_now(c, timeout)?;
+                Ran::Done
+            }
+            HostCall::Collective { c, blocking: false } => Ran::Work(self.submit(c, timeout)),
+            HostCall::P2p(p) => Ran::Work(self.submit_p2p(p, timeout)),
+        })
+    }
+
+    /// `Collective::Invalid`: its Work fails with the error the ranks agree on (every
+    /// invalid rank's message); blocking, that error is returned.
+    fn join_invalid(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+        self.run(HostCall::Collective { c: Collective::Invalid { kind: op.kind, error }, blocking: op.blocking }, timeout)
+    }
+
+    fn add_stats(&self, stats: &mut GroupStats) {
+        stats.host = self.stats();
+    }
+
+    fn name_global_ranks(&self, global: Vec<usize>) {
+        let _ = self.sh.global.set(global); // named once, at creation
+    }
+
+    fn shutdown(&self) {
+        {
+            // Under the queue lock: the collective thread either sees the flag before it
+            // sleeps or is already asleep and gets this notification.
+            let mut q = self.coll.items.lock();
+            q.closed = true;
+            self.sh.shutdown.store(true, Ordering::Release);
+            self.coll.cv.notify_all();
+        }
+        self.sh.ring(self.sh.me);
+        futex_wake_all(&self.sh.ctrl().barrier.0);
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl HostEngine {
+    /// Queue collective `c`; its Work completes when it ran.
+    pub fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
         let job = CollJob { c, timeout, work: work.clone() };
         {
@@ -307,7 +358,8 @@ impl Engine for HostEngine {
         work
     }
 
-    fn run_now(&self, c: Collective, timeout: Duration) -> Result<()> {
+    /// Run `c` and return when it completed, after every collective submitted before it.
+    pub fn run_now(&self, c: Collective, timeout: Duration) -> Result<()> {
         {
             let mut q = self.coll.items.lock();
             if q.closed {
@@ -326,7 +378,8 @@ impl Engine for HostEngine {
         execute(&self.sh, &mut self.exec.lock(), &c, timeout)
     }
 
-    fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
+    /// Queue a send or recv; its Work completes when the message was moved.
+    pub fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
         if let Some(peer) = op.peer().filter(|&p| p >= self.sh.n || p == self.sh.me) {
             work.complete(Err(Error::InvalidArgument(format!(
@@ -365,33 +418,14 @@ impl Engine for HostEngine {
         work
     }
 
-    fn stats(&self) -> MemoryStats {
+    /// What the host engine reserved, mapped and moved.
+    pub fn stats(&self) -> MemoryStats {
         MemoryStats {
             host_region_bytes: self.sh.region.len() as u64,
             host_mapped_bytes: self.sh.region.len() as u64,
             collectives: self.sh.collectives.load(Ordering::Relaxed),
             p2p_messages: self.sh.p2p_messages.load(Ordering::Relaxed),
             staged_bytes: self.sh.staged_bytes.load(Ordering::Relaxed),
-        }
-    }
-
-    fn name_global_ranks(&self, global: Vec<usize>) {
-        let _ = self.sh.global.set(global); // named once, at creation
-    }
-
-    fn shutdown(&self) {
-        {
-            // Under the queue lock: the collective thread either sees the flag before it
-            // sleeps or is already asleep and gets this notification.
-            let mut q = self.coll.items.lock();
-            q.closed = true;
-            self.sh.shutdown.store(true, Ordering::Release);
-            self.coll.cv.notify_all();
-        }
-        self.sh.ring(self.sh.me);
-        futex_wake_all(&self.sh.ctrl().barrier.0);
-        for t in self.threads.lock().drain(..) {
-            let _ = t.join();
         }
     }
 }

@@ -1,0 +1,63 @@
+//! The CUDA engine behind the `Engine` trait: a `DeviceCall` to its launch entry points.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{CudaCall, CudaEngine, CudaKind};
+use crate::collective::op::Op;
+use crate::cuda::DeviceCall;
+use crate::engine::{Engine, GroupStats, Ran};
+use crate::error::{Error, Result};
+
+impl Engine for CudaEngine {
+    type Call = DeviceCall;
+
+    fn name(&self) -> &'static str {
+        "rsccl"
+    }
+
+    fn run(self: Arc<Self>, call: DeviceCall, _timeout: Duration) -> Result<Ran> {
+        let ev = match call {
+            DeviceCall::Collective(c) => self.launch(&c)?,
+            DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
+            DeviceCall::P2p { send, ptr, bytes, peer, stream, asynchronous } => {
+                // Peers are group ranks; the kernels know local indices.
+                let local = self.local_ranks.iter().position(|&r| r == peer).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "rank {}: CUDA {} rank {peer}: not a rank of this host in this group",
+                        self.local_ranks[self.pool.me],
+                        if send { "send to" } else { "recv from" }
+                    ))
+                })?;
+                self.launch_p2p(send, ptr, bytes, local, stream, asynchronous)?
+            }
+        };
+        Ok(Ran::from_event(ev))
+    }
+
+    /// Launches the invalid kernel (`CudaKind::Invalid`): it takes part in the first barrier
+    /// only, where every peer sees its descriptor mismatch theirs and raises. This rank
+    /// raises `error`, its own (a failure to tell the peers is logged).
+    fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _timeout: Duration) -> Result<Ran> {
+        let stream = match op.place {
+            crate::collective::op::Place::Cuda { stream } => stream,
+            crate::collective::op::Place::Host => return Err(Error::Internal("a host op reached the CUDA engine".into())),
+        };
+        if let Err(told) = self.launch(&CudaCall::bare(CudaKind::Invalid, 0, stream, false)) {
+            tracing::warn!(error = %told, "could not report an invalid CUDA call to the peers");
+        }
+        Err(error)
+    }
+
+    fn health(&self) -> Result<()> {
+        CudaEngine::health(self)
+    }
+
+    fn add_stats(&self, stats: &mut GroupStats) {
+        stats.cuda = Some(self.stats());
+    }
+
+    fn shutdown(&self) {
+        CudaEngine::shutdown(self)
+    }
+}

@@ -1,0 +1,51 @@
+//! The NCCL engine behind the `Engine` trait: a `DeviceCall` to its launch entry points.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::NcclEngine;
+use crate::collective::op::Op;
+use crate::cuda::DeviceCall;
+use crate::engine::{Engine, GroupStats, Ran};
+use crate::error::{Error, Result};
+
+impl Engine for NcclEngine {
+    type Call = DeviceCall;
+
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn run(self: Arc<Self>, call: DeviceCall, _timeout: Duration) -> Result<Ran> {
+        let ev = match call {
+            DeviceCall::Collective(c) => self.launch(&c)?,
+            DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
+            DeviceCall::P2p { send, ptr, bytes, peer, stream, asynchronous } => {
+                self.launch_p2p(send, ptr, bytes, peer, stream, asynchronous)?
+            }
+        };
+        Ok(Ran::from_event(ev))
+    }
+
+    /// NCCL cannot tell the peers: the group is aborted (`NcclEngine::invalid`), and this
+    /// rank raises `error`, its own.
+    fn join_invalid(self: Arc<Self>, _op: &Op, error: Error, _timeout: Duration) -> Result<Ran> {
+        self.invalid();
+        Err(error)
+    }
+
+    fn health(&self) -> Result<()> {
+        NcclEngine::health(self)
+    }
+
+    /// The NCCL engine's counters, and those of the host-local rsccl engine it runs the
+    /// hierarchical phases on, if it has one.
+    fn add_stats(&self, stats: &mut GroupStats) {
+        stats.nccl = Some(self.stats());
+        stats.cuda = self.local().map(|c| c.stats());
+    }
+
+    fn shutdown(&self) {
+        NcclEngine::shutdown(self)
+    }
+}
