@@ -42,6 +42,8 @@ from .config import (
     pool_options,
     pool_sizes,
 )
+from .ctas import nccl_cta_env
+from .overlap import run_overlap
 from .tables import path_label, time_cell
 from .timing import graph_timed, timed
 
@@ -228,6 +230,8 @@ class Rank:
         all_stats = self.agree.gather(stats)
         self.meta = {
             "gpu": torch.cuda.get_device_name(dev),
+            "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
+            "nccl_cta_env": nccl_cta_env(os.environ),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
@@ -424,8 +428,23 @@ class Rank:
                     self.graphs(collective, counts, nbytes)
             self.log("CUDA graph measurements done")
             self.save()
+        if cfg.overlap is not None:
+            self.overlap()
         if cfg.fsdp is not None:
             self.fsdp()
+
+    def overlap(self) -> None:
+        """The overlap section, after the collectives and before FSDP2. Its phases are agreed
+        among the ranks; anything else that escapes is recorded too."""
+        torch.cuda.empty_cache()
+        try:
+            run_overlap(self)
+        except Exception as e:  # noqa: BLE001 - recorded; the results above are already saved
+            print(f"rank {self.rank}: overlap section failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            ov = self.meta.setdefault("overlap", {"runs": {}, "errors": {}})
+            ov.setdefault("errors", {})["section"] = describe(e)
+            self.log(f"overlap section FAILED: {describe(e)}")
+        self.save()
 
     def fsdp(self) -> None:
         """The FSDP2 section, last (a failure there cannot disturb the measurements above).
