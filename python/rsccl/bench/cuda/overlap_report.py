@@ -73,7 +73,7 @@ def overlap_markdown(ov: dict | None, meta: dict) -> list[str]:
             f"- run order: {' '.join(ov.get('order', []))} (ABBA); every cell is the median over a backend's runs "
             "(min-max); *total / matmul alone* and *total / serial* (= both / (matmul alone + collectives alone)) are "
             f"per run, then the median; *vs {REFERENCE}* = median total / {REFERENCE}'s median total; check: the "
-            f"collectives run once with the matmuls on seeded random inputs, against {REFERENCE} alone on the same inputs"
+            f"collectives run once with the matmuls on seeded random inputs, against {ov.get('reference') or REFERENCE} alone on the same inputs"
         ),
         f"- CTAs per collective kernel: rsccl as its engine reports it (rsccl.memory_stats() cuda_blocks), of {ov.get('sms', '?')} SMs",
         "",
