@@ -256,3 +256,52 @@ def test_world_report_has_the_ctas_and_overlap_sections():
     assert "## SMs per collective kernel (CTAs)" in md and "| reduce_scatter_tensor | 64 | NCCL's choice, not reported |" in md
     assert "## Overlap: bf16 matmuls" in md and "Verdict: rsccl total / nccl total 0.893x" in md
     assert "could not be rendered" not in md, md
+
+
+def test_kernel_grids_read_from_a_profiler_trace():
+    """The shape kineto writes: kernels under cat "kernel" (older: "Kernel") with args "grid"."""
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "args": {"grid": [24, 1, 1], "block": [544, 1, 1]}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "args": {"grid": [16, 1, 1]}},
+            {"ph": "X", "cat": "Kernel", "name": "rsccl_all_gather", "args": {"grid": [8, 2, 1], "block": [512, 1, 1]}},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "args": {"grid": [99, 1, 1]}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {}},
+            {"ph": "X", "cat": "kernel", "name": "no_grid", "args": {"block": [1, 1, 1]}},
+            {"ph": "i", "name": "marker"},
+        ]
+    }
+    assert ctas.kernel_grids(trace) == {"ncclDevKernel_AllGather_RING_LL": 24, "rsccl_all_gather": 16}
+    assert ctas.kernel_grids({}) == {}
+
+
+def test_profiled_cells_and_table():
+    meta = meta_with([{"cuda_blocks": 64, "cuda_p2p_blocks": 16}] * 2)
+    meta["ctas_measured"] = {
+        "all_reduce": {
+            "rsccl": {str(1 << 30): {"rsccl_allreduce_bf16": 64}, "1024": {"rsccl_allreduce_bf16": 64}},
+            "nccl": {"1024": {"ncclDevKernel_AllReduce": 2}, str(1 << 30): {"ncclDevKernel_AllReduce": 32, "other": 1}},
+        },
+        "send_recv": {"rsccl": {str(1 << 20): "rank 1: RuntimeError: boom"}, "nccl": {str(1 << 20): {}}},
+    }
+    assert ctas.measured_cell(meta["ctas_measured"]["all_reduce"]["nccl"]) == "1 KiB: 2; 1 GiB: 32+1"
+    assert ctas.measured_cell(None) == "n/a"
+    md = ctas.cta_markdown(meta, ["all_reduce", "send_recv", "broadcast"])
+    assert "| all_reduce | 64 | NCCL's choice, not reported | 1 KiB: 64; 1 GiB: 64 | 1 KiB: 2; 1 GiB: 32+1 |" in md
+    assert (
+        "| send_recv | 16 | NCCL's choice, not reported | 1 MiB: n/a (rank 1: RuntimeError: boom) | 1 MiB: n/a (no kernel grid in the trace) |"
+        in md
+    )
+    assert "| broadcast | 64 | NCCL's choice, not reported | n/a | n/a |" in md
+    lines = ctas.cta_summary_lines(4, meta, ["all_reduce", "send_recv"])
+    assert lines[1] == "w4 CTAs profiled all_reduce: rsccl 1 KiB: 64; 1 GiB: 64 | nccl 1 KiB: 2; 1 GiB: 32+1"
+    meta["ctas_measured_error"] = "RuntimeError: no CUPTI"
+    assert "Profiled grids: FAILED: RuntimeError: no CUPTI" in ctas.cta_markdown(meta, ["all_reduce"])
+
+
+def test_ctas_profile_is_on_for_cuda_and_refused_on_cpu():
+    assert parse_args(["--device", "cuda", "--quick"]).ctas_profile is True
+    assert parse_args(["--device", "cuda", "--no-ctas-profile"]).ctas_profile is False
+    assert parse_args([]).ctas_profile is False
+    r = run_bench("--ctas-profile")
+    assert r.returncode == 2 and "--ctas-profile: only with --device cuda" in r.stderr, r.stderr

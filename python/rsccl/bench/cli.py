@@ -223,6 +223,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"
     )
+    g.add_argument(
+        "--ctas-profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="last, read the grid (CTAs) of rsccl's and NCCL's kernels per collective from a torch.profiler trace, at "
+        "the smallest and largest size (rsccl/bench/cuda/ctas.py); default: on for --device cuda",
+    )
     od = OverlapConfig()
     g.add_argument(
         "--overlap",
@@ -288,6 +295,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 ("--no-pool", args.no_pool),
                 ("--fsdp", args.fsdp),
                 ("--overlap", args.overlap),
+                ("--ctas-profile", args.ctas_profile),
             )
             if used
         ]
@@ -299,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fsdp = args.device == "cuda" and not args.quick
     if args.overlap is None:
         args.overlap = args.device == "cuda"
+    if args.ctas_profile is None:
+        args.ctas_profile = args.device == "cuda"
     args.overlap_config = overlap_config(args)
     if args.overlap and (problems := config_problems(args.overlap_config)):
         p.error("; ".join(problems))

@@ -40,7 +40,9 @@ rsccl total / NCCL total (target <= 0.95x). Details: rsccl/bench/cuda/overlap.py
 
 SMs: the CTAs (grid) of each collective's kernel, rsccl's as its engine reports them
 (rsccl.memory_stats(): cuda_blocks, cuda_p2p_blocks for send/recv), NCCL's only as bounded by
-NCCL_MIN/MAX_CTAS or NCCL_MIN/MAX_NCHANNELS when set (rsccl/bench/cuda/ctas.py).
+NCCL_MIN/MAX_CTAS or NCCL_MIN/MAX_NCHANNELS when set; and, last (--ctas-profile, the default;
+--no-ctas-profile skips it), both as a torch.profiler trace of 3 calls per collective at its
+smallest and largest size shows them (rsccl/bench/cuda/ctas.py).
 
 all_to_all_single (even splits) runs from --min-bytes to 256 MiB per rank; send_recv (rank 0
 sends with dist.send, rank 1 receives with dist.recv, the other ranks idle; async: isend/

@@ -150,6 +150,7 @@ class Config:
     pool: bool = True  # rsccl-pool rows (and a pool on the default rsccl group)
     fsdp: FsdpConfig | None = None  # the FSDP2 section, or None
     overlap: OverlapConfig | None = None  # the overlap section, or None
+    ctas_profile: bool = False  # the kernels' grids read from a torch.profiler trace, last
 
 
 def describe(e: BaseException) -> str:

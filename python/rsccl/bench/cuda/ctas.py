@@ -9,12 +9,21 @@ so the SMs a kernel takes are at most its CTAs (fewer where the GPU places sever
 - NCCL: it does not report the grid it launches. What the environment bounds it to
   (NCCL_MIN_CTAS / NCCL_MAX_CTAS, NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS: one CTA per channel)
   is given when set; otherwise "NCCL's choice, not reported".
+- Both, measured (--ctas-profile, on by default): the grids of the kernels a torch.profiler
+  trace (CUPTI's kernel records) shows while a few calls of each collective run, at the
+  smallest and the largest size benchmarked, per backend; last in the ranks, after every
+  timing, so the profiler cannot disturb one. Where the trace has no grid, "n/a" and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from ..common import human
 from .config import P2P
 
 NCCL_CTA_VARIABLES = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_CTA_POLICY")
@@ -69,11 +78,72 @@ def rsccl_cell(per_rank: list[Mapping[str, object]], collective: str) -> str:
     return " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
 
 
+PROFILED_CALLS = 3  # calls per profiled (collective, size, backend)
+PROFILE_ALLOWANCE_S = 60.0  # added to --timeout when the grids are profiled (the profiler's start, ~24 traces)
+PROFILED_BACKENDS = ("rsccl", "nccl")
+
+
+def kernel_grids(trace: Mapping[str, Any]) -> dict[str, int]:
+    """{kernel name: the largest grid (CTAs, x * y * z) it ran with} from a torch.profiler
+    Chrome trace (kineto writes a kernel's launch grid as args "grid": [x, y, z])."""
+    out: dict[str, int] = {}
+    for ev in trace.get("traceEvents", []):
+        if not isinstance(ev, dict) or str(ev.get("cat", "")).lower() != "kernel":
+            continue
+        grid = (ev.get("args") or {}).get("grid")
+        if not (isinstance(grid, list) and len(grid) == 3 and all(isinstance(g, int) and g > 0 for g in grid)):
+            continue
+        name = str(ev.get("name", "?"))
+        out[name] = max(out.get(name, 0), grid[0] * grid[1] * grid[2])
+    return out
+
+
+def profiled_grids(fn: Callable[[], Any], calls: int = PROFILED_CALLS) -> dict[str, int]:
+    """kernel_grids() of a profile of `calls` calls of fn (CUDA activity only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory(prefix="rsccl-bench-trace-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return kernel_grids(json.load(f))
+
+
+def measured_cell(got: Mapping[str, Any] | None) -> str:
+    """A backend's measured grids for one collective: "<size>: <CTAs>" per size profiled
+    (several kernels: their grids joined by "+"; none seen or a failure: why)."""
+    if not got:
+        return "n/a"
+    cells = []
+    for size, grids in sorted(got.items(), key=lambda kv: int(kv[0])):
+        if isinstance(grids, str):
+            cells.append(f"{human(int(size))}: n/a ({grids[:120]})")
+        elif not grids:
+            cells.append(f"{human(int(size))}: n/a (no kernel grid in the trace)")
+        else:
+            cells.append(f"{human(int(size))}: {'+'.join(str(v) for v in grids.values())}")
+    return "; ".join(cells)
+
+
 def cta_rows(meta: dict, collectives: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """(collective, rsccl CTAs, nccl CTAs) per collective benchmarked."""
+    """(collective, rsccl CTAs, nccl CTAs) per collective benchmarked, as the engine and the
+    environment say (measured_rows: as the profiler saw them)."""
     stats = meta.get("rsccl_memory_stats") or []
     nccl = nccl_ctas(meta.get("nccl_cta_env") or {})
     return [(c, rsccl_cell(stats, c), nccl) for c in collectives]
+
+
+def measured_rows(meta: dict, collectives: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(collective, rsccl's measured grids, nccl's) where the profiler ran (empty if it did not)."""
+    measured = meta.get("ctas_measured") or {}
+    if not measured:
+        return []
+    return [(c, *(measured_cell((measured.get(c) or {}).get(b)) for b in PROFILED_BACKENDS)) for c in collectives if c in measured]
 
 
 def cta_markdown(meta: dict, collectives: list[str] | tuple[str, ...]) -> list[str]:
@@ -97,7 +167,26 @@ def cta_markdown(meta: dict, collectives: list[str] | tuple[str, ...]) -> list[s
         "| collective | rsccl CTAs | nccl CTAs |",
         "|---|---:|---|",
     ]
-    out += [f"| {c} | {rs} | {nc} |" for c, rs, nc in cta_rows(meta, collectives)]
+    measured = {c: (rs, nc) for c, rs, nc in measured_rows(meta, collectives)}
+    if measured:
+        out[-2:] = [
+            "| collective | rsccl CTAs (engine) | nccl CTAs (environment) | rsccl CTAs (profiler) | nccl CTAs (profiler) |",
+            "|---|---:|---|---|---|",
+        ]
+        out += [f"| {c} | {rs} | {nc} | {' | '.join(measured.get(c, ('n/a', 'n/a')))} |" for c, rs, nc in cta_rows(meta, collectives)]
+    else:
+        out += [f"| {c} | {rs} | {nc} |" for c, rs, nc in cta_rows(meta, collectives)]
+    if meta.get("ctas_measured_error"):
+        out += ["", f"Profiled grids: FAILED: {meta['ctas_measured_error']}"]
+    elif measured:
+        out += [
+            "",
+            (
+                f"Profiler columns: the grid of each kernel a torch.profiler trace (CUDA activity, CUPTI) recorded on rank 0 "
+                f"during {PROFILED_CALLS} calls, at the smallest and the largest size benchmarked, after every timing "
+                "('+' joins the grids of different kernels)."
+            ),
+        ]
     return out
 
 
@@ -111,4 +200,7 @@ def cta_summary_lines(world: int, meta: dict, collectives: list[str] | tuple[str
         groups.setdefault(rs, []).append(c)
     sms = meta.get("sms")
     rs_text = "; ".join(f"{','.join(cs)} {rs}" for rs, cs in groups.items())
-    return [f"w{world} CTAs per kernel (of {sms if sms else '?'} SMs): rsccl {rs_text}; nccl {rows[0][2]}"]
+    lines = [f"w{world} CTAs per kernel (of {sms if sms else '?'} SMs): rsccl {rs_text}; nccl {rows[0][2]}"]
+    for c, rs, nc in measured_rows(meta, collectives):
+        lines.append(f"w{world} CTAs profiled {c[:22]}: rsccl {rs} | nccl {nc}")
+    return lines

@@ -22,7 +22,7 @@ from ..common import human, message_sizes
 from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig
 from ..fsdp_report import fsdp_problems, fsdp_summary_lines
 from .config import DONE_GRACE_S, GPU_ENV, Config, describe, options_text, pool_options, pool_sizes
-from .ctas import cta_summary_lines
+from .ctas import PROFILE_ALLOWANCE_S, cta_summary_lines
 from .memory import memory_summary
 from .overlap import OVERLAP_ALLOWANCE_S
 from .overlap_report import overlap_problems, overlap_summary_lines
@@ -51,6 +51,7 @@ def run_world(world: int, cfg: Config) -> tuple[dict | None, str]:
             + cfg.timeout_s
             + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
             + (OVERLAP_ALLOWANCE_S if cfg.overlap is not None else 0.0)
+            + (PROFILE_ALLOWANCE_S if cfg.ctas_profile else 0.0)
         )
         done_at: float | None = None
         error = ""
@@ -124,6 +125,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         if args.fsdp
         else None,
         overlap=args.overlap_config if args.overlap else None,
+        ctas_profile=args.ctas_profile,
     )
     command = "python -m rsccl.bench " + shlex.join(argv)
     print(
