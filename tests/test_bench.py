@@ -64,7 +64,17 @@ def test_cpu_bench_checks_against_gloo_and_writes_every_row(tmp_path):
 def test_help_lists_every_flag(device):
     r = run_bench("--device", device, "--help")
     assert r.returncode == 0, r.stderr
-    for flag in ("--world-sizes", "--max-bytes", "--rsccl-options", "--sweep-one-shot", "--no-pool", "--fsdp-steps", "--hier"):
+    for flag in (
+        "--world-sizes",
+        "--max-bytes",
+        "--rsccl-options",
+        "--sweep-one-shot",
+        "--no-pool",
+        "--fsdp-steps",
+        "--hier",
+        "--no-overlap",
+        "--overlap-bytes",
+    ):
         assert flag in r.stdout, flag
 
 

@@ -4,6 +4,7 @@ with gloo (--device cpu) or with NCCL and torch's symmetric memory (--device cud
     python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out-dir bench-results/]
     python -m rsccl.bench --device cuda [--quick] [--sweep-one-shot] [--rsccl-options KEY=VAL,...]
                                         [--no-pool] [--no-fsdp] [--fsdp-steps N]
+                                        [--no-overlap] [--overlap-matmul N] [--overlap-bytes 64MiB,256MiB]
 
 --device cpu is described in rsccl/bench/cpu.py, --device cuda in rsccl/bench/cuda/__init__.py.
 """
@@ -13,11 +14,14 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .common import COLLECTIVES, CUDA_ONLY_COLLECTIVES, TOLERANCES, human
 from .cpu import MAX_ITERS, MIN_ITERS, TARGET_SECONDS
+from .cuda.overlap import QUICK as OVERLAP_QUICK
+from .cuda.overlap import OverlapConfig, config_problems
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -28,6 +32,14 @@ def parse_bytes(text: str) -> int:
     if m is None or unit not in UNITS or int(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a positive integer, optionally with B, KiB, MiB or GiB")
     return int(m.group(1)) * UNITS[unit]
+
+
+def parse_byte_list(text: str) -> tuple[int, ...]:
+    """Comma-separated sizes, each as parse_bytes takes it."""
+    items = [s for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated sizes, e.g. 64MiB,256MiB")
+    return tuple(parse_bytes(s) for s in items)
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -83,6 +95,23 @@ def parse_options(text: str) -> dict[str, int | str]:
             raise argparse.ArgumentTypeError(f"{item!r}: give KEY=VALUE pairs with KEY one of rsccl.Options' fields: {', '.join(known)}")
         out[key] = int(val) if re.fullmatch(r"-?\d+", val) else val
     return out
+
+
+# The overlap flags (None: not given) and the OverlapConfig fields they set.
+OVERLAP_FLAGS = {
+    "overlap_matmul": "matmul",
+    "overlap_matmuls": "matmuls",
+    "overlap_bytes": "sizes",
+    "overlap_rounds": "rounds",
+    "overlap_repeats": "repeats",
+}
+
+
+def overlap_config(args: argparse.Namespace) -> OverlapConfig:
+    """The overlap section's configuration: the defaults (the reduced ones with --quick), with
+    every overlap flag given in place of its default."""
+    base = OVERLAP_QUICK if args.quick else OverlapConfig()
+    return replace(base, **{field: getattr(args, flag) for flag, field in OVERLAP_FLAGS.items() if getattr(args, flag) is not None})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -195,6 +224,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"
     )
     g.add_argument(
+        "--ctas-profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="last, read the grid (CTAs) of rsccl's and NCCL's kernels per collective from a torch.profiler trace, at "
+        "the smallest and largest size (rsccl/bench/cuda/ctas.py); default: on for --device cuda",
+    )
+    od = OverlapConfig()
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a bf16 matmul loop on the compute stream with all_gather/reduce_scatter on a side stream, rsccl against "
+        "NCCL, ABBA (rsccl/bench/cuda/overlap.py); default: on for --device cuda, reduced with --quick",
+    )
+    g.add_argument(
+        "--overlap-matmul",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"n of the overlap section's bf16 n x n x n matmul; default: {od.matmul} ({OVERLAP_QUICK.matmul} with --quick)",
+    )
+    g.add_argument(
+        "--overlap-matmuls",
+        type=int,
+        default=None,
+        help=f"matmuls per overlap window; default: {od.matmuls} ({OVERLAP_QUICK.matmuls} with --quick)",
+    )
+    g.add_argument(
+        "--overlap-bytes",
+        type=parse_byte_list,
+        default=None,
+        metavar="SIZE,...",
+        help="per-rank message sizes of the overlap section's collectives (all_gather OUTPUT, reduce_scatter INPUT); default: "
+        f"{','.join(human(s).replace(' ', '') for s in od.sizes)} "
+        f"({','.join(human(s).replace(' ', '') for s in OVERLAP_QUICK.sizes)} with --quick)",
+    )
+    g.add_argument(
+        "--overlap-rounds",
+        type=int,
+        default=None,
+        help=f"rounds per overlap window, one all_gather and one reduce_scatter per size each; default: {od.rounds} "
+        f"({OVERLAP_QUICK.rounds} with --quick)",
+    )
+    g.add_argument("--overlap-repeats", type=int, default=None, help=f"overlap runs per backend, ABBA, at least 3; default: {od.repeats}")
+    g.add_argument(
         "--hier",
         action="store_true",
         help="only the emulated multi-host run (4 GPUs as 2 hosts x 2, RSCCL_HOST_ID): hierarchical vs "
@@ -220,14 +294,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 ("--no-graph", args.no_graph),
                 ("--no-pool", args.no_pool),
                 ("--fsdp", args.fsdp),
+                ("--overlap", args.overlap),
+                ("--ctas-profile", args.ctas_profile),
             )
             if used
         ]
+        cuda_only += [f"--{k.replace('_', '-')}" for k in OVERLAP_FLAGS if getattr(args, k) is not None]
         cuda_only += [c for c in args.collectives if c in CUDA_ONLY_COLLECTIVES]
         if cuda_only:
             p.error(f"{', '.join(cuda_only)}: only with --device cuda")
     if args.fsdp is None:
         args.fsdp = args.device == "cuda" and not args.quick
+    if args.overlap is None:
+        args.overlap = args.device == "cuda"
+    if args.ctas_profile is None:
+        args.ctas_profile = args.device == "cuda"
+    args.overlap_config = overlap_config(args)
+    if args.overlap and (problems := config_problems(args.overlap_config)):
+        p.error("; ".join(problems))
     if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1:
         p.error("--fsdp-steps and --fsdp-layers must be at least 1, --fsdp-warmup at least 0")
     if args.fsdp_dim < 64 or args.fsdp_dim % 64:

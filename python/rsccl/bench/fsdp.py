@@ -165,9 +165,10 @@ def used_bytes(dev: torch.device) -> int:
     return total - free
 
 
-def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
+def phase(r: Any, what: str, fn: Callable[[], Any], section: str = "FSDP2") -> Any:
     """fn() on every rank, then the device synchronized; if it raised on any rank, every rank
-    raises PhaseError naming the first failing rank (its traceback goes to its stderr)."""
+    raises PhaseError naming the first failing rank (its traceback goes to its stderr, under
+    `section`'s name). No collective of the harness's gloo group may run inside fn."""
     from .cuda.config import describe
 
     result, err = None, ""
@@ -176,7 +177,7 @@ def phase(r: Any, what: str, fn: Callable[[], Any]) -> Any:
         sync(r.dev)
     except Exception as e:  # noqa: BLE001 - agreed below, recorded by the caller
         err = describe(e)
-        print(f"rank {r.rank}: FSDP2 {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(f"rank {r.rank}: {section} {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     errs = r.agree.gather(err)
     bad = [(k, e) for k, e in enumerate(errs) if e]
     if bad:

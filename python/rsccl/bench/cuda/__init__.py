@@ -30,6 +30,20 @@ fully_shard over a new NCCL group, then over a new rsccl group whose pool
 (set_allocate_memory_from_process_group_for_comm(True) on every FSDP module); same seed and
 data for both. Details: rsccl/bench/fsdp.py.
 
+Overlap (--overlap, the default for --device cuda, reduced with --quick; --no-overlap skips
+it): after the collectives and before FSDP2, a loop of bf16 matmuls (--overlap-matmul 8192,
+--overlap-matmuls 20) on the compute stream while a side stream runs --overlap-rounds 16
+rounds of all_gather_into_tensor and reduce_scatter_tensor at each of --overlap-bytes
+(64, 128, 256 MiB), per backend (rsccl, rsccl-pool, NCCL), --overlap-repeats 3 runs each in
+ABBA order: matmuls alone, collectives alone, both; medians with min-max, total / matmul alone,
+rsccl total / NCCL total (target <= 0.95x). Details: rsccl/bench/cuda/overlap.py.
+
+SMs: the CTAs (grid) of each collective's kernel, rsccl's as its engine reports them
+(rsccl.memory_stats(): cuda_blocks, cuda_p2p_blocks for send/recv), NCCL's only as bounded by
+NCCL_MIN/MAX_CTAS or NCCL_MIN/MAX_NCHANNELS when set; and, last (--ctas-profile, the default;
+--no-ctas-profile skips it), both as a torch.profiler trace of 3 calls per collective at its
+smallest and largest size shows them (rsccl/bench/cuda/ctas.py).
+
 all_to_all_single (even splits) runs from --min-bytes to 256 MiB per rank; send_recv (rank 0
 sends with dist.send, rank 1 receives with dist.recv, the other ranks idle; async: isend/
 irecv + wait) at 1 MiB, 16 MiB and 256 MiB. Both on the default rsccl group and on NCCL, as
@@ -78,7 +92,7 @@ Method, per (backend, collective, size):
   on top of --timeout; a failure there is recorded, and everything else is still written.
 
 Outputs in --out-dir: bench_cuda_w<world>.md per world size (tables, memory, stats, the
-in-place table, the FSDP2 table), bench_cuda.csv (all worlds; rsccl-pool rows' note column
+in-place table, CTAs per collective, the overlap table, the FSDP2 table), bench_cuda.csv (all worlds; rsccl-pool rows' note column
 says inplace/STAGED), bench_cuda.png when matplotlib imports. The last lines printed
 are a compact summary (one line per size), since only the tail of a GPU run's output may
 come back.

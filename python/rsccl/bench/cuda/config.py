@@ -11,6 +11,7 @@ from ... import _rsccl
 from ...options import as_items
 from ..common import human
 from ..fsdp import FsdpConfig
+from .overlap import OverlapConfig
 
 # NVLink multicast can take a shared host's GPUs down: off in NCCL, torch's symmetric memory
 # and NVSHMEM. Set in this process before it spawns the ranks, so that they have it from their
@@ -148,6 +149,8 @@ class Config:
     timeout_s: float = 300.0
     pool: bool = True  # rsccl-pool rows (and a pool on the default rsccl group)
     fsdp: FsdpConfig | None = None  # the FSDP2 section, or None
+    overlap: OverlapConfig | None = None  # the overlap section, or None
+    ctas_profile: bool = False  # the kernels' grids read from a torch.profiler trace, last
 
 
 def describe(e: BaseException) -> str:

@@ -42,6 +42,8 @@ from .config import (
     pool_options,
     pool_sizes,
 )
+from .ctas import PROFILED_BACKENDS, nccl_cta_env, profiled_grids
+from .overlap import run_overlap
 from .tables import path_label, time_cell
 from .timing import graph_timed, timed
 
@@ -228,6 +230,8 @@ class Rank:
         all_stats = self.agree.gather(stats)
         self.meta = {
             "gpu": torch.cuda.get_device_name(dev),
+            "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
+            "nccl_cta_env": nccl_cta_env(os.environ),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
@@ -424,8 +428,54 @@ class Rank:
                     self.graphs(collective, counts, nbytes)
             self.log("CUDA graph measurements done")
             self.save()
+        if cfg.overlap is not None:
+            self.overlap()
         if cfg.fsdp is not None:
             self.fsdp()
+        if cfg.ctas_profile:
+            self.profile_ctas(cases)
+
+    def profile_ctas(self, cases: list[tuple[str, tuple[int, int], int]]) -> None:
+        """The grids of rsccl's and NCCL's kernels per collective at its smallest and largest
+        size, from a torch.profiler trace of a few calls (rank 0's), into meta["ctas_measured"].
+        Last: no timing runs after the profiler was on."""
+        torch.cuda.empty_cache()
+        measured: dict[str, dict[str, dict[str, Any]]] = {}
+        self.meta["ctas_measured"] = measured
+        picks: dict[str, list[tuple[tuple[int, int], int]]] = {}
+        for collective, counts, nbytes in cases:
+            picks.setdefault(collective, []).append((counts, nbytes))
+        try:
+            for collective, sizes in picks.items():
+                for counts, nbytes in dict.fromkeys([sizes[0], sizes[-1]]):
+                    bufs = make_bufs(collective, counts, self.dtype, self.dev)
+                    for b in self.backends:
+                        if b.name not in PROFILED_BACKENDS or not b.supports(collective, nbytes):
+                            continue
+                        got: dict[str, int] = {}
+                        err = self.guarded(
+                            b, f"{collective} {human(nbytes)} (profiled)", lambda b=b, got=got: got.update(profiled_grids(b.call(bufs)))
+                        )
+                        measured.setdefault(collective, {}).setdefault(b.name, {})[str(nbytes)] = err or got
+            self.log("kernel grids profiled")
+        except Exception as e:  # noqa: BLE001 - recorded; every result above is already saved
+            print(f"rank {self.rank}: profiling the kernels' grids failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            self.meta["ctas_measured_error"] = describe(e)
+            self.log(f"profiling the kernels' grids FAILED: {describe(e)}")
+        self.save()
+
+    def overlap(self) -> None:
+        """The overlap section, after the collectives and before FSDP2. Its phases are agreed
+        among the ranks; anything else that escapes is recorded too."""
+        torch.cuda.empty_cache()
+        try:
+            run_overlap(self)
+        except Exception as e:  # noqa: BLE001 - recorded; the results above are already saved
+            print(f"rank {self.rank}: overlap section failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            ov = self.meta.setdefault("overlap", {"runs": {}, "errors": {}})
+            ov.setdefault("errors", {})["section"] = describe(e)
+            self.log(f"overlap section FAILED: {describe(e)}")
+        self.save()
 
     def fsdp(self) -> None:
         """The FSDP2 section, last (a failure there cannot disturb the measurements above).

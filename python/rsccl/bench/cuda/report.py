@@ -14,7 +14,9 @@ from typing import Any
 from ..common import human
 from ..fsdp_report import fsdp_markdown
 from .config import BACKEND_ORDER, GPU_ENV, GRAPH_CALLS, GRAPH_REPLAYS, POOL_BACKEND, POOL_MIN_BYTES, PROBE_BYTES, Config, MiB, describe
+from .ctas import cta_markdown
 from .memory import memory_table
+from .overlap_report import overlap_markdown
 from .tables import fmt, graph_cell, note_of, path_label, path_ok, time_cell
 from .targets import pool_markdown, target_lines
 
@@ -111,6 +113,8 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
     if targets:
         out += ["", "## Targets (all_to_all_single, send/recv)", ""] + [f"- {t.split(' target ', 1)[-1]}" for t in targets]
     out += rendered("in-place table", pool_markdown, rows)
+    out += rendered("CTAs section", cta_markdown, meta, list(cfg.collectives))
+    out += rendered("overlap section", overlap_markdown, meta.get("overlap"), meta)
     out += rendered("FSDP2 section", fsdp_markdown, meta.get("fsdp"), world)
     return "\n".join(out) + "\n"
 

@@ -22,7 +22,10 @@ from ..common import human, message_sizes
 from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig
 from ..fsdp_report import fsdp_problems, fsdp_summary_lines
 from .config import DONE_GRACE_S, GPU_ENV, Config, describe, options_text, pool_options, pool_sizes
+from .ctas import PROFILE_ALLOWANCE_S, cta_summary_lines
 from .memory import memory_summary
+from .overlap import OVERLAP_ALLOWANCE_S
+from .overlap_report import overlap_problems, overlap_summary_lines
 from .plot import write_png
 from .rank import rank_main
 from .report import rendered, world_markdown
@@ -43,7 +46,13 @@ def run_world(world: int, cfg: Config) -> tuple[dict | None, str]:
         path = os.path.join(tmp, "results.json")
         store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
         ctx = mp.start_processes(rank_main, args=(world, store.port, cfg, path), nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + cfg.timeout_s + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
+        deadline = (
+            time.monotonic()
+            + cfg.timeout_s
+            + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
+            + (OVERLAP_ALLOWANCE_S if cfg.overlap is not None else 0.0)
+            + (PROFILE_ALLOWANCE_S if cfg.ctas_profile else 0.0)
+        )
         done_at: float | None = None
         error = ""
         try:
@@ -115,6 +124,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         )
         if args.fsdp
         else None,
+        overlap=args.overlap_config if args.overlap else None,
+        ctas_profile=args.ctas_profile,
     )
     command = "python -m rsccl.bench " + shlex.join(argv)
     print(
@@ -132,7 +143,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             if pooled
         )
         + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
-        + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else ""),
+        + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else "")
+        + f"; overlap section: {cfg.overlap.describe() if cfg.overlap else 'off'}"
+        + (f" (--timeout +{OVERLAP_ALLOWANCE_S:.0f} s per world size)" if cfg.overlap else ""),
         flush=True,
     )
     print(
@@ -165,6 +178,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         summaries += rendered("in-place summary", pool_summary_lines, world, rows)
         if meta:
             summaries.append(memory_summary(world, meta))
+            summaries += rendered("CTAs summary", cta_summary_lines, world, meta, list(cfg.collectives))
+            summaries += rendered("overlap summary", overlap_summary_lines, world, meta.get("overlap"))
+            problems += rendered("overlap verdict", overlap_problems, world, meta.get("overlap"))
             summaries += rendered("FSDP2 summary", fsdp_summary_lines, world, meta.get("fsdp"))
             problems += rendered("FSDP2 verdict", fsdp_problems, world, meta.get("fsdp"))
         if error:
