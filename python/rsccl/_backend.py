@@ -276,10 +276,6 @@ class ProcessGroupRsccl(Collectives, CudaCalls, dist.ProcessGroup):
         else:
             cls = ErrorClass.TYPE if isinstance(err, (TypeError, AttributeError)) else ErrorClass.VALUE
             message, original = f"{KIND_NAMES[code]}: preparing the call failed: {type(err).__name__}: {err}", err
-        if stream is not None and f"rank {self.rank()}" not in message:
-            # On CUDA this rank raises its own error (its peers raise the disagreement, which
-            # names it): name it too, as the host engine's agreed errors do ("rank 2: ...").
-            message = f"rank {self.rank()}: {message}"
         works, errors = [], []
         for _ in range(max(n_ops, 1)):
             try:

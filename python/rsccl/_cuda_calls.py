@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._cuda import REDUCE_DTYPES, REDUCE_OPS, raw_stream
+from ._cuda import raw_stream
 from ._ops import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -28,7 +28,6 @@ from ._ops import (
     ArgumentError,
     ErrorClass,
     dtype_code,
-    op_name,
 )
 from ._plan import (
     _buf,
@@ -51,7 +50,10 @@ from ._work import CudaWork, DoneWork
 
 
 class CudaCalls:
-    def _cuda_check(self, t: torch.Tensor, what: str, reduce_op: int | str | None) -> None:
+    def _cuda_check(self, t: torch.Tensor, what: str) -> None:
+        """The tensor's side of a CUDA call: the group has a CUDA engine and `t` is on its GPU.
+        What the op asks of the kernels (a dtype and op they reduce, a root in the group)
+        is checked once, by the core (`Op::to_cuda`), which joins the call as invalid."""
         if self._cuda_device is None:
             self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
             raise ArgumentError(
@@ -60,15 +62,6 @@ class CudaCalls:
             )
         if t.device.index != self._cuda_device:
             raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
-        if reduce_op is not None:
-            if t.dtype not in REDUCE_DTYPES:
-                raise ArgumentError(
-                    f"{what}: rank {self.rank()} passed {t.dtype}; rsccl's CUDA reductions take {', '.join(REDUCE_DTYPES.values())}",
-                    ErrorClass.TYPE,
-                )
-            name = op_name(reduce_op)
-            if name not in REDUCE_OPS or (name == "AVG" and not t.dtype.is_floating_point):
-                raise ArgumentError(f"{what}: rank {self.rank()} passed ReduceOp.{name} on {t.dtype}", ErrorClass.TYPE)
 
     def _cuda(self, kind: int, prepare: Callable[[], tuple], opts: Any, result: Any) -> Any:
         """Check and launch one CUDA collective. `prepare` returns (inp, inp_bytes, out,
@@ -88,7 +81,7 @@ class CudaCalls:
 
     def _cuda_allreduce(self, t: torch.Tensor, op: str, opts: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(t, "all_reduce", op)
+            self._cuda_check(t, "all_reduce")
             c = t if t.is_contiguous() else t.contiguous()
             post = None if c is t else (lambda: t.copy_(c))
             p, nbytes = _buf(c)
@@ -100,8 +93,8 @@ class CudaCalls:
         self, out: torch.Tensor, inp: torch.Tensor, opts: Any, result: Any, post_extra: Callable[[], None] | None = None
     ) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(inp, "all_gather input", None)
-            self._cuda_check(out, "all_gather output", None)
+            self._cuda_check(inp, "all_gather input")
+            self._cuda_check(out, "all_gather output")
             if out.dtype != inp.dtype or out.numel() != inp.numel() * self.size():
                 raise ArgumentError(
                     f"all_gather: rank {self.rank()} passed output {out.dtype}[{out.numel()}] for input "
@@ -115,8 +108,8 @@ class CudaCalls:
 
     def _cuda_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, opts: Any, result: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(inp, "reduce_scatter input", op)
-            self._cuda_check(out, "reduce_scatter output", op)
+            self._cuda_check(inp, "reduce_scatter input")
+            self._cuda_check(out, "reduce_scatter output")
             if out.dtype != inp.dtype or inp.numel() != out.numel() * self.size():
                 raise ArgumentError(
                     f"reduce_scatter: rank {self.rank()} passed input {inp.dtype}[{inp.numel()}] for output "
@@ -129,23 +122,16 @@ class CudaCalls:
 
     def _cuda_broadcast(self, t: torch.Tensor, root: int, opts: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(t, "broadcast", None)
-            if not 0 <= root < self.size():
-                raise ArgumentError(f"broadcast: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
+            self._cuda_check(t, "broadcast")
             c = t if t.is_contiguous() else t.contiguous()
             post = None if c is t else (lambda: t.copy_(c))
             return *_buf(c), *_buf(c), UINT8, SUM, root, (t, c), post
 
         return self._cuda(BROADCAST, prepare, opts, [t])
 
-    def _cuda_root(self, what: str, root: int) -> None:
-        if not 0 <= root < self.size():
-            raise ArgumentError(f"{what}: rank {self.rank()} passed root {root}, not a rank of this group of {self.size()}")
-
     def _cuda_reduce(self, t: torch.Tensor, root: int, op: str, opts: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(t, "reduce", op)
-            self._cuda_root("reduce", root)
+            self._cuda_check(t, "reduce")
             c = t if t.is_contiguous() else t.contiguous()
             post = None if c is t or self.rank() != root else (lambda: t.copy_(c))
             return *_buf(c), *_buf(c), dtype_code(c), op, root, (t, c), post
@@ -154,8 +140,7 @@ class CudaCalls:
 
     def _cuda_gather(self, output_tensors: Any, inp: torch.Tensor, root: int, opts: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(inp, "gather input", None)
-            self._cuda_root("gather", root)
+            self._cuda_check(inp, "gather input")
             i = inp.contiguous()
             flat, post = i, None
             if self.rank() == root:
@@ -163,7 +148,7 @@ class CudaCalls:
                     output_tensors, inp, self.size(), "gather", "gather_list", "input", "the root's ", check=_check_cuda_tensor
                 )
                 for o in outs:
-                    self._cuda_check(o, "gather output", None)
+                    self._cuda_check(o, "gather output")
                 flat = torch.empty(self.size() * i.numel(), dtype=i.dtype, device=i.device)
                 post = _scatter_back(flat, outs)
             return *_buf(i), *_buf(flat), UINT8, SUM, root, (inp, i, flat), post
@@ -172,8 +157,7 @@ class CudaCalls:
 
     def _cuda_scatter(self, out: torch.Tensor, input_tensors: Any, root: int, opts: Any) -> Any:
         def prepare() -> tuple:
-            self._cuda_check(out, "scatter output", None)
-            self._cuda_root("scatter", root)
+            self._cuda_check(out, "scatter output")
             o = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
             copy_back = None if o is out else (lambda: out.copy_(o))
             flat = o
@@ -182,7 +166,7 @@ class CudaCalls:
                     input_tensors, out, self.size(), "scatter", "scatter_list", "output", "the root's ", check=_check_cuda_tensor
                 )
                 for x in ins:
-                    self._cuda_check(x, "scatter input", None)
+                    self._cuda_check(x, "scatter input")
                 flat = _flat_cat(ins)
             return *_buf(flat), *_buf(o), UINT8, SUM, root, (out, o, flat), copy_back
 
@@ -265,8 +249,8 @@ class CudaCalls:
         def prepare() -> tuple:
             me, n = self.rank(), self.size()
             _check_cuda_tensor(output, "all_to_all_single output")
-            self._cuda_check(input, "all_to_all_single input", None)
-            self._cuda_check(output, "all_to_all_single output", None)
+            self._cuda_check(input, "all_to_all_single input")
+            self._cuda_check(output, "all_to_all_single output")
             if output.dtype != input.dtype:
                 raise ArgumentError(f"all_to_all_single: rank {me} passed output {output.dtype} for input {input.dtype}", ErrorClass.TYPE)
             send = _split_bytes(input, list(in_splits), n, f"all_to_all_single: rank {me}'s input")
@@ -326,7 +310,7 @@ class CudaCalls:
             ins = [_check_cuda_tensor(t, "all_to_all input") for t in input_tensors]
             outs = [_check_cuda_tensor(t, "all_to_all output") for t in output_tensors]
             for t in ins + outs:
-                self._cuda_check(t, "all_to_all", None)
+                self._cuda_check(t, "all_to_all")
             dts = {t.dtype for t in ins + outs}
             if len(dts) != 1:
                 raise ArgumentError(
@@ -365,7 +349,7 @@ class CudaCalls:
         def prepare() -> tuple:
             ts = [_check_cuda_tensor(t, "all_reduce_coalesced") for t in tensors]
             for t in ts:
-                self._cuda_check(t, "all_reduce_coalesced", op)
+                self._cuda_check(t, "all_reduce_coalesced")
             calls, keep, dsts, srcs = [], [], [], []
             for dt in dtypes:
                 group = [t for t in ts if t.dtype == dt]
@@ -397,12 +381,12 @@ class CudaCalls:
                 raise ArgumentError(f"{what}: rank {me} passed {len(outputs)} outputs for {len(inputs)} inputs")
             ins = [_check_cuda_tensor(t, f"{what} input") for t in inputs]
             for i in ins:
-                self._cuda_check(i, f"{what} input", None)
+                self._cuda_check(i, f"{what} input")
             for k, (o, i) in enumerate(zip(outputs, ins)):
                 per_rank = list(o) if isinstance(o, (list, tuple)) else None
                 for x in per_rank if per_rank is not None else [o]:
                     _check_cuda_tensor(x, f"{what} output")
-                    self._cuda_check(x, f"{what} output", None)
+                    self._cuda_check(x, f"{what} output")
                     if x.dtype != i.dtype:
                         raise ArgumentError(f"{what} #{k}: rank {me} passed output {x.dtype} for input {i.dtype}", ErrorClass.TYPE)
                 if per_rank is not None and (len(per_rank) != n or any(x.numel() != i.numel() for x in per_rank)):
@@ -446,8 +430,8 @@ class CudaCalls:
             for k, (o, i) in enumerate(zip(outputs, inputs)):
                 _check_cuda_tensor(o, "reduce_scatter_tensor_coalesced output")
                 _check_cuda_tensor(i, "reduce_scatter_tensor_coalesced input")
-                self._cuda_check(i, "reduce_scatter_tensor_coalesced input", op)
-                self._cuda_check(o, "reduce_scatter_tensor_coalesced output", op)
+                self._cuda_check(i, "reduce_scatter_tensor_coalesced input")
+                self._cuda_check(o, "reduce_scatter_tensor_coalesced output")
                 if o.dtype != i.dtype or i.numel() != n * o.numel():
                     raise ArgumentError(
                         f"reduce_scatter_tensor_coalesced #{k}: rank {me} passed input {i.dtype}[{i.numel()}] for output "
@@ -490,7 +474,7 @@ class CudaCalls:
                     f"{what}: rank {self.rank()} passed {len(tensors) if isinstance(tensors, (list, tuple)) else 'a non-list'}; give one tensor"
                 )
             t = _check_cuda_tensor(tensors[0], what)
-            self._cuda_check(t, what, None)
+            self._cuda_check(t, what)
             if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
                 raise ArgumentError(
                     f"{what}: rank {self.rank()} passed peer {peer}; give another rank of this group of {self.size()} "

@@ -101,7 +101,7 @@ def test_unsupported_cuda_calls_raise(gpus, seed):
     for rank, per_call in enumerate(results):
         for name, outcome in per_call.items():
             assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; rsccl must raise"
-            says = {"recv_anysource": "src", "all_reduce_band_int64": f"rank {rank} passed ReduceOp.BAND on torch.int64"}[name]
+            says = {"recv_anysource": "src", "all_reduce_band_int64": f"all_reduce: rank {rank} passed ReduceOp.BAND on int64"}[name]
             assert outcome.startswith("TypeError") and says in outcome, f"rank {rank}: {name}'s error does not say {says!r}: {outcome}"
 
 

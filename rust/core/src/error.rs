@@ -58,6 +58,17 @@ impl Error {
         matches!(self, Error::InvalidArgument(_) | Error::InvalidType(_) | Error::Mismatch(_) | Error::Config(_))
     }
 
+    /// This rank's own argument error, naming it ("rank 2: ..."), as the host engine's
+    /// agreed errors do; unchanged if it names the rank already, or is not an argument error.
+    pub fn naming_rank(self, rank: usize) -> Error {
+        let named = |m: &str| m.starts_with(&format!("rank {rank}:")) || m.contains(&format!("rank {rank} "));
+        match self {
+            Error::InvalidArgument(m) if !named(&m) => Error::InvalidArgument(format!("rank {rank}: {m}")),
+            Error::InvalidType(m) if !named(&m) => Error::InvalidType(format!("rank {rank}: {m}")),
+            other => other,
+        }
+    }
+
     /// One byte that travels in collective headers, so every rank raises the same class.
     pub fn class_code(&self) -> u8 {
         match self {
@@ -89,5 +100,24 @@ pub trait OsContext<T> {
 impl<T> OsContext<T> for io::Result<T> {
     fn os_context(self, context: impl FnOnce() -> String) -> Result<T> {
         self.map_err(|e| Error::os(context(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_names_itself_once() {
+        let e = Error::InvalidArgument("all_reduce takes exactly one tensor per rank, got 2".into()).naming_rank(1);
+        assert_eq!(e.to_string(), "rank 1: all_reduce takes exactly one tensor per rank, got 2");
+        assert!(
+            matches!(e.clone().naming_rank(1), Error::InvalidArgument(m) if m == "rank 1: all_reduce takes exactly one tensor per rank, got 2")
+        );
+        let e = Error::InvalidType("all_reduce: rank 12 passed float64".into()).naming_rank(1);
+        assert_eq!(e.to_string(), "rank 1: all_reduce: rank 12 passed float64", "rank 12 is not rank 1");
+        let e = Error::InvalidType("all_reduce: rank 3 passed float64".into()).naming_rank(3);
+        assert_eq!(e.to_string(), "all_reduce: rank 3 passed float64");
+        assert!(matches!(Error::Timeout("t".into()).naming_rank(0), Error::Timeout(m) if m == "t"), "only argument errors");
     }
 }

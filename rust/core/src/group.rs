@@ -184,15 +184,20 @@ impl Group {
     /// (found by the front end) or whose arguments fail to translate for its engine joins
     /// its call as invalid (`Engine::join_invalid`) and returns the error. Point-to-point
     /// calls involve one peer only: they raise without joining.
-    pub fn run(&self, op: Op) -> Result<Ran> {
+    pub fn run(&self, mut op: Op) -> Result<Ran> {
         match op.place {
             Place::Host => {
                 let (rank, n) = (self.topo.rank, self.topo.size);
                 run_on(self.host_engine(), op, self.timeout, |op| op.to_host(rank, n))
             }
             Place::Cuda { stream } => {
-                let n = self.topo.size;
-                run_on(self.device().map(|d| d.engine), op, self.timeout, |op| op.to_device(n, stream))
+                // On CUDA a bad rank raises its own error (its peers raise the disagreement,
+                // which names it): it names the rank too, as the host engine's agreed errors do.
+                let (rank, n) = (self.topo.rank, self.topo.size);
+                op.invalid = op.invalid.map(|e| e.naming_rank(rank));
+                run_on(self.device().map(|d| d.engine), op, self.timeout, |op| {
+                    op.to_device(rank, n, stream).map_err(|e| e.naming_rank(rank))
+                })
             }
         }
     }

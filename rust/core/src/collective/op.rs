@@ -93,9 +93,9 @@ impl Op {
         Ok(HostCall::Collective { c: self.to_collective(rank, n)?, blocking: self.blocking })
     }
 
-    /// What a device engine runs for this op, in a group of `n` ranks, after `stream`.
-    /// Errors are this rank's bad arguments.
-    pub fn to_device(&self, n: usize, stream: u64) -> Result<DeviceCall> {
+    /// What a device engine runs for this op of `rank` in a group of `n` ranks, after
+    /// `stream`. Errors are this rank's bad arguments.
+    pub fn to_device(&self, rank: usize, n: usize, stream: u64) -> Result<DeviceCall> {
         let asynchronous = !self.blocking;
         match self.kind {
             Kind::Send | Kind::Recv => {
@@ -116,7 +116,7 @@ impl Op {
             | Kind::Barrier
             | Kind::Gather
             | Kind::Scatter
-            | Kind::Reduce => Ok(DeviceCall::Collective(self.to_cuda(n, stream)?)),
+            | Kind::Reduce => Ok(DeviceCall::Collective(self.to_cuda(rank, n, stream)?)),
         }
     }
 
@@ -170,9 +170,14 @@ impl Op {
         }
     }
 
-    /// The CUDA engines' description of a collective on `stream` in a group of `n` ranks:
-    /// what its `count` means per kind, and uint8/SUM for operations that move bytes.
-    pub fn to_cuda(&self, n: usize, stream: u64) -> Result<CudaCall> {
+    /// The CUDA engines' description of a collective of `rank` on `stream` in a group of
+    /// `n` ranks: what its `count` means per kind, and uint8/SUM for operations that move
+    /// bytes. The one check of what the kernels reduce and of the root on CUDA.
+    pub fn to_cuda(&self, rank: usize, n: usize, stream: u64) -> Result<CudaCall> {
+        if self.kind.has_op() {
+            crate::cuda::kernels::check_reduces(self.dtype, self.op)
+                .map_err(|e| Error::InvalidType(format!("{}: rank {rank} {e}", self.kind.name())))?;
+        }
         let elem = self.dtype.size() as u64;
         let count = match self.kind {
             Kind::AllReduce | Kind::Reduce => self.inp.bytes / elem,
@@ -215,7 +220,7 @@ mod tests {
         for k in Kind::ALL {
             let mut o = op(k, 64, 64 * 4, DType::F32);
             o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
-            let (host, device) = (o.to_host(0, 4), o.to_device(4, 7));
+            let (host, device) = (o.to_host(0, 4), o.to_device(0, 4, 7));
             assert_eq!(host.is_ok(), k != Kind::Invalid, "{k:?} on the host engine");
             assert_eq!(device.is_ok(), k != Kind::Invalid, "{k:?} on a device engine");
             if k == Kind::Invalid {
@@ -239,18 +244,18 @@ mod tests {
         }
         let mut a2a = op(Kind::AllToAll, 64, 64, DType::F32);
         a2a.splits = None;
-        assert!(a2a.to_device(4, 7).is_err() && a2a.to_host(0, 4).is_err(), "all_to_all needs its splits");
+        assert!(a2a.to_device(0, 4, 7).is_err() && a2a.to_host(0, 4).is_err(), "all_to_all needs its splits");
         let mut send = op(Kind::Send, 64, 64, DType::F32);
         send.root = -2;
-        assert!(send.to_device(4, 7).unwrap_err().to_string().contains("peer -2 is not a rank"));
+        assert!(send.to_device(0, 4, 7).unwrap_err().to_string().contains("peer -2 is not a rank"));
     }
 
     #[test]
     fn device_calls_take_the_stream_they_run_after() {
         let o = op(Kind::Recv, 64, 64, DType::F32);
-        let DeviceCall::P2p { stream, asynchronous, .. } = o.to_device(2, 0).unwrap().after(11, true) else { panic!("not p2p") };
+        let DeviceCall::P2p { stream, asynchronous, .. } = o.to_device(0, 2, 0).unwrap().after(11, true) else { panic!("not p2p") };
         assert_eq!((stream, asynchronous), (11, true));
-        let DeviceCall::Collective(c) = op(Kind::AllReduce, 64, 64, DType::F32).to_device(2, 0).unwrap().after(5, false) else {
+        let DeviceCall::Collective(c) = op(Kind::AllReduce, 64, 64, DType::F32).to_device(0, 2, 0).unwrap().after(5, false) else {
             panic!("not a collective")
         };
         assert_eq!((c.stream, c.asynchronous), (5, false));
@@ -258,15 +263,36 @@ mod tests {
 
     #[test]
     fn cuda_counts_follow_each_kind() {
-        let c = op(Kind::AllReduce, 4096, 4096, DType::BF16).to_cuda(2, 9).unwrap();
+        let c = op(Kind::AllReduce, 4096, 4096, DType::BF16).to_cuda(0, 2, 9).unwrap();
         assert_eq!((c.count, c.dtype, c.op, c.root, c.stream, c.asynchronous), (2048, DType::BF16, ReduceOp::Max, 0, 9, false));
-        let c = op(Kind::ReduceScatter, 4096, 1024, DType::F32).to_cuda(4, 0).unwrap();
+        let c = op(Kind::ReduceScatter, 4096, 1024, DType::F32).to_cuda(0, 4, 0).unwrap();
         assert_eq!(c.count, 256);
-        let c = op(Kind::AllGather, 100, 400, DType::F32).to_cuda(4, 0).unwrap();
+        let c = op(Kind::AllGather, 100, 400, DType::F32).to_cuda(0, 4, 0).unwrap();
         assert_eq!((c.count, c.dtype, c.op), (100, DType::U8, ReduceOp::Sum));
-        let c = op(Kind::Scatter, 400, 100, DType::I64).to_cuda(4, 0).unwrap();
+        let c = op(Kind::Scatter, 400, 100, DType::I64).to_cuda(0, 4, 0).unwrap();
         assert_eq!((c.count, c.root, c.dtype), (100, 1, DType::U8));
-        assert!(op(Kind::Broadcast, 8, 8, DType::U8).to_cuda(1, 0).is_err(), "root 1 in a group of 1");
+        assert!(op(Kind::Broadcast, 8, 8, DType::U8).to_cuda(0, 1, 0).is_err(), "root 1 in a group of 1");
+    }
+
+    /// What the kernels reduce is checked once, here, naming the rank and what it passed.
+    #[test]
+    fn cuda_reductions_are_checked_against_the_kernels() {
+        let e = op(Kind::AllReduce, 64, 64, DType::F64).to_cuda(2, 4, 0).unwrap_err();
+        assert!(matches!(e, Error::InvalidType(_)));
+        assert!(
+            e.to_string().starts_with("all_reduce: rank 2 passed float64; rsccl's CUDA reductions take float32, float16, bfloat16"),
+            "{e}"
+        );
+        let mut o = op(Kind::ReduceScatter, 64, 16, DType::I64);
+        o.op = ReduceOp::BAnd;
+        let e = o.to_cuda(1, 4, 0).unwrap_err().to_string();
+        assert!(e.contains("reduce_scatter: rank 1 passed ReduceOp.BAND on int64"), "{e}");
+        o.op = ReduceOp::Avg;
+        assert!(o.to_cuda(1, 4, 0).is_err(), "AVG on integers");
+        o.dtype = DType::BF16;
+        assert!(o.to_cuda(1, 4, 0).is_ok());
+        // Operations that move bytes take any dtype.
+        assert!(op(Kind::AllGather, 64, 256, DType::F64).to_cuda(0, 4, 0).is_ok());
     }
 
     #[test]

@@ -31,9 +31,6 @@ use crate::store::{PrefixStore, StoreServer, TcpStore};
 use crate::tensor::{self, check, CopyBack, Place};
 use crate::work::Work;
 
-/// dtypes rsccl's CUDA kernels reduce (gathers, broadcasts and all_to_all move bytes of any).
-const CUDA_REDUCE_DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
-
 /// A group of ranks (see the module docs). Cheap to clone; the group is destroyed when the
 /// last clone and the last Work of it are dropped, or at `shutdown`.
 #[derive(Clone)]
@@ -355,22 +352,8 @@ impl ProcessGroup {
             return Err(Error::InvalidArgument(format!("rank {me}: {what} is on {:?}, but its group uses cuda:{dev}", t.device())));
         }
         if let Some(op) = op {
-            if !CUDA_REDUCE_DTYPES.contains(&a.dtype) {
-                return Err(Error::InvalidType(format!(
-                    "rank {me}: {what} is {}; rsccl's CUDA reductions take {}",
-                    a.dtype.name(),
-                    CUDA_REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
-                )));
-            }
-            if !matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max)
-                || (op == ReduceOp::Avg && !a.dtype.is_float())
-            {
-                return Err(Error::InvalidType(format!(
-                    "rank {me}: {what}: ReduceOp.{} on {} is not supported on CUDA",
-                    op.name(),
-                    a.dtype.name()
-                )));
-            }
+            // What the kernels reduce has one home: the core's check (as for Python's calls).
+            rsccl_core::cuda::kernels::check_reduces(a.dtype, op).map_err(|e| Error::InvalidType(format!("rank {me}: {what}: {e}")))?;
         }
         Ok(a)
     }

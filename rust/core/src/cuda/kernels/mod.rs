@@ -105,6 +105,19 @@ impl Family {
 pub const REDUCE_DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
 pub const REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max];
 
+/// Whether rsccl's CUDA kernels reduce `d` with `o` (every reducing family has the same
+/// dtype x op matrix), or the error that says what they take.
+pub fn check_reduces(d: DType, o: ReduceOp) -> Result<()> {
+    if !REDUCE_DTYPES.contains(&d) {
+        let take = REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ");
+        return Err(Error::InvalidType(format!("passed {}; rsccl's CUDA reductions take {take}", d.name())));
+    }
+    if !REDUCE_OPS.contains(&o) || FAMILIES.iter().any(|&f| kernel_name(f, d, o).is_none()) {
+        return Err(Error::InvalidType(format!("passed ReduceOp.{} on {}, which rsccl's CUDA kernels do not reduce", o.name(), d.name())));
+    }
+    Ok(())
+}
+
 /// The kernels without a dtype x op matrix: (module, entry point).
 pub const PLAIN_KERNELS: [(&str, &str); 8] = [
     ("all_gather", "rs_all_gather"),
