@@ -269,7 +269,7 @@ def test_arguments_too_broken_to_route_join_the_side_of_their_first_tensor(monke
         ([x, x.clone()], ValueError, None),  # CPU tensors: the host engine
     ]
     for tensors, exc, stream in cases:
-        with pytest.raises(exc) as info:
+        with pytest.raises(exc):
             pg.allreduce(tensors, _opts(dist.AllreduceOptions))
         invalid = pg._comm.ops[-1]
         assert invalid[:2] == ("invalid", _ops.ALL_REDUCE) and invalid[4] == stream, (tensors, invalid)

@@ -43,6 +43,7 @@ from ._plan import (
     _buf,
     _chain,
     _check_cuda_tensor,
+    _check_same_dtype,
     _check_tensor,
     _flat_cat,
     _gather_layout,
@@ -180,8 +181,7 @@ class Collectives:
     def _all_gather_one(self, out: torch.Tensor, inp: torch.Tensor) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "all_gather output")
         inp = _check_tensor(inp, "all_gather input").contiguous()
-        if out.dtype != inp.dtype:
-            raise ArgumentError(f"all_gather: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
+        _check_same_dtype("all_gather", out, inp)
         s = _Staged(out, copy_in=False)
         return (lambda b: self._host(ALL_GATHER, inp, s.buf, b)), (inp, s), s.post
 
@@ -341,8 +341,7 @@ class Collectives:
     ) -> tuple[Callable[[bool], Any], Any, Callable[[], None] | None]:
         _check_tensor(out, "reduce_scatter output")
         inp = _check_tensor(inp, "reduce_scatter input").contiguous()
-        if out.dtype != inp.dtype:
-            raise ArgumentError(f"reduce_scatter: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
+        _check_same_dtype("reduce_scatter", out, inp)
         s = _Staged(out, copy_in=False)
         return (lambda b: self._host(REDUCE_SCATTER, inp, s.buf, b, op)), (inp, s), s.post
 
@@ -414,10 +413,7 @@ class Collectives:
             for k, (o, i) in enumerate(zip(outputs, inputs)):
                 _check_tensor(o, "reduce_scatter output")
                 _check_tensor(i, "reduce_scatter input")
-                if o.dtype != i.dtype:
-                    raise ArgumentError(
-                        f"reduce_scatter_tensor_coalesced #{k}: output dtype {o.dtype} differs from input dtype {i.dtype}", ErrorClass.TYPE
-                    )
+                _check_same_dtype(f"reduce_scatter_tensor_coalesced #{k}", o, i)
                 if i.numel() != n * o.numel():
                     raise ArgumentError(f"reduce_scatter_tensor_coalesced #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
             if not one_dtype:
@@ -457,8 +453,7 @@ class Collectives:
         def prepare() -> _Plan:
             out = _check_tensor(output, "all_to_all output")
             inp = _check_tensor(input, "all_to_all input").contiguous()
-            if out.dtype != inp.dtype:
-                raise ArgumentError(f"all_to_all: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
+            _check_same_dtype("all_to_all", out, inp)
             n = self.size()
             send = _split_bytes(inp, list(input_split_sizes), n, "all_to_all: input")
             recv = _split_bytes(out, list(output_split_sizes), n, "all_to_all: output")

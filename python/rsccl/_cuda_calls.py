@@ -33,6 +33,7 @@ from ._plan import (
     _buf,
     _chain,
     _check_cuda_tensor,
+    _check_same_dtype,
     _cuda_buffers,
     _even_or_split_bytes,
     _flat_cat,
@@ -95,7 +96,8 @@ class CudaCalls:
         def prepare() -> tuple:
             self._cuda_check(inp, "all_gather input")
             self._cuda_check(out, "all_gather output")
-            if out.dtype != inp.dtype or out.numel() != inp.numel() * self.size():
+            _check_same_dtype("all_gather", out, inp)
+            if out.numel() != inp.numel() * self.size():
                 raise ArgumentError(
                     f"all_gather: rank {self.rank()} passed output {out.dtype}[{out.numel()}] for input "
                     f"{inp.dtype}[{inp.numel()}] (the output must hold group size {self.size()} inputs)"
@@ -110,7 +112,8 @@ class CudaCalls:
         def prepare() -> tuple:
             self._cuda_check(inp, "reduce_scatter input")
             self._cuda_check(out, "reduce_scatter output")
-            if out.dtype != inp.dtype or inp.numel() != out.numel() * self.size():
+            _check_same_dtype("reduce_scatter", out, inp)
+            if inp.numel() != out.numel() * self.size():
                 raise ArgumentError(
                     f"reduce_scatter: rank {self.rank()} passed input {inp.dtype}[{inp.numel()}] for output "
                     f"{out.dtype}[{out.numel()}] (the input must hold group size {self.size()} outputs)"
@@ -251,8 +254,7 @@ class CudaCalls:
             _check_cuda_tensor(output, "all_to_all_single output")
             self._cuda_check(input, "all_to_all_single input")
             self._cuda_check(output, "all_to_all_single output")
-            if output.dtype != input.dtype:
-                raise ArgumentError(f"all_to_all_single: rank {me} passed output {output.dtype} for input {input.dtype}", ErrorClass.TYPE)
+            _check_same_dtype("all_to_all_single", output, input)
             send = _split_bytes(input, list(in_splits), n, f"all_to_all_single: rank {me}'s input")
             recv = _split_bytes(output, list(out_splits), n, f"all_to_all_single: rank {me}'s output")
             i = input.contiguous()
@@ -387,8 +389,7 @@ class CudaCalls:
                 for x in per_rank if per_rank is not None else [o]:
                     _check_cuda_tensor(x, f"{what} output")
                     self._cuda_check(x, f"{what} output")
-                    if x.dtype != i.dtype:
-                        raise ArgumentError(f"{what} #{k}: rank {me} passed output {x.dtype} for input {i.dtype}", ErrorClass.TYPE)
+                    _check_same_dtype(f"{what} #{k}", x, i)
                 if per_rank is not None and (len(per_rank) != n or any(x.numel() != i.numel() for x in per_rank)):
                     raise ArgumentError(f"{what} #{k}: rank {me} must pass {n} outputs of {i.numel()} elements (one per rank)")
                 if per_rank is None and o.numel() != n * i.numel():
@@ -432,7 +433,8 @@ class CudaCalls:
                 _check_cuda_tensor(i, "reduce_scatter_tensor_coalesced input")
                 self._cuda_check(i, "reduce_scatter_tensor_coalesced input")
                 self._cuda_check(o, "reduce_scatter_tensor_coalesced output")
-                if o.dtype != i.dtype or i.numel() != n * o.numel():
+                _check_same_dtype(f"reduce_scatter_tensor_coalesced #{k}", o, i)
+                if i.numel() != n * o.numel():
                     raise ArgumentError(
                         f"reduce_scatter_tensor_coalesced #{k}: rank {me} passed input {i.dtype}[{i.numel()}] for output "
                         f"{o.dtype}[{o.numel()}] (the input must hold group size {n} outputs)"

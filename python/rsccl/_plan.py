@@ -19,6 +19,13 @@ def _buf(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.numel() * t.element_size())
 
 
+def _check_same_dtype(what: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """An output of another dtype than its input: a TypeError on either device (the core
+    names the rank: the host engine's agreed error, Error::naming_rank on CUDA)."""
+    if out.dtype != inp.dtype:
+        raise ArgumentError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}", ErrorClass.TYPE)
+
+
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}", ErrorClass.TYPE)
