@@ -333,7 +333,7 @@ fn run_on<E: Engine + ?Sized>(
     engine: Result<Arc<E>>,
     mut op: Op,
     timeout: Duration,
-    translate: impl FnOnce(&Op) -> Result<E::Call>,
+    translate: impl FnOnce(&mut Op) -> Result<E::Call>,
 ) -> Result<Ran> {
     let invalid = op.invalid.take();
     let engine = match engine {
@@ -343,7 +343,7 @@ fn run_on<E: Engine + ?Sized>(
     };
     let call = match invalid {
         Some(e) => Err(e),
-        None => translate(&op),
+        None => translate(&mut op),
     };
     match call {
         Ok(c) => engine.run(c, timeout),
@@ -393,9 +393,9 @@ mod tests {
     fn bad_collectives_join_and_bad_p2p_raise_alone() {
         let t = Duration::from_secs(1);
         let e = Arc::new(Recorder::default());
-        let ok = |_: &Op| Ok(7u32);
+        let ok = |_: &mut Op| Ok(7u32);
         assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), t, ok).is_ok());
-        let bad = |_: &Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
+        let bad = |_: &mut Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
         let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), t, bad);
         assert!(r.err().unwrap().to_string().contains("root 9 out of range"));
         let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), t, ok);

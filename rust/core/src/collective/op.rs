@@ -94,8 +94,9 @@ impl Op {
     }
 
     /// What a device engine runs for this op of `rank` in a group of `n` ranks, after
-    /// `stream`. Errors are this rank's bad arguments.
-    pub fn to_device(&self, rank: usize, n: usize, stream: u64) -> Result<DeviceCall> {
+    /// `stream`. Errors are this rank's bad arguments. An all_to_all's splits move into the
+    /// call (no copy per call).
+    pub fn to_device(&mut self, rank: usize, n: usize, stream: u64) -> Result<DeviceCall> {
         let asynchronous = !self.blocking;
         match self.kind {
             Kind::Send | Kind::Recv => {
@@ -105,7 +106,7 @@ impl Op {
                 Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer, stream, asynchronous })
             }
             Kind::AllToAll => {
-                let chunks = self.splits.clone().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+                let chunks = self.splits.take().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
                 Ok(DeviceCall::AllToAll { chunks, stream, asynchronous })
             }
             Kind::Invalid => Err(Error::Internal("an invalid call without its error".into())),
@@ -220,7 +221,8 @@ mod tests {
         for k in Kind::ALL {
             let mut o = op(k, 64, 64 * 4, DType::F32);
             o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
-            let (host, device) = (o.to_host(0, 4), o.to_device(0, 4, 7));
+            let host = o.to_host(0, 4);
+            let device = o.to_device(0, 4, 7);
             assert_eq!(host.is_ok(), k != Kind::Invalid, "{k:?} on the host engine");
             assert_eq!(device.is_ok(), k != Kind::Invalid, "{k:?} on a device engine");
             if k == Kind::Invalid {
@@ -252,7 +254,7 @@ mod tests {
 
     #[test]
     fn device_calls_take_the_stream_they_run_after() {
-        let o = op(Kind::Recv, 64, 64, DType::F32);
+        let mut o = op(Kind::Recv, 64, 64, DType::F32);
         let DeviceCall::P2p { stream, asynchronous, .. } = o.to_device(0, 2, 0).unwrap().after(11, true) else { panic!("not p2p") };
         assert_eq!((stream, asynchronous), (11, true));
         let DeviceCall::Collective(c) = op(Kind::AllReduce, 64, 64, DType::F32).to_device(0, 2, 0).unwrap().after(5, false) else {
