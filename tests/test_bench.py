@@ -101,3 +101,26 @@ def test_fsdp_rsccl_group_fits_its_pool_and_rsccls_buffer(monkeypatch):
     assert options({})["max_cuda_va_bytes"] == (4 * (4096 + 256) + 1024) * MiB
     small = fsdp.rsccl_options(SimpleNamespace(cfg=SimpleNamespace(rsccl_options={}), world=2), 64 * MiB)
     assert small["max_cuda_va_bytes"] == 16 << 30
+
+
+def test_cuda_report_names_the_nccl_and_rsccl_environment(monkeypatch):
+    """A run with NCCL_RUNTIME_CONNECT=0 (issue 17's memory comparison) or any RSCCL_/NCCL_
+    setting says so in its header; the GPU safety variables appear once."""
+    from rsccl.bench.cuda.report import header_lines
+
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
+    monkeypatch.setenv("RSCCL_CUDA_BLOCKS", "32")
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    cfg = SimpleNamespace(
+        rsccl_options={},
+        dtype="bfloat16",
+        seed=7,
+        warmup=2,
+        repeats=3,
+        graph_max_bytes=1 << 20,
+        check_max_bytes=1 << 20,
+        symm_max_bytes=1 << 20,
+    )
+    env_line = next(line for line in header_lines({}, cfg, "python -m rsccl.bench") if "environment:" in line)
+    assert " NCCL_RUNTIME_CONNECT=0" in env_line and " RSCCL_CUDA_BLOCKS=32" in env_line, env_line
+    assert env_line.count("NCCL_NVLS_ENABLE=0") == 1, env_line

@@ -32,7 +32,7 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
         f"- command: `{command}`",
         f"- rsccl options: {cfg.rsccl_options or 'defaults'}; environment: "
         + " ".join(f"{k}={v}" for k, v in GPU_ENV.items())
-        + "".join(f" {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("RSCCL_")),
+        + "".join(f" {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("RSCCL_", "NCCL_")) and k not in GPU_ENV),
         (
             f"- message size = bytes of the all_reduce (and broadcast) tensor = the all_gather_into_tensor OUTPUT = "
             f"the reduce_scatter_tensor INPUT = the all_to_all_single input (even splits) = the message rank 0 sends "
