@@ -112,7 +112,7 @@ pub fn check_reduces(d: DType, o: ReduceOp) -> Result<()> {
         let take = REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ");
         return Err(Error::InvalidType(format!("passed {}; rsccl's CUDA reductions take {take}", d.name())));
     }
-    if !REDUCE_OPS.contains(&o) || FAMILIES.iter().any(|&f| kernel_name(f, d, o).is_none()) {
+    if !reduces(d, o) {
         return Err(Error::InvalidType(format!("passed ReduceOp.{} on {}, which rsccl's CUDA kernels do not reduce", o.name(), d.name())));
     }
     Ok(())
@@ -156,10 +156,16 @@ fn op_tag(o: ReduceOp) -> Option<&'static str> {
 /// (AVG is defined on floating types only: ReduceOp::check rejects it on integers before
 /// any launch, so the source has no integer AVG entry points).
 pub fn kernel_name(f: Family, d: DType, o: ReduceOp) -> Option<String> {
-    if o == ReduceOp::Avg && !d.is_float() {
+    if !reduces(d, o) {
         return None;
     }
     Some(format!("{}_{}_{}", f.prefix(), dtype_tag(d)?, op_tag(o)?))
+}
+
+/// Whether every reducing family has an entry point for `d` with `o` (no allocation: it
+/// runs on every CUDA reduction, through `check_reduces`).
+fn reduces(d: DType, o: ReduceOp) -> bool {
+    dtype_tag(d).is_some() && op_tag(o).is_some() && (o != ReduceOp::Avg || d.is_float())
 }
 
 /// Every entry point the loader looks up, with its module.
