@@ -25,7 +25,9 @@ mod abi {
 const SASS: [u32; 4] = [80, 90, 100, 120];
 
 fn main() {
-    let kdir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../csrc_kernels");
+    // Read when the script runs, not baked in when it is compiled: worktrees that share one
+    // target directory share this script's binary.
+    let kdir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../csrc_kernels");
     println!("cargo:rerun-if-changed={}", kdir.display());
     for v in ["RSCCL_NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"] {
         println!("cargo:rerun-if-env-changed={v}");
