@@ -7,6 +7,8 @@ pub mod reduce;
 
 pub use kind::Kind;
 
+use op::Op;
+
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::layout::{CollHeader, ERROR_TEXT_BYTES, MAX_LOCAL_RANKS};
@@ -102,6 +104,36 @@ pub enum Collective {
 }
 
 impl Collective {
+    /// The host engine's description of the op `o` of `rank` in a group of `n` ranks.
+    /// Errors are this rank's bad arguments, which it then submits as `Collective::Invalid`.
+    pub fn from_op(o: &Op, rank: usize, n: usize) -> Result<Collective> {
+        let (inp, out, dtype, op) = (o.inp.buf(), o.out.buf(), o.dtype, o.op);
+        let root = || root_index(o.kind, o.root, n);
+        Ok(match o.kind {
+            Kind::AllReduce => Collective::AllReduce { buf: out, dtype, op },
+            Kind::Broadcast => Collective::Broadcast { buf: out, dtype, root: root()? },
+            Kind::Reduce => Collective::Reduce { buf: out, dtype, op, root: root()? },
+            Kind::AllGather => Collective::AllGather { input: inp, output: out, dtype },
+            Kind::ReduceScatter => Collective::ReduceScatter { input: inp, output: out, dtype, op },
+            Kind::AllToAll => {
+                let s = o.splits.as_ref().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+                Collective::AllToAll { input: inp, output: out, dtype, send_bytes: s.send_bytes.clone(), recv_bytes: s.recv_bytes.clone() }
+            }
+            Kind::Gather => {
+                let root = root()?;
+                Collective::Gather { input: inp, output: (rank == root).then_some(out), dtype, root }
+            }
+            Kind::Scatter => {
+                let root = root()?;
+                Collective::Scatter { input: (rank == root).then_some(inp), output: out, dtype, root }
+            }
+            Kind::Barrier => Collective::Barrier,
+            Kind::Send | Kind::Recv | Kind::Invalid => {
+                return Err(Error::Internal(format!("{} is not a collective of the host engine", o.kind.name())))
+            }
+        })
+    }
+
     pub fn kind(&self) -> Kind {
         match self {
             Collective::AllReduce { .. } => Kind::AllReduce,

@@ -28,7 +28,7 @@ pub struct Span {
 }
 
 impl Span {
-    fn buf(self) -> Buf {
+    pub(super) fn buf(self) -> Buf {
         if self.bytes == 0 {
             Buf::empty()
         } else {
@@ -90,7 +90,7 @@ impl Op {
         if self.kind.is_p2p() {
             return Ok(HostCall::P2p(self.to_p2p()?));
         }
-        Ok(HostCall::Collective { c: self.to_collective(rank, n)?, blocking: self.blocking })
+        Ok(HostCall::Collective { c: Collective::from_op(self, rank, n)?, blocking: self.blocking })
     }
 
     /// What a device engine runs for this op of `rank` in a group of `n` ranks, after
@@ -98,77 +98,37 @@ impl Op {
     /// call (no copy per call).
     pub fn to_device(&mut self, rank: usize, n: usize, stream: u64) -> Result<DeviceCall> {
         let asynchronous = !self.blocking;
-        match self.kind {
-            Kind::Send | Kind::Recv => {
-                let peer = usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))?;
-                let send = self.kind == Kind::Send;
-                let span = if send { self.inp } else { self.out };
-                Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer, stream, asynchronous })
-            }
-            Kind::AllToAll => {
-                let chunks = self.splits.take().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
-                Ok(DeviceCall::AllToAll { chunks, stream, asynchronous })
-            }
-            Kind::Invalid => Err(Error::Internal("an invalid call without its error".into())),
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::Reduce => Ok(DeviceCall::Collective(self.to_cuda(rank, n, stream)?)),
+        if self.kind.is_p2p() {
+            let send = self.kind == Kind::Send;
+            let span = if send { self.inp } else { self.out };
+            return Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer: self.peer()?, stream, asynchronous });
         }
-    }
-
-    /// The host engine's description of a collective (`rank` of `n`). Errors are this
-    /// rank's bad arguments, which it then submits as `Collective::Invalid`.
-    pub fn to_collective(&self, rank: usize, n: usize) -> Result<Collective> {
-        let (inp, out, dtype, op) = (self.inp.buf(), self.out.buf(), self.dtype, self.op);
-        let root = || root_index(self.kind, self.root, n);
-        Ok(match self.kind {
-            Kind::AllReduce => Collective::AllReduce { buf: out, dtype, op },
-            Kind::Broadcast => Collective::Broadcast { buf: out, dtype, root: root()? },
-            Kind::Reduce => Collective::Reduce { buf: out, dtype, op, root: root()? },
-            Kind::AllGather => Collective::AllGather { input: inp, output: out, dtype },
-            Kind::ReduceScatter => Collective::ReduceScatter { input: inp, output: out, dtype, op },
-            Kind::AllToAll => {
-                let s = self.splits.as_ref().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
-                Collective::AllToAll { input: inp, output: out, dtype, send_bytes: s.send_bytes.clone(), recv_bytes: s.recv_bytes.clone() }
-            }
-            Kind::Gather => {
-                let root = root()?;
-                Collective::Gather { input: inp, output: (rank == root).then_some(out), dtype, root }
-            }
-            Kind::Scatter => {
-                let root = root()?;
-                Collective::Scatter { input: (rank == root).then_some(inp), output: out, dtype, root }
-            }
-            Kind::Barrier => Collective::Barrier,
-            Kind::Send | Kind::Recv | Kind::Invalid => {
-                return Err(Error::Internal(format!("{} is not a collective of the host engine", self.kind.name())))
-            }
-        })
+        if self.kind == Kind::AllToAll {
+            let chunks = self.splits.take().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+            return Ok(DeviceCall::AllToAll { chunks, stream, asynchronous });
+        }
+        if self.kind == Kind::Invalid {
+            return Err(Error::Internal("an invalid call without its error".into()));
+        }
+        Ok(DeviceCall::Collective(self.to_cuda(rank, n, stream)?))
     }
 
     /// The host engine's description of a send or recv.
     pub fn to_p2p(&self) -> Result<P2p> {
-        let peer = usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))?;
-        let (dtype, tag) = (self.dtype, self.tag);
-        match self.kind {
-            Kind::Send => Ok(P2p::Send { buf: self.inp.buf(), dtype, peer, tag }),
-            Kind::Recv => Ok(P2p::Recv { buf: self.out.buf(), dtype, peer, tag }),
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::Reduce
-            | Kind::AllToAll => Err(Error::Internal(format!("{} is not point to point", self.kind.name()))),
+        if !self.kind.is_p2p() {
+            return Err(Error::Internal(format!("{} is not point to point", self.kind.name())));
         }
+        let (dtype, tag, peer) = (self.dtype, self.tag, self.peer()?);
+        Ok(if self.kind == Kind::Send {
+            P2p::Send { buf: self.inp.buf(), dtype, peer, tag }
+        } else {
+            P2p::Recv { buf: self.out.buf(), dtype, peer, tag }
+        })
+    }
+
+    /// The peer of a send or recv (it travels in `root`).
+    fn peer(&self) -> Result<usize> {
+        usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))
     }
 
     /// The CUDA engines' description of a collective of `rank` on `stream` in a group of
@@ -179,14 +139,7 @@ impl Op {
             crate::cuda::kernels::check_reduces(self.dtype, self.op)
                 .map_err(|e| Error::InvalidType(format!("{}: rank {rank} {e}", self.kind.name())))?;
         }
-        let elem = self.dtype.size() as u64;
-        let count = match self.kind {
-            Kind::AllReduce | Kind::Reduce => self.inp.bytes / elem,
-            Kind::ReduceScatter => self.out.bytes / elem,
-            Kind::AllGather | Kind::Gather | Kind::Broadcast | Kind::Send => self.inp.bytes,
-            Kind::Scatter | Kind::Recv => self.out.bytes,
-            Kind::Barrier | Kind::Invalid | Kind::AllToAll => 0,
-        };
+        let count = crate::cuda::decide::cuda_count(self.kind, self.inp.bytes, self.out.bytes, self.dtype.size() as u64);
         let (dtype, op) = if self.kind.moves_bytes() || !self.kind.has_op() { (DType::U8, ReduceOp::Sum) } else { (self.dtype, self.op) };
         let root = if self.kind.has_root() { root_index(self.kind, self.root, n)? } else { 0 };
         Ok(CudaCall { kind: self.kind, dtype, op, root, inp: self.inp.ptr, out: self.out.ptr, count, stream, asynchronous: !self.blocking })
@@ -300,10 +253,10 @@ mod tests {
     #[test]
     fn host_roots_are_checked_and_root_only_sides_dropped() {
         let mut g = op(Kind::Gather, 16, 64, DType::F32);
-        assert!(matches!(g.to_collective(0, 4).unwrap(), Collective::Gather { output: None, root: 1, .. }));
-        assert!(matches!(g.to_collective(1, 4).unwrap(), Collective::Gather { output: Some(_), .. }));
+        assert!(matches!(Collective::from_op(&g, 0, 4).unwrap(), Collective::Gather { output: None, root: 1, .. }));
+        assert!(matches!(Collective::from_op(&g, 1, 4).unwrap(), Collective::Gather { output: Some(_), .. }));
         g.root = -1;
-        let e = g.to_collective(0, 4).unwrap_err().to_string();
+        let e = Collective::from_op(&g, 0, 4).unwrap_err().to_string();
         assert!(e.contains("gather: root/src rank -1 is out of range for a group of size 4"), "{e}");
     }
 }

@@ -65,17 +65,7 @@ pub(crate) fn describe(d0: u64, d1: u64) -> String {
     let Some(k) = CudaKind::from_code((d0 & 0xff) as u8) else {
         return "an unknown call".to_string();
     };
-    let kind = k.name();
     let dtype = DType::from_code(((d0 >> 8) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
     let op = ReduceOp::from_code(((d0 >> 16) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
-    let root = (d0 >> 32) as u32;
-    match k {
-        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => kind.to_string(),
-        CudaKind::AllReduce | CudaKind::ReduceScatter => format!("{kind} {dtype}[{d1}] {op}"),
-        CudaKind::Reduce => format!("{kind} {dtype}[{d1}] {op} to local rank {root}"),
-        CudaKind::Broadcast => format!("{kind} of {d1} bytes from local rank {root}"),
-        CudaKind::Gather => format!("{kind} of {d1} bytes per rank to local rank {root}"),
-        CudaKind::Scatter => format!("{kind} of {d1} bytes per rank from local rank {root}"),
-        CudaKind::AllGather | CudaKind::Send | CudaKind::Recv => format!("{kind} of {d1} bytes per rank"),
-    }
+    super::decide::call_in_words(k, dtype, op, (d0 >> 32) as u32, d1)
 }

@@ -1,8 +1,13 @@
-//! The pure choices of the CUDA engine, tested without a GPU: the all_reduce algorithm
+//! The pure choices of the CUDA engines, tested without a GPU: the all_reduce algorithm
 //! (one-shot vs two-shot), placement (which buffers a call offers in place), the bytes a
 //! call moves, the staging split, the send/recv inbox chunk, the send/recv grid and the
 //! grids of ranks that share a GPU. (Hierarchical vs flat, the NCCL engine's choice, lives
 //! in nccl_engine/choice.rs.)
+//!
+//! And what each kind is to the CUDA engines, in one place: its count (`cuda_count`), the
+//! bytes it moves (`message_bytes`), rsccl's kernel (`kernel`), NCCL's call (`nccl_call`)
+//! and its words in mismatch messages (`call_in_words`). These are the CUDA side's only
+//! matches on the kind, each exhaustive: a new kind makes the compiler point here.
 
 use super::call::{CudaCall, CudaKind};
 use super::kernels::{Family, STAGE_OFF};
@@ -143,6 +148,100 @@ pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u
     }
 }
 
+/// What a CUDA call's `count` is, from the op's buffers (`inp_bytes`, `out_bytes`) and
+/// its dtype's `elem` size: elements for reductions, bytes for operations that move bytes
+/// (per rank where the buffer holds one block per rank), nothing for calls without a size
+/// of their own.
+pub fn cuda_count(kind: CudaKind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 {
+    match kind {
+        CudaKind::AllReduce | CudaKind::Reduce => inp_bytes / elem,
+        CudaKind::ReduceScatter => out_bytes / elem,
+        CudaKind::AllGather | CudaKind::Gather | CudaKind::Broadcast | CudaKind::Send => inp_bytes,
+        CudaKind::Scatter | CudaKind::Recv => out_bytes,
+        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => 0,
+    }
+}
+
+/// Which of rsccl's kernels runs a call on one host (cuda/engine/launch.rs maps each to its
+/// entry point). `bytes` is the all_reduce message, which picks one-shot or two-shot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// A reduction family, instantiated per dtype and op.
+    Reduce(Family),
+    AllGather,
+    Broadcast,
+    Gather,
+    Scatter,
+    /// The barrier; the invalid call runs it too (its descriptor mismatches every peer's).
+    Barrier,
+    AllToAll,
+    /// Send and recv: the p2p kernels, launched per (peer, direction) (`launch_p2p`).
+    P2p,
+}
+
+pub fn kernel(kind: CudaKind, bytes: usize, local_ranks: usize, one_shot_max: usize) -> Kernel {
+    match kind {
+        CudaKind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max)),
+        CudaKind::ReduceScatter => Kernel::Reduce(Family::ReduceScatter),
+        CudaKind::Reduce => Kernel::Reduce(Family::Reduce),
+        CudaKind::AllGather => Kernel::AllGather,
+        CudaKind::Broadcast => Kernel::Broadcast,
+        CudaKind::Gather => Kernel::Gather,
+        CudaKind::Scatter => Kernel::Scatter,
+        CudaKind::Barrier | CudaKind::Invalid => Kernel::Barrier,
+        CudaKind::AllToAll => Kernel::AllToAll,
+        CudaKind::Send | CudaKind::Recv => Kernel::P2p,
+    }
+}
+
+/// Which NCCL call runs a kind in a group across hosts (cuda/nccl_engine/launch.rs makes
+/// it, on the flat communicator unless the hierarchical path takes the call).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NcclCall {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
+    /// A one-element all_reduce on scratch memory (the barrier and the invalid call).
+    Barrier,
+    /// One NCCL group of sends and receives between the root and every rank.
+    Rooted,
+    /// One NCCL group of sends and receives with every peer (`launch_all_to_all`).
+    AllToAll,
+    /// The communicator of the ordered pair (`launch_p2p`).
+    P2p,
+}
+
+pub fn nccl_call(kind: CudaKind) -> NcclCall {
+    match kind {
+        CudaKind::AllReduce => NcclCall::AllReduce,
+        CudaKind::ReduceScatter => NcclCall::ReduceScatter,
+        CudaKind::AllGather => NcclCall::AllGather,
+        CudaKind::Broadcast => NcclCall::Broadcast,
+        CudaKind::Reduce => NcclCall::Reduce,
+        CudaKind::Barrier | CudaKind::Invalid => NcclCall::Barrier,
+        CudaKind::Gather | CudaKind::Scatter => NcclCall::Rooted,
+        CudaKind::AllToAll => NcclCall::AllToAll,
+        CudaKind::Send | CudaKind::Recv => NcclCall::P2p,
+    }
+}
+
+/// A call in words, from what a kernel descriptor holds (`count` is its second word), for
+/// mismatch messages (cuda/call.rs `describe`).
+pub fn call_in_words(kind: CudaKind, dtype: &str, op: &str, root: u32, count: u64) -> String {
+    let name = kind.name();
+    match kind {
+        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => name.to_string(),
+        CudaKind::AllReduce | CudaKind::ReduceScatter => format!("{name} {dtype}[{count}] {op}"),
+        CudaKind::Reduce => format!("{name} {dtype}[{count}] {op} to local rank {root}"),
+        CudaKind::Broadcast => format!("{name} of {count} bytes from local rank {root}"),
+        CudaKind::Gather => format!("{name} of {count} bytes per rank to local rank {root}"),
+        CudaKind::Scatter => format!("{name} of {count} bytes per rank from local rank {root}"),
+        CudaKind::AllGather | CudaKind::Send | CudaKind::Recv => format!("{name} of {count} bytes per rank"),
+    }
+}
+
 /// Which buffers a call offers to use in place, as (place_in, place_out) for the kernel:
 /// offset + 1 of the buffer in the rank's block, 0 for "not offered". `in_pool(ptr, len)`
 /// gives a buffer's offset if it lies inside the pool. A pure function (tested without a
@@ -177,6 +276,23 @@ pub fn stage_per_block(buffer_bytes: usize, blocks: u32) -> usize {
 mod tests {
     use super::*;
     use crate::dtype::{DType, ReduceOp};
+
+    /// Every kind has one kernel, one NCCL call and words, and they agree with its facts.
+    #[test]
+    fn every_kind_has_a_kernel_and_an_nccl_call() {
+        for k in CudaKind::ALL {
+            let kern = kernel(k, 64, 2, 0);
+            assert_eq!(kern == Kernel::P2p, k.is_p2p(), "{k:?}");
+            assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
+            assert_eq!(matches!(kern, Kernel::Reduce(_)), k.has_op(), "{k:?}");
+            assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
+            assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
+        }
+        assert_eq!(kernel(CudaKind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
+        assert_eq!(kernel(CudaKind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
+        assert_eq!(cuda_count(CudaKind::ReduceScatter, 4096, 1024, 4), 256);
+        assert_eq!(cuda_count(CudaKind::Scatter, 400, 100, 8), 100);
+    }
 
     #[test]
     fn allreduce_algorithm_follows_threshold() {

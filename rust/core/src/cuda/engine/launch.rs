@@ -9,9 +9,9 @@ use cudarc::driver::sys as cu;
 use super::abi::{A2aArgs, Args};
 use super::events::{CudaEvent, EventHome};
 use super::{CudaCall, CudaEngine, CudaKind};
-use crate::cuda::decide::{choose_allreduce, placement};
+use crate::cuda::decide::{kernel, placement, Kernel};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
-use crate::cuda::kernels::{Family, MAX_RANKS, THREADS};
+use crate::cuda::kernels::{MAX_RANKS, THREADS};
 use crate::error::{Error, Result};
 
 /// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
@@ -62,24 +62,23 @@ impl CudaEngine {
     }
 
     pub(super) fn launch_inner(self: &Arc<Self>, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
-        let mut family = None;
-        let func = match c.kind {
-            CudaKind::AllReduce => {
-                let fam = choose_allreduce(c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
-                family = Some(fam);
-                self.kernels.reduce(fam, c.dtype, c.op)
-            }
-            CudaKind::ReduceScatter => self.kernels.reduce(Family::ReduceScatter, c.dtype, c.op),
-            CudaKind::AllGather => Some(self.kernels.all_gather),
-            CudaKind::Broadcast => Some(self.kernels.broadcast),
-            CudaKind::Gather => Some(self.kernels.gather),
-            CudaKind::Scatter => Some(self.kernels.scatter),
-            CudaKind::Reduce => self.kernels.reduce(Family::Reduce, c.dtype, c.op),
-            CudaKind::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
-            CudaKind::AllToAll | CudaKind::Send | CudaKind::Recv => {
+        let bytes = c.count as usize * c.dtype.size();
+        let kernel = kernel(c.kind, bytes, self.pool.nranks, self.one_shot_max);
+        let family = match kernel {
+            Kernel::Reduce(f) if c.kind == CudaKind::AllReduce => Some(f),
+            _ => None,
+        };
+        let func = match kernel {
+            Kernel::Reduce(f) => self.kernels.reduce(f, c.dtype, c.op),
+            Kernel::AllGather => Some(self.kernels.all_gather),
+            Kernel::Broadcast => Some(self.kernels.broadcast),
+            Kernel::Gather => Some(self.kernels.gather),
+            Kernel::Scatter => Some(self.kernels.scatter),
+            Kernel::Barrier => Some(self.kernels.barrier),
+            Kernel::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
+            Kernel::AllToAll | Kernel::P2p => {
                 return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())))
             }
-            CudaKind::Barrier | CudaKind::Invalid => Some(self.kernels.barrier),
         }
         .ok_or_else(|| {
             Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))

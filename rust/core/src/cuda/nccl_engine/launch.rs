@@ -11,6 +11,7 @@ use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
 use super::{NcclEngine, Order, Shared, Tracked};
+use crate::cuda::decide::{nccl_call, NcclCall};
 use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::EventHome;
@@ -26,7 +27,7 @@ pub(super) fn new_event() -> Result<CUevent> {
 
 impl NcclEngine {
     fn path(&self, c: &CudaCall) -> Result<CrossHost> {
-        if matches!(c.kind, CudaKind::AllReduce | CudaKind::ReduceScatter | CudaKind::Reduce) {
+        if c.kind.has_op() {
             let bad = || Error::InvalidType(format!("NCCL's {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()));
             nccl_dtype(c.dtype).ok_or_else(bad)?;
             nccl_op(c.op).ok_or_else(bad)?;
@@ -130,19 +131,19 @@ impl NcclEngine {
         // elements for reductions, bytes for the rest); `s` is a live stream of the
         // communicator's device.
         let r = unsafe {
-            match c.kind {
-                CudaKind::AllReduce => (f.all_reduce)(inp, out, n, dt, op, raw, s),
-                CudaKind::ReduceScatter => (f.reduce_scatter)(inp, out, n, dt, op, raw, s),
-                CudaKind::AllGather => (f.all_gather)(inp, out, n, u8_, raw, s),
-                CudaKind::Broadcast => (f.broadcast)(inp, out, n, u8_, root, raw, s),
-                CudaKind::Reduce => (f.reduce)(inp, out, n, dt, op, root, raw, s),
-                CudaKind::Barrier | CudaKind::Invalid => {
+            match nccl_call(c.kind) {
+                NcclCall::AllReduce => (f.all_reduce)(inp, out, n, dt, op, raw, s),
+                NcclCall::ReduceScatter => (f.reduce_scatter)(inp, out, n, dt, op, raw, s),
+                NcclCall::AllGather => (f.all_gather)(inp, out, n, u8_, raw, s),
+                NcclCall::Broadcast => (f.broadcast)(inp, out, n, u8_, root, raw, s),
+                NcclCall::Reduce => (f.reduce)(inp, out, n, dt, op, root, raw, s),
+                NcclCall::Barrier => {
                     let p = self.scratch as *mut c_void;
                     (f.all_reduce)(p, p, 1, nc::ncclDataType_t::ncclFloat32, nc::ncclRedOp_t::ncclSum, raw, s)
                 }
-                CudaKind::Gather | CudaKind::Scatter => return self.enqueue_rooted_p2p(c, stream),
-                CudaKind::AllToAll => return Err(Error::Internal("all_to_all is launched through launch_all_to_all".into())),
-                CudaKind::Send | CudaKind::Recv => {
+                NcclCall::Rooted => return self.enqueue_rooted_p2p(c, stream),
+                NcclCall::AllToAll => return Err(Error::Internal("all_to_all is launched through launch_all_to_all".into())),
+                NcclCall::P2p => {
                     return Err(Error::InvalidType(format!(
                         "CUDA {} in a group that spans hosts is not supported (NCCL engine)",
                         c.kind.name()

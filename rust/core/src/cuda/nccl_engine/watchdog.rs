@@ -18,9 +18,10 @@ use crate::error::Error;
 
 /// The unit of a CudaCall's count, for messages.
 fn count_unit(kind: CudaKind) -> &'static str {
-    match kind {
-        CudaKind::AllReduce | CudaKind::ReduceScatter | CudaKind::Reduce => "elements",
-        _ => "bytes",
+    if kind.has_op() {
+        "elements"
+    } else {
+        "bytes"
     }
 }
 
