@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import rsccl._backend as backend
 import rsccl._collectives as collectives
-import rsccl._cuda_calls as cuda_calls
 import torch
 import torch.distributed as dist
 from rsccl import _ops, _rsccl
@@ -59,7 +58,6 @@ class _Recorder:
 
 def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> backend.ProcessGroupRsccl:
     monkeypatch.setattr(backend, "raw_stream", lambda device: 77)
-    monkeypatch.setattr(cuda_calls, "raw_stream", lambda device: 77)
     monkeypatch.setattr(collectives, "raw_stream", lambda device: 77)
     pg = backend.ProcessGroupRsccl.__new__(backend.ProcessGroupRsccl)
     dist.ProcessGroup.__init__(pg, rank, size)
@@ -108,33 +106,38 @@ def test_host_ops(monkeypatch, seed):
     pg.alltoall_base(o2, x, [1, 3, 2, 2], [2, 2, 1, 1], _opts(dist.AllToAllOptions))
     ops = pg._comm.ops
     f32, mx, s = _ops.DTYPE_CODES[torch.float32], _ops.OP_CODES["MAX"], _ops.SUM
-    assert ops[0] == (_ops.ALL_REDUCE, x.data_ptr(), 120, x.data_ptr(), 120, f32, mx, 0, None, True, None)
-    assert ops[1][:1] + ops[1][5:] == (_ops.BROADCAST, f32, s, 2, None, True, None)
+    assert ops[0] == (_ops.ALL_REDUCE, x.data_ptr(), 120, x.data_ptr(), 120, f32, mx, 0, None, True, None, 0)
+    assert ops[1][:1] + ops[1][5:] == (_ops.BROADCAST, f32, s, 2, None, True, None, 0)
     assert ops[2][:5] == (_ops.ALL_GATHER, x.data_ptr(), 120, out.data_ptr(), 480)
     assert ops[3][0] == _ops.REDUCE_SCATTER and ops[3][2] == 80 and ops[3][4] == 20
-    assert ops[4][0] == _ops.ALL_TO_ALL and ops[4][10] == ([], [40, 40, 20, 20], [], [20, 60, 40, 40])
+    # The host engine reads the byte counts of the splits (and ignores the chunk addresses).
+    assert ops[4][0] == _ops.ALL_TO_ALL and ops[4][10][1::2] == ([40, 40, 20, 20], [20, 60, 40, 40])
     pg.barrier()
-    assert ops[5] == (_ops.BARRIER, 0, 0, 0, 0, _ops.UINT8, s, 0, None, False, None)
+    assert ops[5] == (_ops.BARRIER, 0, 0, 0, 0, _ops.UINT8, s, 0, None, False, None, 0)
     pg.recv([x], 3, 5)
     assert ops[6] == (_ops.RECV, 0, 0, x.data_ptr(), 120, f32, s, 3, None, False, None, 5)
 
 
-def test_host_rooted_ops_pass_the_root_only_side_at_the_root(monkeypatch, seed):
+@pytest.mark.parametrize("cuda", [False, True])
+def test_rooted_ops_give_the_root_only_side_its_group_size_blocks(monkeypatch, seed, cuda):
+    """gather's output and scatter's input hold a block per rank at the root; a rank other
+    than the root passes its own buffer there (the core drops it), on either device."""
     g = torch.Generator().manual_seed(seed)
+    dev = (lambda t: t.as_subclass(_Cuda)) if cuda else (lambda t: t)
     for rank in (0, 2):
-        pg = _group(monkeypatch, rank=rank)
-        x = torch.randn(3, generator=g)
-        outs = [[torch.empty(3) for _ in range(4)]]
+        pg = _group(monkeypatch, rank=rank, cuda=cuda)
+        x = dev(torch.randn(3, generator=g))
+        outs = [[dev(torch.empty(3)) for _ in range(4)]]
         pg.gather(outs if rank == 2 else [], [x], _opts(dist.GatherOptions, rootRank=2))
         op = pg._comm.ops[-1]
         assert op[0] == _ops.GATHER and op[7] == 2 and op[1:3] == (x.data_ptr(), 12)
-        assert op[4] == (48 if rank == 2 else 0)
-        out = torch.empty(3)
-        ins = [[torch.randn(3, generator=g) for _ in range(4)]]
+        assert op[4] == 48 if rank == 2 else op[3:5] == (x.data_ptr(), 12)
+        out = dev(torch.empty(3))
+        ins = [[dev(torch.randn(3, generator=g)) for _ in range(4)]]
         pg.scatter([out], ins if rank == 2 else [], _opts(dist.ScatterOptions, rootRank=2))
         op = pg._comm.ops[-1]
         assert op[0] == _ops.SCATTER and op[7] == 2 and op[3:5] == (out.data_ptr(), 12)
-        assert op[2] == (48 if rank == 2 else 0)
+        assert op[2] == 48 if rank == 2 else op[1:3] == (out.data_ptr(), 12)
 
 
 def test_coalesced_all_gather_is_packed_once_for_both_devices(monkeypatch, seed):
@@ -156,7 +159,6 @@ def test_coalesced_all_gather_is_packed_once_for_both_devices(monkeypatch, seed)
             return flat
 
         monkeypatch.setattr(collectives, "_pack_bytes", pack)
-        monkeypatch.setattr(cuda_calls, "_pack_bytes", pack)
         pg.allgather_into_tensor_coalesced(outs, inputs, _opts(AllgatherOptions))
         (op,) = pg._comm.ops
         assert op[0] == _ops.ALL_GATHER and op[5] == _ops.UINT8
@@ -178,7 +180,7 @@ def test_cuda_ops(monkeypatch, seed):
     pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True))
     fast, full = pg._comm.ops
     assert fast == (_ops.ALL_REDUCE, x.data_ptr(), 128, x.data_ptr(), 128, bf16, _ops.SUM, 0, 77, True)
-    assert full == fast[:9] + (False,)
+    assert full[:10] == fast[:9] + (False,)
     y = torch.randn(8, generator=g).as_subclass(_Cuda)
     pg.broadcast([y], _opts(dist.BroadcastOptions, rootRank=3))
     pg.reduce([y], _opts(dist.ReduceOptions, rootRank=2, reduceOp=dist.ReduceOp.MIN))
@@ -186,9 +188,10 @@ def test_cuda_ops(monkeypatch, seed):
     pg._allgather_base(out, y, _opts(AllgatherOptions))
     pg._reduce_scatter_base(y, out, _opts(dist.ReduceScatterOptions))
     b, r, ag, rs = pg._comm.ops[2:]
-    assert b[5:8] == (_ops.UINT8, _ops.SUM, 3) and b[2] == 32
+    # Ops that move bytes pass their tensor's dtype; the core runs them as bytes on CUDA.
+    assert b[5:8] == (f32, _ops.SUM, 3) and b[2] == 32
     assert r[0] == _ops.REDUCE and r[5:8] == (f32, _ops.OP_CODES["MIN"], 2)
-    assert ag[:5] == (_ops.ALL_GATHER, y.data_ptr(), 32, out.data_ptr(), 128) and ag[5] == _ops.UINT8
+    assert ag[:5] == (_ops.ALL_GATHER, y.data_ptr(), 32, out.data_ptr(), 128) and ag[5] == f32
     assert rs[:5] == (_ops.REDUCE_SCATTER, out.data_ptr(), 128, y.data_ptr(), 32) and rs[5] == f32
     # all_to_all: the chunks per peer travel as splits.
     o = torch.empty(16).as_subclass(_Cuda)
@@ -196,16 +199,19 @@ def test_cuda_ops(monkeypatch, seed):
     pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions))
     a2a = pg._comm.ops[-1]
     ip, op_ = i.data_ptr(), o.data_ptr()
-    assert a2a[0] == _ops.ALL_TO_ALL and a2a[8:] == (
+    assert a2a[0] == _ops.ALL_TO_ALL and a2a[8:11] == (
         77,
         True,
         ([ip, ip + 16, ip + 32, ip + 48], [16] * 4, [op_, op_ + 16, op_ + 32, op_ + 48], [16] * 4),
     )
+    # The full path makes the same op.
+    pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True))
+    assert pg._comm.ops[-1][:8] == a2a[:8] and pg._comm.ops[-1][10] == a2a[10]
     # send/recv: the peer in the root field.
     pg.send([y], 3)
-    assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, y.data_ptr(), 32, _ops.UINT8, _ops.SUM, 3)
+    assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 3)
     pg.recv([y], 0)
-    assert pg._comm.ops[-1][:10] == (_ops.RECV, y.data_ptr(), 32, y.data_ptr(), 32, _ops.UINT8, _ops.SUM, 0, 77, False)
+    assert pg._comm.ops[-1][:10] == (_ops.RECV, 0, 0, y.data_ptr(), 32, f32, _ops.SUM, 0, 77, False)
 
 
 def test_cuda_coalesced_all_reduce_is_one_op_per_dtype(monkeypatch, seed):
@@ -224,15 +230,20 @@ def test_bad_arguments_join_as_invalid_through_one_owner(monkeypatch, seed):
     g = torch.Generator().manual_seed(seed)
     pg = _group(monkeypatch, cuda=True)
     x = torch.randn(4, generator=g).as_subclass(_Cuda)
-    out = torch.empty(7).as_subclass(_Cuda)
+    out = torch.empty(12, dtype=torch.float64).as_subclass(_Cuda)
     # A tensor-shaped error (Python's side): the call joins as invalid through the one seam.
-    with pytest.raises(ValueError, match=r"rsccl: all_gather: rank 1 passed output torch.float32\[7\] for input torch.float32\[4\]"):
+    with pytest.raises(TypeError, match=r"rsccl: all_gather: output dtype torch.float64 differs from input dtype torch.float32"):
         pg._allgather_base(out, x, _opts(AllgatherOptions))
-    assert pg._comm.ops[-1][:3] == ("invalid", _ops.ALL_GATHER, _ops.ErrorClass.VALUE) and pg._comm.ops[-1][4] == 77
+    assert pg._comm.ops[-1][:3] == ("invalid", _ops.ALL_GATHER, _ops.ErrorClass.TYPE) and pg._comm.ops[-1][4] == 77
+    # Sizes that do not fit are the core's to check (Op::to_cuda, tested in collective/op.rs,
+    # as the host engine's check_local): the op reaches it as the rank gave it.
+    out = torch.empty(7).as_subclass(_Cuda)
+    pg._allgather_base(out, x, _opts(AllgatherOptions))
+    assert pg._comm.ops[-1][:5] == (_ops.ALL_GATHER, x.data_ptr(), 16, out.data_ptr(), 28)
     # What the op asks of the kernels (a root, a dtype and op they reduce) is the core's to
     # check (Op::to_cuda, tested in collective/op.rs): the op reaches it as the rank gave it.
     pg.broadcast([x], _opts(dist.BroadcastOptions, rootRank=9))
-    assert pg._comm.ops[-1][:8] == (_ops.BROADCAST, x.data_ptr(), 16, x.data_ptr(), 16, _ops.UINT8, _ops.SUM, 9)
+    assert pg._comm.ops[-1][:8] == (_ops.BROADCAST, x.data_ptr(), 16, x.data_ptr(), 16, _ops.DTYPE_CODES[torch.float32], _ops.SUM, 9)
     xd = x.double().as_subclass(_Cuda)
     pg.allreduce([xd], _opts(dist.AllreduceOptions))
     assert pg._comm.ops[-1][:7] == (_ops.ALL_REDUCE, xd.data_ptr(), 32, xd.data_ptr(), 32, _ops.DTYPE_CODES[torch.float64], _ops.SUM)

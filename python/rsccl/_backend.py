@@ -1,8 +1,9 @@
 """rsccl's torch.distributed ProcessGroup.
 
-Each collective method turns torch's arguments into contiguous buffers, submits one or
-more engine operations through the Rust Communicator, and returns an RsWork that copies
-results back where torch expects them. Argument errors found on one rank are submitted
+Each torch method (_collectives.py, one per collective for both devices) turns torch's
+arguments into contiguous buffers and ops, which `_call` makes through the Rust
+Communicator on the side the tensors are on, and returns a Work that copies results back
+where torch expects them. Argument errors found on one rank are submitted
 too (``Communicator.invalid``), so every rank of the group raises the same error instead
 of waiting for the rank that failed. Groups whose ranks span hosts delegate CPU tensors to
 gloo; their CUDA tensors take the same CUDA paths as on one host, which the Rust core runs
@@ -28,29 +29,27 @@ from ._cuda import (
     nccl_library_path,
     raw_stream,
 )
-from ._cuda_calls import CudaCalls
 from ._ops import (
     KIND_NAMES,
     KINDS,
-    SUM,
-    UINT8,
     ArgumentError,
     ErrorClass,
-    dtype_code,
 )
 from ._plan import (
-    _buf,
+    Check,
+    _check_cuda_tensor,
+    _check_tensor,
     _first_tensor,
     _Plan,
 )
 from ._profile import instrument as instrument_profiler
-from ._work import DoneWork, Pending, RsWork
+from ._work import CudaWork, DoneWork, Pending, RsWork
 from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
 
-class ProcessGroupRsccl(Collectives, CudaCalls, dist.ProcessGroup):
+class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
     """torch.distributed backend "rsccl" (see README.md)."""
 
     def __init__(
@@ -114,10 +113,25 @@ class ProcessGroupRsccl(Collectives, CudaCalls, dist.ProcessGroup):
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
 
-    def _cuda_ok(self, t: Any) -> bool:
-        """Whether `t` goes to the CUDA engine: a CUDA tensor, in a group on one host, or
-        in a group across hosts that has the NCCL engine (else gloo takes it)."""
-        return getattr(t, "is_cuda", False) and (self._gloo is None or self._cuda_engine == "nccl")
+    def _on_cuda(self, t: Any, what: str | None = None) -> bool:
+        """Whether a call whose (first) tensor is `t` runs on the group's CUDA engine: a CUDA
+        tensor in a group on one host, or across hosts with the NCCL engine (all_to_all: one
+        NCCL group of sends and receives on the flat communicator; send/recv: the 2-rank
+        communicator of that ordered pair, or rsccl's kernels for a rank of this host;
+        docs/multihost.md). Across hosts without the NCCL engine (CUDA not initialized at
+        creation) gloo takes CUDA tensors, except in the calls named by `what` (all_to_all,
+        send/recv), where it is a clear TypeError."""
+        if not getattr(t, "is_cuda", False):
+            return False
+        if self._gloo is None or self._cuda_engine == "nccl":
+            return True
+        if what is None:
+            return False
+        raise TypeError(
+            f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
+            "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
+            "before init_process_group/new_group); or use CPU tensors"
+        )
 
     # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
     def _mem_pool(self) -> torch.cuda.MemPool:
@@ -186,68 +200,102 @@ class ProcessGroupRsccl(Collectives, CudaCalls, dist.ProcessGroup):
         self._comm.shutdown()
 
     # -- the single seam ---------------------------------------------------------------
-    def _run(
+    def _call(
         self,
-        kind: str,
-        gloo_call: Callable[[Any], Any],
-        prepare: Callable[[], _Plan],
-        n_ops: int = 1,
+        kind: int,
+        on: Any,
+        prepare: Callable[[bool], _Plan],
         opts: Any = None,
+        *,
+        gloo: Callable[[Any], Any] | None = None,
+        n_ops: int = 1,
         args: tuple = (),
+        what: str | None = None,
     ) -> Any:
-        """Delegate to gloo for multi-host groups; else prepare, then submit.
+        """Run one torch call of `kind` on the side its (first) tensor `on` picks
+        (`_on_cuda`; `what` names calls gloo cannot take on CUDA): CPU tensors of a group
+        across hosts go to `gloo`; everything else is prepared, then made as ops through
+        Communicator.run, on host memory or on the caller's current CUDA stream.
 
-        `prepare` validates every argument and builds every buffer before anything is
-        submitted, so a bad argument never leaves earlier operations of the same call in
-        flight. If preparing fails, this rank joins the `n_ops` operations a healthy rank
-        submits for this call as invalid (`_join_invalid`), so every rank stays in step and
-        raises the same error. `args` are the call's tensor arguments as torch passed them:
-        they say which side the call was meant for (`_invalid_stream`)."""
-        if self._gloo is not None:
-            return gloo_call(self._gloo)
+        `prepare(cuda)` checks every argument and builds every buffer before any op is
+        made, so a bad argument never leaves earlier ops of the same call in flight. If it
+        fails, this rank joins the `n_ops` ops a healthy rank makes for this call as invalid
+        (`_join_invalid`), so every rank stays in step and raises. `args` are the call's
+        tensor arguments as torch passed them: where a call that did not route joins
+        (`_invalid_stream`). Every op is made even when one fails (the ranks stay in step);
+        the first error is raised once the ops made are done with the plan's buffers."""
+        cuda = self._on_cuda(on, what)
+        if not cuda and self._gloo is not None and gloo is not None:
+            return gloo(self._gloo)
+        device = stream = None
+        if cuda:
+            device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
+            stream = raw_stream(device)
         try:
-            plan = prepare()
+            plan = prepare(cuda)
         except Exception as e:  # noqa: BLE001 - raised by _join_invalid once the peers are told
-            self._join_invalid(kind, e, n_ops, self._invalid_stream(args))
-        # torch sets opts.asyncOp = False for a blocking call (it waits right after): such a
-        # call runs on this thread when nothing is queued before it, raises here if it
-        # fails, and needs none of an asynchronous Work's bookkeeping.
-        if len(plan.submits) == 1 and opts is not None and opts.asyncOp is False:
-            plan.submits[0](True)
+            self._join_invalid(kind, e, n_ops, stream if cuda else self._invalid_stream(args))
+        # torch sets opts.asyncOp = False for a blocking call (it waits right after): it runs
+        # now (host: on this thread, when it is one op) and needs none of an asynchronous
+        # Work's bookkeeping.
+        blocking = opts is not None and opts.asyncOp is False and (cuda or len(plan.ops) == 1)
+        run = self._comm.run
+        parts, first = [], None
+        for o in plan.ops:
+            try:
+                parts.append(run(kind, o[0], o[1], o[2], o[3], o[4], o[5], o[6], stream, blocking, o[7], o[8]))
+            except Exception as err:  # noqa: BLE001 - raised below, after the other ops
+                first = first or err
+        if first is not None:
+            for p in parts:  # the ops made still use the plan's buffers
+                try:
+                    if p is not None:
+                        p.synchronize() if cuda else p.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+            raise first
+        if cuda:
+            # Ops on one stream finish in order: the last one's event covers them all.
+            return self._cuda_finish(parts[-1] if parts else None, device, stream, plan.result, plan.keep, plan.post)
+        if blocking:
             if plan.post is not None:
                 plan.post()
             return DoneWork(plan.result)
-        parts = []
-        try:
-            for submit in plan.submits:
-                parts.append(submit(False))
-        except BaseException:
-            # Operations already submitted still use the plan's buffers: let them finish
-            # before those buffers can be freed.
-            for p in parts:
-                try:
-                    p.wait()
-                except Exception:  # noqa: BLE001 - the original error is the one to report
-                    pass
-            raise
         return RsWork(parts, plan.result, plan.keep, plan.post)
 
-    def _host(
-        self,
-        kind: int,
-        inp: torch.Tensor | None,
-        out: torch.Tensor | None,
-        blocking: bool,
-        op: int | str = SUM,
-        root: int = 0,
-        splits: tuple | None = None,
-    ) -> Any:
-        """One op on CPU buffers (contiguous tensors, or None where a rank has no such
-        side): the Work of Communicator.run, or None when `blocking` (done)."""
-        i = _buf(inp) if inp is not None else (0, 0)
-        o = _buf(out) if out is not None else (0, 0)
-        dtype = dtype_code(inp if inp is not None else out) if (inp is not None or out is not None) else UINT8
-        return self._comm.run(kind, i[0], i[1], o[0], o[1], dtype, op, root, None, blocking, splits)
+    def _cuda_finish(self, ev: Any, device: int, stream: int, result: Any, keep: Any, post: Callable[[], None] | None) -> Any:
+        """The Work of CUDA ops: done (copies back made) when blocking (no event), else a
+        CudaWork holding `keep` until a stream is ordered after it."""
+        if ev is None:
+            if post is not None:
+                post()
+            return DoneWork(result)
+        w = CudaWork(self, device, ev, result, keep, post, stream)
+        self._pending.add(w)
+        return w
+
+    def _checker(self, cuda: bool) -> Check:
+        """How a call on this side checks each of its tensors: a dense CPU tensor, or a dense
+        CUDA tensor on the group's GPU."""
+        return self._check_cuda if cuda else _check_tensor
+
+    def _check_cuda(self, t: Any, what: str) -> torch.Tensor:
+        _check_cuda_tensor(t, what)
+        self._cuda_check(t, what)
+        return t
+
+    def _cuda_check(self, t: torch.Tensor, what: str) -> None:
+        """The group has a CUDA engine and `t` is on its GPU. What the op asks of the engine
+        (a dtype and op the kernels reduce, a root in the group, sizes that fit) is checked
+        once, by the core (`Op::to_cuda`), which joins the call as invalid."""
+        if self._cuda_device is None:
+            self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
+            raise ArgumentError(
+                f"{what}: this group has no CUDA engine (CUDA was not initialized when it was created); "
+                "call torch.cuda.set_device(local_rank) before init_process_group/new_group"
+            )
+        if t.device.index != self._cuda_device:
+            raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
 
     def _invalid_stream(self, args: tuple) -> int | None:
         """Where a call whose arguments did not even route (two tensors for all_reduce, a list
@@ -259,7 +307,7 @@ class ProcessGroupRsccl(Collectives, CudaCalls, dist.ProcessGroup):
         if self._cuda_device is None:
             return None
         t = _first_tensor(args)
-        if t is None or self._cuda_ok(t):
+        if t is None or self._on_cuda(t):
             return raw_stream(self._cuda_device)
         return None
 

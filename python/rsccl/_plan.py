@@ -1,8 +1,8 @@
 """Plan building: what buffers, splits and packing a torch call uses, as pure functions of
-its tensors (any device; no group, no Rust). The ProcessGroup (_backend.py) checks torch's
-arguments with these, lays out the buffers an op reads and writes, and copies results back
-where torch expects them; tests/test_cuda_layout.py and tests/test_plan.py run them on CPU
-tensors without processes.
+its tensors (either device; no group, no Rust). The torch methods (_collectives.py) check
+torch's arguments with these, lay out the buffers each op reads and writes (`_op`), and
+copy results back where torch expects them (`_Plan.post`); tests/test_cuda_layout.py and
+tests/test_plan.py run them on CPU tensors without processes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._ops import ArgumentError, ErrorClass
+from ._ops import SUM, UINT8, ArgumentError, ErrorClass, dtype_code
 
 
 def _buf(t: torch.Tensor) -> tuple[int, int]:
@@ -40,11 +40,15 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def _one(tensors: Any, what: str) -> torch.Tensor:
+Check = Callable[[Any, str], torch.Tensor]
+
+
+def _one(tensors: Any, what: str, check: Check = _check_tensor) -> torch.Tensor:
+    """torch's one-tensor list, its tensor checked by `check` (the call's side)."""
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
         n = len(tensors) if isinstance(tensors, (list, tuple)) else "a non-list"
         raise ArgumentError(f"{what} takes exactly one tensor per rank, got {n}")
-    return _check_tensor(tensors[0], what)
+    return check(tensors[0], what)
 
 
 class _Staged:
@@ -55,7 +59,7 @@ class _Staged:
         if t.is_contiguous():
             self.buf = t
         else:
-            self.buf = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype)
+            self.buf = t.contiguous() if copy_in else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
     def post(self) -> None:
         if self.buf is not self.user:
@@ -89,16 +93,6 @@ def _rank_list(
         if t.numel() != ref.numel() or t.dtype != ref.dtype:
             raise ArgumentError(f"{what}: {list_name}[{i}] is {t.dtype}[{t.numel()}], {ref_name} is {ref.dtype}[{ref.numel()}]")
     return ts
-
-
-def _cuda_buffers(inp: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """Contiguous buffers for a CUDA kernel: the input (a copy if needed), the output or a
-    contiguous stand-in, and the copy back into the real output (None if not needed)."""
-    i = inp.contiguous()
-    if out.is_contiguous():
-        return i, out, None
-    o = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    return i, o, lambda: out.copy_(o)
 
 
 def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
@@ -176,13 +170,6 @@ def _reduce_scatter_pack(inputs: list[torch.Tensor], out_numels: list[int], worl
     return torch.cat([i.reshape(world, m) for i, m in zip(inputs, out_numels)], dim=1).view(-1)
 
 
-def _raiser(e: ArgumentError) -> Callable[[], tuple]:
-    def prepare() -> tuple:
-        raise e
-
-    return prepare
-
-
 def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0)
 
@@ -199,14 +186,33 @@ def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], 
 
 
 class _Plan:
-    """What one torch call becomes: engine submissions, the tensors to keep alive until
-    they complete, the result torch's future reports, and the copy-back step."""
+    """What one torch call becomes: its ops (`_op`, in the order every rank makes them), the
+    tensors to keep alive until they complete, the result torch's future reports, and the
+    copy-back step."""
 
-    def __init__(self, submits: list[Callable[[bool], Any]], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
-        self.submits = submits
+    def __init__(self, ops: list[tuple], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+        self.ops = ops
         self.result = result
         self.keep = keep
         self.post = post
+
+
+def _op(
+    inp: torch.Tensor | None,
+    out: torch.Tensor | None,
+    op: int | str = SUM,
+    root: int = 0,
+    splits: tuple | None = None,
+    tag: int = 0,
+) -> tuple:
+    """One op's fields for Communicator.run, from contiguous tensors (None where a rank has
+    no such side): each side's (address, bytes), the dtype code (of `inp`, else `out`),
+    the op, the root (a send/recv's peer), an all_to_all's splits and a host send/recv's
+    tag. The Rust core reads them on either device (collective/op.rs)."""
+    i = _buf(inp) if inp is not None else (0, 0)
+    o = _buf(out) if out is not None else (0, 0)
+    t = inp if inp is not None else out
+    return (i[0], i[1], o[0], o[1], dtype_code(t) if t is not None else UINT8, op, root, splits, tag)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

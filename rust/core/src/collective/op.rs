@@ -105,6 +105,16 @@ impl Op {
         }
         if self.kind == Kind::AllToAll {
             let chunks = self.splits.take().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
+            // The kernels copy a rank's own chunk locally: both sides of it must agree here
+            // (the host engine checks this in check_local).
+            if let (Some(s), Some(r)) = (chunks.send_bytes.get(rank), chunks.recv_bytes.get(rank)) {
+                if s != r {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_all: rank {rank} sends itself {s} bytes but expects {r} bytes from itself \
+                         (its input and output splits disagree at its own rank)"
+                    )));
+                }
+            }
             return Ok(DeviceCall::AllToAll { chunks, stream, asynchronous });
         }
         if self.kind == Kind::Invalid {
@@ -139,6 +149,21 @@ impl Op {
             crate::cuda::kernels::check_reduces(self.dtype, self.op)
                 .map_err(|e| Error::InvalidType(format!("{}: rank {rank} {e}", self.kind.name())))?;
         }
+        // The one buffer that holds a block per rank must hold `n` of the other's: the kernels
+        // cannot check it (the host engine does, in check_local).
+        let sides = if self.kind == Kind::AllGather { Some((self.out, self.inp, "output", "input")) } else { None };
+        let sides = if self.kind == Kind::ReduceScatter { Some((self.inp, self.out, "input", "output")) } else { sides };
+        if let Some((whole, part, w, p)) = sides {
+            if whole.bytes != part.bytes * n as u64 {
+                let (d, elem) = (self.dtype.name(), self.dtype.size() as u64);
+                return Err(Error::InvalidArgument(format!(
+                    "{}: rank {rank} passed {w} {d}[{}] for {p} {d}[{}] (the {w} must hold group size {n} {p}s)",
+                    self.kind.name(),
+                    whole.bytes / elem,
+                    part.bytes / elem
+                )));
+            }
+        }
         let count = crate::cuda::decide::cuda_count(self.kind, self.inp.bytes, self.out.bytes, self.dtype.size() as u64);
         let (dtype, op) = if self.kind.moves_bytes() || !self.kind.has_op() { (DType::U8, ReduceOp::Sum) } else { (self.dtype, self.op) };
         let root = if self.kind.has_root() { root_index(self.kind, self.root, n)? } else { 0 };
@@ -172,7 +197,8 @@ mod tests {
     #[test]
     fn every_kind_has_a_route() {
         for k in Kind::ALL {
-            let mut o = op(k, 64, 64 * 4, DType::F32);
+            // A block per rank on the side that holds them.
+            let mut o = if k == Kind::ReduceScatter { op(k, 64 * 4, 64, DType::F32) } else { op(k, 64, 64 * 4, DType::F32) };
             o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
             let host = o.to_host(0, 4);
             let device = o.to_device(0, 4, 7);
@@ -248,6 +274,24 @@ mod tests {
         assert!(o.to_cuda(1, 4, 0).is_ok());
         // Operations that move bytes take any dtype.
         assert!(op(Kind::AllGather, 64, 256, DType::F64).to_cuda(0, 4, 0).is_ok());
+    }
+
+    /// What the kernels cannot see is checked here: a rank's own all_to_all chunk, the
+    /// block-per-rank buffer of all_gather and reduce_scatter.
+    #[test]
+    fn cuda_sizes_are_checked_within_the_rank() {
+        let e = op(Kind::AllGather, 16, 28, DType::F32).to_cuda(1, 3, 0).unwrap_err().to_string();
+        assert!(
+            e.contains("all_gather: rank 1 passed output float32[7] for input float32[4] (the output must hold group size 3 inputs)"),
+            "{e}"
+        );
+        let e = op(Kind::ReduceScatter, 40, 16, DType::F32).to_cuda(0, 2, 0).unwrap_err().to_string();
+        assert!(e.contains("reduce_scatter: rank 0 passed input float32[10] for output float32[4]"), "{e}");
+        assert!(op(Kind::ReduceScatter, 32, 16, DType::F32).to_cuda(0, 2, 0).is_ok());
+        let mut a2a = op(Kind::AllToAll, 0, 0, DType::U8);
+        a2a.splits = Some(AllToAll { send: vec![0, 0], send_bytes: vec![8, 4], recv: vec![0, 0], recv_bytes: vec![8, 12] });
+        let e = a2a.to_device(1, 2, 0).unwrap_err().to_string();
+        assert!(e.contains("all_to_all: rank 1 sends itself 4 bytes but expects 12 bytes from itself"), "{e}");
     }
 
     #[test]
