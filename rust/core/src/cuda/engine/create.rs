@@ -16,7 +16,7 @@ use super::watchdog::watchdog;
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
-use crate::cuda::decide::{grids_that_fit, p2p_chunk, stage_per_block};
+use crate::cuda::decide::{grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::dtype::{DType, ReduceOp};
@@ -295,18 +295,16 @@ impl CudaEngine {
     pub(super) fn warm_up(self: &Arc<Self>) -> Result<()> {
         let stream = self.internal.raw() as u64;
         let call = |kind, dtype, op, count| CudaCall { kind, dtype, op, root: 0, inp: 0, out: 0, count, stream, asynchronous: false };
-        // Zero-length calls run every barrier path without touching user memory.
-        for c in [
-            call(CudaKind::Barrier, DType::U8, ReduceOp::Sum, 0),
-            call(CudaKind::AllReduce, DType::BF16, ReduceOp::Sum, 0),
-            call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0),
-            call(CudaKind::ReduceScatter, DType::BF16, ReduceOp::Sum, 0),
-            call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, 0),
-            call(CudaKind::Gather, DType::U8, ReduceOp::Sum, 0),
-            call(CudaKind::Scatter, DType::U8, ReduceOp::Sum, 0),
-            call(CudaKind::Reduce, DType::BF16, ReduceOp::Sum, 0),
-        ] {
-            self.launch(&c)?;
+        // Zero-length calls run every barrier path without touching user memory. Every kind
+        // that `launch` takes (all_to_all and send/recv have their own entry points, below;
+        // the invalid call is the barrier's kernel), in `Kind::ALL` order on every rank: a
+        // new kind is warmed up with no line here.
+        for kind in CudaKind::ALL {
+            if kind == CudaKind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::P2p) {
+                continue;
+            }
+            let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };
+            self.launch(&call(kind, dtype, ReduceOp::Sum, 0))?;
         }
         let n = self.pool.nranks;
         let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
