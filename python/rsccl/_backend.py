@@ -3,11 +3,11 @@
 Each torch method (_collectives.py, one per collective for both devices) turns torch's
 arguments into contiguous buffers and ops, which `_call` makes through the Rust
 Communicator on the side the tensors are on, and returns a Work that copies results back
-where torch expects them. Argument errors found on one rank are submitted
-too (``Communicator.invalid``), so every rank of the group raises the same error instead
-of waiting for the rank that failed. Groups whose ranks span hosts delegate CPU tensors to
-gloo; their CUDA tensors take the same CUDA paths as on one host, which the Rust core runs
-on NCCL (docs/multihost.md).
+where torch expects them. Argument errors found on one rank are submitted too
+(``Communicator.invalid``), so every rank of the group raises instead of waiting for the
+rank that failed. Groups whose ranks span hosts delegate CPU tensors to gloo; their CUDA
+tensors take the same CUDA paths as on one host, which the Rust core runs on NCCL
+(docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         prepare: Callable[[bool], _Plan],
         opts: Any = None,
         *,
-        gloo: Callable[[Any], Any] | None = None,
+        gloo: Callable[[Any], Any],
         n_ops: int = 1,
         args: tuple = (),
         what: str | None = None,
@@ -225,7 +225,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         (`_invalid_stream`). Every op is made even when one fails (the ranks stay in step);
         the first error is raised once the ops made are done with the plan's buffers."""
         cuda = self._on_cuda(on, what)
-        if not cuda and self._gloo is not None and gloo is not None:
+        if not cuda and self._gloo is not None:
             return gloo(self._gloo)
         device = stream = None
         if cuda:

@@ -4,6 +4,7 @@
 //! `CudaCall`) live here, once, with exhaustive matches on `Kind`.
 
 use super::{root_index, Buf, Collective, Kind};
+use crate::cuda::decide::{self, Blocks};
 use crate::cuda::{AllToAll, CudaCall, DeviceCall};
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{HostCall, P2p};
@@ -149,10 +150,11 @@ impl Op {
             crate::cuda::kernels::check_reduces(self.dtype, self.op)
                 .map_err(|e| Error::InvalidType(format!("{}: rank {rank} {e}", self.kind.name())))?;
         }
-        // The one buffer that holds a block per rank must hold `n` of the other's: the kernels
-        // cannot check it (the host engine does, in check_local).
-        let sides = if self.kind == Kind::AllGather { Some((self.out, self.inp, "output", "input")) } else { None };
-        let sides = if self.kind == Kind::ReduceScatter { Some((self.inp, self.out, "input", "output")) } else { sides };
+        // The buffer that holds a block per rank must hold `n` of the other's.
+        let sides = decide::blocks_per_rank(self.kind).map(|b| match b {
+            Blocks::Output => (self.out, self.inp, "output", "input"),
+            Blocks::Input => (self.inp, self.out, "input", "output"),
+        });
         if let Some((whole, part, w, p)) = sides {
             if whole.bytes != part.bytes * n as u64 {
                 let (d, elem) = (self.dtype.name(), self.dtype.size() as u64);
@@ -164,7 +166,7 @@ impl Op {
                 )));
             }
         }
-        let count = crate::cuda::decide::cuda_count(self.kind, self.inp.bytes, self.out.bytes, self.dtype.size() as u64);
+        let count = decide::cuda_count(self.kind, self.inp.bytes, self.out.bytes, self.dtype.size() as u64);
         let (dtype, op) = if self.kind.moves_bytes() || !self.kind.has_op() { (DType::U8, ReduceOp::Sum) } else { (self.dtype, self.op) };
         let root = if self.kind.has_root() { root_index(self.kind, self.root, n)? } else { 0 };
         Ok(CudaCall { kind: self.kind, dtype, op, root, inp: self.inp.ptr, out: self.out.ptr, count, stream, asynchronous: !self.blocking })

@@ -5,8 +5,9 @@
 //! in nccl_engine/choice.rs.)
 //!
 //! And what each kind is to the CUDA engines, in one place: its count (`cuda_count`), the
-//! bytes it moves (`message_bytes`), rsccl's kernel (`kernel`), NCCL's call (`nccl_call`)
-//! and its words in mismatch messages (`call_in_words`). These are the CUDA side's only
+//! bytes it moves (`message_bytes`), its block-per-rank buffer (`blocks_per_rank`), rsccl's
+//! kernel (`kernel`), NCCL's call (`nccl_call`) and its words in mismatch messages
+//! (`call_in_words`). These are the CUDA side's only
 //! matches on the kind, each exhaustive: a new kind makes the compiler point here.
 
 use super::call::{CudaCall, CudaKind};
@@ -159,6 +160,33 @@ pub fn cuda_count(kind: CudaKind, inp_bytes: u64, out_bytes: u64, elem: u64) -> 
         CudaKind::AllGather | CudaKind::Gather | CudaKind::Broadcast | CudaKind::Send => inp_bytes,
         CudaKind::Scatter | CudaKind::Recv => out_bytes,
         CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => 0,
+    }
+}
+
+/// Which buffer of a call holds one block per rank, each the size of the other buffer:
+/// the sizes the kernels cannot check, which `Op::to_cuda` does (the host engine checks its
+/// own in `check_local`). None where no such relation holds on every rank (gather and
+/// scatter have it at the root only, where the front end builds that buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocks {
+    Output,
+    Input,
+}
+
+pub fn blocks_per_rank(kind: CudaKind) -> Option<Blocks> {
+    match kind {
+        CudaKind::AllGather => Some(Blocks::Output),
+        CudaKind::ReduceScatter => Some(Blocks::Input),
+        CudaKind::AllReduce
+        | CudaKind::Broadcast
+        | CudaKind::Reduce
+        | CudaKind::Gather
+        | CudaKind::Scatter
+        | CudaKind::Barrier
+        | CudaKind::Invalid
+        | CudaKind::AllToAll
+        | CudaKind::Send
+        | CudaKind::Recv => None,
     }
 }
 
