@@ -27,8 +27,12 @@ typedef long long i64;
 //   [STATS_OFF, +32)          {in-place collectives, bytes, all collectives, bytes} u64:
 //                             this rank's kernels count them (memory_stats)
 //   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
-//   [POISON_OFF, +4)          1 + the local index of a peer whose kernel failed (timeout,
-//                             send/recv size mismatch) and stopped the group; 0 = none
+//   [BUSY_OFF, +MAX_BLOCKS*4) per CUDA block: 1 while a kernel of the group runs that
+//                             block on this GPU (NOTE [Kernel entry]): this rank only
+//   [POISON_OFF, +4)          1 + the local index of the rank whose failure stopped the
+//                             group (a peer's kernel, this rank's own kernel, or a host's
+//                             abort); POISON_DESTROYED once the group was destroyed;
+//                             0 = none (NOTE [Bounded waits], NOTE [Kernel entry])
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
 //                             the half picked by the barrier epoch's parity
@@ -46,9 +50,13 @@ typedef long long i64;
 #define FLAGS_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
 #define STATS_OFF 4096
 #define CTR_OFF 8192
+#define BUSY_OFF (CTR_OFF + MAX_BLOCKS * 8)
 #define DESC_OFF 16384
 #define DESC_WORDS 4
 #define POISON_OFF (STATS_OFF + 256)
+// The poison word's value once the group was destroyed (shutdown): a CUDA graph replayed
+// after destroy_process_group must not run a collective of it (NOTE [Kernel entry]).
+#define POISON_DESTROYED 4294967295u
 #define P2P_OFF 131072
 #define A2A_OFF 163840
 #define STAGE_OFF 262144
@@ -62,6 +70,14 @@ typedef long long i64;
 #define ERR_PEER 4u       // a peer failed and poisoned the group (peer = that rank)
 #define ERR_P2P_SIZE 5u   // recv: the sender's size differs (sizes at err_host + 384)
 #define ERR_A2A 6u        // all_to_all splits disagree (pair and sizes at err_host + 32)
+#define ERR_CONCURRENT 7u // two kernels of the group ran at once on this GPU (peer = this rank)
+
+// Args::flags bits.
+// FLAG_HOLD_ON_ERROR: a kernel that reports an error (fatal or a mismatch) keeps its block
+// until the host's abort word is set, or the timeout: the stream it runs on does not move
+// on past a failed collective before the host has acted on the report (cuda_on_error =
+// "teardown": the host ends the process; NOTE [Bounded waits]).
+#define FLAG_HOLD_ON_ERROR 1
 
 struct Args {
     u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here
@@ -79,7 +95,7 @@ struct Args {
     u32 rank;              // local index of this rank
     u32 world;             // local ranks
     u32 root;              // broadcast root (local index)
-    u32 pad;
+    u32 flags;             // FLAG_* bits
 };
 
 // Threads per block of every kernel (their __launch_bounds__; the host launches this many).

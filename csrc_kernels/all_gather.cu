@@ -63,7 +63,7 @@ __device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64
 
 extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const Args a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);

@@ -9,7 +9,7 @@
 template <typename T, typename Op>
 __device__ void ar_oneshot(const Args& a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;
     const u64 m = per_block<T>(a, W - 1 ? W - 1 : 1, a.count);
     const u64 per_step = m * gridDim.x;
@@ -121,7 +121,7 @@ __device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step
 template <typename T, typename Op>
 __device__ void ar_twoshot(const Args& a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;
     const u32 slots = W > 1 ? W - 1 : 1;
     const u64 shard = per_block<T>(a, 2 * slots, (a.count + W - 1) / W);

@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_to_all(const A2aArg
     __shared__ BlockState s;
     __shared__ unsigned long long s_max;
     __shared__ u32 s_bad;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, t = threadIdx.x;
     if (t < W) {
         u64* mine = a2a_table(a.peer[me], s.epoch + 1, blockIdx.x);

@@ -5,7 +5,7 @@
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
 extern "C" __global__ void __launch_bounds__(THREADS) rs_barrier(const Args a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u64 steps = 0;
     BARRIER_OR_RETURN(a, s, steps)
     save_state(a, &s, steps);

@@ -4,6 +4,7 @@
 //   NOTE [Block layout]       abi.cuh, at the layout constants
 //   NOTE [Lockstep blocks]    at BlockState
 //   NOTE [Bounded waits]      at stop_reason
+//   NOTE [Kernel entry]       at load_state
 //   NOTE [Barrier protocol], NOTE [Buffer reuse], NOTE [Agreement]   at barrier()
 //   NOTE [In place]           common.cuh, at the in-place helpers
 //   NOTE [Point to point]     send_recv.cu
@@ -62,18 +63,31 @@ __device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
 
 // NOTE [Bounded waits]
 // Bounded waits: a spin that outlasts `timeout_ns`, sees the host's abort word set, or
-//   finds its block's poison word set, records an error in host-mapped memory and the
-//   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards
-//   (the host poisons it). A rank whose wait timed out (or that saw a send/recv size
-//   mismatch) also writes its index into every peer's poison word, so the peers' waits
-//   stop at once instead of each running into its own timeout. The poison word is only
-//   ever set, never cleared: the group is over.
+//   finds its rank's poison word set, records an error in host-mapped memory and the
+//   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards.
+//   A rank whose wait timed out (or that saw a send/recv size mismatch, or two of its
+//   kernels running at once) writes its index into every rank's poison word, its own
+//   included: the peers' waits stop at once instead of each running into its own
+//   timeout, and every later kernel of this rank, eager or replayed from a CUDA graph,
+//   finds the word at its entry and writes nothing (NOTE [Kernel entry]). The host's
+//   abort writes the same words (Shared::poison_peers). The poison word is only ever set,
+//   never cleared: the group is over.
+//   Reporting: a failure goes into the host-mapped fatal word. A wait or entry that stops
+//   because this rank's own word names this rank writes it only while it is empty: that
+//   failure was reported by whoever set the word (a kernel of this rank, before its
+//   poison stores, ordered by its fence; or the host, which knows the cause and only
+//   needs to hear that a kernel of this rank stopped).
+//   With FLAG_HOLD_ON_ERROR (cuda_on_error = "teardown", the default) the reporting
+//   thread then holds its block until the host sets the abort word, bounded by the
+//   timeout: the watchdog reads the report within milliseconds and ends the process, so
+//   no work queued behind the failed kernel runs on its output.
 
 // Why a wait must stop now, or 0: the host's abort word, a peer's poison word (`*who` is
 // then that peer), or the timeout. Polled every 256 spins.
 __device__ __forceinline__ u32 stop_reason(const Args& a, u64 start, u32* who) {
     if (ld_volatile_host(a.abort_host) != 0) return ERR_ABORTED;
     const u32 p = ld_volatile_host(a.peer[a.rank] + POISON_OFF);
+    if (p == POISON_DESTROYED) return ERR_ABORTED;
     if (p != 0) {
         *who = (p - 1) & 0xffff;
         return ERR_PEER;
@@ -82,18 +96,31 @@ __device__ __forceinline__ u32 stop_reason(const Args& a, u64 start, u32* who) {
     return 0;
 }
 
-// A wait failed (or a fatal mismatch): record it for the host (the fatal word: never
-// cleared) and, unless it came from the host or a peer already, poison every peer so their
-// waits stop too (NOTE [Bounded waits]). Any thread may call it; racing writers store
-// codes of the same failure.
+// Keep the calling thread's block until the host acted on a report (FLAG_HOLD_ON_ERROR):
+// the host sets the abort word (cuda_on_error = "raise") or ends the process ("teardown").
+// Bounded by the timeout, like every wait.
+__device__ void hold_for_host(const Args& a) {
+    if (!(a.flags & FLAG_HOLD_ON_ERROR)) return;
+    const u64 start = global_ns();
+    while (ld_volatile_host(a.abort_host) == 0 && global_ns() - start <= a.timeout_ns) __nanosleep(1000);
+}
+
+// A wait failed, a kernel found its group failed at entry, or two kernels of the group
+// ran at once: record it for the host (the fatal word: never cleared) and poison every
+// rank, this one included, so that every wait and every later kernel of the group stops
+// (NOTE [Bounded waits]), unless the cause came from a poisoned word already. Any thread
+// may call it; racing writers store codes of failures of the same group.
 __device__ void fail(const Args& a, u32 why, u32 peer) {
-    st_volatile_host(a.err_host + 4, (why << 16) | peer);
-    if (why == ERR_TIMEOUT || why == ERR_P2P_SIZE) {
-        for (u32 j = 0; j < a.world; j++) {
-            if (j != a.rank) st_volatile_host(a.peer[j] + POISON_OFF, 1 + a.rank);
-        }
-    }
+    // This rank's own word names this rank: whoever set it reported the cause; write only
+    // if nothing is there yet (a host's abort), so that the host hears of this kernel.
+    const bool own_word = why == ERR_PEER && peer == a.rank;
+    if (!own_word || ld_volatile_host(a.err_host + 4) == 0) st_volatile_host(a.err_host + 4, (why << 16) | peer);
     __threadfence_system();
+    if (why == ERR_TIMEOUT || why == ERR_P2P_SIZE || why == ERR_CONCURRENT) {
+        for (u32 j = 0; j < a.world; j++) st_volatile_host(a.peer[j] + POISON_OFF, 1 + a.rank);
+        __threadfence_system();
+    }
+    hold_for_host(a);
 }
 
 // Spin (one thread) until *p >= e (wrap-safe), bounded as above. False: it failed and
@@ -115,29 +142,92 @@ __device__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
     return true;
 }
 
-__device__ __forceinline__ void load_state(const Args& a, BlockState* s) {
+// NOTE [Kernel entry]
+// Kernel entry (load_state, thread 0 of each CUDA block, before the block touches any
+//   buffer): three device-local words, read together so they cost one memory latency:
+//   - the counters (NOTE [Lockstep blocks]);
+//   - this rank's poison word: set, the group failed (a timeout, a dead or failed peer, a
+//     host abort: NOTE [Bounded waits]); the kernel reports it and returns, writing
+//     nothing. This covers what the host cannot refuse: a CUDA graph captured before the
+//     failure and replayed after it. POISON_DESTROYED: the group was destroyed, and a
+//     graph that still holds this kernel was replayed; nobody is left to report to, so
+//     the kernel stops the CUDA context with a message (a trap: the replay fails loudly)
+//     rather than return a result it did not compute;
+//   - the block's busy word, swapped to 1 (atomicExch; cleared at save_state): if it
+//     was 1 already, another kernel of this group runs block b on this GPU right now. The
+//     lockstep protocol cannot tell two such kernels apart (they would pass each other's
+//     barriers and read each other's staging), so this is a failure of the group
+//     (ERR_CONCURRENT: e.g. a graph replayed while an async collective of the group was
+//     not yet waited for, or two graphs of one group replayed on two streams). Only
+//     kernels that overlap on one GPU are caught: two unordered kernels whose blocks b
+//     never run at once on any GPU are not, but then each GPU runs them one after the
+//     other, and a difference in what they are (collective, dtype, count) is still a
+//     mismatch at their first barrier.
+//   The atomic and the loads are device scope and local: the busy word is written by this
+//   rank's kernels only; the poison word by anyone, and it is only ever set, so a stale 0
+//   read here is a failure that this kernel's first wait finds instead (stop_reason).
+// A replay of a destroyed group's kernel (NOTE [Kernel entry]): out of line, so that the
+// message's formatting costs the kernels nothing on their paths.
+__device__ __noinline__ void stop_destroyed() {
+    printf("rsccl: a CUDA graph replayed a collective or send/recv of a process group that was destroyed; stopping the CUDA context\n");
+    __trap();
+}
+
+// The entry check of the group's state (NOTE [Kernel entry]), by one thread, given this
+// rank's poison word as read at entry: true (and reported) if the kernel must not run.
+__device__ __forceinline__ bool failed_at_entry(const Args& a, u32 poison) {
+    if (poison == POISON_DESTROYED) stop_destroyed();
+    if (poison == 0) return false;
+    fail(a, ERR_PEER, (poison - 1) & 0xffff);
+    return true;
+}
+
+__device__ __forceinline__ u32 own_poison(const Args& a) {
+    return *reinterpret_cast<volatile const u32*>(a.peer[a.rank] + POISON_OFF);
+}
+
+// Returns false when the kernel must return at once (nothing written, counters unsaved).
+__device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
     if (threadIdx.x == 0) {
-        const u32* c = reinterpret_cast<const u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
+        const u64 own = a.peer[a.rank];
+        const u32* c = reinterpret_cast<const u32*>(own + CTR_OFF) + 2 * blockIdx.x;
+        u32* busy = reinterpret_cast<u32*>(own + BUSY_OFF) + blockIdx.x;
+        const u32 was_busy = atomicExch(busy, 1u);
+        const u32 poison = own_poison(a);
         s->epoch = c[0];
         s->step = c[1];
-        s->abort = 0;
         s->first = 1;
         s->mismatch = 0;
         s->place_differs = 0;
         s->any_attempt = 0;
+        s->abort = 0;
+        if (poison != 0) {
+            if (!was_busy) *busy = 0;
+            s->abort = failed_at_entry(a, poison);
+        } else if (was_busy) {
+            // The other kernel owns the word (and clears it); this one stops the group.
+            fail(a, ERR_CONCURRENT, a.rank);
+            s->abort = 1;
+        }
     }
     __syncthreads();
+    return !s->abort;
 }
 
-// Store the counters back (not after an abort: the group is unusable then). `steps` is
-// added to the step counter, so the next kernel's parity follows this one's.
+// Store the counters back (not after an abort: the group is unusable then) and leave the
+// block's busy word (NOTE [Kernel entry]). `steps` is added to the step counter, so the
+// next kernel's parity follows this one's. Kernel boundaries order these plain stores
+// before the next kernel's load_state on this GPU.
 __device__ __forceinline__ void save_state(const Args& a, BlockState* s, u64 steps) {
     __syncthreads();
-    if (threadIdx.x == 0 && !s->abort) {
-        s->step += (u32)steps;
-        u32* c = reinterpret_cast<u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
-        c[0] = s->epoch;
-        c[1] = s->step;
+    if (threadIdx.x == 0) {
+        if (!s->abort) {
+            s->step += (u32)steps;
+            u32* c = reinterpret_cast<u32*>(a.peer[a.rank] + CTR_OFF) + 2 * blockIdx.x;
+            c[0] = s->epoch;
+            c[1] = s->step;
+        }
+        reinterpret_cast<u32*>(a.peer[a.rank] + BUSY_OFF)[blockIdx.x] = 0;
     }
 }
 
@@ -156,6 +246,7 @@ __device__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
     __threadfence_system();
     st_volatile_host(a.err_host, (ERR_MISMATCH << 16) | peer);
     __threadfence_system();
+    hold_for_host(a);
 }
 
 // NOTE [Barrier protocol]

@@ -68,7 +68,7 @@ __device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64
 template <typename T, typename Op>
 __device__ void reduce_scatter(const Args& a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world;
     const u64 n = a.count;
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);

@@ -55,7 +55,7 @@ __device__ __forceinline__ void bc_copy(const Args& a, u64 st, u64 per_step, u64
 
 extern "C" __global__ void __launch_bounds__(THREADS) rs_broadcast(const Args a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u64 n = a.count;
     const u64 m = per_block<u8>(a, 1, n);
     const u64 per_step = m * gridDim.x;
@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_broadcast(const Args a)
 // s + 2, after barrier(s + 1), which needs the root's signal given after its copy of s.
 extern "C" __global__ void __launch_bounds__(THREADS) rs_gather(const Args a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;
     const u64 n = a.count;
     const u64 m = per_block<u8>(a, W > 1 ? W - 1 : 1, n);
@@ -127,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_gather(const Args a) {
 // which needs every rank's signal given after its copy of step s.
 extern "C" __global__ void __launch_bounds__(THREADS) rs_scatter(const Args a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;
     const u64 n = a.count;
     const u64 m = per_block<u8>(a, 1, n);
@@ -176,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_scatter(const Args a) {
 template <typename T, typename Op>
 __device__ void reduce_root(const Args& a) {
     __shared__ BlockState s;
-    load_state(a, &s);
+    if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;
     const u64 n = a.count;
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);

@@ -71,9 +71,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const P2pArgs x) {
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_SEND, b, r);
-        ok = 1;
+        // NOTE [Kernel entry]: nothing runs in a failed group (a replay after a failure).
+        ok = !failed_at_entry(a, own_poison(a));
     }
     __syncthreads();
+    if (!ok) return;
     if (t < 32) {
         // Step s may start once the receiver emptied its slot (ack >= q - 2).
         auto open = [&](u64 st) {
@@ -125,9 +127,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const P2pArgs x) {
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_RECV, b, src);
-        ok = 1;
+        // NOTE [Kernel entry]: nothing runs in a failed group (a replay after a failure).
+        ok = !failed_at_entry(a, own_poison(a));
     }
     __syncthreads();
+    if (!ok) return;
     if (t < 32) {
         // Step s may be copied once the sender signalled it, with this rank's size.
         auto arrived = [&](u64 st) {

@@ -23,7 +23,7 @@ pub(super) struct Args {
     pub(super) rank: u32,
     pub(super) world: u32,
     pub(super) root: u32,
-    pub(super) pad: u32,
+    pub(super) flags: u32,
 }
 
 /// The all_to_all kernel's argument block (the source's `struct A2aArgs`).
@@ -53,6 +53,9 @@ pub(super) const ERR_MISMATCH: u32 = kabi::ERR_MISMATCH as u32;
 pub(super) const ERR_PEER: u32 = kabi::ERR_PEER as u32;
 pub(super) const ERR_P2P_SIZE: u32 = kabi::ERR_P2P_SIZE as u32;
 pub(super) const ERR_A2A: u32 = kabi::ERR_A2A as u32;
+pub(super) const ERR_CONCURRENT: u32 = kabi::ERR_CONCURRENT as u32;
+/// Args::flags: a kernel that reports an error holds its stream until the host acts.
+pub(super) const FLAG_HOLD_ON_ERROR: u32 = kabi::FLAG_HOLD_ON_ERROR as u32;
 
 // Compile-time: every struct above has the size and field offsets build.rs computed from
 // csrc_kernels/abi.cuh (which the kernel compiler checks with its static_asserts).
@@ -80,13 +83,14 @@ mod tests {
     #[test]
     fn control_areas_do_not_overlap() {
         // The block's control areas as abi.cuh defines them, in order, each with its size:
-        // flags, stats (+ poison word), counters, descriptors, send/recv, tables.
+        // flags, stats (+ poison word), counters, busy words, descriptors, send/recv, tables.
         let def = |v: u64| v as usize;
         let (max_blocks, max_ranks) = (MAX_BLOCKS as usize, MAX_RANKS);
         let areas = [
             (0, def(kabi::FLAGS_BYTES)),
             (STATS_OFF, 256 + 4),
             (def(kabi::CTR_OFF), max_blocks * 8),
+            (def(kabi::BUSY_OFF), max_blocks * 4),
             (def(kabi::DESC_OFF), 2 * max_blocks * max_ranks * def(kabi::DESC_WORDS) * 8),
             (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * 2 * 8),
             (def(kabi::A2A_OFF), 2 * max_blocks * 2 * max_ranks * 8),
