@@ -44,6 +44,8 @@ class Options:
     cuda_p2p_bytes: int | str | None = None
     #: CUDA blocks of each send/recv kernel; RSCCL_CUDA_P2P_BLOCKS.
     cuda_p2p_blocks: int | None = None
+    #: 1/True (default): a CUDA collective that fails on the GPU ends the process (as NCCL's async error handling); 0/False: raised at the next call or wait; RSCCL_CUDA_ERROR_TEARDOWN.
+    cuda_error_teardown: int | bool | None = None
     #: Most CTAs (channels) of each NCCL communicator of a group that spans hosts (0: NCCL's default); RSCCL_NCCL_MAX_CTAS.
     nccl_max_ctas: int | None = None
     #: Most CTAs (channels) of each pair communicator of cross-host CUDA send/recv (0: NCCL's default); RSCCL_NCCL_P2P_MAX_CTAS.

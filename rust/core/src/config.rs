@@ -199,6 +199,22 @@ pub const SETTINGS: &[Setting] = &[
                stream; 0: on the group's internal stream, ordered with events",
     },
     Setting {
+        field: "cuda_error_teardown",
+        env: "RSCCL_CUDA_ERROR_TEARDOWN",
+        default: 1,
+        min: 0,
+        max: 1,
+        is_size: false,
+        help: "1: a CUDA collective or send/recv that fails on the GPU (a timeout, a dead or \
+               failed peer, ranks that called different collectives, two collectives of a \
+               group at once) ends the process with the error on stderr, as NCCL's \
+               TORCH_NCCL_ASYNC_ERROR_HANDLING does: the failed kernel holds its stream until \
+               then, so nothing queued after it computes with a result it did not produce; \
+               0: the error is raised at the group's next call or Work.wait (a mismatch \
+               leaves the group usable), and work queued behind the failed call on the GPU \
+               runs with its output as it was (docs/errors.md)",
+    },
+    Setting {
         field: "nccl_max_ctas",
         env: "RSCCL_NCCL_MAX_CTAS",
         // NCCL's own default on H100/H200 goes up to 32 channels per communicator (64
@@ -343,6 +359,8 @@ pub struct Config {
     pub cuda_inplace_min_bytes: usize,
     pub cuda_p2p_bytes: usize,
     pub cuda_p2p_blocks: u32,
+    /// A failure on the GPU ends the process (CUDA engine, after creation).
+    pub cuda_error_teardown: bool,
     /// None: NCCL's default (the setting's 0).
     pub nccl_max_ctas: Option<i32>,
     /// None: NCCL's default (the setting's 0).
@@ -440,6 +458,7 @@ impl Config {
             cuda_inplace_min_bytes: v("cuda_inplace_min_bytes") as usize,
             cuda_p2p_bytes: v("cuda_p2p_bytes") as usize,
             cuda_p2p_blocks: v("cuda_p2p_blocks") as u32,
+            cuda_error_teardown: v("cuda_error_teardown") != 0,
             nccl_max_ctas: Some(v("nccl_max_ctas") as i32).filter(|&n| n > 0),
             nccl_p2p_max_ctas: Some(v("nccl_p2p_max_ctas") as i32).filter(|&n| n > 0),
             nccl_hierarchical_min_bytes: v("nccl_hierarchical_min_bytes"),

@@ -152,7 +152,7 @@ impl CudaEngine {
         }
         let me = mesh.local_index();
         let sharers = got.iter().filter(|(m, _)| m[4..44] == got[me].0[4..44]).count() as u32;
-        let kernels = Kernels::load(&dev)?;
+        let kernels = Kernels::shared(&dev)?;
         let (blocks, p2p_blocks) = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
         // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
@@ -206,7 +206,7 @@ impl CudaEngine {
             rank: mesh.local_index() as u32,
             world: n as u32,
             root: 0,
-            pad: 0,
+            flags: 0,
         };
         let heap = (pool.pool_bytes > 0).then(|| Arc::new(Heap::new(pool.clone(), device)));
         tracing::info!(
@@ -235,18 +235,27 @@ impl CudaEngine {
             }
         );
         words.write(HostWords::POISON_SRC, 1 + mesh.local_index() as u32);
+        // Read while the connections are up: a peer that died can no longer be asked.
+        let pids: Vec<Option<u32>> = (0..n).map(|j| mesh.peer_pid(j)).collect();
         let sh = Arc::new(Shared {
             dev: dev.clone(),
             words,
             poisoned: Mutex::new(None),
             stop: AtomicBool::new(false),
             peer_poison: (0..n).filter(|&j| j != mesh.local_index()).map(|j| pool.block_addr(j) + POISON_OFF as u64).collect(),
+            own_poison: pool.block_addr(mesh.local_index()) + POISON_OFF as u64,
             poison_stream,
             peers_poisoned: AtomicBool::new(false),
+            own_poisoned: AtomicBool::new(false),
+            local_ranks: local_ranks.clone(),
+            pids,
+            mesh: mesh.clone(),
+            me: mesh.local_index(),
+            timeout,
+            teardown: cfg.cuda_error_teardown,
+            armed: AtomicBool::new(false),
         });
         let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
-        // Read while the connections are up: a peer that died can no longer be asked.
-        let pids: Vec<Option<u32>> = (0..n).map(|j| mesh.peer_pid(j)).collect();
         let engine = Arc::new(CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
@@ -263,8 +272,6 @@ impl CudaEngine {
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
             sync_on_caller: cfg.cuda_sync_stream,
             local_ranks: local_ranks.clone(),
-            mesh: mesh.clone(),
-            pids: pids.clone(),
             collectives: Default::default(),
             watchdog: Mutex::new(None),
             timeout,
@@ -277,16 +284,18 @@ impl CudaEngine {
         drop(_ctx);
         let wd = {
             let sh = sh.clone();
-            let mesh = mesh.clone();
             std::thread::Builder::new()
                 .name("rsccl-cuda-watchdog".into())
-                .spawn(move || watchdog(sh, mesh, local_ranks, pids))
+                .spawn(move || watchdog(sh))
                 .map_err(|e| Error::os("starting the CUDA watchdog thread", e))?
         };
         *engine.watchdog.lock() = Some(wd);
         if cfg.cuda_warmup {
             engine.warm_up()?;
         }
+        // From now on a failure a kernel reports ends the process (cuda_error_teardown):
+        // one during creation is raised by it.
+        sh.armed.store(true, std::sync::atomic::Ordering::Release);
         Ok(engine)
     }
 

@@ -88,6 +88,7 @@ impl CudaEngine {
         a.out = c.out;
         a.count = c.count;
         a.root = c.root as u32;
+        a.flags = self.sh.launch_flags();
         a.desc0 = c.kind.code() | ((c.dtype as u64) << 8) | ((c.op as u64) << 16) | ((c.root as u64) << 32);
         a.desc1 = c.count;
         if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll) {
@@ -149,10 +150,15 @@ impl CudaEngine {
         // at replay; the event then keeps marking the last launch that really ran (torch
         // synchronizes the device before a capture begins). An error here (the legacy
         // stream during a global-mode capture) counts as capturing.
-        if !is_capturing(target).unwrap_or(true) {
-            // SAFETY: our own event and a live stream of this context.
-            check(unsafe { cu::cuEventRecord(o.end_event.raw(), target as CUstream) }, "cuEventRecord (end of collectives)")?;
-            o.collectives_end = true;
+        match is_capturing(target) {
+            Ok(false) => {
+                // SAFETY: our own event and a live stream of this context.
+                check(unsafe { cu::cuEventRecord(o.end_event.raw(), target as CUstream) }, "cuEventRecord (end of collectives)")?;
+                o.collectives_end = true;
+            }
+            // The graph keeps what the kernel uses alive (graphs.rs).
+            Ok(true) => self.keep_for_graph(target)?,
+            Err(_) => {}
         }
         if target == caller {
             return Ok(None);

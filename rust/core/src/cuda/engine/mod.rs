@@ -10,10 +10,15 @@
 //! consumer stream is ordered after the collective.
 //!
 //! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
-//! finds that a peer called another collective writes a code into host-mapped memory; the
-//! host reads it before every launch and when a Work is waited on. A watchdog thread sets
-//! the abort word as soon as a local peer process is gone, so kernels stop within
-//! milliseconds instead of running into the timeout.
+//! finds that a peer called another collective writes a code into host-mapped memory; a
+//! kernel that starts in a failed group, or while another kernel of the group runs on this
+//! GPU, reports that and writes nothing (NOTE [Kernel entry] in csrc_kernels/protocol.cuh).
+//! The watchdog thread reads those reports within milliseconds: by default
+//! (cuda_error_teardown) a failure ends the process, as NCCL's async error handling does,
+//! and the failed kernel holds its stream until then; otherwise the host raises it at the
+//! next launch or when a Work is waited on. The watchdog also sets the abort word as soon
+//! as a local peer process is gone, so kernels stop within milliseconds instead of running
+//! into the timeout.
 //!
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
@@ -25,6 +30,7 @@
 mod abi;
 mod create;
 mod events;
+mod graphs;
 mod launch;
 mod p2p;
 mod run;
@@ -46,7 +52,6 @@ pub use super::decide::{
 };
 use super::driver::Stream;
 use super::kernels::{Family, Kernels};
-use crate::bootstrap::LocalMesh;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
@@ -67,7 +72,9 @@ pub struct CudaEngine {
     /// The kernels' counters as last read (returned during graph capture): in-place
     /// collectives and bytes, all collectives and bytes (see STATS_OFF).
     last_counts: Mutex<[u64; 4]>,
-    kernels: std::mem::ManuallyDrop<Kernels>,
+    /// Shared with the process's other groups on this device, and with CUDA graphs that
+    /// hold this group's kernels (graphs.rs).
+    kernels: std::mem::ManuallyDrop<Arc<Kernels>>,
     undrained: AtomicBool,
     internal: Stream,
     order: Mutex<Ordering_>,
@@ -80,10 +87,6 @@ pub struct CudaEngine {
     one_shot_max: usize,
     sync_on_caller: bool,
     local_ranks: Vec<usize>,
-    /// The local ranks' connections and pids (read at creation, while they were up): a
-    /// peer named by a kernel's abort is checked against them (`fatal`).
-    mesh: Arc<LocalMesh>,
-    pids: Vec<Option<u32>>,
     collectives: std::sync::atomic::AtomicU64,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     timeout: Duration,

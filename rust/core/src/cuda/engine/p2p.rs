@@ -8,7 +8,7 @@ use cudarc::driver::sys as cu;
 use super::abi::P2pArgs;
 use super::events::{CudaEvent, EventHome};
 use super::{CudaEngine, CudaKind};
-use crate::cuda::driver::{check, CUstream, Event};
+use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::THREADS;
 use crate::error::{Error, Result};
 
@@ -42,6 +42,7 @@ impl CudaEngine {
         x.a.count = bytes;
         x.a.root = peer as u32;
         x.a.desc0 = kind.code();
+        x.a.flags = self.sh.launch_flags();
         let func = if send { self.kernels.send } else { self.kernels.recv };
         let target = self.p2p_streams[2 * peer + (!send) as usize]
             .as_ref()
@@ -75,6 +76,11 @@ impl CudaEngine {
                 },
                 &format!("launching rsccl's CUDA {}", kind.name()),
             )?;
+            // A capture of the send/recv (joined to the caller's captured stream): the graph
+            // keeps what the kernel uses alive (graphs.rs).
+            if is_capturing(target).unwrap_or(false) {
+                self.keep_for_graph(target)?;
+            }
             let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
             // SAFETY: valid event and stream.
             check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;

@@ -8,10 +8,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
-use super::abi::{ERR_A2A, ERR_ABORTED, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT};
+use super::abi::{ERR_A2A, ERR_ABORTED, ERR_CONCURRENT, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT, FLAG_HOLD_ON_ERROR};
 use super::CudaEngine;
+use crate::bootstrap::LocalMesh;
 use crate::cuda::call::describe;
 use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
+use crate::cuda::kernels::POISON_DESTROYED;
 use crate::error::{Error, Result};
 
 /// Pinned host memory the kernels write errors into and the host writes the abort word into.
@@ -26,8 +28,8 @@ use crate::error::{Error, Result};
 ///   (fence-to-acquire synchronization), so the data words are the ones written before that
 ///   code. x86 orders loads anyway; on an aarch64 host (Grace Hopper) a plain or volatile
 ///   load would not keep the later data loads behind it, the acquire (LDAR) does.
-/// - The host's words (ABORT, and POISON_SRC, the value its copy engine sends to the peers'
-///   poison words) carry no data: a kernel that sees ABORT stops, and the cause sits in the
+/// - The host's words (ABORT, and POISON_SRC / OWN_POISON_SRC, the values its copy engine
+///   sends to the peers' and its own poison words) carry no data: a kernel that sees ABORT stops, and the cause sits in the
 ///   engine's mutex. They are stored with Release (`write`) all the same, so whatever the
 ///   host wrote before is visible to a reader that sees them. POISON_SRC is read by a DMA
 ///   enqueued after the store; the driver's submission orders the host's earlier stores
@@ -54,6 +56,12 @@ impl HostWords {
     /// u32 index of 1 + this rank's local index, the value copied into peers' poison words
     /// (bytes 3200..3204).
     pub(super) const POISON_SRC: usize = 800;
+    /// u32 index of the value copied into this rank's own poison word (1 + the culprit's
+    /// local index, or POISON_DESTROYED at a clean destroy; bytes 3204..3208).
+    pub(super) const OWN_POISON_SRC: usize = 801;
+    /// u32 index of POISON_DESTROYED, copied into this rank's own poison word when the group
+    /// is destroyed (bytes 3208..3212).
+    pub(super) const DESTROYED_SRC: usize = 802;
 
     pub(super) fn new(dev: &Arc<Device>) -> Result<HostWords> {
         Ok(HostWords { page: PinnedPage::new(dev, 4096)? })
@@ -80,9 +88,9 @@ impl HostWords {
         self.page.host_ptr(Self::COUNTS * 8)
     }
 
-    /// Where the value peers' poison words get lives (see POISON_SRC).
-    pub(super) fn poison_src(&self) -> *const std::ffi::c_void {
-        self.page.host_ptr(Self::POISON_SRC * 4)
+    /// Where the value of host word `i` lives (POISON_SRC, OWN_POISON_SRC: read by copies).
+    pub(super) fn src(&self, i: usize) -> *const std::ffi::c_void {
+        self.page.host_ptr(i * 4)
     }
 
     /// A word the kernels (ABORT) or the copy engine (POISON_SRC) read, or the clearing of
@@ -101,10 +109,26 @@ pub(super) struct Shared {
     /// Every local peer's poison word (its block + POISON_OFF, as mapped here); not this
     /// rank's own.
     pub(super) peer_poison: Vec<u64>,
-    /// A stream of our own for the copies into `peer_poison` (never blocked by a kernel).
+    /// This rank's own poison word (NOTE [Kernel entry] in csrc_kernels/protocol.cuh).
+    pub(super) own_poison: u64,
+    /// A stream of our own for the copies into the poison words (never blocked by a kernel).
     pub(super) poison_stream: Stream,
     /// Set once this rank has poisoned its peers.
     pub(super) peers_poisoned: AtomicBool,
+    /// Set once this rank has poisoned its own word.
+    pub(super) own_poisoned: AtomicBool,
+    /// Who is who, for the errors: the group ranks of the local ranks, their pids (read
+    /// at creation), their connections, this rank's local index, and the group timeout.
+    pub(super) local_ranks: Vec<usize>,
+    pub(super) pids: Vec<Option<u32>>,
+    pub(super) mesh: Arc<LocalMesh>,
+    pub(super) me: usize,
+    pub(super) timeout: Duration,
+    /// cuda_error_teardown: a failure that a kernel of this rank reports ends the process
+    /// (`tear_down`), once the group is made (`armed`: a failure while it is created is
+    /// raised by the creation).
+    pub(super) teardown: bool,
+    pub(super) armed: AtomicBool,
 }
 
 impl Shared {
@@ -117,8 +141,8 @@ impl Shared {
     /// engine failure, an internal error, a shutdown whose work did not drain): our
     /// kernels stop at the abort word mid-collective, so the peers' kernels of that
     /// collective can never complete and the group is over for them too. A clean
-    /// destroy never poisons: peers may still be finishing their own part of the last
-    /// collective (a rank leaves its final barrier before others read their flags) or
+    /// destroy never poisons the peers: they may still be finishing their own part of the
+    /// last collective (a rank leaves its final barrier before others read their flags) or
     /// exchanging send/recv among themselves, which do not involve this rank; poisoning
     /// would turn a clean teardown into errors on healthy peers. Kernel-reported errors
     /// do not come here either: a timeout or size mismatch poisoned the peers on the GPU
@@ -126,41 +150,180 @@ impl Shared {
     /// host or peer that did.
     ///
     /// Ordering: the word carries no data. Each peer's kernels poll their own word with
-    /// ld.volatile every 256 spins (stop_reason); our copy engine's 4-byte write lands in
-    /// that memory over the peer mapping and becomes visible to those loads without any
-    /// further ordering, and the peer reads the cause from its own fatal word (ERR_PEER
-    /// naming this rank), which its kernel writes after seeing ours. The word is only ever
-    /// set: a kernel's fail() racing with this store leaves the index of some failed rank,
-    /// a correct report either way. The blocks belong to this group alone (a new group maps
-    /// new ones), so nothing else ever sees this value.
+    /// ld.volatile every 256 spins (stop_reason) and read it at entry (NOTE [Kernel
+    /// entry]); our copy engine's 4-byte write lands in that memory over the peer mapping
+    /// and becomes visible to those loads without any further ordering, and the peer reads
+    /// the cause from its own fatal word (ERR_PEER naming this rank), which its kernel
+    /// writes after seeing ours. The word is only ever set: a kernel's fail() racing with
+    /// this store leaves the index of some failed rank, a correct report either way. The
+    /// blocks belong to this group alone (a new group maps new ones), so nothing else ever
+    /// sees this value.
     pub(super) fn poison_peers(&self, culprit: usize) {
         if self.peer_poison.is_empty() || self.peers_poisoned.swap(true, Ordering::AcqRel) {
             return;
         }
-        let Ok(_ctx) = self.dev.bind() else { return };
         // Once (the swap above), before the copies that read it.
         self.words.write(HostWords::POISON_SRC, 1 + culprit as u32);
-        let src = self.words.poison_src();
         for &dst in &self.peer_poison {
-            // SAFETY: `src` is 4 bytes of pinned host memory alive as long as `self`;
-            // `dst` is a peer's poison word, mapped in this context until the engine's Drop,
-            // which synchronizes `poison_stream` before unmapping; a copy (DMA), not a
-            // kernel, so it runs even while spinning kernels hold every SM.
-            let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src, 4, self.poison_stream.raw()) };
-            if r != cu::CUresult::CUDA_SUCCESS {
-                tracing::warn!("rsccl: could not poison a local peer's block after an abort ({r:?}); it stops at its own timeout");
+            self.copy_word(HostWords::POISON_SRC, dst);
+        }
+    }
+
+    /// Set this rank's own poison word (once): every later kernel of the group on this GPU,
+    /// an eager launch or a CUDA graph's replay, then stops at its entry and writes nothing
+    /// (NOTE [Kernel entry]). `value` is 1 + the culprit's local index, or POISON_DESTROYED
+    /// when the group was destroyed. Same ordering as `poison_peers`: the word carries no
+    /// data, and the kernels' loads see the copy's store once it lands.
+    pub(super) fn poison_own(&self, value: u32) {
+        if self.own_poisoned.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.words.write(HostWords::OWN_POISON_SRC, value);
+        self.copy_word(HostWords::OWN_POISON_SRC, self.own_poison);
+    }
+
+    /// At a clean destroy, after the group's work drained: this rank's own poison word
+    /// becomes POISON_DESTROYED, so that a CUDA graph replayed later stops at its kernels'
+    /// entry (NOTE [Kernel entry]). Waits for the copy: the engine's memory may be released
+    /// right after.
+    pub(super) fn mark_destroyed(&self) {
+        self.words.write(HostWords::DESTROYED_SRC, POISON_DESTROYED);
+        self.copy_word(HostWords::DESTROYED_SRC, self.own_poison);
+        if let Ok(_ctx) = self.dev.bind() {
+            self.poison_stream.synchronize();
+        }
+    }
+
+    /// Copy host word `src` into the device word `dst` (a poison word) on the poison stream.
+    fn copy_word(&self, src: usize, dst: u64) {
+        let Ok(_ctx) = self.dev.bind() else { return };
+        // SAFETY: the source is 4 bytes of pinned host memory alive as long as `self`;
+        // `dst` is a poison word of a block mapped in this context until the pool is
+        // dropped, after `poison_stream` is synchronized (CudaEngine's Drop); a copy (DMA),
+        // not a kernel, so it runs even while spinning kernels hold every SM.
+        let r = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, self.words.src(src), 4, self.poison_stream.raw()) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            tracing::warn!("rsccl: could not set a poison word after a failure ({r:?}); kernels stop at their own timeout");
+        }
+    }
+
+    /// Mark the group unusable with `err` (the first error wins), stop this rank's queued
+    /// kernels at their next wait, and refuse its later kernels at their entry.
+    pub(super) fn poison(&self, err: Error) -> Error {
+        let e = self.poisoned.lock().get_or_insert(err).clone();
+        self.words.write(HostWords::ABORT, 1);
+        self.poison_own(1 + self.me as u32);
+        e
+    }
+
+    /// The kernels' FLAG_* bits for a launch now.
+    pub(super) fn launch_flags(&self) -> u32 {
+        if self.teardown && self.armed.load(Ordering::Acquire) {
+            FLAG_HOLD_ON_ERROR
+        } else {
+            0
+        }
+    }
+
+    /// A failure that a kernel of this rank reported (its result was not computed): with
+    /// cuda_error_teardown (the default, once the group is made), end the process, so that
+    /// nothing goes on computing with that result, as NCCL's watchdog does under
+    /// TORCH_NCCL_ASYNC_ERROR_HANDLING; else hand the error back, to be raised.
+    pub(super) fn kernel_failed(&self, err: Error) -> Error {
+        if self.teardown && self.armed.load(Ordering::Acquire) {
+            self.tear_down(&err);
+        }
+        err
+    }
+
+    fn tear_down(&self, err: &Error) -> ! {
+        let me = self.local_ranks.get(self.me).copied().unwrap_or(self.me);
+        let msg = format!(
+            "rsccl: rank {me}: a CUDA collective or send/recv of this process group failed on the GPU: {err}. \
+             Ending the process, so that nothing computes on with the result it did not produce \
+             (cuda_error_teardown = 1, the default, as NCCL's TORCH_NCCL_ASYNC_ERROR_HANDLING; with \
+             rsccl.Options(cuda_error_teardown=0) or RSCCL_CUDA_ERROR_TEARDOWN=0 the error is raised at the group's \
+             next call or Work.wait instead)"
+        );
+        tracing::error!("{msg}");
+        eprintln!("{msg}");
+        std::process::abort();
+    }
+
+    /// The error a fatal code of the status page stands for (FATAL word), or None for 0.
+    pub(super) fn fatal_error(&self, code: u32) -> Option<Error> {
+        if code == 0 {
+            return None;
+        }
+        let (kind, peer) = (code >> 16, (code & 0xffff) as usize);
+        let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
+        let me = self.local_ranks[self.me];
+        Some(match kind {
+            ERR_TIMEOUT => Error::Timeout(format!(
+                "a CUDA collective or send/recv on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
+                self.timeout.as_secs_f64()
+            )),
+            ERR_ABORTED => Error::Aborted("the group was aborted".into()),
+            // A peer stopped the group; if its process is gone, say so as this rank's own
+            // watchdog would have (it may not have polled yet: the peer's poison came first).
+            ERR_PEER if self.mesh.gone().contains(&peer) => super::watchdog::gone_error(&self.local_ranks, &self.pids, peer),
+            // This rank's own word: the host stopped the group (its own error is raised
+            // first, where it has one).
+            ERR_PEER if peer == self.me => Error::Aborted(format!("the group had failed on rank {me} before this CUDA call ran")),
+            ERR_PEER => Error::Aborted(format!(
+                "the group was stopped because of rank {grank}: it failed (a timeout, a send/recv size mismatch, two \
+                 collectives at once, an abort) or died; see rank {grank}'s error, or its exit"
+            )),
+            ERR_P2P_SIZE => Error::Mismatch(format!(
+                "recv on rank {me}: rank {grank} sent {} bytes, rank {me} expected {} bytes; the group is unusable \
+                 (send/recv sizes must match)",
+                self.words.read64(48),
+                self.words.read64(49)
+            )),
+            ERR_CONCURRENT => Error::Aborted(format!(
+                "two CUDA collectives of this group ran at the same time on rank {me}'s GPU, which the group's \
+                 kernels cannot tell apart: a collective was started while an earlier one of the same group was \
+                 still running on another stream. The usual cause is a CUDA graph replayed while an async \
+                 collective of the group was not yet waited for (call work.wait() before graph.replay()), or two \
+                 graphs holding collectives of one group replayed on different streams without ordering them \
+                 (replay them on one stream, or make one stream wait for the other). The group is unusable"
+            )),
+            _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
+        })
+    }
+
+    /// The error a mismatch code of the status page (ERR word) stands for.
+    pub(super) fn mismatch_error(&self, code: u32) -> Error {
+        let w = |i: usize| self.words.read64(i);
+        let g = |l: u64| self.local_ranks.get(l as usize).copied().unwrap_or(l as usize);
+        match code >> 16 {
+            // Every rank checked every pair and reports the same lowest bad pair (i, j).
+            ERR_A2A => Error::Mismatch(format!(
+                "all_to_all: rank {} sends {} bytes to rank {}, which expects {} bytes from it (split sizes must agree)",
+                g(w(4)),
+                w(6),
+                g(w(5)),
+                w(7)
+            )),
+            ERR_MISMATCH => {
+                let peer = (code & 0xffff) as usize;
+                let (mine, theirs) = (describe(w(4), w(5)), describe(w(8 + 2 * peer), w(9 + 2 * peer)));
+                Error::Mismatch(format!(
+                    "ranks called different CUDA collectives: rank {} called {theirs}, rank {} called {mine}",
+                    g(peer as u64),
+                    g(self.me as u64)
+                ))
             }
+            _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
         }
     }
 }
 
 impl CudaEngine {
     /// Mark the group unusable with `err` (the first error wins) and stop this rank's
-    /// queued kernels at their next wait.
+    /// queued kernels at their next wait (and later ones at their entry).
     pub(super) fn poison(&self, err: Error) -> Error {
-        let e = self.sh.poisoned.lock().get_or_insert(err).clone();
-        self.sh.words.write(HostWords::ABORT, 1);
-        e
+        self.sh.poison(err)
     }
 
     /// `poison`, for a failure found on the host side: also stop the local peers' kernels
@@ -173,42 +336,20 @@ impl CudaEngine {
         e
     }
 
-    /// The error that made the group unusable: an earlier one, or a timeout or abort a
-    /// kernel reported.
+    /// The error that made the group unusable: an earlier one, or a failure a kernel
+    /// reported (then `kernel_failed`: by default the process ends).
     pub(super) fn fatal(&self) -> Result<()> {
         if let Some(e) = self.sh.poisoned.lock().clone() {
             return Err(e);
         }
-        let code = self.sh.words.read(HostWords::FATAL);
-        if code == 0 {
+        let Some(err) = self.sh.fatal_error(self.sh.words.read(HostWords::FATAL)) else {
             return Ok(());
-        }
-        let (kind, peer) = (code >> 16, (code & 0xffff) as usize);
-        let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
-        let me = self.local_ranks[self.pool.me];
-        let err = match kind {
-            ERR_TIMEOUT => Error::Timeout(format!(
-                "a CUDA collective or send/recv on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
-                self.timeout.as_secs_f64()
-            )),
-            ERR_ABORTED => Error::Aborted("the group was aborted".into()),
-            // A peer stopped the group; if its process is gone, say so as this rank's own
-            // watchdog would have (it may not have polled yet: the peer's poison came first).
-            ERR_PEER if self.mesh.gone().contains(&peer) => super::watchdog::gone_error(&self.local_ranks, &self.pids, peer),
-            ERR_PEER => Error::Aborted(format!(
-                "the group was stopped because of rank {grank}: it failed (a timeout, a send/recv size mismatch, an \
-                 abort) or died; see rank {grank}'s error, or its exit"
-            )),
-            ERR_P2P_SIZE => Error::Mismatch(format!(
-                "recv on rank {me}: rank {grank} sent {} bytes, rank {me} expected {} bytes; the group is unusable \
-                 (send/recv sizes must match)",
-                self.sh.words.read64(48),
-                self.sh.words.read64(49)
-            )),
-            _ => return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}")))),
         };
+        if let Error::Internal(_) = err {
+            return Err(self.abort_group(err));
+        }
         // The kernel that reported it poisoned the peers already where needed (fail()).
-        Err(self.poison(err))
+        Err(self.poison(self.sh.kernel_failed(err)))
     }
 
     /// The error that made the group unusable, if any (a mismatch, which leaves the group
@@ -233,9 +374,10 @@ impl CudaEngine {
         if code >> 16 != ERR_MISMATCH && code >> 16 != ERR_A2A {
             return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
         }
-        let peer = (code & 0xffff) as usize;
-        let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
-        let me = self.local_ranks[self.pool.me];
+        let err = self.sh.mismatch_error(code);
+        // With cuda_error_teardown the kernel holds its stream until the host acts: the
+        // process ends here (or in the watchdog, whichever reads the word first).
+        let err = self.sh.kernel_failed(err);
         // Counters stayed in step: report once and keep the group usable. Every block of
         // the mismatched kernel may write the code: wait for the collectives queued so far
         // before clearing it, so it is reported once; a timeout or abort found meanwhile
@@ -246,20 +388,7 @@ impl CudaEngine {
         self.wait_collectives()?;
         self.fatal()?;
         self.sh.words.write(HostWords::ERR, 0);
-        if code >> 16 == ERR_A2A {
-            // Every rank checked every pair and reports the same lowest bad pair (i, j).
-            let w = |i: usize| self.sh.words.read64(i);
-            let g = |l: u64| self.local_ranks.get(l as usize).copied().unwrap_or(l as usize);
-            return Err(Error::Mismatch(format!(
-                "all_to_all: rank {} sends {} bytes to rank {}, which expects {} bytes from it (split sizes must agree)",
-                g(w(4)),
-                w(6),
-                g(w(5)),
-                w(7)
-            )));
-        }
-        let (mine, theirs) = self.descriptors(peer)?;
-        Err(Error::Mismatch(format!("ranks called different CUDA collectives: rank {grank} called {theirs}, rank {me} called {mine}")))
+        Err(err)
     }
 
     /// Wait until every collective kernel launched so far has finished (the event recorded
@@ -295,13 +424,6 @@ impl CudaEngine {
                 e => return check(e, "cuEventQuery (end of collectives)"),
             }
         }
-    }
-
-    /// (this rank's, `peer`'s) descriptor of a mismatched call, as the kernel stored them
-    /// next to the error word (see report_mismatch in the kernel source).
-    pub(super) fn descriptors(&self, peer: usize) -> Result<(String, String)> {
-        let w = |i: usize| self.sh.words.read64(i);
-        Ok((describe(w(4), w(5)), describe(w(8 + 2 * peer), w(9 + 2 * peer))))
     }
 }
 
