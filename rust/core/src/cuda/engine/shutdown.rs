@@ -63,7 +63,11 @@ impl CudaEngine {
         if !drained {
             tracing::warn!("rsccl: GPU work did not finish at shutdown; leaving the group's CUDA memory mapped");
             self.undrained.store(true, Ordering::Release);
+            return;
         }
+        // A CUDA graph that still holds this group's kernels keeps their memory (graphs.rs);
+        // a replay of it must not run them (NOTE [Kernel entry]): it stops at their entry.
+        self.sh.mark_destroyed();
     }
 }
 

@@ -19,6 +19,9 @@ mod nvrtc;
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
 
 use cudarc::driver::sys as cu;
 
@@ -65,8 +68,11 @@ pub const STAGE_OFF: usize = abi::STAGE_OFF as usize;
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = abi::STATS_OFF as usize;
 /// 1 + the local index of a rank that stopped the group, 0 = none: read by this rank's
-/// kernels, written by a failing peer (its kernels, or its host: CudaEngine::abort_group).
+/// kernels (in their waits and at entry), written by a failing rank (its kernels, or its
+/// host: Shared::poison_peers, Shared::poison_own).
 pub const POISON_OFF: usize = abi::POISON_OFF as usize;
+/// The poison word's value once the group was destroyed (NOTE [Kernel entry]).
+pub const POISON_DESTROYED: u32 = abi::POISON_DESTROYED as u32;
 pub const MAX_RANKS: usize = abi::MAX_RANKS as usize;
 pub const MAX_BLOCKS: u32 = abi::MAX_BLOCKS as u32;
 
@@ -239,9 +245,12 @@ impl Modules {
     }
 }
 
-/// The loaded modules and every entry point.
+/// The loaded modules and every entry point. Loaded once per process and device
+/// (`Kernels::shared`): every group on the device launches the same code.
 pub struct Kernels {
-    _modules: Modules,
+    /// The device whose context the modules live in (bound when they are unloaded).
+    dev: Arc<Device>,
+    modules: Modules,
     reduce: HashMap<(Family, DType, ReduceOp), Function>,
     pub all_gather: Function,
     pub broadcast: Function,
@@ -257,8 +266,27 @@ pub struct Kernels {
     pub origin: Origin,
 }
 
+/// The kernels loaded in this process, per device ordinal, while some group (or a CUDA graph
+/// holding a group's kernels) uses them.
+static LOADED: Mutex<Vec<(i32, Weak<Kernels>)>> = Mutex::new(Vec::new());
+
 impl Kernels {
-    pub fn load(dev: &Device) -> Result<Kernels> {
+    /// The kernels of `dev`, loaded by the first group on it and shared by every later one
+    /// while any holds them: a process with several groups on a GPU (a DeviceMesh's
+    /// dimensions, new_group) loads and keeps one image, not one per group. The lock is held
+    /// while loading, so concurrent creations load once.
+    pub fn shared(dev: &Arc<Device>) -> Result<Arc<Kernels>> {
+        let mut loaded = LOADED.lock();
+        loaded.retain(|(_, k)| k.strong_count() > 0);
+        if let Some(k) = loaded.iter().filter(|(d, _)| *d == dev.ordinal).find_map(|(_, k)| k.upgrade()) {
+            return Ok(k);
+        }
+        let k = Arc::new(Kernels::load(dev)?);
+        loaded.push((dev.ordinal, Arc::downgrade(&k)));
+        Ok(k)
+    }
+
+    fn load(dev: &Arc<Device>) -> Result<Kernels> {
         let source = KernelSource::from_env()?;
         let arch = dev.arch()?;
         let cc: u32 = arch.trim_start_matches("sm_").parse().map_err(|_| Error::Internal(format!("device arch {arch}")))?;
@@ -308,7 +336,8 @@ impl Kernels {
         let (all_to_all, send, recv, barrier) = (get(4)?, get(5)?, get(6)?, get(7)?);
         tracing::info!(arch = %arch, origin = %origin, bytes = cubin_bytes, ms = t.elapsed().as_millis() as u64, "rsccl: kernels loaded");
         Ok(Kernels {
-            _modules: modules,
+            dev: dev.clone(),
+            modules,
             reduce,
             all_gather,
             broadcast,
@@ -350,6 +379,15 @@ impl Kernels {
             least = least.min(n.max(0) as u32);
         }
         Ok(if least == u32::MAX { 0 } else { least })
+    }
+}
+
+impl Drop for Kernels {
+    /// Unload the modules with their device's context current: the last holder may be a
+    /// thread that never bound it (the release of a CUDA graph's references, graphs.rs).
+    fn drop(&mut self) {
+        let _ctx = self.dev.bind();
+        drop(std::mem::take(&mut self.modules.0));
     }
 }
 
