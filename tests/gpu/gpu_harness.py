@@ -129,7 +129,10 @@ def gpu_cluster(
     shared = {"RSCCL_ALLOW_SHARED_GPU": "1"} if shares_gpus(world) else {}
     return Cluster(
         world,
-        env={**GPU_ENV, **shared, **(env or {})},
+        # These clusters live across tests, several of which provoke failures and check
+        # what is raised: they run with failures raised (cuda_error_teardown = 0);
+        # test_gpu_faults.py checks the default, which ends the process.
+        env={**GPU_ENV, "RSCCL_CUDA_ERROR_TEARDOWN": "0", **shared, **(env or {})},
         init_timeout=timeout,
         options=options,
         start_timeout=start_timeout,

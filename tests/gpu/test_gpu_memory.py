@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import rsccl
 import torch
 import torch.distributed as dist
@@ -168,6 +169,53 @@ def body_first_collectives_allocate_nothing(ctx, seed: int, rounds: int) -> dict
 def test_first_collectives_allocate_nothing(gpus, seed):
     needs_own_gpus(gpus.world)  # reads the device's free memory, which sharing ranks move
     gpus.run(body_first_collectives_allocate_nothing, seed, 100, timeout=180)
+
+
+def body_device_mesh_first_collectives(ctx, seed: int) -> dict:
+    """A 2-D DeviceMesh over rsccl (its dimensions' groups made by init_device_mesh): device
+    memory after the first collectives on every group of the mesh equals device memory
+    right after the mesh was made, beyond what torch's own allocator grew by (issue 25,
+    place 10). Returns what the mesh's groups took at creation."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    bufs = _buffers(ctx, seed)
+    # Process-wide first-launch costs (torch's kernels, its allocator's temporaries) on the
+    # world group first, as in the test above.
+    _rounds(ctx, dist.group.WORLD, 2, bufs)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    mesh = init_device_mesh("cuda", (2, ctx.world // 2), mesh_dim_names=("dp", "tp"))
+    groups = [mesh.get_group("dp"), mesh.get_group("tp")]
+    torch.cuda.synchronize()
+    free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    for g in groups:
+        n = dist.get_world_size(g)
+        x = rand(seed, ctx.rank, 4097, torch.float32, salt="mesh")
+        xs = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(xs, x, group=g)
+        y = x.clone()
+        dist.all_reduce(y, group=g)
+        check_reduction(y, xs, "SUM", f"all_reduce on a mesh group of {n}")
+    torch.cuda.synchronize()
+    free1, reserved1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    for g in groups:
+        dist.destroy_process_group(g)
+    beyond_torch = (free0 - free1) - (reserved1 - reserved0)
+    assert beyond_torch == 0, (
+        f"the first all_gather and all_reduce on each group of a (2, {ctx.world // 2}) DeviceMesh took "
+        f"{beyond_torch / 2**20:+.1f} MiB of device memory beyond torch's own ({(reserved1 - reserved0) / 2**20:+.1f} MiB)"
+    )
+    return {"mesh_groups_created_mib": (free_before - free0) / 2**20}
+
+
+def test_device_mesh_first_collectives_allocate_nothing(gpus, seed):
+    needs_own_gpus(gpus.world)  # reads the device's free memory, which sharing ranks move
+    if gpus.world < 4 or gpus.world % 2:
+        pytest.skip("a 2-D mesh of two dimensions of at least 2 ranks needs a world of 4, 6, 8 ...")
+    took = gpus.run(body_device_mesh_first_collectives, seed, timeout=180)
+    print(
+        f"DeviceMesh (2, {gpus.world // 2}) over rsccl: its groups took at creation, per rank (MiB): {[t['mesh_groups_created_mib'] for t in took]}"
+    )
 
 
 def body_peak_reserved(ctx, seed: int) -> dict:
