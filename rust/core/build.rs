@@ -22,20 +22,39 @@ mod abi {
 }
 
 /// SASS targets; the last one's PTX is embedded too (for GPUs newer than all of them).
-const SASS: [u32; 4] = [80, 90, 100, 120];
+const SASS_DEFAULT: [u32; 4] = [80, 90, 100, 120];
+
+/// The SASS targets of this build: `RSCCL_KERNEL_ARCHS` ("90", "80,90": a developer's build
+/// for the GPU at hand, a quarter of the nvcc time), else every one of SASS_DEFAULT. A GPU
+/// the list does not cover gets NVRTC at run time, as any other.
+fn sass_targets() -> Vec<u32> {
+    match std::env::var("RSCCL_KERNEL_ARCHS") {
+        Ok(v) if !v.trim().is_empty() => v
+            .split(',')
+            .map(|a| {
+                a.trim()
+                    .trim_start_matches("sm_")
+                    .parse()
+                    .unwrap_or_else(|_| panic!("RSCCL_KERNEL_ARCHS={v:?}: expected arch numbers such as 90,100"))
+            })
+            .collect(),
+        _ => SASS_DEFAULT.to_vec(),
+    }
+}
 
 fn main() {
     // Read when the script runs, not baked in when it is compiled: worktrees that share one
     // target directory share this script's binary.
     let kdir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../csrc_kernels");
     println!("cargo:rerun-if-changed={}", kdir.display());
-    for v in ["RSCCL_NVCC", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"] {
+    for v in ["RSCCL_NVCC", "RSCCL_KERNEL_ARCHS", "CUDA_HOME", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     abi::generate(&kdir.join("abi.cuh"), &out);
-    let ptx_arch = *SASS.last().unwrap();
-    let targets: Vec<String> = SASS.iter().map(|a| format!("sm_{a}")).chain([format!("compute_{ptx_arch}")]).collect();
+    let sass = sass_targets();
+    let ptx_arch = *sass.last().unwrap();
+    let targets: Vec<String> = sass.iter().map(|a| format!("sm_{a}")).chain([format!("compute_{ptx_arch}")]).collect();
     let rs = out.join("prebuilt_kernels.rs");
     if std::env::var_os("CARGO_FEATURE_PREBUILT_KERNELS").is_none() {
         write_rs(&rs, &[], "", &targets);
@@ -68,7 +87,7 @@ fn main() {
     std::fs::create_dir_all(&work).unwrap();
     let mut jobs: Vec<(String, u32)> = Vec::new();
     for (f, _) in &families {
-        for a in SASS {
+        for &a in &sass {
             jobs.push((f.clone(), a));
         }
     }
@@ -100,7 +119,7 @@ fn main() {
         let fatbin = work.join(format!("{f}.fatbin"));
         let mut cmd = Command::new(&fatbinary);
         cmd.arg(format!("--create={}", fatbin.display())).arg("-64");
-        for a in SASS {
+        for &a in &sass {
             cmd.arg(format!("--image3=kind=elf,sm={a},file={}", work.join(format!("{f}.sm_{a}.cubin")).display()));
         }
         cmd.arg(format!("--image3=kind=ptx,sm={ptx_arch},file={}", work.join(format!("{f}.compute_{ptx_arch}.ptx")).display()));

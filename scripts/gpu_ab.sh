@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Two wheels side by side on one GPU machine, alternating (A B A B ...), in one call: the
+# CPU cost of an eager call (scripts/gpu_cpu_cost.py) and the benchmark's rows for the
+# sizes and collectives asked, each installed in turn into python3. For "did this change
+# cost anything": the two wheels meet the same machine, clocks and neighbours.
+#
+#   scripts/gpu_ab.sh WHEEL_A WHEEL_B [RESULTS_DIR]     (default: $OUT, else ./gpu-results)
+#
+# Environment:
+#   AB_ROUNDS     rounds of (A, B) (default 2)
+#   AB_BENCH      arguments for python3 -m rsccl.bench (default: small all_reduce, 2 ranks)
+#   AB_CPU_COST=0 skip scripts/gpu_cpu_cost.py
+#
+# Writes ab.log (every run's output, labelled) to RESULTS_DIR and prints the tables last.
+set -u -o pipefail
+A=$1 B=$2
+RESULTS=${3:-${OUT:-./gpu-results}}
+mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+ROUNDS=${AB_ROUNDS:-2}
+BENCH=${AB_BENCH:---device cuda --world-sizes 2 --collectives all_reduce --min-bytes 1KiB --max-bytes 256KiB --no-pool --no-ctas-profile --no-fsdp --no-overlap}
+LOG=$RESULTS/ab.log
+: >"$LOG"
+status=0
+for ((r = 1; r <= ROUNDS; r++)); do
+    for side in A B; do
+        wheel=$A
+        [[ $side == B ]] && wheel=$B
+        echo "=== round $r, $side: $wheel ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+        python3 -m pip install -q --no-index --no-deps --force-reinstall "$wheel" >>"$LOG" 2>&1 || { status=2; continue; }
+        if [[ ${AB_CPU_COST:-1} != 0 ]]; then
+            python3 scripts/gpu_cpu_cost.py 2>&1 | tee -a "$LOG" | tail -n 12 || status=1
+        fi
+        # shellcheck disable=SC2086 # BENCH is a list of arguments
+        python3 -m rsccl.bench $BENCH --out-dir "$RESULTS/bench_${side}_$r" 2>&1 | tee -a "$LOG" | grep -E '^\|' | tail -n 30 || status=1
+    done
+done
+exit $status
