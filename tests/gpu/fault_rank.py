@@ -128,6 +128,9 @@ def async_then_replay(rank: int, world: int, seed: int) -> None:
         torch.cuda.synchronize()
         dist.barrier()
         try:
+            # Both launches below wait for this sleep (the async collective's stream joins
+            # the current one), so they become ready together and overlap on the GPU.
+            torch.cuda._sleep(20_000_000)
             work = dist.all_reduce(x, async_op=True)
             graph.replay()  # not ordered after `work`: the misuse
             work.wait()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from gpu_harness import GPU_ENV, needs_gpus, selected_worlds
+from gpu_harness import GPU_ENV, needs_gpus, selected_worlds, shares_gpus
 from harness import free_port
 
 pytestmark = needs_gpus
@@ -137,22 +137,30 @@ def test_graph_replayed_after_a_failure_writes_nothing(world, seed):
 @pytest.mark.parametrize("world", WORLDS)
 def test_async_collective_then_graph_replay(world, seed, teardown):
     """Two kernels of one group at once (an async all_reduce not waited for, then a graph
-    replay): both right, or the group stops, naming what the user did; never wrong data."""
+    replay, both released together by a GPU sleep, so that they overlap): never wrong data,
+    and the group stops, naming what the user did."""
     res = run_ranks("async_then_replay", world, seed, teardown)
     never_wrong("async_then_replay", res)
     said = "two CUDA collectives of this group ran at the same time"
+    if shares_gpus(world):
+        # Ranks on one GPU split its SMs: the overlapping kernels may not all be resident,
+        # so the misuse can also surface as a timeout; any named stop, or right results.
+        for r, (rc, _, e) in enumerate(res):
+            assert rc in (0, -signal.SIGABRT), f"rank {r} exited with {rc}:\n{e[-3000:]}"
+            assert rc == 0 or "rsccl: rank" in e, e[-3000:]
+        return
     if teardown:
         ended = [r for r, (rc, _, _) in enumerate(res) if rc != 0]
         for r in ended:
             assert res[r][0] == -signal.SIGABRT, f"rank {r} exited with {res[r][0]}:\n{res[r][2][-3000:]}"
-        if ended:
-            assert any(said in res[r][2] for r in ended), "no rank named the concurrent collectives:\n" + "\n".join(
-                res[r][2][-2000:] for r in ended
-            )
+        assert any(said in res[r][2] for r in ended), "no rank named the concurrent collectives:\n" + "\n".join(
+            f"rank {r} (rc {rc}): {o}{e[-2000:]}" for r, (rc, o, e) in enumerate(res)
+        )
     else:
         raised = [ln for _, o, _ in res for ln in lines(o, "RAISED ")]
-        if raised:
-            assert any(said in ln for ln in raised) or all("stopped because of rank" in ln or said in ln for ln in raised), raised
+        assert any(said in ln for ln in raised), f"no rank raised the concurrent collectives: {raised}"
+        for ln in raised:
+            assert said in ln or "stopped because of rank" in ln, ln
 
 
 @pytest.mark.parametrize("world", WORLDS)
