@@ -16,9 +16,20 @@ def test_kernels_compile_for_hopper():
     _cuda.load_nvrtc()
     sizes = dict(rsccl._rsccl.compile_kernels("sm_90"))
     # Every module of csrc_kernels/ (NVRTC, the fallback and developer path), each a real
-    # image: the smallest (rs_barrier alone) is several KB with line info.
+    # image: the smallest (rs_barrier alone) is several KB.
     assert set(sizes) == {"all_reduce", "reduce_scatter", "rooted", "all_gather", "all_to_all", "send_recv", "barrier"}
     assert min(sizes.values()) > 4_000 and sizes["all_reduce"] > 1_000_000, sizes
+
+
+def test_kernel_lineinfo_setting_rejects_bad_values(monkeypatch):
+    """RSCCL_KERNEL_LINEINFO (NVRTC's -lineinfo, opt-in) takes 0 or 1; anything else is a
+    ValueError naming it, before anything is compiled."""
+    for bad in ("yes", "2"):
+        monkeypatch.setenv("RSCCL_KERNEL_LINEINFO", bad)
+        with pytest.raises(ValueError, match=f"RSCCL_KERNEL_LINEINFO=.{bad}. is not 0 or 1"):
+            rsccl._rsccl.compile_kernels("sm_90")
+        with pytest.raises(ValueError, match="RSCCL_KERNEL_LINEINFO"):
+            rsccl._rsccl.cache_kernels("sm_90")
 
 
 def test_kernel_compile_errors_are_exceptions():
