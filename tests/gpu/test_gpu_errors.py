@@ -71,17 +71,23 @@ def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
 
 
 def body_unsupported(ctx, seed: int) -> dict[str, str]:
-    """What rsccl does not run on CUDA tensors in a single-host group: recv from any source
-    and the bitwise reductions (as NCCL has neither; every other standard collective and
-    send/recv run). It must raise at once, on the calling rank alone (a recv involves nobody
-    else; a bitwise all_reduce is refused by each rank that asks for it), and leave the
-    group working."""
+    """What rsccl does not run on CUDA tensors in a single-host group: recv from any source,
+    the bitwise reductions (as NCCL has neither; every other standard collective and
+    send/recv run) and reductions of a dtype its kernels do not reduce (float64). It must
+    raise at once, on the calling rank alone (a recv involves nobody else; a reduction the
+    engine cannot run is refused by each rank that asks for it before anything is
+    exchanged: Engine::can_run), and leave the group working, with no stale error at the
+    next call (_still_works)."""
     g = _own_group()
     x = rand(seed, ctx.rank, 4 * ctx.world, torch.float32)
     ints = torch.randint(0, 1 << 30, (4 * ctx.world,), generator=torch.Generator().manual_seed(seed + ctx.rank)).to(ctx.device)
     calls = {
         "recv_anysource": lambda: dist.recv(torch.empty_like(x), group=g),
         "all_reduce_band_int64": lambda: dist.all_reduce(ints, op=dist.ReduceOp.BAND, group=g),
+        "all_reduce_float64": lambda: dist.all_reduce(x.double(), group=g),
+        "reduce_scatter_float64": lambda: dist.reduce_scatter_tensor(
+            torch.empty(4, dtype=torch.float64, device=ctx.device), x.double(), group=g
+        ),
     }
     results = {}
     for name, call in calls.items():
@@ -101,7 +107,12 @@ def test_unsupported_cuda_calls_raise(gpus, seed):
     for rank, per_call in enumerate(results):
         for name, outcome in per_call.items():
             assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; rsccl must raise"
-            says = {"recv_anysource": "src", "all_reduce_band_int64": f"all_reduce: rank {rank} passed ReduceOp.BAND on int64"}[name]
+            says = {
+                "recv_anysource": "src",
+                "all_reduce_band_int64": f"all_reduce: rank {rank} passed ReduceOp.BAND on int64",
+                "all_reduce_float64": f"all_reduce: rank {rank} passed float64; rsccl's CUDA reductions take",
+                "reduce_scatter_float64": f"reduce_scatter: rank {rank} passed float64; rsccl's CUDA reductions take",
+            }[name]
             assert outcome.startswith("TypeError") and says in outcome, f"rank {rank}: {name}'s error does not say {says!r}: {outcome}"
 
 

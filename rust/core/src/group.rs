@@ -184,18 +184,25 @@ impl Group {
     /// (found by the front end) or whose arguments fail to translate for its engine joins
     /// its call as invalid (`Engine::join_invalid`) and returns the error. Point-to-point
     /// calls involve one peer only: they raise without joining.
+    ///
+    /// So does the rule "a call the group's engine cannot run is refused by every rank
+    /// alone": before translating, the engine says whether it runs the op's kind, dtype
+    /// and reduce op at all (`Engine::can_run`, the same answer on every rank); if not,
+    /// the rank raises at once, nothing is exchanged and the group stays usable (joining
+    /// would abort an NCCL group, which cannot tell its peers, and leave rsccl's kernels a
+    /// step to agree on).
     pub fn run(&self, mut op: Op) -> Result<Ran> {
         match op.place {
             Place::Host => {
                 let (rank, n) = (self.topo.rank, self.topo.size);
-                run_on(self.host_engine(), op, self.timeout, |op| op.to_host(rank, n))
+                run_on(self.host_engine(), op, rank, self.timeout, |op| op.to_host(rank, n))
             }
             Place::Cuda { stream } => {
                 // On CUDA a bad rank raises its own error (its peers raise the disagreement,
                 // which names it): it names the rank too, as the host engine's agreed errors do.
                 let (rank, n) = (self.topo.rank, self.topo.size);
                 op.invalid = op.invalid.map(|e| e.naming_rank(rank));
-                run_on(self.device().map(|d| d.engine), op, self.timeout, |op| {
+                run_on(self.device().map(|d| d.engine), op, rank, self.timeout, |op| {
                     op.to_device(rank, n, stream).map_err(|e| e.naming_rank(rank))
                 })
             }
@@ -328,10 +335,12 @@ impl Group {
     }
 }
 
-/// `Group::run` on one engine: run `op` translated for it, or join its call as invalid.
+/// `Group::run` on one engine (of this `rank`): refuse `op` if the engine cannot run it,
+/// else run it translated for the engine, or join its call as invalid.
 fn run_on<E: Engine + ?Sized>(
     engine: Result<Arc<E>>,
     mut op: Op,
+    rank: usize,
     timeout: Duration,
     translate: impl FnOnce(&mut Op) -> Result<E::Call>,
 ) -> Result<Ran> {
@@ -343,7 +352,11 @@ fn run_on<E: Engine + ?Sized>(
     };
     let call = match invalid {
         Some(e) => Err(e),
-        None => translate(&mut op),
+        None => {
+            // A fact of the engine, alike on every rank: each refuses alone (see `run`).
+            engine.can_run(&op, rank)?;
+            translate(&mut op)
+        }
     };
     match call {
         Ok(c) => engine.run(c, timeout),
@@ -375,6 +388,13 @@ mod tests {
             self.0.lock().push(format!("invalid {}: {error}", op.kind.name()));
             Err(error)
         }
+        fn can_run(&self, op: &Op, rank: usize) -> Result<()> {
+            if op.dtype == crate::dtype::DType::F64 {
+                self.0.lock().push(format!("refused {}", op.dtype.name()));
+                return Err(Error::InvalidType(format!("all_reduce: rank {rank} passed float64; this engine reduces float32")));
+            }
+            Ok(())
+        }
         fn add_stats(&self, _: &mut GroupStats) {}
         fn shutdown(&self) {}
     }
@@ -394,15 +414,15 @@ mod tests {
         let t = Duration::from_secs(1);
         let e = Arc::new(Recorder::default());
         let ok = |_: &mut Op| Ok(7u32);
-        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), t, ok).is_ok());
+        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), 0, t, ok).is_ok());
         let bad = |_: &mut Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
-        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), t, bad);
+        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), 0, t, bad);
         assert!(r.err().unwrap().to_string().contains("root 9 out of range"));
-        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), t, ok);
+        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("rank 1 passed 3 outputs"));
-        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), t, ok);
+        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("tag -1"));
-        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), t, bad);
+        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), 0, t, bad);
         assert!(r.is_err());
         assert_eq!(
             *e.0.lock(),
@@ -414,8 +434,35 @@ mod tests {
         );
         // No engine of that place: the rank's own error says more than "no CUDA engine".
         let none: Result<Arc<Recorder>> = Err(Error::InvalidArgument("this group has no CUDA engine".into()));
-        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), t, ok);
+        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("float64 is not reduced on CUDA"));
+    }
+
+    /// A call the engine cannot run is refused by the rank alone, before anything reaches
+    /// the engine (no run, no join: its peers, which got the same answer, do the same, and
+    /// the group stays usable); the error names the rank. A rank whose arguments were bad
+    /// still joins (its dtype is not known then), and a call the engine runs runs.
+    #[test]
+    fn a_call_the_engine_cannot_run_is_refused_before_anything_is_exchanged() {
+        use crate::dtype::DType;
+        let t = Duration::from_secs(1);
+        let e = Arc::new(Recorder::default());
+        let ok = |_: &mut Op| Ok(7u32);
+        let mut f64_op = op(Kind::AllReduce, None);
+        f64_op.dtype = DType::F64;
+        let r = run_on(Ok(e.clone()), f64_op, 3, t, ok);
+        let err = r.err().unwrap();
+        assert!(matches!(&err, Error::InvalidType(m) if m == "all_reduce: rank 3 passed float64; this engine reduces float32"), "{err}");
+        let mut f32_op = op(Kind::AllReduce, None);
+        f32_op.dtype = DType::F32;
+        assert!(run_on(Ok(e.clone()), f32_op, 3, t, ok).is_ok());
+        let mut bad = op(Kind::AllReduce, Some("rank 3: input and output differ"));
+        bad.dtype = DType::F64;
+        assert!(run_on(Ok(e.clone()), bad, 3, t, ok).is_err());
+        assert_eq!(
+            *e.0.lock(),
+            vec!["refused float64".to_string(), "run 7".into(), "invalid all_reduce: rank 3: input and output differ".into()]
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::collective::op::Op;
+use crate::cuda::decide::{can_run, DeviceEngine};
 use crate::cuda::DeviceCall;
 use crate::engine::{Engine, GroupStats, Ran};
 use crate::error::{Error, Result};
@@ -33,6 +34,11 @@ impl Engine for CudaEngine {
             }
         };
         Ok(Ran::from_event(ev))
+    }
+
+    /// rsccl's kernel table (`decide::can_run`).
+    fn can_run(&self, op: &Op, rank: usize) -> Result<()> {
+        can_run(DeviceEngine::Rsccl, op.kind, op.dtype, op.op, rank)
     }
 
     /// Launches the invalid kernel (`CudaKind::Invalid`): it takes part in the first barrier
