@@ -98,6 +98,35 @@ def test_nccl_loads_from_torchs_package():
     assert rsccl._rsccl.nccl_probe(path)[1] != uid, "two unique ids must differ"
 
 
+def test_an_nccl_unique_id_holds_a_socket_until_its_members_join():
+    """Why the NCCL engine makes a communicator's id only once every member has arrived
+    (nccl_engine/create.rs, share_id): ncclGetUniqueId starts NCCL's bootstrap root, a
+    thread listening on a socket until every member connects, with no call to stop it. An
+    id made for a communicator a dead rank never joins kept that socket in rank 0 (issue
+    25, place 7). A fresh interpreter, so that no other socket comes or goes meanwhile."""
+    code = (
+        "import os, time, rsccl\n"
+        "from rsccl import _cuda\n"
+        "def kind(f):\n"
+        "    try:\n"
+        "        return os.readlink(f'/proc/self/fd/{f}')\n"
+        "    except OSError:\n"
+        "        return ''  # the listing's own descriptor, closed by now\n"
+        "def socks():\n"
+        "    return sum(kind(f).startswith('socket:') for f in os.listdir('/proc/self/fd'))\n"
+        "path = _cuda.nccl_library_path()\n"
+        "rsccl._rsccl.nccl_probe(path)\n"
+        "before = socks()\n"
+        "rsccl._rsccl.nccl_probe(path)\n"
+        "time.sleep(0.5)\n"
+        "print('sockets', before, socks())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    before, after = (int(v) for v in r.stdout.split("sockets")[1].split())
+    assert after == before + 1, f"a unique id nobody joined holds {after - before} sockets, not 1: {r.stdout}"
+
+
 def test_nccl_bad_path_is_an_exception():
     # NCCL is loaded once per process: a fresh interpreter tries the bad path first.
     code = (
