@@ -15,6 +15,7 @@ from gpu_harness import (
     die_or_repeat,
     gpu_cluster,
     needs_gpus,
+    needs_own_gpus,
 )
 from gpu_refs import check_reduction, gather_inputs, rand
 from harness import ClusterError
@@ -141,6 +142,38 @@ def test_two_ranks_on_one_gpu_are_refused_without_allow_shared_gpu():
     for rank in (0, 1):
         assert f"--- rank {rank}: ValueError" in msg, f"rank {rank} did not raise ValueError at creation:\n{msg}"
     assert "group ranks 0 and 1 both use the GPU" in msg and "RSCCL_ALLOW_SHARED_GPU" in msg, msg
+
+
+def test_gpus_without_peer_access_are_refused_at_creation_naming_both():
+    """GPUs that cannot reach each other (PCIe without P2P; here rank 1 pretends its driver
+    said so, RSCCL_TEST_NO_PEER_ACCESS, since these machines all have P2P) fail creation
+    before anything is mapped, on every rank, with an error naming both ranks and GPUs and
+    the way out (NCCL), not a bare cuMemSetAccess error; nothing hangs (issue 25, place 6)."""
+    needs_own_gpus(2)
+    with pytest.raises(ClusterError) as e:
+        gpu_cluster(2, nccl_ref=False, env={"RSCCL_TEST_NO_PEER_ACCESS": "1"}, start_timeout=120).close()
+    msg = str(e.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank}: ValueError" in msg, f"rank {rank} did not raise ValueError at creation:\n{msg}"
+    assert "the GPU of rank 1 (cuda:1, PCI " in msg and "cannot access the memory of the GPU of rank 0 (cuda:0, PCI " in msg, msg
+    assert 'backend="cpu:rsccl,cuda:nccl"' in msg and "cuMemSetAccess" not in msg, msg
+
+
+def body_sum_of_ranks(ctx) -> float:
+    x = torch.full((1000,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(x)
+    return x[0].item()
+
+
+def test_ranks_sharing_a_gpu_need_no_peer_access():
+    """Ranks on one GPU (allow_shared_gpu) are not asked about peer access: the same hook
+    that fails the test above changes nothing here, and the group works."""
+    env = {"CUDA_VISIBLE_DEVICES": "0", "RSCCL_ALLOW_SHARED_GPU": "1", "RSCCL_TEST_NO_PEER_ACCESS": "1"}
+    c = gpu_cluster(2, nccl_ref=False, env=env, start_timeout=120)
+    try:
+        assert c.run(body_sum_of_ranks) == [3.0, 3.0]
+    finally:
+        c.close()
 
 
 def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):

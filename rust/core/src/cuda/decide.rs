@@ -11,12 +11,77 @@
 //! matches on the kind, each exhaustive: a new kind makes the compiler point here.
 //!
 //! What each device engine can run at all (`can_run`: the dtypes and ops it reduces) lives
-//! here too, once for both engines.
+//! here too, once for both engines; and whether the GPUs of a host can reach each other
+//! (`check_peer_access`).
 
 use super::call::{CudaCall, CudaKind};
 use super::kernels::{self, Family, STAGE_OFF};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+
+/// What one rank's driver says of its GPU and a local peer's: whether its GPU can map and
+/// access the peer's memory (cuDeviceCanAccessPeer). One byte each in the creation's
+/// exchange (`CudaEngine::create`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Reach {
+    /// The two ranks share one GPU (allow_shared_gpu): nothing to ask.
+    SameGpu = 0,
+    Yes = 1,
+    No = 2,
+    /// The peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs between
+    /// the ranks), so its driver cannot be asked; the mapping itself will tell.
+    Unknown = 3,
+}
+
+impl Reach {
+    pub fn from_code(c: u8) -> Reach {
+        match c {
+            0 => Reach::SameGpu,
+            1 => Reach::Yes,
+            2 => Reach::No,
+            _ => Reach::Unknown,
+        }
+    }
+}
+
+/// A local rank's GPU as the messages name it: the rank (in the group), the device
+/// ordinal in that rank's own process, and the PCI bus id (the same in every process).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalGpu {
+    pub rank: usize,
+    pub ordinal: i32,
+    pub bus: String,
+}
+
+impl std::fmt::Display for LocalGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} (cuda:{}, PCI {})", self.rank, self.ordinal, self.bus)
+    }
+}
+
+/// Whether every local rank's GPU can reach every other's, from every rank's answers
+/// (`reach[i][j]`: what rank i's driver said of its GPU reaching rank j's): rsccl's
+/// kernels read and write the peers' memory directly, which needs peer access both ways.
+/// The first pair that cannot is an error naming both ranks and GPUs, and what to do.
+/// Every rank has every answer, so every rank raises the same error. Ranks on one GPU
+/// (`SameGpu`) and peers a rank cannot see (`Unknown`) pass.
+pub fn check_peer_access(gpus: &[LocalGpu], reach: &[Vec<Reach>]) -> Result<()> {
+    for (i, row) in reach.iter().enumerate() {
+        for (j, r) in row.iter().enumerate() {
+            if i == j || *r != Reach::No {
+                continue;
+            }
+            let (a, b) = (&gpus[i], &gpus[j]);
+            // A set-up error every rank raises alike (as two ranks on one GPU): a ValueError,
+            // not a driver failure that would wait to see whether a peer died.
+            return Err(Error::Config(format!(
+                "the GPU of {a} cannot access the memory of the GPU of {b}: the driver reports no peer access                  between them (cuDeviceCanAccessPeer; PCIe GPUs without P2P, or P2P disabled by the system, the                  driver or a VM), and rsccl's CUDA engine reads and writes the memory of the other GPUs of its host                  directly. Run the CUDA collectives of such GPUs on NCCL, which can go through host memory:                  init_process_group(backend=\"cpu:rsccl,cuda:nccl\") (or backend=\"nccl\"), or put only GPUs that                  reach each other in one rsccl group (`nvidia-smi topo -p2p r` shows which do)"
+            )));
+        }
+    }
+    Ok(())
+}
 
 /// A device engine, as far as what it can run goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -421,6 +486,43 @@ mod tests {
         let e = can_run(Nccl, CudaKind::AllReduce, DType::I64, ReduceOp::Avg, 2).unwrap_err().to_string();
         assert!(e.contains("all_reduce: rank 2 ReduceOp.AVG is not defined on dtype int64"), "{e}");
         assert!(can_run(Nccl, CudaKind::AllGather, DType::Bool, ReduceOp::BXor, 2).is_ok());
+    }
+
+    /// GPUs that cannot reach each other are refused at creation, naming both ranks and
+    /// GPUs and the way out, on every rank alike; ranks sharing a GPU and peers a rank
+    /// cannot see pass.
+    #[test]
+    fn gpus_without_peer_access_are_named() {
+        use Reach::{No, SameGpu, Unknown, Yes};
+        let gpu = |rank: usize, ordinal: i32| LocalGpu { rank, ordinal, bus: format!("0000:{:02x}:00.0", 0x14 + rank) };
+        let gpus: Vec<LocalGpu> = (0..4).map(|r| gpu(r + 4, r as i32)).collect();
+        let all = |r: Reach| vec![vec![r; 4]; 4];
+        assert!(check_peer_access(&gpus, &all(Yes)).is_ok());
+        assert!(check_peer_access(&gpus, &all(SameGpu)).is_ok(), "ranks sharing one GPU (allow_shared_gpu)");
+        assert!(check_peer_access(&gpus, &all(Unknown)).is_ok(), "GPUs a rank cannot see: the mapping will tell");
+        // A rank's answer about itself is never an obstacle.
+        let mut reach = all(Yes);
+        reach[2][2] = No;
+        assert!(check_peer_access(&gpus, &reach).is_ok());
+        // One direction is enough to refuse: the kernels read and write both ways.
+        reach[3][1] = No;
+        let e = check_peer_access(&gpus, &reach).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::Config(_)), "{e:?}");
+        assert!(
+            m.starts_with(
+                "the GPU of rank 7 (cuda:3, PCI 0000:1b:00.0) cannot access the memory of the GPU of rank 5 (cuda:1, PCI 0000:19:00.0)"
+            ),
+            "{m}"
+        );
+        assert!(m.contains("cuDeviceCanAccessPeer") && m.contains("backend=\"cpu:rsccl,cuda:nccl\""), "{m}");
+        // Every rank reports the first pair in the same order, whichever rank finds it.
+        reach[0][2] = No;
+        assert!(check_peer_access(&gpus, &reach).unwrap_err().to_string().starts_with("the GPU of rank 4 (cuda:0"));
+        for r in [SameGpu, Yes, No, Unknown] {
+            assert_eq!(Reach::from_code(r as u8), r);
+        }
+        assert_eq!(Reach::from_code(9), Unknown);
     }
 
     #[test]
