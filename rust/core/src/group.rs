@@ -10,7 +10,7 @@ use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
-use crate::collective::op::{Op, Place};
+use crate::collective::op::{Op, Place, Span};
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
@@ -296,6 +296,16 @@ impl Group {
                     .into(),
             )
         })
+    }
+
+    /// Whether the group's device engine can run a `kind` call of `dtype` with `op`
+    /// (`Engine::can_run`, as `run` asks it), naming this rank: for a front end that builds
+    /// its device calls itself (the Rust front end's plans, `run_device`).
+    pub fn device_can_run(&self, kind: crate::collective::Kind, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
+        let place = Place::Cuda { stream: 0 };
+        let (inp, out) = (Span::default(), Span::default());
+        let probe = Op { kind, place, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
+        self.device()?.engine.can_run(&probe, self.topo.rank)
     }
 
     /// Run one call on the device engine (the Rust front end's CUDA plans, checked; an op

@@ -30,7 +30,7 @@ impl ProcessGroup {
                 Ok(op_plan(Collective::AllReduce { buf: tensor::buf(&c, a.dtype), dtype: a.dtype, op }, vec![t.shallow_clone(), c], post))
             }),
             Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let a = self.cuda_arg(t, "all_reduce tensor", Some(op))?;
+                let a = self.cuda_arg(t, "all_reduce tensor", Some((Kind::AllReduce, op)))?;
                 let c = tensor::contiguous(t, "all_reduce")?;
                 let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
                 let p = tensor::ptr(&c);
@@ -209,7 +209,7 @@ impl ProcessGroup {
     fn reduce_scatter_impl(&self, output: &Tensor, input: &Tensor, op: ReduceOp, blocking: bool) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
         let pair = |cuda: bool| {
-            self.in_out("reduce_scatter", input, output, cuda, Some(op), || {
+            self.in_out("reduce_scatter", input, output, cuda, Some((Kind::ReduceScatter, op)), || {
                 if input.numel() != n * output.numel() {
                     return Err(Error::InvalidArgument(format!(
                         "reduce_scatter: rank {me} passed input of {} elements for output of {} (the input holds group size {n} outputs)",
