@@ -359,6 +359,19 @@ impl ProcessGroup {
         Ok(a)
     }
 
+    /// A CUDA reduction the group's engine cannot run at all (`Group::device_can_run`) is
+    /// refused here, by this rank alone, before its call is prepared: every rank that
+    /// passed the same dtype and op gets the same answer, as in `Group::run`, so nothing is
+    /// exchanged and the group stays usable (an error while preparing joins the call as
+    /// invalid, which aborts a group on the NCCL engine). A tensor without a dtype rsccl
+    /// knows is left to the preparation's checks.
+    fn refuse_unrunnable(&self, t: &Tensor, kind: Kind, op: ReduceOp) -> Result<()> {
+        match check(t, "the tensor", self.rank()) {
+            Ok(a) if self.inner.cuda_device.is_some() => self.inner.group.device_can_run(kind, a.dtype, op),
+            _ => Ok(()),
+        }
+    }
+
     /// A CUDA collective whose preparation failed: take part as "invalid" (Group::run), so
     /// the peers raise too; returns this rank's error.
     fn cuda_failed(&self, device: i32, e: Error) -> Error {
