@@ -43,6 +43,11 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
         x = rand(seed, ctx.rank, n, torch.bfloat16 if ctx.rank == 1 else torch.float32)
     elif case == "count":
         x = rand(seed, ctx.rank, n + (1 if ctx.rank == 1 else 0), torch.float32)
+    elif case == "unrunnable_dtype":
+        # A dtype the kernels do not reduce, on one rank: it refuses the call (TypeError)
+        # by joining it as invalid (Engine::refuse), so the others raise the mismatch
+        # instead of running their all_reduce with its next call (issue 25, place 8).
+        x = rand(seed, ctx.rank, n, torch.float64 if ctx.rank == 1 else torch.float32)
     else:
         raise AssertionError(case)
     # The kernels find the disagreement on the GPU, asynchronously: a rank raises it at
@@ -63,7 +68,7 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     return result
 
 
-@pytest.mark.parametrize("case", ["dtype", "count"])
+@pytest.mark.parametrize("case", ["dtype", "count", "unrunnable_dtype"])
 def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
     results = gpus.run(body_mismatch, seed, case, timeout=90)
     for rank, (kind, msg) in enumerate(results):
@@ -75,10 +80,10 @@ def body_unsupported(ctx, seed: int) -> dict[str, str]:
     """What rsccl does not run on CUDA tensors in a single-host group: recv from any source,
     the bitwise reductions (as NCCL has neither; every other standard collective and
     send/recv run) and reductions of a dtype its kernels do not reduce (float64). It must
-    raise at once, on the calling rank alone (a recv involves nobody else; a reduction the
-    engine cannot run is refused by each rank that asks for it before anything is
-    exchanged: Engine::can_run), and leave the group working, with no stale error at the
-    next call (_still_works)."""
+    raise at once, on the calling rank (a recv involves nobody else; a reduction the
+    engine cannot run is refused by each rank that asks for it: Engine::can_run, then
+    Engine::refuse), and leave the group working, with no stale error at the next call
+    (_still_works)."""
     g = _own_group()
     x = rand(seed, ctx.rank, 4 * ctx.world, torch.float32)
     ints = torch.randint(0, 1 << 30, (4 * ctx.world,), generator=torch.Generator().manual_seed(seed + ctx.rank)).to(ctx.device)

@@ -185,12 +185,13 @@ impl Group {
     /// its call as invalid (`Engine::join_invalid`) and returns the error. Point-to-point
     /// calls involve one peer only: they raise without joining.
     ///
-    /// So does the rule "a call the group's engine cannot run is refused by every rank
-    /// alone": before translating, the engine says whether it runs the op's kind, dtype
-    /// and reduce op at all (`Engine::can_run`, the same answer on every rank); if not,
-    /// the rank raises at once, nothing is exchanged and the group stays usable (joining
-    /// would abort an NCCL group, which cannot tell its peers, and leave rsccl's kernels a
-    /// step to agree on).
+    /// So does the rule "a call the group's engine cannot run is refused by every rank":
+    /// before translating, the engine says whether it runs the op's kind, dtype and reduce
+    /// op at all (`Engine::can_run`, the same answer on every rank); if not, the rank
+    /// raises through `Engine::refuse` and the group stays usable. NCCL refuses alone,
+    /// with nothing exchanged (joining would abort the group: NCCL cannot tell its peers);
+    /// rsccl's kernels join as invalid, which their agreement step makes harmless when
+    /// every rank refuses and safe when one rank's dtype differs.
     pub fn run(&self, mut op: Op) -> Result<Ran> {
         match op.place {
             Place::Host => {
@@ -298,6 +299,28 @@ impl Group {
         })
     }
 
+    /// Refuse a `kind` call of `dtype` with `op` on `stream` that the group's device
+    /// engine cannot run, as `run` does (`Engine::can_run`, then `Engine::refuse`): for a
+    /// front end that builds its device calls itself (the Rust front end's plans,
+    /// `run_device`). Ok if the engine runs it.
+    pub fn refuse_on_device(
+        &self,
+        kind: crate::collective::Kind,
+        dtype: crate::dtype::DType,
+        op: crate::dtype::ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        let engine = self.device()?.engine;
+        let (inp, out) = (Span::default(), Span::default());
+        let probe =
+            Op { kind, place: Place::Cuda { stream }, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
+        let Err(e) = engine.can_run(&probe, self.topo.rank) else { return Ok(()) };
+        match engine.refuse(&probe, e.clone(), self.timeout) {
+            Err(told) => Err(told),
+            Ok(_) => Err(e),
+        }
+    }
+
     /// Whether the group's device engine can run a `kind` call of `dtype` with `op`
     /// (`Engine::can_run`, as `run` asks it), naming this rank: for a front end that builds
     /// its device calls itself (the Rust front end's plans, `run_device`).
@@ -363,8 +386,10 @@ fn run_on<E: Engine + ?Sized>(
     let call = match invalid {
         Some(e) => Err(e),
         None => {
-            // A fact of the engine, alike on every rank: each refuses alone (see `run`).
-            engine.can_run(&op, rank)?;
+            // A fact of the engine, alike on every rank: each refuses (see `run`).
+            if let Err(e) = engine.can_run(&op, rank) {
+                return engine.refuse(&op, e, timeout);
+            }
             translate(&mut op)
         }
     };
@@ -381,9 +406,10 @@ mod tests {
     use crate::bootstrap::RankInfo;
     use crate::collective::Kind;
 
-    /// An engine that records what reached it.
+    /// An engine that records what reached it; `.1`: it refuses what it cannot run by
+    /// joining as invalid (as rsccl's kernels), else alone (as NCCL).
     #[derive(Default)]
-    struct Recorder(parking_lot::Mutex<Vec<String>>);
+    struct Recorder(parking_lot::Mutex<Vec<String>>, bool);
 
     impl Engine for Recorder {
         type Call = u32;
@@ -404,6 +430,12 @@ mod tests {
                 return Err(Error::InvalidType(format!("all_reduce: rank {rank} passed float64; this engine reduces float32")));
             }
             Ok(())
+        }
+        fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+            if self.1 {
+                return self.join_invalid(op, error, timeout);
+            }
+            Err(error)
         }
         fn add_stats(&self, _: &mut GroupStats) {}
         fn shutdown(&self) {}
@@ -448,10 +480,12 @@ mod tests {
         assert!(r.err().unwrap().to_string().contains("float64 is not reduced on CUDA"));
     }
 
-    /// A call the engine cannot run is refused by the rank alone, before anything reaches
-    /// the engine (no run, no join: its peers, which got the same answer, do the same, and
-    /// the group stays usable); the error names the rank. A rank whose arguments were bad
-    /// still joins (its dtype is not known then), and a call the engine runs runs.
+    /// A call the engine cannot run is refused before it is translated or run, the way the
+    /// engine refuses (`Engine::refuse`): alone, with nothing reaching the engine (NCCL: its
+    /// peers, which got the same answer, do the same, and the group stays usable), or by
+    /// joining as invalid (rsccl's kernels); the error names the rank. A rank whose
+    /// arguments were bad still joins (its dtype is not known then), and a call the engine
+    /// runs runs.
     #[test]
     fn a_call_the_engine_cannot_run_is_refused_before_anything_is_exchanged() {
         use crate::dtype::DType;
@@ -472,6 +506,19 @@ mod tests {
         assert_eq!(
             *e.0.lock(),
             vec!["refused float64".to_string(), "run 7".into(), "invalid all_reduce: rank 3: input and output differ".into()]
+        );
+        // An engine that tells its peers by joining: the refusal joins, with the same error.
+        let joins = Arc::new(Recorder(Default::default(), true));
+        let mut f64_op = op(Kind::ReduceScatter, None);
+        f64_op.dtype = DType::F64;
+        let r = run_on(Ok(joins.clone()), f64_op, 3, t, ok);
+        assert!(r.err().unwrap().to_string().starts_with("all_reduce: rank 3 passed float64"));
+        assert_eq!(
+            *joins.0.lock(),
+            vec![
+                "refused float64".to_string(),
+                "invalid reduce_scatter: all_reduce: rank 3 passed float64; this engine reduces float32".into()
+            ]
         );
     }
 

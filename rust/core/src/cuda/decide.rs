@@ -102,14 +102,15 @@ pub const NCCL_REDUCE_DTYPES: [DType; 8] = [DType::F32, DType::F64, DType::F16, 
 pub const NCCL_REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 
 /// Whether `engine` can run a `kind` call on `dtype` with `op`, or the `InvalidType` error
-/// that says what it takes (naming `rank`, the caller). Kinds that move bytes run on any dtype; reductions need the
-/// engine's kernels (rsccl: its table, `kernels::check_reduces`; NCCL: its types and ops),
-/// and an op defined on the dtype (`ReduceOp::check`: AVG on integers would truncate).
+/// that says what it takes (naming `rank`, the caller). Kinds that move bytes run on any
+/// dtype; reductions need the engine's kernels (rsccl: its table, `kernels::check_reduces`;
+/// NCCL: its types and ops), and an op defined on the dtype (`ReduceOp::check`: AVG on
+/// integers would truncate).
 ///
 /// A fact of the engine, not of the rank: every rank of a group that passed the same dtype
 /// and op (as torch requires) gets the same answer. So `Group::run` asks before anything
 /// is exchanged, and a call that the group's engine cannot run is refused by every rank
-/// alone, leaving the group usable (nothing launched, no peer waiting, no stale error).
+/// (`Engine::refuse`), leaving the group usable with no stale error.
 pub fn can_run(engine: DeviceEngine, kind: CudaKind, dtype: DType, op: ReduceOp, rank: usize) -> Result<()> {
     if !kind.has_op() {
         return Ok(());

@@ -30,7 +30,7 @@ impl ProcessGroup {
                 Ok(op_plan(Collective::AllReduce { buf: tensor::buf(&c, a.dtype), dtype: a.dtype, op }, vec![t.shallow_clone(), c], post))
             }),
             Place::Cuda(d) => {
-                self.refuse_unrunnable(t, Kind::AllReduce, op)?;
+                self.refuse_unrunnable(t, Kind::AllReduce, op, d)?;
                 self.cuda_coll(d, blocking, || {
                     let a = self.cuda_arg(t, "all_reduce tensor", Some((Kind::AllReduce, op)))?;
                     let c = tensor::contiguous(t, "all_reduce")?;
@@ -234,7 +234,7 @@ impl ProcessGroup {
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
             }),
             Place::Cuda(d) => {
-                self.refuse_unrunnable(input, Kind::ReduceScatter, op)?;
+                self.refuse_unrunnable(input, Kind::ReduceScatter, op, d)?;
                 self.cuda_coll(d, blocking, || {
                     let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
                     let l = Self::cuda_call(CudaKind::ReduceScatter, a.dtype, op, 0, tensor::ptr(&i), tensor::ptr(&o), o.numel() as u64);

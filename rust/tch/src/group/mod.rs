@@ -359,15 +359,18 @@ impl ProcessGroup {
         Ok(a)
     }
 
-    /// A CUDA reduction the group's engine cannot run at all (`Group::device_can_run`) is
-    /// refused here, by this rank alone, before its call is prepared: every rank that
-    /// passed the same dtype and op gets the same answer, as in `Group::run`, so nothing is
-    /// exchanged and the group stays usable (an error while preparing joins the call as
+    /// A CUDA reduction the group's engine cannot run at all is refused here, before its
+    /// call is prepared, the way the engine refuses (`Group::refuse_on_device`, as
+    /// `Group::run` does): every rank that passed the same dtype and op gets the same
+    /// answer, and the group stays usable (an error while preparing joins the call as
     /// invalid, which aborts a group on the NCCL engine). A tensor without a dtype rsccl
     /// knows is left to the preparation's checks.
-    fn refuse_unrunnable(&self, t: &Tensor, kind: Kind, op: ReduceOp) -> Result<()> {
+    fn refuse_unrunnable(&self, t: &Tensor, kind: Kind, op: ReduceOp, device: i32) -> Result<()> {
         match check(t, "the tensor", self.rank()) {
-            Ok(a) if self.inner.cuda_device.is_some() => self.inner.group.device_can_run(kind, a.dtype, op),
+            Ok(a) if self.inner.cuda_device.is_some() => {
+                let stream = crate::cuda::current_stream(device)?;
+                self.inner.group.refuse_on_device(kind, a.dtype, op, stream)
+            }
             _ => Ok(()),
         }
     }

@@ -41,6 +41,16 @@ impl Engine for CudaEngine {
         can_run(DeviceEngine::Rsccl, op.kind, op.dtype, op.op, rank)
     }
 
+    /// Joins as invalid (below), on every rank that got the same answer: their invalid
+    /// calls' descriptors agree, so the kernels pass the first barrier with nothing to
+    /// report and the counters stay in step (NOTE [Agreement] in csrc_kernels/protocol.cuh);
+    /// a peer that passed a dtype the kernels reduce sees the mismatch and raises it,
+    /// where refusing alone would leave its kernel waiting for this rank's next call and
+    /// pair the two.
+    fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+        self.join_invalid(op, error, timeout)
+    }
+
     /// Launches the invalid kernel (`CudaKind::Invalid`): it takes part in the first barrier
     /// only, where every peer sees its descriptor mismatch theirs and raises. This rank
     /// raises `error`, its own (a failure to tell the peers is logged).
