@@ -27,7 +27,7 @@ KDIR = os.path.join(ROOT, "csrc_kernels")
 
 
 def options(arch: str) -> list[str]:
-    # kernels.rs's NVRTC options, less -lineinfo (line numbers differ between the files).
+    # nvrtc.rs's default NVRTC options (no -lineinfo: line numbers differ between the files).
     return [f"--gpu-architecture={arch}", "-default-device", "--std=c++17"]
 
 

@@ -16,9 +16,20 @@ def test_kernels_compile_for_hopper():
     _cuda.load_nvrtc()
     sizes = dict(rsccl._rsccl.compile_kernels("sm_90"))
     # Every module of csrc_kernels/ (NVRTC, the fallback and developer path), each a real
-    # image: the smallest (rs_barrier alone) is several KB with line info.
+    # image: the smallest (rs_barrier alone) is several KB.
     assert set(sizes) == {"all_reduce", "reduce_scatter", "rooted", "all_gather", "all_to_all", "send_recv", "barrier"}
     assert min(sizes.values()) > 4_000 and sizes["all_reduce"] > 1_000_000, sizes
+
+
+def test_kernel_lineinfo_setting_rejects_bad_values(monkeypatch):
+    """RSCCL_KERNEL_LINEINFO (NVRTC's -lineinfo, opt-in) takes 0 or 1; anything else is a
+    ValueError naming it, before anything is compiled."""
+    for bad in ("yes", "2"):
+        monkeypatch.setenv("RSCCL_KERNEL_LINEINFO", bad)
+        with pytest.raises(ValueError, match=f"RSCCL_KERNEL_LINEINFO=.{bad}. is not 0 or 1"):
+            rsccl._rsccl.compile_kernels("sm_90")
+        with pytest.raises(ValueError, match="RSCCL_KERNEL_LINEINFO"):
+            rsccl._rsccl.cache_kernels("sm_90")
 
 
 def test_kernel_compile_errors_are_exceptions():
@@ -85,6 +96,35 @@ def test_nccl_loads_from_torchs_package():
     assert version == major * 10000 + minor * 100 + patch, (version, torch.cuda.nccl.version())
     assert len(uid) == 128 and any(uid), uid
     assert rsccl._rsccl.nccl_probe(path)[1] != uid, "two unique ids must differ"
+
+
+def test_an_nccl_unique_id_holds_a_socket_until_its_members_join():
+    """Why the NCCL engine makes a communicator's id only once every member has arrived
+    (nccl_engine/create.rs, share_id): ncclGetUniqueId starts NCCL's bootstrap root, a
+    thread listening on a socket until every member connects, with no call to stop it. An
+    id made for a communicator a dead rank never joins kept that socket in rank 0 (issue
+    25, place 7). A fresh interpreter, so that no other socket comes or goes meanwhile."""
+    code = (
+        "import os, time, rsccl\n"
+        "from rsccl import _cuda\n"
+        "def kind(f):\n"
+        "    try:\n"
+        "        return os.readlink(f'/proc/self/fd/{f}')\n"
+        "    except OSError:\n"
+        "        return ''  # the listing's own descriptor, closed by now\n"
+        "def socks():\n"
+        "    return sum(kind(f).startswith('socket:') for f in os.listdir('/proc/self/fd'))\n"
+        "path = _cuda.nccl_library_path()\n"
+        "rsccl._rsccl.nccl_probe(path)\n"
+        "before = socks()\n"
+        "rsccl._rsccl.nccl_probe(path)\n"
+        "time.sleep(0.5)\n"
+        "print('sockets', before, socks())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    before, after = (int(v) for v in r.stdout.split("sockets")[1].split())
+    assert after == before + 1, f"a unique id nobody joined holds {after - before} sockets, not 1: {r.stdout}"
 
 
 def test_nccl_bad_path_is_an_exception():

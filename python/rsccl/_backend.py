@@ -286,8 +286,9 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
 
     def _cuda_check(self, t: torch.Tensor, what: str) -> None:
         """The group has a CUDA engine and `t` is on its GPU. What the op asks of the engine
-        (a dtype and op the kernels reduce, a root in the group, sizes that fit) is checked
-        once, by the core (`Op::to_cuda`), which joins the call as invalid."""
+        is checked once, by the core: a dtype and op the engine reduces by the engine itself
+        (`Engine::can_run`; refused by every rank alone, the group stays usable), a root in
+        the group and sizes that fit by `Op::to_cuda` (which joins the call as invalid)."""
         if self._cuda_device is None:
             self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
             raise ArgumentError(

@@ -15,6 +15,7 @@ from gpu_harness import (
     die_or_repeat,
     gpu_cluster,
     needs_gpus,
+    needs_own_gpus,
 )
 from gpu_refs import check_reduction, gather_inputs, rand
 from harness import ClusterError
@@ -42,6 +43,11 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
         x = rand(seed, ctx.rank, n, torch.bfloat16 if ctx.rank == 1 else torch.float32)
     elif case == "count":
         x = rand(seed, ctx.rank, n + (1 if ctx.rank == 1 else 0), torch.float32)
+    elif case == "unrunnable_dtype":
+        # A dtype the kernels do not reduce, on one rank: it refuses the call (TypeError)
+        # by joining it as invalid (Engine::refuse), so the others raise the mismatch
+        # instead of running their all_reduce with its next call (issue 25, place 8).
+        x = rand(seed, ctx.rank, n, torch.float64 if ctx.rank == 1 else torch.float32)
     else:
         raise AssertionError(case)
     # The kernels find the disagreement on the GPU, asynchronously: a rank raises it at
@@ -62,7 +68,7 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     return result
 
 
-@pytest.mark.parametrize("case", ["dtype", "count"])
+@pytest.mark.parametrize("case", ["dtype", "count", "unrunnable_dtype"])
 def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
     results = gpus.run(body_mismatch, seed, case, timeout=90)
     for rank, (kind, msg) in enumerate(results):
@@ -71,17 +77,23 @@ def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
 
 
 def body_unsupported(ctx, seed: int) -> dict[str, str]:
-    """What rsccl does not run on CUDA tensors in a single-host group: recv from any source
-    and the bitwise reductions (as NCCL has neither; every other standard collective and
-    send/recv run). It must raise at once, on the calling rank alone (a recv involves nobody
-    else; a bitwise all_reduce is refused by each rank that asks for it), and leave the
-    group working."""
+    """What rsccl does not run on CUDA tensors in a single-host group: recv from any source,
+    the bitwise reductions (as NCCL has neither; every other standard collective and
+    send/recv run) and reductions of a dtype its kernels do not reduce (float64). It must
+    raise at once, on the calling rank (a recv involves nobody else; a reduction the
+    engine cannot run is refused by each rank that asks for it: Engine::can_run, then
+    Engine::refuse), and leave the group working, with no stale error at the next call
+    (_still_works)."""
     g = _own_group()
     x = rand(seed, ctx.rank, 4 * ctx.world, torch.float32)
     ints = torch.randint(0, 1 << 30, (4 * ctx.world,), generator=torch.Generator().manual_seed(seed + ctx.rank)).to(ctx.device)
     calls = {
         "recv_anysource": lambda: dist.recv(torch.empty_like(x), group=g),
         "all_reduce_band_int64": lambda: dist.all_reduce(ints, op=dist.ReduceOp.BAND, group=g),
+        "all_reduce_float64": lambda: dist.all_reduce(x.double(), group=g),
+        "reduce_scatter_float64": lambda: dist.reduce_scatter_tensor(
+            torch.empty(4, dtype=torch.float64, device=ctx.device), x.double(), group=g
+        ),
     }
     results = {}
     for name, call in calls.items():
@@ -101,7 +113,12 @@ def test_unsupported_cuda_calls_raise(gpus, seed):
     for rank, per_call in enumerate(results):
         for name, outcome in per_call.items():
             assert outcome != "no error", f"rank {rank}: {name} on CUDA tensors returned; rsccl must raise"
-            says = {"recv_anysource": "src", "all_reduce_band_int64": f"all_reduce: rank {rank} passed ReduceOp.BAND on int64"}[name]
+            says = {
+                "recv_anysource": "src",
+                "all_reduce_band_int64": f"all_reduce: rank {rank} passed ReduceOp.BAND on int64",
+                "all_reduce_float64": f"all_reduce: rank {rank} passed float64; rsccl's CUDA reductions take",
+                "reduce_scatter_float64": f"reduce_scatter: rank {rank} passed float64; rsccl's CUDA reductions take",
+            }[name]
             assert outcome.startswith("TypeError") and says in outcome, f"rank {rank}: {name}'s error does not say {says!r}: {outcome}"
 
 
@@ -130,6 +147,38 @@ def test_two_ranks_on_one_gpu_are_refused_without_allow_shared_gpu():
     for rank in (0, 1):
         assert f"--- rank {rank}: ValueError" in msg, f"rank {rank} did not raise ValueError at creation:\n{msg}"
     assert "group ranks 0 and 1 both use the GPU" in msg and "RSCCL_ALLOW_SHARED_GPU" in msg, msg
+
+
+def test_gpus_without_peer_access_are_refused_at_creation_naming_both():
+    """GPUs that cannot reach each other (PCIe without P2P; here rank 1 pretends its driver
+    said so, RSCCL_TEST_NO_PEER_ACCESS, since these machines all have P2P) fail creation
+    before anything is mapped, on every rank, with an error naming both ranks and GPUs and
+    the way out (NCCL), not a bare cuMemSetAccess error; nothing hangs (issue 25, place 6)."""
+    needs_own_gpus(2)
+    with pytest.raises(ClusterError) as e:
+        gpu_cluster(2, nccl_ref=False, env={"RSCCL_TEST_NO_PEER_ACCESS": "1"}, start_timeout=120).close()
+    msg = str(e.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank}: ValueError" in msg, f"rank {rank} did not raise ValueError at creation:\n{msg}"
+    assert "the GPU of rank 1 (cuda:1, PCI " in msg and "cannot access the memory of the GPU of rank 0 (cuda:0, PCI " in msg, msg
+    assert 'backend="cpu:rsccl,cuda:nccl"' in msg and "cuMemSetAccess" not in msg, msg
+
+
+def body_sum_of_ranks(ctx) -> float:
+    x = torch.full((1000,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(x)
+    return x[0].item()
+
+
+def test_ranks_sharing_a_gpu_need_no_peer_access():
+    """Ranks on one GPU (allow_shared_gpu) are not asked about peer access: the same hook
+    that fails the test above changes nothing here, and the group works."""
+    env = {"CUDA_VISIBLE_DEVICES": "0", "RSCCL_ALLOW_SHARED_GPU": "1", "RSCCL_TEST_NO_PEER_ACCESS": "1"}
+    c = gpu_cluster(2, nccl_ref=False, env=env, start_timeout=120)
+    try:
+        assert c.run(body_sum_of_ranks) == [3.0, 3.0]
+    finally:
+        c.close()
 
 
 def test_killed_rank_fails_the_survivors_and_frees_their_gpus(seed):

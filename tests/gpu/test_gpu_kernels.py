@@ -88,4 +88,25 @@ def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
     finally:
         c.close(timeout=60)
     assert sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin"))) == cubins, "the second cluster compiled again"
-    print(f"\nNVRTC fallback, {world} ranks on {arch}: cluster start {cold:.1f} s with an empty cache, {warm:.1f} s from the cache")
+
+    # A cached cubin the driver refuses (truncated: non-empty, so the cache's read takes it)
+    # is deleted and compiled again, once, and the group works (issue 25, place 9; before,
+    # every later group failed on it). The fresh file is a whole cubin again.
+    victim = next(p for p in cubins if os.path.basename(p).split("-")[2] == "all_gather")
+    with open(victim, "rb") as f:
+        good = f.read()
+    with open(victim, "wb") as f:
+        f.write(good[:4096])
+    c, repaired = _nvrtc_cluster(world, cache)
+    try:
+        c.run(body_collectives, seed + 2, timeout=300)
+    finally:
+        c.close(timeout=60)
+    assert sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin"))) == cubins, "the repaired cache has other files"
+    with open(victim, "rb") as f:
+        fresh = f.read()
+    assert len(fresh) == len(good), f"the damaged {victim} was not replaced by a full cubin: {len(fresh)} bytes, first {len(good)}"
+    print(
+        f"\nNVRTC fallback, {world} ranks on {arch}: cluster start {cold:.1f} s with an empty cache, {warm:.1f} s from the cache, "
+        f"{repaired:.1f} s with a damaged cubin"
+    )

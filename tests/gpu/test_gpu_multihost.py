@@ -41,7 +41,9 @@ from gpu_refs import (
     RED,
     assert_equal,
     assert_same_on_all_ranks,
+    check_reduction,
     check_vs_nccl,
+    gather_inputs,
     ops_for,
     rand,
     rand_any,
@@ -288,6 +290,79 @@ def body_other_collectives(ctx, seed: int, config: str) -> None:
 @pytest.mark.parametrize("config", ["flat", "hierarchical"])
 def test_other_collectives_match_nccl(gpus, seed, config):
     _cluster(gpus).run(body_other_collectives, seed, config, timeout=900)
+
+
+# Dtypes NCCL reduces and rsccl's kernels do not: across hosts they run on NCCL (flat).
+NCCL_ONLY_DTYPES = [torch.float64, torch.int8, torch.uint8]
+
+
+def _check_sum_or_max(ours: torch.Tensor, xs: torch.Tensor, op: str, what: str) -> None:
+    """`ours` is the `op` (SUM or MAX) of the rows of `xs`: float64 within a few ulps of the
+    sum in rank order (NCCL's order may differ), integers exact (wrapping, as NCCL's do)."""
+    if ours.dtype == torch.float64 and op == "SUM":
+        want = xs.sum(0)
+        torch.testing.assert_close(ours, want, rtol=xs.shape[0] * 2.0**-52, atol=xs.shape[0] * 8 * 2.0**-52, msg=lambda m: f"{what}: {m}")
+    else:
+        check_reduction(ours, xs, op, what)
+
+
+def body_reductions_only_nccl_runs(ctx, seed: int, config: str) -> dict:
+    """float64, int8 and uint8 all_reduce, reduce_scatter and reduce (SUM, MAX) on the NCCL
+    engine: NCCL's result, on every rank, and the group stays usable (int64, int32 and
+    float32 all_reduces after them right too). Before: rsccl's kernel table refused them
+    with a TypeError and aborted the group, so every later call raised GroupAbortedError.
+    Then a reduction NCCL does not run either (bool) raises TypeError on every rank, before
+    anything is exchanged, and the group goes on working."""
+    g = emulated_group(ctx, config)
+    f = Failures(ctx.rank)
+    W, me = ctx.world, ctx.rank
+    for dtype in NCCL_ONLY_DTYPES:
+        # 262144 elements: 16-byte-aligned shards, so with rsccl's kernels for the dtype the
+        # "hierarchical" config would take the hierarchical path; it must run flat.
+        for n in [7, 262_144]:
+            for op in ("SUM", "MAX"):
+                what = f"{dtype} {op} n={n} world={W} config={config}"
+                x = rand(seed, me, n, dtype, op, salt=what)
+                xs = gather_inputs(ctx, x)
+                ours = x.clone()
+                f.check("all_reduce " + what, dist.all_reduce, ours, RED[op], g)
+                f.check("all_reduce " + what, _check_sum_or_max, ours, xs, op, "all_reduce " + what)
+                big = rand(seed, me, W * n, dtype, op, salt="rs " + what)
+                bigs = gather_inputs(ctx, big)
+                ours = torch.empty(n, dtype=dtype, device=ctx.device)
+                f.check("reduce_scatter " + what, dist.reduce_scatter_tensor, ours, big, RED[op], g)
+                mine = bigs[:, me * n : (me + 1) * n]
+                f.check("reduce_scatter " + what, _check_sum_or_max, ours, mine, op, "reduce_scatter " + what)
+                ours = x.clone()
+                f.check("reduce " + what, dist.reduce, ours, W - 1, RED[op], g)
+                if me == W - 1:
+                    f.check("reduce " + what, _check_sum_or_max, ours, xs, op, "reduce " + what)
+    refused = "no error"
+    try:
+        dist.all_reduce(torch.ones(8, dtype=torch.bool, device=ctx.device), group=g)
+    except TypeError as e:
+        refused = f"TypeError: {e}"
+    except Exception as e:  # noqa: BLE001 - reported: only a TypeError is right
+        refused = f"{type(e).__name__}: {e}"
+    for dtype in (torch.int64, torch.int32, torch.float32):
+        what = f"{dtype} SUM after the others world={W} config={config}"
+        x = rand(seed, me, 100_003, dtype, salt=what)
+        xs = gather_inputs(ctx, x)
+        ours = x.clone()
+        f.check("all_reduce " + what, dist.all_reduce, ours, dist.ReduceOp.SUM, g)
+        f.check("all_reduce " + what, check_reduction, ours, xs, "SUM", "all_reduce " + what)
+    torch.cuda.synchronize()
+    f.raise_any()
+    return {"bool": refused}
+
+
+@pytest.mark.parametrize("config", ["flat", "hierarchical"])
+def test_reductions_only_nccl_runs_use_nccl_and_leave_the_group_usable(gpus, seed, config):
+    """Issue 25, place 8: each engine answers for what it can run (cuda::decide::can_run)."""
+    res = _cluster(gpus).run(body_reductions_only_nccl_runs, seed, config, timeout=600)
+    for rank, r in enumerate(res):
+        assert r["bool"].startswith("TypeError: ") and "passed bool; NCCL" in r["bool"], f"rank {rank}: {r}"
+        assert f"rank {rank}" in r["bool"], f"rank {rank}'s error does not name it: {r}"
 
 
 def _start_async(works: list, t: torch.Tensor, g) -> None:

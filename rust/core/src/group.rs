@@ -10,7 +10,7 @@ use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
-use crate::collective::op::{Op, Place};
+use crate::collective::op::{Op, Place, Span};
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
@@ -184,18 +184,26 @@ impl Group {
     /// (found by the front end) or whose arguments fail to translate for its engine joins
     /// its call as invalid (`Engine::join_invalid`) and returns the error. Point-to-point
     /// calls involve one peer only: they raise without joining.
+    ///
+    /// So does the rule "a call the group's engine cannot run is refused by every rank":
+    /// before translating, the engine says whether it runs the op's kind, dtype and reduce
+    /// op at all (`Engine::can_run`, the same answer on every rank); if not, the rank
+    /// raises through `Engine::refuse` and the group stays usable. NCCL refuses alone,
+    /// with nothing exchanged (joining would abort the group: NCCL cannot tell its peers);
+    /// rsccl's kernels join as invalid, which their agreement step makes harmless when
+    /// every rank refuses and safe when one rank's dtype differs.
     pub fn run(&self, mut op: Op) -> Result<Ran> {
         match op.place {
             Place::Host => {
                 let (rank, n) = (self.topo.rank, self.topo.size);
-                run_on(self.host_engine(), op, self.timeout, |op| op.to_host(rank, n))
+                run_on(self.host_engine(), op, rank, self.timeout, |op| op.to_host(rank, n))
             }
             Place::Cuda { stream } => {
                 // On CUDA a bad rank raises its own error (its peers raise the disagreement,
                 // which names it): it names the rank too, as the host engine's agreed errors do.
                 let (rank, n) = (self.topo.rank, self.topo.size);
                 op.invalid = op.invalid.map(|e| e.naming_rank(rank));
-                run_on(self.device().map(|d| d.engine), op, self.timeout, |op| {
+                run_on(self.device().map(|d| d.engine), op, rank, self.timeout, |op| {
                     op.to_device(rank, n, stream).map_err(|e| e.naming_rank(rank))
                 })
             }
@@ -291,6 +299,38 @@ impl Group {
         })
     }
 
+    /// Refuse a `kind` call of `dtype` with `op` on `stream` that the group's device
+    /// engine cannot run, as `run` does (`Engine::can_run`, then `Engine::refuse`): for a
+    /// front end that builds its device calls itself (the Rust front end's plans,
+    /// `run_device`). Ok if the engine runs it.
+    pub fn refuse_on_device(
+        &self,
+        kind: crate::collective::Kind,
+        dtype: crate::dtype::DType,
+        op: crate::dtype::ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        let engine = self.device()?.engine;
+        let (inp, out) = (Span::default(), Span::default());
+        let probe =
+            Op { kind, place: Place::Cuda { stream }, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
+        let Err(e) = engine.can_run(&probe, self.topo.rank) else { return Ok(()) };
+        match engine.refuse(&probe, e.clone(), self.timeout) {
+            Err(told) => Err(told),
+            Ok(_) => Err(e),
+        }
+    }
+
+    /// Whether the group's device engine can run a `kind` call of `dtype` with `op`
+    /// (`Engine::can_run`, as `run` asks it), naming this rank: for a front end that builds
+    /// its device calls itself (the Rust front end's plans, `run_device`).
+    pub fn device_can_run(&self, kind: crate::collective::Kind, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
+        let place = Place::Cuda { stream: 0 };
+        let (inp, out) = (Span::default(), Span::default());
+        let probe = Op { kind, place, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
+        self.device()?.engine.can_run(&probe, self.topo.rank)
+    }
+
     /// Run one call on the device engine (the Rust front end's CUDA plans, checked; an op
     /// that failed its checks goes through `run` as `Op::invalid`).
     pub fn run_device(&self, call: DeviceCall) -> Result<Ran> {
@@ -328,10 +368,12 @@ impl Group {
     }
 }
 
-/// `Group::run` on one engine: run `op` translated for it, or join its call as invalid.
+/// `Group::run` on one engine (of this `rank`): refuse `op` if the engine cannot run it,
+/// else run it translated for the engine, or join its call as invalid.
 fn run_on<E: Engine + ?Sized>(
     engine: Result<Arc<E>>,
     mut op: Op,
+    rank: usize,
     timeout: Duration,
     translate: impl FnOnce(&mut Op) -> Result<E::Call>,
 ) -> Result<Ran> {
@@ -343,7 +385,13 @@ fn run_on<E: Engine + ?Sized>(
     };
     let call = match invalid {
         Some(e) => Err(e),
-        None => translate(&mut op),
+        None => {
+            // A fact of the engine, alike on every rank: each refuses (see `run`).
+            if let Err(e) = engine.can_run(&op, rank) {
+                return engine.refuse(&op, e, timeout);
+            }
+            translate(&mut op)
+        }
     };
     match call {
         Ok(c) => engine.run(c, timeout),
@@ -358,9 +406,10 @@ mod tests {
     use crate::bootstrap::RankInfo;
     use crate::collective::Kind;
 
-    /// An engine that records what reached it.
+    /// An engine that records what reached it; `.1`: it refuses what it cannot run by
+    /// joining as invalid (as rsccl's kernels), else alone (as NCCL).
     #[derive(Default)]
-    struct Recorder(parking_lot::Mutex<Vec<String>>);
+    struct Recorder(parking_lot::Mutex<Vec<String>>, bool);
 
     impl Engine for Recorder {
         type Call = u32;
@@ -373,6 +422,19 @@ mod tests {
         }
         fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _: Duration) -> Result<Ran> {
             self.0.lock().push(format!("invalid {}: {error}", op.kind.name()));
+            Err(error)
+        }
+        fn can_run(&self, op: &Op, rank: usize) -> Result<()> {
+            if op.dtype == crate::dtype::DType::F64 {
+                self.0.lock().push(format!("refused {}", op.dtype.name()));
+                return Err(Error::InvalidType(format!("all_reduce: rank {rank} passed float64; this engine reduces float32")));
+            }
+            Ok(())
+        }
+        fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+            if self.1 {
+                return self.join_invalid(op, error, timeout);
+            }
             Err(error)
         }
         fn add_stats(&self, _: &mut GroupStats) {}
@@ -394,15 +456,15 @@ mod tests {
         let t = Duration::from_secs(1);
         let e = Arc::new(Recorder::default());
         let ok = |_: &mut Op| Ok(7u32);
-        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), t, ok).is_ok());
+        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), 0, t, ok).is_ok());
         let bad = |_: &mut Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
-        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), t, bad);
+        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), 0, t, bad);
         assert!(r.err().unwrap().to_string().contains("root 9 out of range"));
-        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), t, ok);
+        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("rank 1 passed 3 outputs"));
-        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), t, ok);
+        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("tag -1"));
-        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), t, bad);
+        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), 0, t, bad);
         assert!(r.is_err());
         assert_eq!(
             *e.0.lock(),
@@ -414,8 +476,50 @@ mod tests {
         );
         // No engine of that place: the rank's own error says more than "no CUDA engine".
         let none: Result<Arc<Recorder>> = Err(Error::InvalidArgument("this group has no CUDA engine".into()));
-        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), t, ok);
+        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), 0, t, ok);
         assert!(r.err().unwrap().to_string().contains("float64 is not reduced on CUDA"));
+    }
+
+    /// A call the engine cannot run is refused before it is translated or run, the way the
+    /// engine refuses (`Engine::refuse`): alone, with nothing reaching the engine (NCCL: its
+    /// peers, which got the same answer, do the same, and the group stays usable), or by
+    /// joining as invalid (rsccl's kernels); the error names the rank. A rank whose
+    /// arguments were bad still joins (its dtype is not known then), and a call the engine
+    /// runs runs.
+    #[test]
+    fn a_call_the_engine_cannot_run_is_refused_before_anything_is_exchanged() {
+        use crate::dtype::DType;
+        let t = Duration::from_secs(1);
+        let e = Arc::new(Recorder::default());
+        let ok = |_: &mut Op| Ok(7u32);
+        let mut f64_op = op(Kind::AllReduce, None);
+        f64_op.dtype = DType::F64;
+        let r = run_on(Ok(e.clone()), f64_op, 3, t, ok);
+        let err = r.err().unwrap();
+        assert!(matches!(&err, Error::InvalidType(m) if m == "all_reduce: rank 3 passed float64; this engine reduces float32"), "{err}");
+        let mut f32_op = op(Kind::AllReduce, None);
+        f32_op.dtype = DType::F32;
+        assert!(run_on(Ok(e.clone()), f32_op, 3, t, ok).is_ok());
+        let mut bad = op(Kind::AllReduce, Some("rank 3: input and output differ"));
+        bad.dtype = DType::F64;
+        assert!(run_on(Ok(e.clone()), bad, 3, t, ok).is_err());
+        assert_eq!(
+            *e.0.lock(),
+            vec!["refused float64".to_string(), "run 7".into(), "invalid all_reduce: rank 3: input and output differ".into()]
+        );
+        // An engine that tells its peers by joining: the refusal joins, with the same error.
+        let joins = Arc::new(Recorder(Default::default(), true));
+        let mut f64_op = op(Kind::ReduceScatter, None);
+        f64_op.dtype = DType::F64;
+        let r = run_on(Ok(joins.clone()), f64_op, 3, t, ok);
+        assert!(r.err().unwrap().to_string().starts_with("all_reduce: rank 3 passed float64"));
+        assert_eq!(
+            *joins.0.lock(),
+            vec![
+                "refused float64".to_string(),
+                "invalid reduce_scatter: all_reduce: rank 3 passed float64; this engine reduces float32".into()
+            ]
+        );
     }
 
     #[test]

@@ -9,10 +9,136 @@
 //! kernel (`kernel`), NCCL's call (`nccl_call`) and its words in mismatch messages
 //! (`call_in_words`). These are the CUDA side's only
 //! matches on the kind, each exhaustive: a new kind makes the compiler point here.
+//!
+//! What each device engine can run at all (`can_run`: the dtypes and ops it reduces) lives
+//! here too, once for both engines; and whether the GPUs of a host can reach each other
+//! (`check_peer_access`).
 
 use super::call::{CudaCall, CudaKind};
-use super::kernels::{Family, STAGE_OFF};
+use super::kernels::{self, Family, STAGE_OFF};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+
+/// What one rank's driver says of its GPU and a local peer's: whether its GPU can map and
+/// access the peer's memory (cuDeviceCanAccessPeer). One byte each in the creation's
+/// exchange (`CudaEngine::create`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Reach {
+    /// The two ranks share one GPU (allow_shared_gpu): nothing to ask.
+    SameGpu = 0,
+    Yes = 1,
+    No = 2,
+    /// The peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs between
+    /// the ranks), so its driver cannot be asked; the mapping itself will tell.
+    Unknown = 3,
+}
+
+impl Reach {
+    pub fn from_code(c: u8) -> Reach {
+        match c {
+            0 => Reach::SameGpu,
+            1 => Reach::Yes,
+            2 => Reach::No,
+            _ => Reach::Unknown,
+        }
+    }
+}
+
+/// A local rank's GPU as the messages name it: the rank (in the group), the device
+/// ordinal in that rank's own process, and the PCI bus id (the same in every process).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalGpu {
+    pub rank: usize,
+    pub ordinal: i32,
+    pub bus: String,
+}
+
+impl std::fmt::Display for LocalGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} (cuda:{}, PCI {})", self.rank, self.ordinal, self.bus)
+    }
+}
+
+/// Whether every local rank's GPU can reach every other's, from every rank's answers
+/// (`reach[i][j]`: what rank i's driver said of its GPU reaching rank j's): rsccl's
+/// kernels read and write the peers' memory directly, which needs peer access both ways.
+/// The first pair that cannot is an error naming both ranks and GPUs, and what to do.
+/// Every rank has every answer, so every rank raises the same error. Ranks on one GPU
+/// (`SameGpu`) and peers a rank cannot see (`Unknown`) pass.
+pub fn check_peer_access(gpus: &[LocalGpu], reach: &[Vec<Reach>]) -> Result<()> {
+    for (i, row) in reach.iter().enumerate() {
+        for (j, r) in row.iter().enumerate() {
+            if i == j || *r != Reach::No {
+                continue;
+            }
+            let (a, b) = (&gpus[i], &gpus[j]);
+            // A set-up error every rank raises alike (as two ranks on one GPU): a ValueError,
+            // not a driver failure that would wait to see whether a peer died.
+            return Err(Error::Config(format!(
+                "the GPU of {a} cannot access the memory of the GPU of {b}: the driver reports no peer access                  between them (cuDeviceCanAccessPeer; PCIe GPUs without P2P, or P2P disabled by the system, the                  driver or a VM), and rsccl's CUDA engine reads and writes the memory of the other GPUs of its host                  directly. Run the CUDA collectives of such GPUs on NCCL, which can go through host memory:                  init_process_group(backend=\"cpu:rsccl,cuda:nccl\") (or backend=\"nccl\"), or put only GPUs that                  reach each other in one rsccl group (`nvidia-smi topo -p2p r` shows which do)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A device engine, as far as what it can run goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceEngine {
+    /// rsccl's kernels: a group on one host.
+    Rsccl,
+    /// NCCL: a group that spans hosts. Its hierarchical path uses rsccl's kernels inside
+    /// each host only for what they reduce and runs the rest flat (nccl_engine/choice.rs),
+    /// so what it runs is what NCCL runs.
+    Nccl,
+}
+
+/// The dtypes NCCL reduces: its ncclDataType_t, less bool (NCCL has none; a bool tensor
+/// moves as uint8 but a sum of bools is not a bool) and the fp8 types (rsccl has no such
+/// dtype).
+pub const NCCL_REDUCE_DTYPES: [DType; 8] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64];
+/// The ops NCCL reduces with (ncclRedOp_t; no bitwise ops).
+pub const NCCL_REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+/// Whether `engine` can run a `kind` call on `dtype` with `op`, or the `InvalidType` error
+/// that says what it takes (naming `rank`, the caller). Kinds that move bytes run on any
+/// dtype; reductions need the engine's kernels (rsccl: its table, `kernels::check_reduces`;
+/// NCCL: its types and ops), and an op defined on the dtype (`ReduceOp::check`: AVG on
+/// integers would truncate).
+///
+/// A fact of the engine, not of the rank: every rank of a group that passed the same dtype
+/// and op (as torch requires) gets the same answer. So `Group::run` asks before anything
+/// is exchanged, and a call that the group's engine cannot run is refused by every rank
+/// (`Engine::refuse`), leaving the group usable with no stale error.
+pub fn can_run(engine: DeviceEngine, kind: CudaKind, dtype: DType, op: ReduceOp, rank: usize) -> Result<()> {
+    if !kind.has_op() {
+        return Ok(());
+    }
+    let named = |e: Error| Error::InvalidType(format!("{}: rank {rank} {e}", kind.name()));
+    match engine {
+        DeviceEngine::Rsccl => kernels::check_reduces(dtype, op).map_err(named),
+        DeviceEngine::Nccl => {
+            let list = |l: &mut dyn Iterator<Item = &'static str>| l.collect::<Vec<_>>().join(", ");
+            if !NCCL_REDUCE_DTYPES.contains(&dtype) {
+                let take = list(&mut NCCL_REDUCE_DTYPES.iter().map(|d| d.name()));
+                return Err(named(Error::InvalidType(format!(
+                    "passed {}; NCCL, which runs the CUDA collectives of a group that spans hosts, reduces {take}",
+                    dtype.name()
+                ))));
+            }
+            if !NCCL_REDUCE_OPS.contains(&op) {
+                let take = list(&mut NCCL_REDUCE_OPS.iter().map(|o| o.name()));
+                return Err(named(Error::InvalidType(format!(
+                    "passed ReduceOp.{} on {}; NCCL, which runs the CUDA collectives of a group that spans hosts, reduces with {take}",
+                    op.name(),
+                    dtype.name()
+                ))));
+            }
+            op.check(dtype).map_err(named)
+        }
+    }
+}
 
 /// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to point]
 /// in csrc_kernels/send_recv.cu), or why the settings leave too little.
@@ -303,7 +429,6 @@ pub fn stage_per_block(buffer_bytes: usize, blocks: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::{DType, ReduceOp};
 
     /// Every kind has one kernel, one NCCL call and words, and they agree with its facts.
     #[test]
@@ -320,6 +445,85 @@ mod tests {
         assert_eq!(kernel(CudaKind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
         assert_eq!(cuda_count(CudaKind::ReduceScatter, 4096, 1024, 4), 256);
         assert_eq!(cuda_count(CudaKind::Scatter, 400, 100, 8), 100);
+    }
+
+    /// Each engine answers for what it runs: NCCL reduces float64, int8 and uint8, which
+    /// rsccl's kernels do not; neither reduces bool or bitwise ops; operations that move
+    /// bytes run on any dtype on both. (Seen: a float64 all_reduce across hosts was refused
+    /// with rsccl's kernel table and aborted the group.)
+    #[test]
+    fn each_device_engine_answers_for_what_it_reduces() {
+        use DeviceEngine::{Nccl, Rsccl};
+        for k in CudaKind::ALL {
+            for d in DType::ALL {
+                for o in ReduceOp::ALL {
+                    let (r, n) = (can_run(Rsccl, k, d, o, 2), can_run(Nccl, k, d, o, 2));
+                    if !k.has_op() {
+                        assert!(r.is_ok() && n.is_ok(), "{k:?} moves bytes of any dtype");
+                        continue;
+                    }
+                    assert_eq!(r.is_ok(), kernels::REDUCE_DTYPES.contains(&d) && kernels::REDUCE_OPS.contains(&o) && o.check(d).is_ok());
+                    let nccl = NCCL_REDUCE_DTYPES.contains(&d) && NCCL_REDUCE_OPS.contains(&o) && o.check(d).is_ok();
+                    assert_eq!(n.is_ok(), nccl, "{k:?} {d:?} {o:?}");
+                    for e in [r, n].into_iter().filter_map(|x| x.err()) {
+                        assert!(matches!(&e, Error::InvalidType(m) if m.starts_with(&format!("{}: rank 2 ", k.name()))), "{e}");
+                    }
+                }
+            }
+        }
+        for d in [DType::F64, DType::I8, DType::U8] {
+            assert!(can_run(Nccl, CudaKind::AllReduce, d, ReduceOp::Sum, 2).is_ok(), "{d:?}");
+            assert!(can_run(Rsccl, CudaKind::AllReduce, d, ReduceOp::Sum, 2).is_err(), "{d:?}");
+        }
+        let e = can_run(Rsccl, CudaKind::AllReduce, DType::F64, ReduceOp::Sum, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("all_reduce: rank 2 passed float64; rsccl's CUDA reductions take float32, float16, bfloat16, int32, int64"),
+            "{e}"
+        );
+        let e = can_run(Nccl, CudaKind::Reduce, DType::Bool, ReduceOp::Sum, 2).unwrap_err().to_string();
+        assert!(e.contains("reduce: rank 2 passed bool; NCCL") && e.contains("reduces float32, float64"), "{e}");
+        let e = can_run(Nccl, CudaKind::ReduceScatter, DType::I32, ReduceOp::BAnd, 2).unwrap_err().to_string();
+        assert!(e.contains("reduce_scatter: rank 2 passed ReduceOp.BAND on int32; NCCL"), "{e}");
+        let e = can_run(Nccl, CudaKind::AllReduce, DType::I64, ReduceOp::Avg, 2).unwrap_err().to_string();
+        assert!(e.contains("all_reduce: rank 2 ReduceOp.AVG is not defined on dtype int64"), "{e}");
+        assert!(can_run(Nccl, CudaKind::AllGather, DType::Bool, ReduceOp::BXor, 2).is_ok());
+    }
+
+    /// GPUs that cannot reach each other are refused at creation, naming both ranks and
+    /// GPUs and the way out, on every rank alike; ranks sharing a GPU and peers a rank
+    /// cannot see pass.
+    #[test]
+    fn gpus_without_peer_access_are_named() {
+        use Reach::{No, SameGpu, Unknown, Yes};
+        let gpu = |rank: usize, ordinal: i32| LocalGpu { rank, ordinal, bus: format!("0000:{:02x}:00.0", 0x14 + rank) };
+        let gpus: Vec<LocalGpu> = (0..4).map(|r| gpu(r + 4, r as i32)).collect();
+        let all = |r: Reach| vec![vec![r; 4]; 4];
+        assert!(check_peer_access(&gpus, &all(Yes)).is_ok());
+        assert!(check_peer_access(&gpus, &all(SameGpu)).is_ok(), "ranks sharing one GPU (allow_shared_gpu)");
+        assert!(check_peer_access(&gpus, &all(Unknown)).is_ok(), "GPUs a rank cannot see: the mapping will tell");
+        // A rank's answer about itself is never an obstacle.
+        let mut reach = all(Yes);
+        reach[2][2] = No;
+        assert!(check_peer_access(&gpus, &reach).is_ok());
+        // One direction is enough to refuse: the kernels read and write both ways.
+        reach[3][1] = No;
+        let e = check_peer_access(&gpus, &reach).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::Config(_)), "{e:?}");
+        assert!(
+            m.starts_with(
+                "the GPU of rank 7 (cuda:3, PCI 0000:1b:00.0) cannot access the memory of the GPU of rank 5 (cuda:1, PCI 0000:19:00.0)"
+            ),
+            "{m}"
+        );
+        assert!(m.contains("cuDeviceCanAccessPeer") && m.contains("backend=\"cpu:rsccl,cuda:nccl\""), "{m}");
+        // Every rank reports the first pair in the same order, whichever rank finds it.
+        reach[0][2] = No;
+        assert!(check_peer_access(&gpus, &reach).unwrap_err().to_string().starts_with("the GPU of rank 4 (cuda:0"));
+        for r in [SameGpu, Yes, No, Unknown] {
+            assert_eq!(Reach::from_code(r as u8), r);
+        }
+        assert_eq!(Reach::from_code(9), Unknown);
     }
 
     #[test]

@@ -318,11 +318,24 @@ impl NcclComm {
         let mut cfg = config(max_ctas, name.as_ptr());
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; cfg lives across the call (NCCL copies it).
-        nccl.check(
-            unsafe { (nccl.fns.comm_init_rank_config)(&mut comm, nranks as c_int, uid, rank as c_int, &mut cfg) },
-            "ncclCommInitRankConfig",
-        )?;
-        Ok(NcclComm { nccl, comm: AtomicPtr::new(comm as *mut c_void), rank, nranks })
+        let r = unsafe { (nccl.fns.comm_init_rank_config)(&mut comm, nranks as c_int, uid, rank as c_int, &mut cfg) };
+        let made = NcclComm { nccl, comm: AtomicPtr::new(comm as *mut c_void), rank, nranks };
+        if let Err(e) = nccl.check(r, "ncclCommInitRankConfig") {
+            made.abort_failed();
+            return Err(e);
+        }
+        Ok(made)
+    }
+
+    /// A communicator whose creation failed: NCCL hands it back all the same when its
+    /// creation failed past allocation (a peer gone during NCCL's bootstrap, say), with
+    /// its bootstrap sockets and threads, which only ncclCommAbort releases (it waits for
+    /// the failed creation and ignores its error). A null handle (NCCL freed it) is left.
+    fn abort_failed(&self) {
+        if !self.raw().is_null() {
+            tracing::debug!(rank = self.rank, nranks = self.nranks, "rsccl: aborting an NCCL communicator whose creation failed");
+        }
+        self.abort();
     }
 
     /// The handle (null once aborted or destroyed).
@@ -367,7 +380,8 @@ impl NcclComm {
     pub fn abort(&self) {
         let comm = self.comm.swap(std::ptr::null_mut(), AtomicOrdering::AcqRel);
         if !comm.is_null() {
-            // SAFETY: a live communicator, taken out of `self` above, so freed once.
+            // SAFETY: a communicator NCCL handed back (live, or one whose creation failed,
+            // which ncclCommAbort takes too), taken out of `self` above, so freed once.
             unsafe { (self.nccl.fns.comm_abort)(comm as nc::ncclComm_t) };
         }
     }
@@ -390,11 +404,16 @@ impl NcclComm {
         let mut comm: nc::ncclComm_t = std::ptr::null_mut();
         // SAFETY: a live parent (it is aborted only by the engine's watchdog, which does not
         // run during creation); out-pointer to a local; cfg lives across the call.
-        self.check(unsafe { (self.nccl.fns.comm_split)(parent, color, key as c_int, &mut comm, &mut cfg) }, "ncclCommSplit")?;
-        if comm.is_null() {
+        let r = unsafe { (self.nccl.fns.comm_split)(parent, color, key as c_int, &mut comm, &mut cfg) };
+        let made = NcclComm { nccl: self.nccl, comm: AtomicPtr::new(comm as *mut c_void), rank: key, nranks };
+        if let Err(e) = self.check(r, "ncclCommSplit") {
+            made.abort_failed();
+            return Err(e);
+        }
+        if made.raw().is_null() {
             return Ok(None);
         }
-        Ok(Some(NcclComm { nccl: self.nccl, comm: AtomicPtr::new(comm as *mut c_void), rank: key, nranks }))
+        Ok(Some(made))
     }
 
     /// Finalize and destroy the communicator (its operations finished: the engine waited

@@ -99,8 +99,10 @@ pub struct GroupStats {
 
 /// An engine runs the ops of one place: host memory (`HostEngine`), or this rank's GPU
 /// (`CudaEngine` on one host, `NcclEngine` across hosts). `Group::run` is its one caller:
-/// it translates each op for the engine's place (`Call`, built in collective/op.rs), and
-/// owns the rule that a rank whose op fails to translate joins the call as invalid.
+/// it asks the engine whether it can run the op at all (`can_run`; if not, `refuse`),
+/// translates it for the engine's place (`Call`, built in collective/op.rs), and owns the
+/// rules that a call the engine cannot run is refused by every rank and that a rank whose
+/// op fails to translate joins the call as invalid.
 pub trait Engine: Send + Sync {
     /// What this engine runs: an op translated for its place (`HostCall`, `DeviceCall`).
     type Call;
@@ -116,6 +118,28 @@ pub trait Engine: Send + Sync {
     /// every peer raises instead of waiting for it. Returns what this rank gets: the host
     /// engine's Work (or, blocking, the error) that all ranks agree on; on CUDA, `error`.
     fn join_invalid(self: Arc<Self>, op: &Op, error: crate::Error, timeout: Duration) -> crate::Result<Ran>;
+
+    /// Whether this engine can run `op` at all (its kind, dtype and reduce op), or the
+    /// error that says what it takes, naming `rank` (the caller's group rank). The answer
+    /// is a fact of the engine, the same on every rank that passed the same dtype and op,
+    /// so `Group::run` asks before anything is exchanged, and every rank refuses the call
+    /// (`refuse`) with the group left usable. The CUDA engines answer with
+    /// `cuda::decide::can_run`; the host engine runs what rsccl's dtypes and ops describe
+    /// (its agreed checks stay in its call).
+    fn can_run(&self, _op: &Op, _rank: usize) -> crate::Result<()> {
+        Ok(())
+    }
+
+    /// This rank's `op` is one the engine cannot run (`error`, from `can_run`): what the
+    /// rank does before it raises `error`. By default nothing: it raises alone and nothing
+    /// is exchanged, which is all an engine can do that tells its peers only by aborting
+    /// (NCCL). Its peers got the same answer if they passed the same dtype and op (torch
+    /// requires it). An engine that can tell its peers at no harm does (`join_invalid`,
+    /// rsccl's kernels): a peer that did pass a dtype the engine runs then raises the
+    /// disagreement, instead of running its call with this rank's next one.
+    fn refuse(self: Arc<Self>, _op: &Op, error: crate::Error, _timeout: Duration) -> crate::Result<Ran> {
+        Err(error)
+    }
 
     /// The error that made the engine unusable, or one its kernels reported.
     fn health(&self) -> crate::Result<()> {

@@ -174,7 +174,11 @@ impl SymmetricPool {
             flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the whole range is mapped; one descriptor for this device.
-        check(unsafe { cu::cuMemSetAccess(pool.va, total, &desc, 1) }, "cuMemSetAccess")?;
+        check(
+            unsafe { cu::cuMemSetAccess(pool.va, total, &desc, 1) },
+            "cuMemSetAccess (this GPU's access to the local peers' buffers; GPUs without peer access need NCCL: \
+             backend=\"cpu:rsccl,cuda:nccl\")",
+        )?;
         pool.access_set = true;
         Ok(pool)
     }

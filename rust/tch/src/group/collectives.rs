@@ -29,13 +29,20 @@ impl ProcessGroup {
                 let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
                 Ok(op_plan(Collective::AllReduce { buf: tensor::buf(&c, a.dtype), dtype: a.dtype, op }, vec![t.shallow_clone(), c], post))
             }),
-            Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let a = self.cuda_arg(t, "all_reduce tensor", Some(op))?;
-                let c = tensor::contiguous(t, "all_reduce")?;
-                let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
-                let p = tensor::ptr(&c);
-                Ok(op_plan(Self::cuda_call(CudaKind::AllReduce, a.dtype, op, 0, p, p, c.numel() as u64), vec![t.shallow_clone(), c], post))
-            }),
+            Place::Cuda(d) => {
+                self.refuse_unrunnable(t, Kind::AllReduce, op, d)?;
+                self.cuda_coll(d, blocking, || {
+                    let a = self.cuda_arg(t, "all_reduce tensor", Some((Kind::AllReduce, op)))?;
+                    let c = tensor::contiguous(t, "all_reduce")?;
+                    let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
+                    let p = tensor::ptr(&c);
+                    Ok(op_plan(
+                        Self::cuda_call(CudaKind::AllReduce, a.dtype, op, 0, p, p, c.numel() as u64),
+                        vec![t.shallow_clone(), c],
+                        post,
+                    ))
+                })
+            }
         }
     }
 
@@ -209,7 +216,7 @@ impl ProcessGroup {
     fn reduce_scatter_impl(&self, output: &Tensor, input: &Tensor, op: ReduceOp, blocking: bool) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
         let pair = |cuda: bool| {
-            self.in_out("reduce_scatter", input, output, cuda, Some(op), || {
+            self.in_out("reduce_scatter", input, output, cuda, Some((Kind::ReduceScatter, op)), || {
                 if input.numel() != n * output.numel() {
                     return Err(Error::InvalidArgument(format!(
                         "reduce_scatter: rank {me} passed input of {} elements for output of {} (the input holds group size {n} outputs)",
@@ -226,11 +233,14 @@ impl ProcessGroup {
                 let c = Collective::ReduceScatter { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype, op };
                 Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
             }),
-            Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
-                let l = Self::cuda_call(CudaKind::ReduceScatter, a.dtype, op, 0, tensor::ptr(&i), tensor::ptr(&o), o.numel() as u64);
-                Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
-            }),
+            Place::Cuda(d) => {
+                self.refuse_unrunnable(input, Kind::ReduceScatter, op, d)?;
+                self.cuda_coll(d, blocking, || {
+                    let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
+                    let l = Self::cuda_call(CudaKind::ReduceScatter, a.dtype, op, 0, tensor::ptr(&i), tensor::ptr(&o), o.numel() as u64);
+                    Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
+                })
+            }
         }
     }
 

@@ -339,7 +339,7 @@ impl ProcessGroup {
 
     /// Check a CUDA collective's tensor against the group; on error, tell the peers (see
     /// `cuda`) before returning it.
-    fn cuda_arg(&self, t: &Tensor, what: &str, op: Option<ReduceOp>) -> Result<tensor::Arg> {
+    fn cuda_arg(&self, t: &Tensor, what: &str, op: Option<(Kind, ReduceOp)>) -> Result<tensor::Arg> {
         let me = self.rank();
         let a = check(t, what, me)?;
         let Some(dev) = self.inner.cuda_device else {
@@ -351,11 +351,28 @@ impl ProcessGroup {
         if a.place != Place::Cuda(dev) {
             return Err(Error::InvalidArgument(format!("rank {me}: {what} is on {:?}, but its group uses cuda:{dev}", t.device())));
         }
-        if let Some(op) = op {
-            // What the kernels reduce has one home: the core's check (as for Python's calls).
-            rsccl_core::cuda::kernels::check_reduces(a.dtype, op).map_err(|e| Error::InvalidType(format!("rank {me}: {what}: {e}")))?;
+        if let Some((kind, op)) = op {
+            // What the group's engine reduces has one home: the engine's answer, as for
+            // Python's calls (rsccl's kernels on one host, NCCL across hosts).
+            self.inner.group.device_can_run(kind, a.dtype, op)?;
         }
         Ok(a)
+    }
+
+    /// A CUDA reduction the group's engine cannot run at all is refused here, before its
+    /// call is prepared, the way the engine refuses (`Group::refuse_on_device`, as
+    /// `Group::run` does): every rank that passed the same dtype and op gets the same
+    /// answer, and the group stays usable (an error while preparing joins the call as
+    /// invalid, which aborts a group on the NCCL engine). A tensor without a dtype rsccl
+    /// knows is left to the preparation's checks.
+    fn refuse_unrunnable(&self, t: &Tensor, kind: Kind, op: ReduceOp, device: i32) -> Result<()> {
+        match check(t, "the tensor", self.rank()) {
+            Ok(a) if self.inner.cuda_device.is_some() => {
+                let stream = crate::cuda::current_stream(device)?;
+                self.inner.group.refuse_on_device(kind, a.dtype, op, stream)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// A CUDA collective whose preparation failed: take part as "invalid" (Group::run), so
@@ -395,7 +412,7 @@ impl ProcessGroup {
         input: &Tensor,
         output: &Tensor,
         cuda: bool,
-        op: Option<ReduceOp>,
+        op: Option<(Kind, ReduceOp)>,
         sizes: impl FnOnce() -> Result<()>,
     ) -> Result<InOut> {
         let me = self.rank();

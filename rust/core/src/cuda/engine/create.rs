@@ -16,7 +16,7 @@ use super::watchdog::watchdog;
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::bootstrap::LocalMesh;
 use crate::config::Config;
-use crate::cuda::decide::{grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel};
+use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::dtype::{DType, ReduceOp};
@@ -105,6 +105,62 @@ pub(super) fn agree_grids(
     Ok((coll, p2p))
 }
 
+/// The test-only hook of `check_reach`.
+pub const NO_PEER_ACCESS_ENV: &str = "RSCCL_TEST_NO_PEER_ACCESS";
+
+/// Whether the local ranks' GPUs can reach each other (peer access), checked before any
+/// peer's memory is mapped: a PCIe machine without P2P would otherwise fail the mapping
+/// with a bare driver error (cuMemSetAccess). Each rank asks its driver about every peer's
+/// GPU (by the PCI bus ids in `buses`, the "RSD1" exchange: bus at 4..44, ordinal at
+/// 44..48), the ranks exchange their answers ("RSD2", one `Reach` byte per local rank),
+/// and every rank raises the same error naming the first pair that cannot
+/// (`decide::check_peer_access`). Ranks on one GPU (allow_shared_gpu) are not asked.
+///
+/// Tests only: `RSCCL_TEST_NO_PEER_ACCESS=<group rank>` makes that rank answer "no" for
+/// every other GPU, as a PCIe machine without P2P would (the GPU machines all have P2P).
+fn check_reach(
+    dev: &Device,
+    mesh: &LocalMesh,
+    local_ranks: &[usize],
+    buses: &[([u8; 64], Option<std::os::fd::OwnedFd>)],
+    deadline: Instant,
+) -> Result<()> {
+    let n = buses.len();
+    if n < 2 {
+        return Ok(());
+    }
+    let me = mesh.local_index();
+    let bus = |m: &[u8; 64]| String::from_utf8_lossy(&m[4..44]).trim_end_matches('\0').to_string();
+    let mut msg = [0u8; 64];
+    msg[..4].copy_from_slice(b"RSD2");
+    // A rank that cannot ask still takes part (as `Unknown`), so no peer waits for it.
+    let ask = |m: &[u8; 64]| {
+        let _ctx = dev.bind()?;
+        dev.reach(&bus(m))
+    };
+    let pretend_none = std::env::var(NO_PEER_ACCESS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) == local_ranks.get(me).copied();
+    for (j, (m, _)) in buses.iter().enumerate() {
+        let r = if j == me || m[4..44] == buses[me].0[4..44] { Ok(Reach::SameGpu) } else { ask(m) };
+        let r = if pretend_none { r.map(|r| if r == Reach::Yes { Reach::No } else { r }) } else { r };
+        msg[4 + j] = r.unwrap_or_else(|e| {
+            tracing::warn!(peer = j, error = %e, "rsccl: could not ask the driver whether this GPU reaches a local peer's");
+            Reach::Unknown
+        }) as u8;
+    }
+    let got = mesh.all_gather(&msg, None, deadline)?;
+    let gpus: Vec<LocalGpu> = buses
+        .iter()
+        .enumerate()
+        .map(|(j, (m, _))| LocalGpu {
+            rank: local_ranks.get(j).copied().unwrap_or(j),
+            ordinal: i32::from_le_bytes(m[44..48].try_into().unwrap_or_default()),
+            bus: bus(m),
+        })
+        .collect();
+    let reach: Vec<Vec<Reach>> = got.iter().map(|(m, _)| (0..n).map(|j| Reach::from_code(m[4 + j])).collect()).collect();
+    check_peer_access(&gpus, &reach)
+}
+
 impl CudaEngine {
     /// Build the engine of local rank `mesh.local_index()` on `device`: map the pool with
     /// every local peer, load the kernels, and (if configured) run a warm-up of every
@@ -133,6 +189,7 @@ impl CudaEngine {
         msg[..4].copy_from_slice(b"RSD1");
         let b = bus.as_bytes();
         msg[4..4 + b.len().min(40)].copy_from_slice(&b[..b.len().min(40)]);
+        msg[44..48].copy_from_slice(&dev.ordinal.to_le_bytes());
         let got = mesh.all_gather(&msg, None, deadline)?;
         if !cfg.allow_shared_gpu {
             for (j, (m, _)) in got.iter().enumerate() {
@@ -151,6 +208,7 @@ impl CudaEngine {
             }
         }
         let me = mesh.local_index();
+        check_reach(&dev, &mesh, &local_ranks, &got, deadline)?;
         let sharers = got.iter().filter(|(m, _)| m[4..44] == got[me].0[4..44]).count() as u32;
         let kernels = Kernels::shared(&dev)?;
         let (blocks, p2p_blocks) = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;

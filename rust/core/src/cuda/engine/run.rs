@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::collective::op::Op;
+use crate::cuda::decide::{can_run, DeviceEngine};
 use crate::cuda::DeviceCall;
 use crate::engine::{Engine, GroupStats, Ran};
 use crate::error::{Error, Result};
@@ -33,6 +34,21 @@ impl Engine for CudaEngine {
             }
         };
         Ok(Ran::from_event(ev))
+    }
+
+    /// rsccl's kernel table (`decide::can_run`).
+    fn can_run(&self, op: &Op, rank: usize) -> Result<()> {
+        can_run(DeviceEngine::Rsccl, op.kind, op.dtype, op.op, rank)
+    }
+
+    /// Joins as invalid (below), on every rank that got the same answer: their invalid
+    /// calls' descriptors agree, so the kernels pass the first barrier with nothing to
+    /// report and the counters stay in step (NOTE [Agreement] in csrc_kernels/protocol.cuh);
+    /// a peer that passed a dtype the kernels reduce sees the mismatch and raises it,
+    /// where refusing alone would leave its kernel waiting for this rank's next call and
+    /// pair the two.
+    fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+        self.join_invalid(op, error, timeout)
     }
 
     /// Launches the invalid kernel (`CudaKind::Invalid`): it takes part in the first barrier

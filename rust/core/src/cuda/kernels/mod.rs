@@ -315,10 +315,9 @@ impl Kernels {
         let (modules, origin, cubin_bytes) = match prebuilt {
             Some(p) => p,
             None => {
-                let (cubins, cached) = cubin_for(&arch)?;
-                let images: Vec<(&'static str, &[u8])> = cubins.iter().map(|(m, c)| (*m, c.as_slice())).collect();
-                let bytes = cubins.iter().map(|c| c.1.len()).sum();
-                (Modules::load(&images)?, Origin::Nvrtc { arch: arch.clone(), cached }, bytes)
+                // Cached code that does not load is compiled again, once (nvrtc::load).
+                let (modules, bytes, cached) = nvrtc::load(&arch, Modules::load)?;
+                (modules, Origin::Nvrtc { arch: arch.clone(), cached }, bytes)
             }
         };
         let mut reduce = HashMap::new();

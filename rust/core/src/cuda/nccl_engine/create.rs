@@ -115,21 +115,37 @@ fn reported_death(store: &dyn Store, nonce: &[u8; 16]) -> Result<()> {
     Err(Error::PeerFailure(String::from_utf8_lossy(&text).into_owned()))
 }
 
-/// Publish (`maker`: the communicator's first rank, with the library that makes the id) or
-/// read `role`'s unique id, then wait until all `members` ranks of the communicator have
-/// it: a rank that died after the rendezvous is reported here (at once if it was on this
-/// host or a rank of its host reported it, else by the deadline), instead of leaving the others in ncclCommInitRank for
-/// good. The id is published under one key and announced under another (a counter the
-/// readers poll, checking the local ranks between polls) so that no wait blocks inside the
-/// store.
-fn share_id(store: &dyn Store, maker: Option<&Nccl>, nonce: &[u8; 16], role: CommRole, members: usize, bound: Bound) -> Result<[u8; 128]> {
+/// Makes a fresh NCCL unique id (`Nccl::unique_id`; a stand-in in tests).
+type MakeId<'a> = &'a dyn Fn() -> Result<[u8; 128]>;
+
+/// Wait until all `members` ranks of `role`'s communicator have arrived, then publish
+/// (`maker`: the communicator's first rank, with what makes the id) or read its unique id.
+/// A rank that died after the rendezvous is reported here (at once if it was on this host
+/// or a rank of its host reported it, else by the deadline), instead of leaving the others
+/// in ncclCommInitRank for good. The id is published under one key and announced under
+/// another (a counter the readers poll, checking the local ranks between polls) so that no
+/// wait blocks inside the store.
+///
+/// The id is made only once every member has arrived: ncclGetUniqueId starts NCCL's
+/// bootstrap root, a detached thread whose listening socket stays open until every member
+/// has connected to it from ncclCommInitRank, and nothing in NCCL's API stops it. An id made
+/// for a communicator that a dead rank never joins would keep that socket open in the
+/// maker's process for good (seen: rank 0 kept a socket after a rank died as the group
+/// made its NCCL communicators, tests/gpu/test_gpu_setup_faults.py). What remains is a rank
+/// that dies between the last arrival and its own ncclCommInitRank (docs/multihost.md).
+fn share_id(store: &dyn Store, maker: Option<MakeId>, nonce: &[u8; 16], role: CommRole, members: usize, bound: Bound) -> Result<[u8; 128]> {
+    let during = format!("the creation of the {} NCCL communicator", role.label());
+    let joined = id_key(nonce, role, "joined");
+    store.add(&joined, 1)?;
+    poll_count(store, &joined, members as i64, &bound, &during, nonce, |n| {
+        format!("only {n} of the {members} ranks of the {} NCCL communicator reached its creation within the group timeout", role.label())
+    })?;
     let key = id_key(nonce, role, "id");
     let published = id_key(nonce, role, "published");
-    if let Some(nccl) = maker {
-        store.set(&key, &nccl.unique_id()?)?;
+    if let Some(make) = maker {
+        store.set(&key, &make()?)?;
         store.add(&published, 1)?;
     }
-    let during = format!("the creation of the {} NCCL communicator", role.label());
     poll_count(store, &published, 1, &bound, &during, nonce, |_| {
         format!(
             "the NCCL id of the {} communicator was not published within the group timeout: its first rank did not get this far",
@@ -138,13 +154,7 @@ fn share_id(store: &dyn Store, maker: Option<&Nccl>, nonce: &[u8; 16], role: Com
     })?;
     let left = bound.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let raw = store.get(&key, left)?;
-    let id: [u8; 128] = raw.as_slice().try_into().map_err(|_| Error::Internal(format!("NCCL id of {} bytes in the store", raw.len())))?;
-    let joined = id_key(nonce, role, "joined");
-    store.add(&joined, 1)?;
-    poll_count(store, &joined, members as i64, &bound, &during, nonce, |n| {
-        format!("only {n} of the {members} ranks of the {} NCCL communicator reached its creation within the group timeout", role.label())
-    })?;
-    Ok(id)
+    raw.as_slice().try_into().map_err(|_| Error::Internal(format!("NCCL id of {} bytes in the store", raw.len())))
 }
 
 /// Poll the store counter `key` until it reaches `target`, checking between polls that the
@@ -357,8 +367,9 @@ impl NcclEngine {
     ) -> Result<Built> {
         let host = topo.host_of[topo.rank];
         let li = topo.local_index();
+        let make_id = || nccl.unique_id();
         let (flat, flat_bytes) = {
-            let id = share_id(store, (topo.rank == 0).then_some(nccl), nonce, CommRole::Flat, topo.size, bound)?;
+            let id = share_id(store, (topo.rank == 0).then_some(&make_id), nonce, CommRole::Flat, topo.size, bound)?;
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, topo.rank, topo.size, cfg.nccl_max_ctas, &names[0])?;
@@ -370,7 +381,7 @@ impl NcclEngine {
             let mesh = Arc::new(LocalMesh::connect(listener, nonce, &ranks, li, bound.deadline, &bound.watch.fds())?);
             let local = CudaEngine::create(dev.ordinal, mesh, ranks, cfg, timeout, bound.deadline)?;
             let hosts = topo.hosts.len();
-            let id = share_id(store, (host == 0).then_some(nccl), nonce, CommRole::Cross(li), hosts, bound)?;
+            let id = share_id(store, (host == 0).then_some(&make_id), nonce, CommRole::Cross(li), hosts, bound)?;
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, host, hosts, cfg.nccl_max_ctas, &names[1])?;
@@ -476,8 +487,54 @@ mod tests {
         assert_eq!(store.add(&id_key(&nonce, CommRole::Cross(1), "joined"), 0).unwrap(), 1);
         // Past the deadline with nothing published: the timeout names the communicator.
         let late = Bound { deadline: Instant::now() - Duration::from_millis(1), watch: &watch };
-        let e = share_id(&store, None, &nonce, CommRole::Flat, 2, late).unwrap_err();
+        let e = share_id(&store, None, &nonce, CommRole::Flat, 1, late).unwrap_err();
         assert!(matches!(&e, Error::Timeout(m) if m.contains("NCCL id of the flat communicator was not published")), "{e}");
+        // And with a member missing, the timeout says how many arrived.
+        let e = share_id(&store, None, &[8u8; 16], CommRole::Flat, 2, late).unwrap_err();
+        assert!(matches!(&e, Error::Timeout(m) if m.contains("only 1 of the 2 ranks of the flat NCCL communicator")), "{e}");
+    }
+
+    /// The first rank makes the id (ncclGetUniqueId, which starts NCCL's bootstrap root: a
+    /// thread and a listening socket that live until every member connects) only once every
+    /// member has arrived: a member that died before leaves no root behind in the maker.
+    #[test]
+    fn the_id_is_made_only_once_every_member_has_arrived() {
+        use crate::bootstrap::setup::pid_namespace;
+        use crate::bootstrap::RankInfo;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let made = AtomicUsize::new(0);
+        let id = random_id();
+        let make = || {
+            made.fetch_add(1, Ordering::SeqCst);
+            Ok(id)
+        };
+        // A local member that died before arriving: the maker fails naming the death and
+        // never made an id.
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        let info = |pid: u32, g: u32| RankInfo { pid, global_rank: g, pid_ns: pid_namespace(), host_id: "h".into(), ..Default::default() };
+        let infos = vec![info(std::process::id(), 0), info(pid, 1)];
+        let topo = Topology::from_infos(0, &infos);
+        let watch = SetupWatch::new(&topo, &infos, 1);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let (store, nonce) = (MemStore::default(), [5u8; 16]);
+        let bound = Bound { deadline: Instant::now() + Duration::from_secs(120), watch: &watch };
+        let e = share_id(&store, Some(&make), &nonce, CommRole::Flat, 2, bound).unwrap_err();
+        assert!(matches!(&e, Error::PeerFailure(m) if m.contains("exited during the creation of the flat NCCL communicator")), "{e}");
+        assert_eq!(made.load(Ordering::SeqCst), 0, "an id was made for a communicator a member never joined");
+        assert_eq!(store.add(&id_key(&nonce, CommRole::Flat, "published"), 0).unwrap(), 0);
+        // Every member there (the other one arrived first): the id is made once, published
+        // and returned.
+        let (store, nonce) = (MemStore::default(), [6u8; 16]);
+        store.add(&id_key(&nonce, CommRole::Flat, "joined"), 1).unwrap();
+        let alone = SetupWatch::none(0, 1);
+        let bound = Bound { deadline: Instant::now() + Duration::from_secs(120), watch: &alone };
+        assert_eq!(share_id(&store, Some(&make), &nonce, CommRole::Flat, 2, bound).unwrap(), id);
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+        // The other member reads the same id without making one.
+        assert_eq!(share_id(&store, None, &nonce, CommRole::Flat, 2, bound).unwrap(), id);
+        assert_eq!(made.load(Ordering::SeqCst), 1);
     }
 
     /// A local rank that dies while the others wait for a communicator's id, or for its

@@ -11,7 +11,7 @@ use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
 use super::{NcclEngine, Order, Shared, Tracked};
-use crate::cuda::decide::{nccl_call, NcclCall};
+use crate::cuda::decide::{can_run, nccl_call, DeviceEngine, NcclCall};
 use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::EventHome;
@@ -27,11 +27,9 @@ pub(super) fn new_event() -> Result<CUevent> {
 
 impl NcclEngine {
     fn path(&self, c: &CudaCall) -> Result<CrossHost> {
-        if c.kind.has_op() {
-            let bad = || Error::InvalidType(format!("NCCL's {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()));
-            nccl_dtype(c.dtype).ok_or_else(bad)?;
-            nccl_op(c.op).ok_or_else(bad)?;
-        }
+        // Group::run asked the same (Engine::can_run) for ops; this covers calls built
+        // without one (the Rust front end's plans, Group::run_device).
+        can_run(DeviceEngine::Nccl, c.kind, c.dtype, c.op, self.sh.rank)?;
         Ok(self.hierarchical().map_or(CrossHost::Flat, |h| h.path(c)))
     }
 

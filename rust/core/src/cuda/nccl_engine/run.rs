@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::NcclEngine;
 use crate::collective::op::Op;
+use crate::cuda::decide::{can_run, DeviceEngine};
 use crate::cuda::DeviceCall;
 use crate::engine::{Engine, GroupStats, Ran};
 use crate::error::{Error, Result};
@@ -25,6 +26,12 @@ impl Engine for NcclEngine {
             }
         };
         Ok(Ran::from_event(ev))
+    }
+
+    /// NCCL's types and ops (`decide::can_run`): a float64 all_reduce runs here, although
+    /// rsccl's kernels do not reduce float64 (the hierarchical path then runs flat).
+    fn can_run(&self, op: &Op, rank: usize) -> Result<()> {
+        can_run(DeviceEngine::Nccl, op.kind, op.dtype, op.op, rank)
     }
 
     /// NCCL cannot tell the peers: the group is aborted (`NcclEngine::invalid`), and this
