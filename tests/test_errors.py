@@ -311,6 +311,49 @@ def test_bad_options_name_the_setting(monkeypatch):
     assert resolved["host_buffer_bytes"] == 8 << 20
 
 
+BAD_UTF8 = b"\xff\xfe4MiB"
+
+# Sets each named variable, alone, to BAD_UTF8 and creates a one-rank group; prints per
+# variable: name, exception type, message.
+SETTINGS_CHILD = r"""
+import os, sys
+from datetime import timedelta
+import rsccl, torch.distributed as dist
+for name in sys.argv[1:]:
+    os.environb[name.encode()] = BAD
+    try:
+        dist.init_process_group("rsccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+        dist.destroy_process_group()
+        print(name, "no error", "", sep="\t")
+    except Exception as e:
+        print(name, type(e).__name__, str(e).replace("\n", " "), sep="\t")
+    del os.environb[name.encode()]
+"""
+
+
+def test_settings_that_are_not_utf8_raise_naming_the_variable():
+    """A value that is not UTF-8 is a bad value (a ValueError naming the variable), not
+    "unset": every RSCCL_* setting, RSCCL_HOST_ID, and RSCCL_LOG (read at import)."""
+    import subprocess
+    import sys
+
+    names = [env for _, env, *_ in rsccl._rsccl.settings()] + ["RSCCL_HOST_ID"]
+    assert len(names) > 20, names
+    env = {k: v for k, v in os.environb.items() if not k.startswith(b"RSCCL_")}
+    script = SETTINGS_CHILD.replace("BAD", repr(BAD_UTF8))
+    got = subprocess.run([sys.executable, "-c", script, *names], env=env, capture_output=True, timeout=300)
+    assert got.returncode == 0, got.stderr.decode(errors="replace")
+    lines = [line.split("\t") for line in got.stdout.decode().splitlines()]
+    assert [line[0] for line in lines] == names, got.stdout
+    for name, kind, msg in lines:
+        assert kind == "ValueError", (name, kind, msg)
+        assert f"{name} = " in msg and "xFF\\xFE4MiB" in msg and "is not valid UTF-8" in msg, (name, msg)
+    env[b"RSCCL_LOG"] = BAD_UTF8
+    got = subprocess.run([sys.executable, "-c", "import rsccl"], env=env, capture_output=True, timeout=300)
+    err = got.stderr.decode(errors="replace")
+    assert got.returncode != 0 and "ValueError: rsccl: RSCCL_LOG = " in err and "is not valid UTF-8" in err, err
+
+
 def test_region_cap_is_enforced_at_init():
     with pytest.raises(AssertionError, match=r"needs a \d+-byte host region .* over max_region_bytes=1048576 \(RSCCL_MAX_REGION_BYTES\)"):
         Cluster(2, init_timeout=10.0, options=rsccl.Options(max_region_bytes="1MiB"), start_timeout=120).close()

@@ -111,7 +111,7 @@ impl Group {
             "whether CUDA was initialized at group creation (1 = yes)",
             "call torch.cuda.set_device(local_rank) on every rank, or on none, before creating the group",
         ));
-        let info = RankInfo::current(host_identity(), settings, global_rank);
+        let info = RankInfo::current(host_identity()?, settings, global_rank);
         let mut listener = None;
         let (nonce, infos) = SetupWatch::none(rank, creation).during(Phase::Rendezvous, || {
             exchange(store, rank, size, &info, timeout, |nonce| {

@@ -98,15 +98,14 @@ pub fn check_same_settings(infos: &[RankInfo], names: &[(&str, &str)]) -> Result
 
 /// This host's identity: `RSCCL_HOST_ID` if set (tests use it to make one machine act as
 /// several hosts), else hostname + kernel boot id (distinct across machines and reboots).
-pub fn host_identity() -> String {
-    if let Ok(v) = std::env::var("RSCCL_HOST_ID") {
-        if !v.is_empty() {
-            return v;
-        }
+/// A value of `RSCCL_HOST_ID` that is not UTF-8 is an error naming it.
+pub fn host_identity() -> Result<String> {
+    if let Some(v) = crate::config::env_var("RSCCL_HOST_ID")?.filter(|v| !v.is_empty()) {
+        return Ok(v);
     }
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}:{}", host.trim(), boot.trim())
+    Ok(format!("{}:{}", host.trim(), boot.trim()))
 }
 
 /// Which ranks of a group share a host.
