@@ -56,10 +56,26 @@ WIDENED_GATES = [
         r'@require_backend_is_available({"gloo", "rsccl"})\n\1',
         (
             "all_reduce_coalesced, scatter_object_list, grads_same_across_ranks_with_no_sync: plain collectives "
-            "(the monitored_barrier tests keep their gloo-only gate: see GLOO_ONLY)"
+            "(the monitored_barrier tests: MONITORED_BARRIER_GATE)"
         ),
     ),
 ]
+# torch >= 2.15 sends dist.monitored_barrier to any group that serves CPU tensors (2.11: to
+# gloo's only), and rsccl implements it (python/rsccl/_monitored.py): there its tests are
+# widened to rsccl too, whatever other decorators stand between the gate and the test.
+MONITORED_BARRIER_GATE = (
+    r'(?s)@require_backend_is_available\(\{"gloo"\}\)((?:(?!\bdef ).)*?def test_monitored_barrier)',
+    r'@require_backend_is_available({"gloo", "rsccl"})\1',
+    "monitored_barrier (torch >= 2.15 only: 2.11's dist.monitored_barrier refuses every backend but gloo)",
+)
+
+
+def torch_sends_monitored_barrier() -> bool:
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15)
+
+
 # torch's sets of backends per feature (common_distributed.DistTestCases): rsccl joins them
 # because it takes CPU and CUDA tensors, DDP and subgroups, and is a plugin (not built in).
 FEATURE_SETS = ["gpu", "cuda", "ddp", "subgroup", "plugin"]
@@ -68,14 +84,23 @@ FEATURE_SETS = ["gpu", "cuda", "ddp", "subgroup", "plugin"]
 PROFILING_LISTS = ["PROFILING_SUPPORTED_BACKENDS", "CUDA_PROFILING_SUPPORTED_BACKENDS", "SEND_RECV_PROFILING_SUPPORTED_BACKENDS"]
 
 # Tests gloo passes that rsccl is not expected to pass, with why. Only what torch itself
-# restricts to gloo belongs here.
-GLOO_ONLY = {
-    "test_monitored_barrier_gloo": "dist.monitored_barrier is implemented by ProcessGroupGloo only (torch refuses other backends); docs/torch_suite.md says what rsccl offers instead",
+# restricts to gloo belongs here (`gloo_only()`: on torch >= 2.15, nothing).
+GLOO_ONLY_BEFORE_2_15 = {
+    "test_monitored_barrier_gloo": "torch < 2.15: dist.monitored_barrier refuses every backend but gloo (rsccl's groups have the method)",
     "test_monitored_barrier_gloo_subgroup": "same: monitored_barrier",
     "test_monitored_barrier_gloo_rank_0_timeout": "same: monitored_barrier",
     "test_monitored_barrier_failure_order": "same: monitored_barrier",
     "test_monitored_barrier_wait_all_ranks": "same: monitored_barrier",
 }
+
+
+def gloo_only() -> dict[str, str]:
+    return {} if torch_sends_monitored_barrier() else GLOO_ONLY_BEFORE_2_15
+
+
+def gates() -> list[tuple[str, str, str]]:
+    return WIDENED_GATES + ([MONITORED_BARRIER_GATE] if torch_sends_monitored_barrier() else [])
+
 
 # The subset CI runs (--fast): every fix this suite asked of rsccl (recv from any source,
 # timeout wording, sparse all_reduce, profiler events) and one test per area (collectives,
@@ -116,7 +141,7 @@ def _load_suite() -> types.ModuleType:
     assert spec is not None and spec.origin is not None
     with open(spec.origin) as f:
         src = f.read()
-    for pattern, repl, _ in WIDENED_GATES:
+    for pattern, repl, _ in gates():
         src, n = re.subn(pattern, repl, src)
         if n == 0:
             raise RuntimeError(f"torch_suite: gate {pattern!r} not found in {spec.origin}: update WIDENED_GATES")
@@ -249,10 +274,10 @@ def main() -> int:
     p.add_argument("--list-gates", action="store_true", help="print what this script changes in the suite, and exit")
     args = p.parse_args()
     if args.list_gates:
-        for pattern, repl, why in WIDENED_GATES:
+        for pattern, repl, why in gates():
             print(f"widened: {pattern!r} -> {repl!r}\n    {why}")
         print(f"rsccl added to DistTestCases.backend_feature[{', '.join(FEATURE_SETS)}] and to {', '.join(PROFILING_LISTS)}")
-        for name, why in GLOO_ONLY.items():
+        for name, why in gloo_only().items():
             print(f"gloo only: {name}: {why}")
         return 0
 
@@ -279,8 +304,8 @@ def main() -> int:
         if "gloo" in results and "rsccl" in results:
             gloo, rs = results["gloo"], results["rsccl"]
             gap = sorted(n for n, v in gloo.items() if v[0] == "passed" and rs.get(n, ["missing"])[0] != "passed")
-            expected = [n for n in gap if n in GLOO_ONLY]
-            missing = [n for n in gap if n not in GLOO_ONLY]
+            expected = [n for n in gap if n in gloo_only()]
+            missing = [n for n in gap if n not in gloo_only()]
             for n in expected:
                 print(f"  gloo only (torch restricts it): {n}")
             for n in missing:

@@ -267,6 +267,25 @@ def body_checked_all_reduce(ctx) -> None:
     assert_close(x, reduce_ref([make(13, q, 100, torch.float32) for q in range(ctx.world)], "SUM"), "after send/recv errors", 3)
 
 
+def body_pairs_after_the_errors(ctx) -> list[tuple[str, str]]:
+    """0 -> 1 was closed by the out-of-range tag; 1 -> 0 saw only a count mismatch."""
+    x = make(17, ctx.rank, 8, torch.float32)
+    steps = {
+        0: [lambda: dist.send(x, dst=1, tag=0), lambda: dist.recv(x, src=1, tag=4)],
+        1: [lambda: dist.recv(x, src=0, tag=0), lambda: dist.send(x, dst=0, tag=4)],
+    }
+    out = []
+    for step in steps.get(ctx.rank, []):
+        try:
+            step()
+            out.append(("no error", ""))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out.append((type(e).__name__, str(e)))
+    if ctx.rank == 0:
+        assert torch.equal(x, make(17, 1, 8, torch.float32)), "wrong data after a mismatch"
+    return out
+
+
 def test_send_recv_errors_raise_on_both_sides_naming_both():
     from harness import Cluster
 
@@ -279,6 +298,14 @@ def test_send_recv_errors_raise_on_both_sides_naming_both():
                 assert kind == "ValueError", f"{case}: rank {r} raised {kind}: {msg}"
                 assert fragment in msg, f"{case}: rank {r}'s message lacks {fragment!r}: {msg}"
                 assert f"rank {src}" in msg and f"rank {dst}" in msg, f"{case}: rank {r}'s message does not name both ranks: {msg}"
+        # A channel closed by a bad tag says so, with the cause; one after a mismatch works.
+        res = c.run(body_pairs_after_the_errors, timeout=60)
+        for r, what in ((0, "send to rank 1 failed"), (1, "recv from rank 0 failed")):
+            kind, msg = res[r][0]
+            assert kind == "ValueError", res
+            assert f"{what}: the channel was closed by an earlier failure" in msg, res
+            assert "rank 0 posted a send to rank 1 with tag -1, out of range" in msg, res
+        assert res[0][1] == res[1][1] == ("no error", ""), res
         # Collectives are not affected.
         c.run(body_checked_all_reduce, timeout=60)
     finally:

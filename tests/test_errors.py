@@ -311,6 +311,49 @@ def test_bad_options_name_the_setting(monkeypatch):
     assert resolved["host_buffer_bytes"] == 8 << 20
 
 
+BAD_UTF8 = b"\xff\xfe4MiB"
+
+# Sets each named variable, alone, to BAD_UTF8 and creates a one-rank group; prints per
+# variable: name, exception type, message.
+SETTINGS_CHILD = r"""
+import os, sys
+from datetime import timedelta
+import rsccl, torch.distributed as dist
+for name in sys.argv[1:]:
+    os.environb[name.encode()] = BAD
+    try:
+        dist.init_process_group("rsccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+        dist.destroy_process_group()
+        print(name, "no error", "", sep="\t")
+    except Exception as e:
+        print(name, type(e).__name__, str(e).replace("\n", " "), sep="\t")
+    del os.environb[name.encode()]
+"""
+
+
+def test_settings_that_are_not_utf8_raise_naming_the_variable():
+    """A value that is not UTF-8 is a bad value (a ValueError naming the variable), not
+    "unset": every RSCCL_* setting, RSCCL_HOST_ID, and RSCCL_LOG (read at import)."""
+    import subprocess
+    import sys
+
+    names = [env for _, env, *_ in rsccl._rsccl.settings()] + ["RSCCL_HOST_ID"]
+    assert len(names) > 20, names
+    env = {k: v for k, v in os.environb.items() if not k.startswith(b"RSCCL_")}
+    script = SETTINGS_CHILD.replace("BAD", repr(BAD_UTF8))
+    got = subprocess.run([sys.executable, "-c", script, *names], env=env, capture_output=True, timeout=300)
+    assert got.returncode == 0, got.stderr.decode(errors="replace")
+    lines = [line.split("\t") for line in got.stdout.decode().splitlines()]
+    assert [line[0] for line in lines] == names, got.stdout
+    for name, kind, msg in lines:
+        assert kind == "ValueError", (name, kind, msg)
+        assert f"{name} = " in msg and "xFF\\xFE4MiB" in msg and "is not valid UTF-8" in msg, (name, msg)
+    env[b"RSCCL_LOG"] = BAD_UTF8
+    got = subprocess.run([sys.executable, "-c", "import rsccl"], env=env, capture_output=True, timeout=300)
+    err = got.stderr.decode(errors="replace")
+    assert got.returncode != 0 and "ValueError: rsccl: RSCCL_LOG = " in err and "is not valid UTF-8" in err, err
+
+
 def test_region_cap_is_enforced_at_init():
     with pytest.raises(AssertionError, match=r"needs a \d+-byte host region .* over max_region_bytes=1048576 \(RSCCL_MAX_REGION_BYTES\)"):
         Cluster(2, init_timeout=10.0, options=rsccl.Options(max_region_bytes="1MiB"), start_timeout=120).close()
@@ -420,3 +463,65 @@ def test_work_wait_timeout_and_shutdown_with_pending_work(seed):
         assert took < 5, f"shutdown took {took:.1f} s with a 30 s timeout"
     finally:
         c.close()
+
+
+# (sent elements, sent dtype, received elements, received dtype, recv from any source)
+P2P_AFTER_MISMATCH = [
+    (10, torch.float32, 12, torch.float32, False),  # the count differs
+    (8, torch.float32, 8, torch.float32, False),  # then a correct pair
+    (8, torch.float32, 8, torch.float64, False),  # the dtype differs
+    (100_000, torch.float32, 90_000, torch.float32, False),  # many chunks through 16 KiB halves
+    (50_000, torch.float32, 50_000, torch.float32, False),
+    (6, torch.int64, 7, torch.int64, True),  # a recv from any source
+    (6, torch.int64, 6, torch.int64, True),
+    (3, torch.float32, 3, torch.float32, False),
+]
+
+
+def body_p2p_after_mismatch(ctx, seed: int, src: int) -> list[tuple[str, str]]:
+    """Rank `src` sends each step's message to the other rank, which posts each step's
+    recv; a step's outcome is ("ok", "") or (exception type, text)."""
+    out = []
+    for step, (n_sent, dt_sent, n_recv, dt_recv, any_src) in enumerate(P2P_AFTER_MISMATCH):
+        data = make(seed, src, n_sent, dt_sent, salt=step)
+        try:
+            if ctx.rank == src:
+                dist.send(data, dst=1 - src, tag=step % 2)
+            else:
+                got = torch.full((n_recv,), -7, dtype=dt_recv)
+                sender = dist.recv(got, src=None if any_src else src, tag=step % 2)
+                assert sender == src, (step, sender)
+                if n_sent == n_recv and dt_sent == dt_recv:
+                    assert torch.equal(got, data), f"step {step}: wrong data"
+            out.append(("ok", ""))
+        except Exception as e:  # noqa: BLE001 - every step's outcome is reported
+            out.append((type(e).__name__, str(e)))
+        dist.barrier(group=ctx.gloo)  # each step starts once both ranks finished the last
+    return out
+
+
+@pytest.mark.parametrize("src", [0, 1])
+def test_p2p_channel_works_again_after_a_mismatch(seed, src):
+    """A size or dtype mismatch fails both the send and the recv, naming both, and only
+    them: the next message between the same ranks arrives whole, and a later mismatch is
+    reported with its own text, not the earlier one's."""
+    c = Cluster(2, env={"RSCCL_P2P_BUFFER_BYTES": "32KiB"}, init_timeout=20.0)
+    try:
+        res = c.run(body_p2p_after_mismatch, seed, src, timeout=120)
+    finally:
+        c.close()
+    dst = 1 - src
+    for step, (n_sent, dt_sent, n_recv, dt_recv, _) in enumerate(P2P_AFTER_MISMATCH):
+        sent, recvd = res[src][step], res[dst][step]
+        if n_sent == n_recv and dt_sent == dt_recv:
+            assert sent == ("ok", "") and recvd == ("ok", ""), (step, res)
+            continue
+        sender_dt, recv_dt = str(dt_sent).removeprefix("torch."), str(dt_recv).removeprefix("torch.")
+        assert recvd[0] == "ValueError" and sent[0] == "ValueError", (step, res)
+        assert f"rank {dst} posted a recv of {n_recv} {recv_dt} elements" in recvd[1], (step, res)
+        assert f"but rank {src} sent {n_sent} {sender_dt} elements (tag {step % 2})" in recvd[1], (step, res)
+        assert recvd[1].removeprefix("rsccl: ") in sent[1], (step, "the sender must fail with the receiver's message", res)
+        assert f"send to rank {dst} failed" in sent[1], (step, res)
+        for earlier in range(step):
+            if res[dst][earlier][0] == "ValueError":
+                assert res[dst][earlier][1] != recvd[1], (step, "the text of an earlier mismatch", res)

@@ -37,6 +37,16 @@ def register() -> None:
     program names "rsccl" without importing rsccl."""
     if "RSCCL" not in dist.Backend._plugins:
         dist.Backend.register_backend("rsccl", create, extended_api=True, devices=["cpu", "cuda"])
+    # torch >= 2.15 attaches its FlightRecorderHook to every new group that lists device
+    # types, and the hook looks up the group's C++ default backend, which a Python
+    # ProcessGroup has none of: creation would fail ("Could not find the default backend
+    # type 0"). It skips groups whose backends record themselves, and, before rsccl's
+    # groups declared their devices (ProcessGroupRsccl._device_types), it skipped them for
+    # listing none. rsccl records nothing itself; listing it here keeps torch's behaviour:
+    # no hook on rsccl's groups.
+    skip = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(skip, set):
+        skip.add("rsccl")
 
 
 register()

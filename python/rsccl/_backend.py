@@ -193,6 +193,18 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         # device's backend (FSDP2's ProcessGroupAllocMixin) gets the group itself.
         return self
 
+    # torch >= 2.15's public name of the same (dist.get_backend_impl).
+    get_backend = _get_backend
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices the group serves, as registered (devices=["cpu", "cuda"]). torch's
+        own property lists the devices that have a C++ backend registered on the group,
+        which a ProcessGroup returned by a backend's creator never has, so it would list
+        none: torch 2.15's dist.monitored_barrier (which takes any group that lists cpu),
+        DCP's async_save and torch's choice of a device for object collectives read this."""
+        return [torch.device("cpu"), torch.device("cuda")]
+
     def shutdown(self) -> None:
         self._comm.shutdown()
 

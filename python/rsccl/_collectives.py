@@ -8,11 +8,13 @@ CUDA have fast paths that build their one op directly.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ._cuda import REDUCE_DTYPES, REDUCE_OPS, raw_stream
+from ._monitored import monitored_barrier
 from ._ops import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -563,6 +565,12 @@ class Collectives:
             self._comm.cuda_health()
             return DoneWork([])
         return self._call(BARRIER, None, lambda cuda: _Plan([_op(None, None)], []), opts, gloo=lambda g: g.barrier(opts))
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """dist.monitored_barrier on torch >= 2.15 (which takes any group that serves CPU
+        tensors; 2.11 takes gloo's only, so call it on the group there): rank 0 names the
+        ranks that did not arrive within `timeout` (default: the group's). _monitored.py."""
+        monitored_barrier(self, timeout, wait_all_ranks)
 
     # -- point to point ----------------------------------------------------------------
     # torch calls these for dist.send/recv/isend/irecv, and batch_isend_irecv calls

@@ -463,7 +463,7 @@ fn settings() -> Vec<(&'static str, &'static str, u64, bool, String)> {
 #[pyfunction]
 #[pyo3(signature = (options=None))]
 fn resolve_options(options: Option<Vec<(String, String)>>) -> PyResult<Vec<(String, u64)>> {
-    let values = Config::resolve_values(&options.unwrap_or_default(), &|k| std::env::var(k).ok()).py()?;
+    let values = Config::resolve_values(&options.unwrap_or_default(), &|k| std::env::var_os(k)).py()?;
     Ok(values.into_iter().map(|(f, v)| (f.to_string(), v)).collect())
 }
 
@@ -477,7 +477,7 @@ fn cuda_auto_one_shot_max(local_ranks: usize) -> usize {
 /// Diagnostics go to stderr through tracing; RSCCL_LOG sets the level (error, warn, info,
 /// debug, trace, or a tracing filter such as "rsccl_core=debug").
 fn init_logging() -> PyResult<()> {
-    let spec = std::env::var("RSCCL_LOG").unwrap_or_else(|_| "warn".into());
+    let spec = rsccl_core::config::env_var("RSCCL_LOG").py()?.unwrap_or_else(|| "warn".into());
     let filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("RSCCL_LOG = {spec:?} is not a valid level or filter: {e}")))?;
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();

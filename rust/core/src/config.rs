@@ -1,8 +1,27 @@
 //! Every tunable of rsccl, in one place. A value comes from `rsccl.Options` (passed as
 //! `pg_options`), else from its `RSCCL_*` environment variable, else the default.
-//! Bad values are rejected with a message naming the option and the variable.
+//! Bad values are rejected with a message naming the option and the variable; so is a
+//! variable whose value is not UTF-8 (it is never taken as unset).
+
+use std::ffi::{OsStr, OsString};
 
 use crate::error::{Error, Result};
+
+/// How the resolvers look a variable up: the raw value, as `std::env::var_os` gives it
+/// (tests pass their own).
+pub type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<OsString>;
+
+/// `raw`, the value of variable `name`, as text; a value that is not UTF-8 is an error
+/// naming the variable, never "unset".
+pub fn env_text<'a>(name: &str, raw: &'a OsStr) -> Result<&'a str> {
+    raw.to_str().ok_or_else(|| Error::Config(format!("{name} = {raw:?} is not valid UTF-8")))
+}
+
+/// Variable `name` of this process's environment: None when unset, an error naming it
+/// when its value is not UTF-8.
+pub fn env_var(name: &str) -> Result<Option<String>> {
+    std::env::var_os(name).map(|raw| env_text(name, &raw).map(str::to_owned)).transpose()
+}
 
 /// One tunable: its Options field, its environment variable, its bounds and meaning.
 pub struct Setting {
@@ -312,8 +331,9 @@ impl KernelSource {
     }
 
     /// From `RSCCL_KERNELS` as `env` reads it (unset or empty: auto).
-    pub fn resolve(env: &dyn Fn(&str) -> Option<String>) -> Result<KernelSource> {
-        let v = env(KERNELS_ENV).unwrap_or_default();
+    pub fn resolve(env: EnvLookup) -> Result<KernelSource> {
+        let raw = env(KERNELS_ENV).unwrap_or_default();
+        let v = env_text(KERNELS_ENV, &raw)?;
         match v.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(KernelSource::Auto),
             "prebuilt" => Ok(KernelSource::Prebuilt),
@@ -323,7 +343,7 @@ impl KernelSource {
     }
 
     pub fn from_env() -> Result<KernelSource> {
-        KernelSource::resolve(&|k| std::env::var(k).ok())
+        KernelSource::resolve(&|k| std::env::var_os(k))
     }
 }
 
@@ -443,7 +463,7 @@ fn parse_value(s: &Setting, raw: &str, source: &str) -> Result<u64> {
 impl Config {
     /// Every setting's value, checked, in the table's order, by field: from `overrides`
     /// ((Options field, value) pairs), else `env` (looks up a variable), else the default.
-    pub fn resolve_values(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<(&'static str, u64)>> {
+    pub fn resolve_values(overrides: &[(String, String)], env: EnvLookup) -> Result<Vec<(&'static str, u64)>> {
         for (k, _) in overrides {
             if !SETTINGS.iter().any(|s| s.field == k) {
                 return Err(Error::Config(format!(
@@ -457,7 +477,7 @@ impl Config {
             let v = if let Some((_, raw)) = overrides.iter().find(|(k, _)| k == s.field) {
                 parse_value(s, raw, &format!("rsccl.Options.{}", s.field))?
             } else if let Some(raw) = env(s.env) {
-                parse_value(s, &raw, s.env)?
+                parse_value(s, env_text(s.env, &raw)?, s.env)?
             } else {
                 s.default
             };
@@ -467,7 +487,7 @@ impl Config {
     }
 
     /// `overrides` are (Options field, value) pairs; `env` looks up a variable.
-    pub fn resolve(overrides: &[(String, String)], env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+    pub fn resolve(overrides: &[(String, String)], env: EnvLookup) -> Result<Config> {
         let values = Config::resolve_values(overrides, env)?;
         // By name, so the table's order is free.
         let v = |field: &str| values.iter().find(|(f, _)| *f == field).expect("a known setting").1;
@@ -500,7 +520,7 @@ impl Config {
 
     /// Read the process environment.
     pub fn from_env(overrides: &[(String, String)]) -> Result<Config> {
-        Config::resolve(overrides, &|k| std::env::var(k).ok())
+        Config::resolve(overrides, &|k| std::env::var_os(k))
     }
 
     /// The settings every rank of a group must share, with their names (spin_count, the
@@ -558,7 +578,7 @@ mod tests {
 
     #[test]
     fn kernel_source_names_the_variable_on_a_bad_value() {
-        let env = |v: &'static str| move |k: &str| (k == KERNELS_ENV).then(|| v.to_string());
+        let env = |v: &'static str| move |k: &str| (k == KERNELS_ENV).then(|| OsString::from(v));
         assert_eq!(KernelSource::resolve(&|_| None).unwrap(), KernelSource::Auto);
         assert_eq!(KernelSource::resolve(&env("NVRTC")).unwrap(), KernelSource::Nvrtc);
         assert_eq!(KernelSource::resolve(&env("prebuilt")).unwrap(), KernelSource::Prebuilt);
@@ -588,7 +608,6 @@ mod tests {
 
     #[test]
     fn kernel_cache_dir_rule() {
-        use std::ffi::OsString;
         let env =
             |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|p| p.0 == k).map(|p| OsString::from(p.1));
         assert_eq!(kernel_cache_dir(&env(&[("RSCCL_CACHE_DIR", "/c"), ("HOME", "/h")])).unwrap(), std::path::PathBuf::from("/c"));
@@ -600,10 +619,10 @@ mod tests {
     #[test]
     fn every_setting_lands_in_its_field() {
         let env = |k: &str| match k {
-            "RSCCL_CUDA_POOL_BYTES" => Some("1GiB".to_string()),
-            "RSCCL_CUDA_WARMUP" => Some("0".to_string()),
-            "RSCCL_CUDA_INPLACE_MIN_BYTES" => Some("3MiB".to_string()),
-            "RSCCL_CUDA_SYNC_STREAM" => Some("0".to_string()),
+            "RSCCL_CUDA_POOL_BYTES" => Some(OsString::from("1GiB")),
+            "RSCCL_CUDA_WARMUP" => Some(OsString::from("0")),
+            "RSCCL_CUDA_INPLACE_MIN_BYTES" => Some(OsString::from("3MiB")),
+            "RSCCL_CUDA_SYNC_STREAM" => Some(OsString::from("0")),
             _ => None,
         };
         let c = Config::resolve(&[], &env).unwrap();
@@ -619,8 +638,8 @@ mod tests {
         assert_eq!(d.nccl_p2p_max_ctas, Some(4), "pair communicators: few channels (memory)");
         assert_eq!(d.nccl_hierarchical_scratch_bytes, 32 << 20);
         let env = |k: &str| match k {
-            "RSCCL_NCCL_MAX_CTAS" => Some("0".to_string()),
-            "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES" => Some("1MiB".to_string()),
+            "RSCCL_NCCL_MAX_CTAS" => Some(OsString::from("0")),
+            "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES" => Some(OsString::from("1MiB")),
             _ => None,
         };
         let c = Config::resolve(&[], &env).unwrap();
@@ -635,7 +654,7 @@ mod tests {
     #[test]
     fn nccl_p2p_is_on_by_default_and_shared() {
         assert!(Config::default().nccl_p2p);
-        let off = |k: &str| (k == "RSCCL_NCCL_P2P").then(|| "0".to_string());
+        let off = |k: &str| (k == "RSCCL_NCCL_P2P").then(|| OsString::from("0"));
         assert!(!Config::resolve(&[], &off).unwrap().nccl_p2p);
         assert!(Config::resolve(&[("nccl_p2p".into(), "1".into())], &off).unwrap().nccl_p2p, "Options win over the environment");
         for bad in ["2", "yes", "-1"] {
@@ -660,7 +679,7 @@ mod tests {
 
     #[test]
     fn precedence_options_env_default() {
-        let env = |k: &str| (k == "RSCCL_HOST_BUFFER_BYTES").then(|| "8MiB".to_string());
+        let env = |k: &str| (k == "RSCCL_HOST_BUFFER_BYTES").then(|| OsString::from("8MiB"));
         let c = Config::resolve(&[], &env).unwrap();
         assert_eq!(c.host_buffer_bytes, 8 << 20);
         let c = Config::resolve(&[("host_buffer_bytes".into(), "2MiB".into())], &env).unwrap();
@@ -670,12 +689,27 @@ mod tests {
 
     #[test]
     fn bad_values_name_their_source() {
-        let env = |k: &str| (k == "RSCCL_SPIN_COUNT").then(|| "lots".to_string());
+        let env = |k: &str| (k == "RSCCL_SPIN_COUNT").then(|| OsString::from("lots"));
         let e = Config::resolve(&[], &env).unwrap_err().to_string();
         assert!(e.contains("RSCCL_SPIN_COUNT") && e.contains("lots"), "{e}");
         let e = Config::resolve(&[("host_buffer_bytes".into(), "1".into())], &|_| None).unwrap_err().to_string();
         assert!(e.contains("rsccl.Options.host_buffer_bytes") && e.contains("out of range"), "{e}");
         let e = Config::resolve(&[("nope".into(), "1".into())], &|_| None).unwrap_err().to_string();
         assert!(e.contains("nope") && e.contains("host_buffer_bytes"), "{e}");
+    }
+
+    #[test]
+    fn a_value_that_is_not_utf8_is_an_error_naming_the_variable() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = || OsString::from_vec(b"\xff\xfe4MiB".to_vec());
+        for s in SETTINGS {
+            let env = |k: &str| (k == s.env).then(bad);
+            let e = Config::resolve(&[], &env).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{}: {e}", s.env);
+            let e = e.to_string();
+            assert!(e.contains(s.env) && e.contains("not valid UTF-8") && e.contains("\\xFF\\xFE4MiB"), "{e}");
+        }
+        let e = KernelSource::resolve(&|k| (k == KERNELS_ENV).then(bad)).unwrap_err().to_string();
+        assert!(e.contains(KERNELS_ENV) && e.contains("not valid UTF-8"), "{e}");
     }
 }

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::mesh::socket_name;
 use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
@@ -111,14 +110,11 @@ impl Group {
             "whether CUDA was initialized at group creation (1 = yes)",
             "call torch.cuda.set_device(local_rank) on every rank, or on none, before creating the group",
         ));
-        let info = RankInfo::current(host_identity(), settings, global_rank);
-        let mut listener = None;
-        let (nonce, infos) = SetupWatch::none(rank, creation).during(Phase::Rendezvous, || {
-            exchange(store, rank, size, &info, timeout, |nonce| {
-                listener = Some(Listener::bind(&socket_name(nonce, rank), size as i32)?);
-                Ok(())
-            })
-        })?;
+        // Bound before the record that names it is published (bootstrap/unix.rs).
+        let mut listener = Listener::bind_random(size as i32)?;
+        let info = RankInfo::current(host_identity()?, settings, global_rank, listener.name());
+        let (nonce, infos) = SetupWatch::none(rank, creation).during(Phase::Rendezvous, || exchange(store, rank, size, &info, timeout))?;
+        listener.set_peer_names(infos.iter().map(|i| i.socket.clone()).collect());
         check_same_settings(&infos, &names)?;
         let topo = Topology::from_infos(rank, &infos);
         // From here every wait also watches the other local ranks' processes.
@@ -126,7 +122,6 @@ impl Group {
         // Every rank has published its record by now, so the local set-up gets the whole
         // timeout again rather than what the slowest rank left of it.
         let deadline = Instant::now() + timeout;
-        let listener = listener.ok_or_else(|| Error::Internal("listener not bound".into()))?;
         let (kind, why) = choose_engine(&topo);
         let mut cuda = None;
         let host: Option<Arc<HostEngine>> = match kind {

@@ -51,7 +51,7 @@ impl Options {
         self.settings.retain(|(k, _)| k != field);
         self.settings.push((field.to_string(), v));
         // Check now (the environment included), so the error points at this call.
-        Config::resolve_values(&self.settings, &|k| std::env::var(k).ok())?;
+        Config::resolve_values(&self.settings, &|k| std::env::var_os(k))?;
         Ok(self)
     }
 
@@ -73,7 +73,7 @@ impl Options {
     /// Every tunable's value as the group will use it: these options, else the RSCCL_*
     /// variable, else the default.
     pub fn resolved(&self) -> Result<Vec<(&'static str, u64)>> {
-        Config::resolve_values(&self.settings, &|k| std::env::var(k).ok())
+        Config::resolve_values(&self.settings, &|k| std::env::var_os(k))
     }
 
     pub(crate) fn config(&self) -> Result<Config> {

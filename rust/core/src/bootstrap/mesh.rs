@@ -10,12 +10,6 @@ use super::unix::{Conn, Listener};
 use crate::error::{Error, Result};
 use crate::memory::HostRegion;
 
-/// The abstract socket name of group rank `rank` (unique per group through the nonce).
-pub fn socket_name(nonce: &[u8; 16], rank: usize) -> String {
-    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
-    format!("rsccl-{hex}-{rank}")
-}
-
 const HELLO_MAGIC: &[u8; 4] = b"RSH1";
 const REGION_MAGIC: &[u8; 4] = b"RSR1";
 
@@ -47,10 +41,11 @@ fn exited(pidfd: &OwnedFd) -> bool {
 
 impl LocalMesh {
     /// Connect to every lower local index, accept every higher one. `ranks` are the group
-    /// ranks on this host (local index -> group rank); `listener` was bound at
-    /// `socket_name(nonce, ranks[me])` before this rank published its record, so peers that
-    /// read the record can connect. `watch`: the peers' pidfds (`SetupWatch::fds`), so a
-    /// peer that dies ends the waits at once.
+    /// ranks on this host (local index -> group rank); `listener` was bound at a random
+    /// name before this rank published it in its record, so peers that read the record
+    /// can connect, and it carries the names the peers published (`set_peer_names`).
+    /// `watch`: the peers' pidfds (`SetupWatch::fds`), so a peer that dies ends the waits
+    /// at once.
     pub fn connect(
         listener: Listener,
         nonce: &[u8; 16],
@@ -62,7 +57,7 @@ impl LocalMesh {
         let n = ranks.len();
         let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
         for (j, slot) in conns.iter_mut().enumerate().take(me) {
-            let c = Conn::connect(&socket_name(nonce, ranks[j]), deadline, watch).map_err(|e| match e {
+            let c = Conn::connect(listener.peer_name(ranks[j])?, deadline, watch).map_err(|e| match e {
                 Error::Timeout(m) => {
                     Error::Timeout(format!("rank {} did not accept a connection from rank {} in time: {m}", ranks[j], ranks[me]))
                 }

@@ -118,9 +118,9 @@ impl ExitAt {
 fn exit_at() -> Option<&'static ExitAt> {
     static SPEC: OnceLock<Option<ExitAt>> = OnceLock::new();
     SPEC.get_or_init(|| {
-        let v = std::env::var(EXIT_AT_ENV).ok().filter(|v| !v.is_empty())?;
-        match ExitAt::parse(&v) {
-            Ok(x) => Some(x),
+        let spec = crate::config::env_var(EXIT_AT_ENV).and_then(|v| v.filter(|v| !v.is_empty()).map(|v| ExitAt::parse(&v)).transpose());
+        match spec {
+            Ok(x) => x,
             Err(e) => {
                 tracing::error!(error = %e, "ignoring the test fault hook");
                 None

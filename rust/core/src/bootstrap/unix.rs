@@ -6,6 +6,11 @@
 //! Any process in the network namespace could connect to an abstract name, so both ends
 //! check the peer's credentials (SO_PEERCRED) and accept only the same user, and the
 //! handshake carries a per-group random nonce.
+//!
+//! Anyone can also read the bound names (/proc/net/unix), and could bind a name first if
+//! they could predict it. So no name can be known before its owner has bound it: each
+//! rank binds a random name (`Listener::bind_random`) and only then publishes it in its
+//! store record; peers connect to the name the record gives.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
@@ -41,9 +46,68 @@ fn new_socket() -> Result<OwnedFd> {
 pub struct Listener {
     fd: OwnedFd,
     name: String,
+    /// The names the group's ranks published (group rank -> name; empty until
+    /// `set_peer_names`): the listener travels from the rendezvous to `LocalMesh::connect`
+    /// through engines that do not read the records, and carries them along.
+    peers: Vec<String>,
+}
+
+/// Tries of `bind_random` before it gives up on names that were taken.
+const BIND_TRIES: usize = 4;
+
+/// A fresh unpredictable name: "rsccl-" and 16 random bytes in hex.
+fn random_name() -> Result<String> {
+    let mut b = [0u8; 16];
+    // SAFETY: `b` is writable for its 16 bytes.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(Error::last_os("getrandom for a local socket name"));
+    }
+    Ok(format!("rsccl-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>()))
 }
 
 impl Listener {
+    /// Bind a random name (see the module's note). A name that is taken (someone else
+    /// holds it: with 128 random bits, never by chance) is replaced by a new one, a few
+    /// times, then it is an error that says so.
+    pub fn bind_random(backlog: i32) -> Result<Listener> {
+        Listener::bind_first_free(backlog, random_name)
+    }
+
+    fn bind_first_free(backlog: i32, mut next_name: impl FnMut() -> Result<String>) -> Result<Listener> {
+        let mut taken = Vec::new();
+        for _ in 0..BIND_TRIES {
+            let name = next_name()?;
+            match Listener::bind(&name, backlog) {
+                Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::EADDRINUSE) => taken.push(format!("@{name}")),
+                other => return other,
+            }
+        }
+        Err(Error::PeerFailure(format!(
+            "could not bind a local socket for group set-up: the random names {} were all taken by \
+             other processes (check /proc/net/unix for who holds them)",
+            taken.join(", ")
+        )))
+    }
+
+    /// The abstract name (without the leading NUL).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Record the socket names the group's ranks published (indexed by group rank).
+    pub fn set_peer_names(&mut self, names: Vec<String>) {
+        self.peers = names;
+    }
+
+    /// The socket name group rank `rank` published.
+    pub fn peer_name(&self, rank: usize) -> Result<&str> {
+        self.peers
+            .get(rank)
+            .map(String::as_str)
+            .ok_or_else(|| Error::Internal(format!("no socket name of rank {rank} was recorded before the local set-up")))
+    }
+
     pub fn bind(name: &str, backlog: i32) -> Result<Listener> {
         let fd = new_socket()?;
         let (addr, len) = abstract_addr(name.as_bytes())?;
@@ -56,7 +120,7 @@ impl Listener {
         if unsafe { libc::listen(fd.as_raw_fd(), backlog) } != 0 {
             return Err(Error::last_os(format!("listening on @{name}")));
         }
-        Ok(Listener { fd, name: name.to_string() })
+        Ok(Listener { fd, name: name.to_string(), peers: Vec::new() })
     }
 
     /// Accept one connection from a process of our own user before `deadline`.
@@ -307,5 +371,18 @@ mod tests {
         assert!(!server.peer_gone());
         drop(c);
         assert!(server.peer_gone());
+    }
+
+    #[test]
+    fn a_taken_name_is_replaced_then_reported() {
+        let squatted = Listener::bind_random(1).unwrap();
+        let mut names = vec![squatted.name().to_string(), random_name().unwrap()].into_iter();
+        let l = Listener::bind_first_free(1, || Ok(names.next().unwrap())).expect("the second name is free");
+        assert_ne!(l.name(), squatted.name());
+        let e = Listener::bind_first_free(1, || Ok(squatted.name().to_string())).err().expect("every name taken").to_string();
+        assert!(e.contains("were all taken") && e.contains(&format!("@{}", squatted.name())), "{e}");
+        let a = Listener::bind_random(1).unwrap();
+        let b = Listener::bind_random(1).unwrap();
+        assert!(a.name().starts_with("rsccl-") && a.name().len() == 38 && a.name() != b.name(), "{} {}", a.name(), b.name());
     }
 }

@@ -105,6 +105,16 @@ const _: () = assert!(std::mem::size_of::<ControlBlock>() <= CONTROL_BYTES);
 /// that times out mid-message, claims it (compare_exchange 0 -> u32::MAX), writes
 /// `error_text`, then stores the error's class code (Release); the other end fails with
 /// that text once an Acquire load sees the code.
+///
+/// Rejection (a message whose size or dtype differs from the recv it matched): the channel
+/// stays usable. The receiver writes `reject_class` and `reject_text`, then
+/// `rejected.fetch_add(1, Release)`, before it acks the message's first chunk; it then acks
+/// the message's remaining chunks without reading them. The sender has one message in the
+/// channel at a time and starts the next only after the last one was fully acked, so at
+/// most one rejection is unread: once its Acquire load of `acked` covers the message, it
+/// compares `rejected` with the count it last saw, and a change means this message was
+/// rejected, with that text. The text is not rewritten before then (the next rejection
+/// needs the sender's next message).
 #[repr(C)]
 pub struct ChannelCtrl {
     pub sent: PaddedU32,
@@ -113,6 +123,10 @@ pub struct ChannelCtrl {
     pub error_len: UnsafeCell<u32>,
     pub error_text: UnsafeCell<[u8; ERROR_TEXT_BYTES]>,
     pub headers: [UnsafeCell<MsgHeader>; 2],
+    pub rejected: PaddedU32,
+    pub reject_class: UnsafeCell<u32>,
+    pub reject_len: UnsafeCell<u32>,
+    pub reject_text: UnsafeCell<[u8; ERROR_TEXT_BYTES]>,
 }
 
 /// What one p2p chunk belongs to; checked by the receiver against its recv.

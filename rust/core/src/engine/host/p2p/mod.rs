@@ -84,9 +84,14 @@ pub(super) struct P2pExec {
     active: Vec<Option<Pending>>,
     send_next: Vec<u32>,
     recv_next: Vec<u32>,
-    /// A channel direction that failed mid-message cannot be trusted again.
-    send_broken: Vec<Option<Error>>,
-    recv_broken: Vec<Option<Error>>,
+    /// A channel direction that failed mid-message (a timeout, a dead peer) cannot be
+    /// trusted again. A size or dtype mismatch does not break it (see `rejected`).
+    send_broken: Vec<Option<Broken>>,
+    recv_broken: Vec<Option<Broken>>,
+    /// Per destination: the channel's `rejected` count this sender has seen.
+    rejects_seen: Vec<u32>,
+    /// Per source: chunks of a rejected message still to be acked unread.
+    discard: Vec<usize>,
     /// Messages taken out of a channel before a recv with their tag was posted (see
     /// `Unexpected`), oldest first, per source; and their total size.
     unexpected: Vec<VecDeque<Unexpected>>,
@@ -111,6 +116,23 @@ struct Unexpected {
 
 const UNEXPECTED_LIMIT: usize = 64 << 20;
 
+/// Why a channel direction is closed.
+#[derive(Clone)]
+struct Broken(Error);
+
+impl Broken {
+    /// The error of an operation (a "send to rank 3" or "recv from rank 3": `what`) that
+    /// finds the channel closed. The operation whose failure closed it was told that
+    /// failure already; the others are told that the channel is closed and why, so the
+    /// text is not taken for their own.
+    fn error_for(&self, what: &str) -> Error {
+        Error::from_class_code(
+            self.0.class_code(),
+            format!("{what} failed: the channel was closed by an earlier failure and cannot be used again: {}", self.0),
+        )
+    }
+}
+
 fn complete_all(items: impl IntoIterator<Item = Pending>, e: &Error) {
     for p in items {
         p.work.complete(Err(e.clone()));
@@ -130,6 +152,8 @@ impl P2pExec {
             recv_next: vec![0; n],
             send_broken: vec![None; n],
             recv_broken: vec![None; n],
+            rejects_seen: vec![0; n],
+            discard: vec![0; n],
             unexpected: (0..n).map(|_| VecDeque::new()).collect(),
             unexpected_bytes: vec![0; n],
             any: VecDeque::new(),
@@ -139,6 +163,7 @@ impl P2pExec {
     fn pending(&self) -> bool {
         self.sends.iter().chain(self.recvs.iter()).chain(std::iter::once(&self.any)).any(|q| !q.is_empty())
             || self.active.iter().any(Option::is_some)
+            || self.discard.iter().any(|&d| d > 0)
             || self.unexpected.iter().any(|q| q.back().is_some_and(|u| !u.complete))
     }
 
@@ -259,8 +284,9 @@ impl P2pExec {
         complete_all(self.sends[r].drain(..), e);
         complete_all(self.recvs[r].drain(..), e);
         complete_all(self.active[r].take(), e);
-        self.send_broken[r] = Some(e.clone());
-        self.recv_broken[r] = Some(e.clone());
+        self.discard[r] = 0;
+        self.send_broken[r] = Some(Broken(e.clone()));
+        self.recv_broken[r] = Some(Broken(e.clone()));
     }
 
     /// Fail operations past their deadline. One that had moved part of its message
@@ -307,7 +333,7 @@ impl P2pExec {
                     if p.started() {
                         poison(self.sh.channel(me, r), &e);
                         self.sh.ring(r);
-                        self.send_broken[r] = Some(e.clone());
+                        self.send_broken[r] = Some(Broken(e.clone()));
                     }
                     failed.push((p, e));
                 } else {
@@ -329,7 +355,7 @@ impl P2pExec {
                 let e = timed_out(&p, false);
                 poison(self.sh.channel(r, me), &e);
                 self.sh.ring(r);
-                self.recv_broken[r] = Some(e.clone());
+                self.recv_broken[r] = Some(Broken(e.clone()));
                 failed.push((p, e));
             }
             for (p, e) in failed {

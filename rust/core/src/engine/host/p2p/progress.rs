@@ -3,12 +3,37 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{complete_all, P2pExec, Pending, Unexpected, UNEXPECTED_LIMIT};
+use super::{complete_all, Broken, P2pExec, Pending, Unexpected, UNEXPECTED_LIMIT};
 use crate::engine::host::coll::copy;
-use crate::engine::host::{poison, POISON_WRITING};
+use crate::engine::host::POISON_WRITING;
 use crate::engine::P2p;
 use crate::error::Error;
-use crate::memory::layout::{MsgHeader, ERROR_TEXT_BYTES};
+use crate::memory::layout::{ChannelCtrl, MsgHeader, ERROR_TEXT_BYTES};
+
+/// Tell the sender on `ch` that the message whose first chunk is not yet acked was
+/// rejected with `e` (protocol in `ChannelCtrl`: before that chunk's ack).
+fn reject(ch: &ChannelCtrl, e: &Error) {
+    let text = e.to_string();
+    let b = &text.as_bytes()[..text.len().min(ERROR_TEXT_BYTES)];
+    // SAFETY: only this channel's receiver (this thread) writes the rejection fields, and
+    // the sender reads them only after it observed the increment below (Release), which
+    // comes before the ack of the rejected message; the sender's previous rejection, if
+    // any, was read before it sent this message.
+    unsafe {
+        (&mut *ch.reject_text.get())[..b.len()].copy_from_slice(b);
+        *ch.reject_len.get() = b.len() as u32;
+        *ch.reject_class.get() = e.class_code() as u32;
+    }
+    ch.rejected.0.fetch_add(1, Ordering::Release);
+}
+
+/// The rejection the receiver published on `ch` (see `reject`).
+fn rejection(ch: &ChannelCtrl) -> Error {
+    // SAFETY: read after an Acquire load of `rejected` saw the receiver's increment, which
+    // was made after these writes; they are not rewritten before this sender's next message.
+    let (class, len, text) = unsafe { (*ch.reject_class.get(), *ch.reject_len.get() as usize, *ch.reject_text.get()) };
+    Error::from_class_code(class as u8, String::from_utf8_lossy(&text[..len.min(ERROR_TEXT_BYTES)]).into_owned())
+}
 
 impl P2pExec {
     fn chunks_of(len: usize, half: usize) -> usize {
@@ -35,11 +60,10 @@ impl P2pExec {
             return false;
         }
         if self.send_broken[j].is_none() {
-            self.send_broken[j] = self.poisoned(me, j);
+            self.send_broken[j] = self.poisoned(me, j).map(Broken);
         }
-        if let Some(e) = &self.send_broken[j] {
-            let e = Error::from_class_code(e.class_code(), format!("send to rank {j} failed: {e}"));
-            complete_all(self.sends[j].drain(..), &e);
+        if let Some(b) = &self.send_broken[j] {
+            complete_all(self.sends[j].drain(..), &b.error_for(&format!("send to rank {j}")));
             return true;
         }
         let ch = self.sh.channel(me, j);
@@ -77,6 +101,16 @@ impl P2pExec {
                 break;
             }
             let p = self.sends[j].pop_front().expect("front exists");
+            progressed = true;
+            // The Acquire load of `acked` above covers the message, so a rejection of it
+            // is visible here (protocol in ChannelCtrl).
+            let rejects = ch.rejected.0.load(Ordering::Acquire);
+            if rejects != self.rejects_seen[j] {
+                self.rejects_seen[j] = rejects;
+                let e = rejection(ch);
+                p.work.complete(Err(Error::from_class_code(e.class_code(), format!("send to rank {j} failed: {e}"))));
+                continue;
+            }
             self.sh.p2p_messages.fetch_add(1, Ordering::Relaxed);
             self.sh.staged_bytes.fetch_add(buf.len as u64, Ordering::Relaxed);
             p.work.complete(Ok(()));
@@ -149,21 +183,22 @@ impl P2pExec {
         let me = self.sh.me;
         let half = self.sh.layout.p2p_half;
         let capturing = self.unexpected[i].back().is_some_and(|u| !u.complete);
-        if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing && self.any.is_empty() {
+        if self.recvs[i].is_empty() && self.active[i].is_none() && !capturing && self.any.is_empty() && self.discard[i] == 0 {
             return false;
         }
         // Messages already held are delivered even if the channel has failed since.
         let mut progressed = self.match_unexpected(i);
         if self.recv_broken[i].is_none() {
-            self.recv_broken[i] = self.poisoned(i, me);
+            self.recv_broken[i] = self.poisoned(i, me).map(Broken);
         }
-        if let Some(e) = &self.recv_broken[i] {
-            let e = Error::from_class_code(e.class_code(), format!("recv from rank {i} failed: {e}"));
+        if let Some(b) = &self.recv_broken[i] {
             if self.unexpected[i].back().is_some_and(|u| !u.complete) {
                 let u = self.unexpected[i].pop_back().expect("checked"); // never completes now
                 self.unexpected_bytes[i] -= u.total;
             }
+            self.discard[i] = 0;
             progressed |= !self.recvs[i].is_empty() || self.active[i].is_some();
+            let e = b.error_for(&format!("recv from rank {i}"));
             complete_all(self.recvs[i].drain(..), &e);
             complete_all(self.active[i].take(), &e);
             return progressed;
@@ -177,7 +212,7 @@ impl P2pExec {
             }
             let h = (g & 1) as usize;
             let capturing = self.unexpected[i].back().is_some_and(|u| !u.complete);
-            if self.active[i].is_none() && !capturing {
+            if self.active[i].is_none() && !capturing && self.discard[i] == 0 {
                 // SAFETY: chunk g is published (Acquire load of `sent` above); the sender
                 // does not touch half h until we ack it.
                 let hdr = unsafe { std::ptr::read(ch.headers[h].get()) };
@@ -190,14 +225,15 @@ impl P2pExec {
                 if let Some(p) = matched {
                     set_source(&p, i);
                     if hdr.total_bytes != p.buf().len as u64 || hdr.dtype != p.tag_dtype().1 as u8 {
+                        // Both ends fail with the same text, and the message is skipped
+                        // (acked unread below): the channel stays usable.
                         let e = self.mismatch(&p, i, hdr.total_bytes, hdr.dtype);
-                        poison(ch, &e);
-                        self.sh.ring(i);
-                        self.recv_broken[i] = Some(e.clone());
+                        reject(ch, &e);
+                        self.discard[i] = Self::chunks_of(hdr.total_bytes as usize, half);
                         p.work.complete(Err(e));
-                        return true;
+                    } else {
+                        self.active[i] = Some(p);
                     }
-                    self.active[i] = Some(p);
                 } else if (!self.recvs[i].is_empty() || !self.any.is_empty())
                     && self.unexpected_bytes[i] + hdr.total_bytes as usize <= UNEXPECTED_LIMIT
                 {
@@ -217,7 +253,10 @@ impl P2pExec {
                 }
             }
             let src = self.sh.region.at(self.sh.layout.channel_half(i, me, h));
-            let done_now = if let Some(p) = self.active[i].as_mut() {
+            let done_now = if self.discard[i] > 0 {
+                self.discard[i] -= 1; // a chunk of a rejected message
+                false
+            } else if let Some(p) = self.active[i].as_mut() {
                 let buf = p.buf();
                 let lo = p.done * half;
                 let len = half.min(buf.len - lo.min(buf.len));
