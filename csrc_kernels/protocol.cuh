@@ -153,12 +153,15 @@ __device__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
 //     graph that still holds this kernel was replayed; nobody is left to report to, so
 //     the kernel stops the CUDA context with a message (a trap: the replay fails loudly)
 //     rather than return a result it did not compute;
-//   - the block's busy word, swapped to 1 (atomicExch; cleared at save_state): if it
-//     was 1 already, another kernel of this group runs block b on this GPU right now. The
+//   - the block's busy word, incremented (atomicAdd; swapped back to 0 at save_state): if
+//     it was not 0, another kernel of this group runs block b on this GPU right now. The
 //     lockstep protocol cannot tell two such kernels apart (they would pass each other's
 //     barriers and read each other's staging), so this is a failure of the group
 //     (ERR_CONCURRENT: e.g. a graph replayed while an async collective of the group was
-//     not yet waited for, or two graphs of one group replayed on two streams). Only
+//     not yet waited for, or two graphs of one group replayed on two streams). The kernel
+//     that came first finds the other's increment when it swaps the word back at its end,
+//     and fails the same way: its result may be wrong too, and with FLAG_HOLD_ON_ERROR it
+//     holds its stream as well, so that nothing consumes that result. Only
 //     kernels that overlap on one GPU are caught: two unordered kernels whose blocks b
 //     never run at once on any GPU are not, but then each GPU runs them one after the
 //     other, and a difference in what they are (collective, dtype, count) is still a
@@ -192,7 +195,7 @@ __device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
         const u64 own = a.peer[a.rank];
         const u32* c = reinterpret_cast<const u32*>(own + CTR_OFF) + 2 * blockIdx.x;
         u32* busy = reinterpret_cast<u32*>(own + BUSY_OFF) + blockIdx.x;
-        const u32 was_busy = atomicExch(busy, 1u);
+        const u32 was_busy = atomicAdd(busy, 1u);
         const u32 poison = own_poison(a);
         s->epoch = c[0];
         s->step = c[1];
@@ -202,10 +205,10 @@ __device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
         s->any_attempt = 0;
         s->abort = 0;
         if (poison != 0) {
-            if (!was_busy) *busy = 0;
+            if (!was_busy) atomicSub(busy, 1u);
             s->abort = failed_at_entry(a, poison);
         } else if (was_busy) {
-            // The other kernel owns the word (and clears it); this one stops the group.
+            // The other kernel owns the word; its exit finds this one's mark (save_state).
             fail(a, ERR_CONCURRENT, a.rank);
             s->abort = 1;
         }
@@ -227,7 +230,8 @@ __device__ __forceinline__ void save_state(const Args& a, BlockState* s, u64 ste
             c[0] = s->epoch;
             c[1] = s->step;
         }
-        reinterpret_cast<u32*>(a.peer[a.rank] + BUSY_OFF)[blockIdx.x] = 0;
+        // Another kernel of the group entered block b while this one ran (NOTE [Kernel entry]).
+        if (atomicExch(reinterpret_cast<u32*>(a.peer[a.rank] + BUSY_OFF) + blockIdx.x, 0u) > 1) fail(a, ERR_CONCURRENT, a.rank);
     }
 }
 

@@ -126,8 +126,8 @@ def async_then_replay(rank: int, world: int, seed: int) -> None:
         x = big[rank].cuda().repeat(reps)
         g_buf.copy_(small[rank].cuda())
         torch.cuda.synchronize()
-        dist.barrier()
         try:
+            dist.barrier()  # raises a failure of the round before (cuda_error_teardown = 0)
             # Both launches below wait for this sleep (the async collective's stream joins
             # the current one), so they become ready together and overlap on the GPU.
             torch.cuda._sleep(20_000_000)

@@ -195,7 +195,7 @@ def body_device_mesh_first_collectives(ctx, seed: int) -> dict:
         dist.all_gather(xs, x, group=g)
         y = x.clone()
         dist.all_reduce(y, group=g)
-        check_reduction(y, xs, "SUM", f"all_reduce on a mesh group of {n}")
+        check_reduction(y, torch.stack(xs), "SUM", f"all_reduce on a mesh group of {n}")
     torch.cuda.synchronize()
     free1, reserved1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
     for g in groups:
