@@ -109,6 +109,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_to_all(const A2aArg
             __threadfence_system();
             st_volatile_host(a.err_host, (ERR_A2A << 16) | i);
             __threadfence_system();
+            hold_for_host(a);  // as report_mismatch: the stream waits for the host's verdict
         }
         save_state(a, &s, 1);
         return;
