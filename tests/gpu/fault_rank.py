@@ -45,42 +45,47 @@ def inputs(seed: int, world: int, n: int, salt: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000 + salt * 100 + r)) for r in range(world)]
 
 
+def checked_all_reduce(name: str, x: torch.Tensor, xs: list[torch.Tensor]) -> None:
+    """A blocking all_reduce of `x`, its result checked (RESULT) or its error said (RAISED)."""
+    try:
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        expect_sum(name, x, xs)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        say(f"RAISED {name} {type(e).__name__}: {e}")
+
+
+def capture_all_reduce(buf: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of an all_reduce of `buf` (warmed up on a side stream first, as torch
+    asks of code it captures)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dist.all_reduce(buf.clone())
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        dist.all_reduce(buf)
+    return graph
+
+
 def late_peer(rank: int, world: int, seed: int) -> None:
     """Rank world-1 calls all_reduce LATE_S after the others, past the group timeout."""
     xs = inputs(seed, world, 4096, 1)
     x = xs[rank].cuda()
     if rank == world - 1:
         time.sleep(LATE_S)
-    try:
-        dist.all_reduce(x)
-        torch.cuda.synchronize()
-        expect_sum("late_all_reduce", x, xs)
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        say(f"RAISED late_all_reduce {type(e).__name__}: {e}")
-    try:
-        y = xs[rank].cuda()
-        dist.all_reduce(y)
-        torch.cuda.synchronize()
-        expect_sum("next_all_reduce", y, xs)
-    except Exception as e:  # noqa: BLE001
-        say(f"RAISED next_all_reduce {type(e).__name__}: {e}")
+    checked_all_reduce("late_all_reduce", x, xs)
+    checked_all_reduce("next_all_reduce", xs[rank].cuda(), xs)
 
 
 def graph_after_failure(rank: int, world: int, seed: int) -> None:
     """A CUDA graph of an all_reduce, captured while the group was healthy, replayed after a
     peer timed out: the replay must not compute (or pass off) a result."""
     xs = inputs(seed, world, 4096, 2)
-    g_in = xs[rank].cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        dist.all_reduce(g_in.clone())  # warm the stream
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     buf = xs[rank].cuda()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        dist.all_reduce(buf)
+    graph = capture_all_reduce(buf)
     buf.copy_(xs[rank].cuda())
     graph.replay()
     torch.cuda.synchronize()
@@ -112,15 +117,7 @@ def async_then_replay(rank: int, world: int, seed: int) -> None:
     big = inputs(seed, world, 1 << 16, 3)
     small = inputs(seed, world, 4096, 4)
     g_buf = small[rank].cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        dist.all_reduce(g_buf.clone())
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        dist.all_reduce(g_buf)
+    graph = capture_all_reduce(g_buf)
     reps = n_big // big[rank].numel()
     for k in range(4):
         x = big[rank].cuda().repeat(reps)
@@ -154,13 +151,7 @@ def mismatch(rank: int, world: int, seed: int) -> None:
         say("RESULT barrier_after_mismatch returned")
     except Exception as e:  # noqa: BLE001
         say(f"RAISED mismatched_all_reduce {type(e).__name__}: {e}")
-    try:
-        y = xs[rank].cuda()
-        dist.all_reduce(y)
-        torch.cuda.synchronize()
-        expect_sum("after_mismatch", y, xs)
-    except Exception as e:  # noqa: BLE001
-        say(f"RAISED after_mismatch {type(e).__name__}: {e}")
+    checked_all_reduce("after_mismatch", xs[rank].cuda(), xs)
 
 
 def replay_after_destroy(rank: int, world: int, seed: int) -> None:
@@ -169,15 +160,7 @@ def replay_after_destroy(rank: int, world: int, seed: int) -> None:
     (a loud failure) instead of touching unmapped memory or returning a result."""
     xs = inputs(seed, world, 4096, 6)
     buf = xs[rank].cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        dist.all_reduce(buf.clone())
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        dist.all_reduce(buf)
+    graph = capture_all_reduce(buf)
     buf.copy_(xs[rank].cuda())
     graph.replay()
     torch.cuda.synchronize()
