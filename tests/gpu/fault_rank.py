@@ -55,6 +55,18 @@ def checked_all_reduce(name: str, x: torch.Tensor, xs: list[torch.Tensor]) -> No
         say(f"RAISED {name} {type(e).__name__}: {e}")
 
 
+def replayed_graph(rank: int, xs: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of an all_reduce of this rank's input, replayed once and checked
+    (RESULT replay_before), and the buffer it reduces."""
+    buf = xs[rank].cuda()
+    graph = capture_all_reduce(buf)
+    buf.copy_(xs[rank].cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    expect_sum("replay_before", buf, xs)
+    return graph, buf
+
+
 def capture_all_reduce(buf: torch.Tensor) -> torch.cuda.CUDAGraph:
     """A CUDA graph of an all_reduce of `buf` (warmed up on a side stream first, as torch
     asks of code it captures)."""
@@ -84,12 +96,7 @@ def graph_after_failure(rank: int, world: int, seed: int) -> None:
     """A CUDA graph of an all_reduce, captured while the group was healthy, replayed after a
     peer timed out: the replay must not compute (or pass off) a result."""
     xs = inputs(seed, world, 4096, 2)
-    buf = xs[rank].cuda()
-    graph = capture_all_reduce(buf)
-    buf.copy_(xs[rank].cuda())
-    graph.replay()
-    torch.cuda.synchronize()
-    expect_sum("replay_before", buf, xs)
+    graph, buf = replayed_graph(rank, xs)
     late_peer(rank, world, seed)
     for k in range(3):
         buf.fill_(float("nan"))  # a replay that writes nothing leaves NaN; a wrong one, numbers
@@ -159,12 +166,7 @@ def replay_after_destroy(rank: int, world: int, seed: int) -> None:
     group's memory and kernels alive, and its kernels stop the CUDA context with a message
     (a loud failure) instead of touching unmapped memory or returning a result."""
     xs = inputs(seed, world, 4096, 6)
-    buf = xs[rank].cuda()
-    graph = capture_all_reduce(buf)
-    buf.copy_(xs[rank].cuda())
-    graph.replay()
-    torch.cuda.synchronize()
-    expect_sum("replay_before", buf, xs)
+    graph, buf = replayed_graph(rank, xs)
     dist.destroy_process_group()
     say("DESTROYED")
     buf.fill_(float("nan"))
