@@ -13,7 +13,10 @@ gloo's own.
 The messages use two tags at the top of the tag range (`ARRIVE`, `RELEASE`): a user's
 send/recv with those tags between rank 0 and another rank would be mixed up with them.
 After a monitored_barrier failed, a rank that arrives late is answered "failed" at rank
-0's next monitored_barrier (its arrival is not counted for that one).
+0's next monitored_barrier (its arrival is not counted for that one). Rank 0 cannot tell a
+late arrival from a rank that skipped the failed barrier and arrives for the next one: a
+group whose ranks skipped a monitored_barrier is not one to reuse for the next (with gloo,
+its ranks' tags would disagree), which is how torch's own tests use it.
 """
 
 from __future__ import annotations
