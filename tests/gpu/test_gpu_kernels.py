@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from gpu_harness import gpu_cluster, needs_gpus, selected_worlds
 from gpu_refs import check_reduction, gather_inputs, rand
-from harness import Cluster
 
 pytestmark = needs_gpus
 
@@ -56,11 +55,17 @@ def body_collectives(ctx, seed: int) -> str:
     return f"sm_{p.major}{p.minor}"
 
 
-def _nvrtc_cluster(world: int, cache: str) -> tuple[Cluster, float]:
+def _nvrtc_run(world: int, cache: str, seed: int) -> tuple[list, float]:
+    """A cluster on NVRTC kernels cached in `cache`: its ranks' archs after body_collectives,
+    and how long it took to start."""
     t = time.monotonic()
     # Start-up includes the compilation (about a minute on 16 cores for every module).
     c = gpu_cluster(world, timeout=120, start_timeout=900, env={"RSCCL_KERNELS": "nvrtc", "RSCCL_CACHE_DIR": cache})
-    return c, time.monotonic() - t
+    started = time.monotonic() - t
+    try:
+        return c.run(body_collectives, seed, timeout=300), started
+    finally:
+        c.close(timeout=60)
 
 
 # Above the suite's 300 s per test: the first cluster compiles every module (about a
@@ -69,11 +74,7 @@ def _nvrtc_cluster(world: int, cache: str) -> tuple[Cluster, float]:
 def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
     world = min(max(selected_worlds()), 4)  # ranks share GPUs where they outnumber them
     cache = str(tmp_path / "kernel-cache")
-    c, cold = _nvrtc_cluster(world, cache)
-    try:
-        archs = c.run(body_collectives, seed, timeout=300)
-    finally:
-        c.close(timeout=60)
+    archs, cold = _nvrtc_run(world, cache, seed)
     arch = archs[0]
     cubins = sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin")))
     modules = {os.path.basename(p).split("-")[2] for p in cubins}
@@ -82,11 +83,7 @@ def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
     leftovers = [p for p in os.listdir(cache) if ".tmp" in p]
     assert not leftovers, f"partial cache files left behind: {leftovers}"
 
-    c, warm = _nvrtc_cluster(world, cache)
-    try:
-        c.run(body_collectives, seed + 1, timeout=300)
-    finally:
-        c.close(timeout=60)
+    _, warm = _nvrtc_run(world, cache, seed + 1)
     assert sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin"))) == cubins, "the second cluster compiled again"
 
     # A cached cubin the driver refuses (truncated: non-empty, so the cache's read takes it)
@@ -97,11 +94,7 @@ def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
         good = f.read()
     with open(victim, "wb") as f:
         f.write(good[:4096])
-    c, repaired = _nvrtc_cluster(world, cache)
-    try:
-        c.run(body_collectives, seed + 2, timeout=300)
-    finally:
-        c.close(timeout=60)
+    _, repaired = _nvrtc_run(world, cache, seed + 2)
     assert sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin"))) == cubins, "the repaired cache has other files"
     with open(victim, "rb") as f:
         fresh = f.read()
