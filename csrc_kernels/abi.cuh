@@ -98,6 +98,22 @@ struct Args {
     u32 flags;             // FLAG_* bits
 };
 
+// The collective descriptor's first word (Args::desc0, built by the host in
+// rust/core/src/cuda/engine/launch.rs): kind | dtype << 8 | op << 16 | root << 32, one byte
+// each but the root. The reducing kernels take their reduce op from it.
+#define DESC0_DTYPE_SHIFT 8
+#define DESC0_OP_SHIFT 16
+#define DESC0_ROOT_SHIFT 32
+
+// Reduce op codes in desc0: rust/core's ReduceOp discriminants (const assertions in
+// rust/core/src/cuda/kernels/mod.rs hold the two equal). The kernels reduce these five; AVG
+// on floating types only (ReduceOp::check rejects it on integers before any launch).
+#define OP_SUM 0
+#define OP_PROD 1
+#define OP_MIN 2
+#define OP_MAX 3
+#define OP_AVG 7
+
 // Threads per block of every kernel (their __launch_bounds__; the host launches this many).
 #define THREADS 512
 

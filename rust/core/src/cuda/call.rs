@@ -2,6 +2,7 @@
 //! from the op record (collective/op.rs), and the descriptor words peers compare
 //! (`describe`).
 
+use super::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT};
 use super::AllToAll;
 use crate::dtype::{DType, ReduceOp};
 
@@ -65,7 +66,7 @@ pub(crate) fn describe(d0: u64, d1: u64) -> String {
     let Some(k) = CudaKind::from_code((d0 & 0xff) as u8) else {
         return "an unknown call".to_string();
     };
-    let dtype = DType::from_code(((d0 >> 8) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
-    let op = ReduceOp::from_code(((d0 >> 16) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
-    super::decide::call_in_words(k, dtype, op, (d0 >> 32) as u32, d1)
+    let dtype = DType::from_code(((d0 >> DESC0_DTYPE_SHIFT) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
+    let op = ReduceOp::from_code(((d0 >> DESC0_OP_SHIFT) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
+    super::decide::call_in_words(k, dtype, op, (d0 >> DESC0_ROOT_SHIFT) as u32, d1)
 }

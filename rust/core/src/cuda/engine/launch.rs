@@ -11,7 +11,7 @@ use super::events::{CudaEvent, EventHome};
 use super::{CudaCall, CudaEngine, CudaKind};
 use crate::cuda::decide::{kernel, placement, Kernel};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
-use crate::cuda::kernels::{MAX_RANKS, THREADS};
+use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::error::{Error, Result};
 
 /// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
@@ -89,7 +89,10 @@ impl CudaEngine {
         a.count = c.count;
         a.root = c.root as u32;
         a.flags = self.sh.launch_flags();
-        a.desc0 = c.kind.code() | ((c.dtype as u64) << 8) | ((c.op as u64) << 16) | ((c.root as u64) << 32);
+        a.desc0 = c.kind.code()
+            | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
+            | ((c.op as u64) << DESC0_OP_SHIFT)
+            | ((c.root as u64) << DESC0_ROOT_SHIFT);
         a.desc1 = c.count;
         if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll) {
             a.desc0 = c.kind.code();

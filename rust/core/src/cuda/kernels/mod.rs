@@ -75,6 +75,11 @@ pub const POISON_OFF: usize = abi::POISON_OFF as usize;
 pub const POISON_DESTROYED: u32 = abi::POISON_DESTROYED as u32;
 pub const MAX_RANKS: usize = abi::MAX_RANKS as usize;
 pub const MAX_BLOCKS: u32 = abi::MAX_BLOCKS as u32;
+/// Args::desc0 = kind | dtype << DESC0_DTYPE_SHIFT | op << DESC0_OP_SHIFT | root <<
+/// DESC0_ROOT_SHIFT: the reducing kernels read their op from it.
+pub const DESC0_DTYPE_SHIFT: u32 = abi::DESC0_DTYPE_SHIFT as u32;
+pub const DESC0_OP_SHIFT: u32 = abi::DESC0_OP_SHIFT as u32;
+pub const DESC0_ROOT_SHIFT: u32 = abi::DESC0_ROOT_SHIFT as u32;
 
 /// The kernel families with a dtype x op instantiation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -110,6 +115,16 @@ impl Family {
 
 pub const REDUCE_DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
 pub const REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max];
+
+// The kernels switch on the op code in desc0 (csrc_kernels/common.cuh, NOTE [Reduce op at
+// run time]) by abi.cuh's OP_* names: each must be the code ReduceOp sends.
+const _: () = {
+    assert!(ReduceOp::Sum as u64 == abi::OP_SUM);
+    assert!(ReduceOp::Product as u64 == abi::OP_PROD);
+    assert!(ReduceOp::Min as u64 == abi::OP_MIN);
+    assert!(ReduceOp::Max as u64 == abi::OP_MAX);
+    assert!(ReduceOp::Avg as u64 == abi::OP_AVG);
+};
 
 /// Whether rsccl's CUDA kernels reduce `d` with `o` (every reducing family has the same
 /// dtype x op matrix), or the error that says what they take.
