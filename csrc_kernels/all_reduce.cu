@@ -6,8 +6,8 @@
 // Each step, block b takes m elements and writes them into its slot of every peer's
 // staging (remote stores over NVLink), passes a barrier, then reduces in rank order: its
 // own input for itself, the slots for the others (so every rank computes the same bits).
-template <typename T, typename Op>
-__device__ void ar_oneshot(const Args& a) {
+template <typename T>
+__device__ void ar_oneshot(const Args& a, u32 op) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;
@@ -32,7 +32,7 @@ __device__ void ar_oneshot(const Args& a) {
         const T* mine = reinterpret_cast<const T*>(stage_of(a, me, par));
         for_packs<T>(
             lo, hi,
-            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, mine, me, W, m, i, lo, hi); },
+            [&](Pack<T>& p, u64 i) { reduce_staged(p, in, mine, me, W, m, i, lo, hi, op); },
             [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
@@ -46,8 +46,8 @@ __device__ void ar_oneshot(const Args& a) {
 // written, on every rank, by that one thread only (reads before its dependent writes), so
 // aliasing in and out is safe. The closing barrier orders every push before each rank's
 // later work, and every read of my buffers before I return.
-template <typename T, typename Op>
-__device__ void ar_in_place(const Args& a, BlockState& s) {
+template <typename T>
+__device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
     typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count, P = Pack<T>::N;
@@ -61,9 +61,9 @@ __device__ void ar_in_place(const Args& a, BlockState& s) {
             A acc[Pack<T>::N];
             for (u32 j = 0; j < W; j++) {
                 load_pack(p, peer_in<T>(a, j), i, shi);
-                reduce_pack<T, Op>(p, acc, j == 0);
+                reduce_pack(p, acc, j == 0, op);
             }
-            finish_pack<T, Op>(p, acc, W);
+            finish_pack(p, acc, W, op);
         },
         [&](const Pack<T>& p, u64 i) {
             for (u32 j0 = 0; j0 < W; j0++) store_pack(p, peer_out<T>(a, (me + j0) % W), i, shi);
@@ -84,7 +84,7 @@ __device__ void ar_in_place(const Args& a, BlockState& s) {
 // barrier(s + 1), which needs my signal given after my phase B of step s (my last read of
 // them); it writes AG slots of parity p again in phase B of step s + 2, after barrier(s + 2),
 // which needs my signal given after my phase B of step s + 1 (where I copy them out).
-template <typename T, typename Op>
+template <typename T>
 __device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, const T* ag, T* out) {
     const u32 W = a.world, me = a.rank;
     const u64 lo = st * per_step + blockIdx.x * m;
@@ -118,8 +118,8 @@ __device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step
     }
 }
 
-template <typename T, typename Op>
-__device__ void ar_twoshot(const Args& a) {
+template <typename T>
+__device__ void ar_twoshot(const Args& a, u32 op) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;
@@ -132,7 +132,7 @@ __device__ void ar_twoshot(const Args& a) {
     T* out = reinterpret_cast<T*>(a.out);
     if (!staged_start(
             a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1); },
-            [&] { ar_in_place<T, Op>(a, s); }))
+            [&] { ar_in_place<T>(a, s, op); }))
         return;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
@@ -144,14 +144,14 @@ __device__ void ar_twoshot(const Args& a) {
         }
         if (st > 0) {
             const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
-            copy_ag<T, Op>(a, st - 1, per_step, m, shard, ag, out);
+            copy_ag<T>(a, st - 1, per_step, m, shard, ag, out);
         }
         const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
         const u64 slo = lo + me * shard;
         const u64 shi = min64(slo + shard, hi);
         for_packs<T>(
             slo, shi,
-            [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, rs, me, W, shard, i, slo, shi); },
+            [&](Pack<T>& p, u64 i) { reduce_staged(p, in, rs, me, W, shard, i, slo, shi, op); },
             [&](const Pack<T>& p, u64 i) {
                 store_pack(p, out, i, shi);
                 for (u32 j0 = 1; j0 < W; j0++) {
@@ -165,7 +165,7 @@ __device__ void ar_twoshot(const Args& a) {
     {
         const u32 par = (s.step + (u32)(steps - 1)) & 1;
         const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par)) + slots * shard;
-        copy_ag<T, Op>(a, steps - 1, per_step, m, shard, ag, out);
+        copy_ag<T>(a, steps - 1, per_step, m, shard, ag, out);
     }
     save_state(a, &s, steps);
 }

@@ -1,5 +1,5 @@
 // rsccl's kernels: what every family shares beyond the protocol (protocol.cuh): element
-// types and reduce ops, 16-byte packs, staging slots, the reduction in rank order, the
+// types and reduce ops (chosen at run time: NOTE [Reduce op at run time]), 16-byte packs, staging slots, the reduction in rank order, the
 // per-thread copy loops, the in-place helpers and the entry-point macros.
 
 #pragma once
@@ -38,19 +38,35 @@ template <> __device__ __forceinline__ bf16 narrow<bf16>(float a) {
     return r;
 }
 
+// The ops' arithmetic; `reduce_pack` and `finish_pack` pick one by the call's op code.
 struct OpSum { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
 struct OpProd { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a * b; } };
 struct OpMin { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b < a ? b : a; } };
 struct OpMax { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return b > a ? b : a; } };
-// AVG: a sum, divided by the number of ranks at the end (integer division for integers).
-struct OpAvg { template <typename A> __device__ __forceinline__ static A f(A a, A b) { return a + b; } };
+// AVG is a sum, divided by the number of ranks at the end (floating types only).
 
-template <typename Op> struct Finish {
-    template <typename A> __device__ __forceinline__ static A f(A a, u32) { return a; }
-};
-template <> struct Finish<OpAvg> {
-    template <typename A> __device__ __forceinline__ static A f(A a, u32 world) { return a / (A)world; }
-};
+// NOTE [Reduce op at run time]
+// One kernel per (family, dtype) serves every reduce op (issue 30: one entry point per
+// (family, dtype, op) made 100 fully inlined kernels, 35 MB of fat binaries and 441 s of
+// nvcc). The op is the call's (abi.cuh's OP_*, in Args::desc0), the same in every thread
+// of the grid, so the switch on it at each pack is a uniform branch: no divergence, a few
+// instructions per 16-byte pack on a memory-bound path. `uniform_op` hides the op's value
+// from the optimizer at each use (an empty volatile asm: it cannot be hoisted out of
+// the loop), so that nvcc does not unswitch the loops around the reduction back into one
+// copy per op, which would bring the code size back (csrc_kernels/README.md gives the
+// sizes). Integer kernels have no AVG code: they treat any op they do not know as SUM.
+
+// The reduce op of this call, from its descriptor (every rank's is the same: the first
+// barrier compares descriptors before any reduction).
+__device__ __forceinline__ u32 desc_op(const Args& a) { return (u32)(a.desc0 >> DESC0_OP_SHIFT) & 0xff; }
+
+__device__ __forceinline__ u32 uniform_op(u32 op) {
+    asm volatile("" : "+r"(op));
+    return op;
+}
+
+template <typename A> struct IsFloat { enum { value = 0 }; };
+template <> struct IsFloat<float> { enum { value = 1 }; };
 
 // ---------------------------------------------------------------------------------------
 // 16-byte packs. A pack is 16 / sizeof(T) consecutive elements; a pack that runs past the
@@ -130,35 +146,52 @@ __device__ __forceinline__ u64 steps_for(u64 count, u64 per_step) {
 __device__ __forceinline__ u32 slot_of(u32 src, u32 me) { return src - (src > me ? 1 : 0); }
 
 template <typename T, typename Op>
-__device__ __forceinline__ void reduce_pack(Pack<T>& p, typename Acc<T>::type* acc, bool first) {
+__device__ __forceinline__ void reduce_pack_with(const Pack<T>& p, typename Acc<T>::type* acc) {
     typedef typename Acc<T>::type A;
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+}
+
+// acc = p (first) or acc op p, element-wise, for the call's `op` (NOTE [Reduce op at run time]).
+template <typename T>
+__device__ __forceinline__ void reduce_pack(Pack<T>& p, typename Acc<T>::type* acc, bool first, u32 op) {
     if (first) {
 #pragma unroll
         for (int k = 0; k < Pack<T>::N; k++) acc[k] = widen(p.v[k]);
-    } else {
-#pragma unroll
-        for (int k = 0; k < Pack<T>::N; k++) acc[k] = Op::f(acc[k], (A)widen(p.v[k]));
+        return;
+    }
+    switch (uniform_op(op)) {
+    case OP_PROD: reduce_pack_with<T, OpProd>(p, acc); break;
+    case OP_MIN: reduce_pack_with<T, OpMin>(p, acc); break;
+    case OP_MAX: reduce_pack_with<T, OpMax>(p, acc); break;
+    default: reduce_pack_with<T, OpSum>(p, acc); break; // SUM, and AVG's sum
     }
 }
 
-template <typename T, typename Op>
-__device__ __forceinline__ void finish_pack(Pack<T>& p, const typename Acc<T>::type* acc, u32 W) {
+// p = acc, narrowed to T; AVG divides by the number of ranks first.
+template <typename T>
+__device__ __forceinline__ void finish_pack(Pack<T>& p, typename Acc<T>::type* acc, u32 W, u32 op) {
+    typedef typename Acc<T>::type A;
+    if (IsFloat<A>::value && uniform_op(op) == OP_AVG) {
 #pragma unroll
-    for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(Finish<Op>::f(acc[k], W));
+        for (int k = 0; k < Pack<T>::N; k++) acc[k] = acc[k] / (A)W;
+    }
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(acc[k]);
 }
 
 // Pack i of the reduction, in rank order, of rank `own`'s input `in` (valid below `hi`) and
 // the other ranks' staging slots (`slots` + slot_of(j, own) * width, at i - lo): every rank
 // that reduces an element adds the same values in the same order, so gets the same bits.
-template <typename T, typename Op>
-__device__ __forceinline__ void reduce_staged(Pack<T>& p, const T* in, const T* slots, u32 own, u32 W, u64 width, u64 i, u64 lo, u64 hi) {
+template <typename T>
+__device__ __forceinline__ void reduce_staged(Pack<T>& p, const T* in, const T* slots, u32 own, u32 W, u64 width, u64 i, u64 lo, u64 hi, u32 op) {
     typename Acc<T>::type acc[Pack<T>::N];
     for (u32 j = 0; j < W; j++) {
         if (j == own) load_pack(p, in, i, hi);
         else load_stage(p, slots + slot_of(j, own) * width, i - lo);
-        reduce_pack<T, Op>(p, acc, j == 0);
+        reduce_pack(p, acc, j == 0, op);
     }
-    finish_pack<T, Op>(p, acc, W);
+    finish_pack(p, acc, W, op);
 }
 
 // Count a collective of `bytes` (memory_stats) once it passed its first barrier (calls
@@ -285,28 +318,17 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 }
 
 // ---------------------------------------------------------------------------------------
-// Entry points: rs_<algorithm>_<dtype>_<op>. AVG is defined on floating types only
-// (ReduceOp::check rejects it on integers before any launch), so integer types get the
-// four other ops.
+// Entry points: rs_<algorithm>_<dtype>, one per reduced type; the op comes with the call
+// (NOTE [Reduce op at run time]).
 
-#define RS_ENTRY(ALG, T, TN, OP, ON)                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN##_##ON(const Args a) { \
-        ALG<T, OP>(a);                                                                      \
+#define RS_ENTRY(ALG, T, TN)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN(const Args a) { \
+        ALG<T>(a, desc_op(a));                                                            \
     }
 
-#define RS_INT_OPS(ALG, T, TN)         \
-    RS_ENTRY(ALG, T, TN, OpSum, sum)   \
-    RS_ENTRY(ALG, T, TN, OpProd, prod) \
-    RS_ENTRY(ALG, T, TN, OpMin, min)   \
-    RS_ENTRY(ALG, T, TN, OpMax, max)
-
-#define RS_FLOAT_OPS(ALG, T, TN) \
-    RS_INT_OPS(ALG, T, TN)       \
-    RS_ENTRY(ALG, T, TN, OpAvg, avg)
-
-#define RS_TYPES(ALG)              \
-    RS_FLOAT_OPS(ALG, float, f32)  \
-    RS_FLOAT_OPS(ALG, f16, f16)    \
-    RS_FLOAT_OPS(ALG, bf16, bf16)  \
-    RS_INT_OPS(ALG, i32, i32)      \
-    RS_INT_OPS(ALG, i64, i64)
+#define RS_TYPES(ALG)          \
+    RS_ENTRY(ALG, float, f32)  \
+    RS_ENTRY(ALG, f16, f16)    \
+    RS_ENTRY(ALG, bf16, bf16)  \
+    RS_ENTRY(ALG, i32, i32)    \
+    RS_ENTRY(ALG, i64, i64)

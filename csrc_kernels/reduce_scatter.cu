@@ -5,8 +5,8 @@
 // reduce_scatter in place (in, world * count elements, in the pool): pull shard `rank` of
 // every peer's input, reduce in rank order into my output; barrier (peers are done reading
 // my input).
-template <typename T, typename Op>
-__device__ void rs_in_place(const Args& a, BlockState& s) {
+template <typename T>
+__device__ void rs_in_place(const Args& a, BlockState& s, u32 op) {
     typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count, P = Pack<T>::N;
@@ -19,9 +19,9 @@ __device__ void rs_in_place(const Args& a, BlockState& s) {
             A acc[Pack<T>::N];
             for (u32 j = 0; j < W; j++) {
                 load_pack(p, peer_in<T>(a, j) + me * n, i, hi);
-                reduce_pack<T, Op>(p, acc, j == 0);
+                reduce_pack(p, acc, j == 0, op);
             }
-            finish_pack<T, Op>(p, acc, W);
+            finish_pack(p, acc, W, op);
         },
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     barrier(a, &s);
@@ -34,8 +34,8 @@ __device__ void rs_in_place(const Args& a, BlockState& s) {
 //   push(0) barrier(0) | push(1) reduce(0) barrier(1) | ... | reduce(last)
 // Reuse: a peer writes parity p's slots again at push(s + 2), after barrier(s + 1), which
 // needs my signal given after reduce(s) (my last read of them).
-template <typename T, typename Op>
-__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out) {
+template <typename T>
+__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out, u32 op) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 lo = st * per_step + blockIdx.x * m;
@@ -44,7 +44,7 @@ __device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_st
     const T* own = in + me * n;
     for_packs<T>(
         lo, hi,
-        [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, own, rs, me, W, m, i, lo, hi); },
+        [&](Pack<T>& p, u64 i) { reduce_staged(p, own, rs, me, W, m, i, lo, hi, op); },
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
@@ -65,8 +65,8 @@ __device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64
     }
 }
 
-template <typename T, typename Op>
-__device__ void reduce_scatter(const Args& a) {
+template <typename T>
+__device__ void reduce_scatter(const Args& a, u32 op) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world;
@@ -78,15 +78,15 @@ __device__ void reduce_scatter(const Args& a) {
     T* out = reinterpret_cast<T*>(a.out);
     if (!staged_start(
             a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1); },
-            [&] { rs_in_place<T, Op>(a, s); }))
+            [&] { rs_in_place<T>(a, s, op); }))
         return;
     for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         rs_push<T>(a, st, per_step, m, par);
-        rs_reduce_step<T, Op>(a, st - 1, per_step, m, par ^ 1, in, out);
+        rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op);
         BARRIER_OR_RETURN(a, s, steps)
     }
-    rs_reduce_step<T, Op>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out);
+    rs_reduce_step<T>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out, op);
     save_state(a, &s, steps);
 }
 

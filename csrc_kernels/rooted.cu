@@ -173,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_scatter(const Args a) {
 // root (it may alias in; other ranks' out is not written). Each step, block b: every rank
 // but the root pushes its piece into its slot of the root's staging; barrier; the root
 // reduces in rank order (its own input for itself) into its output. Reuse as for gather.
-template <typename T, typename Op>
-__device__ void reduce_root(const Args& a) {
+template <typename T>
+__device__ void reduce_root(const Args& a, u32 op) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -199,7 +199,7 @@ __device__ void reduce_root(const Args& a) {
             const T* mine = reinterpret_cast<const T*>(stage_of(a, R, par));
             for_packs<T>(
                 lo, hi,
-                [&](Pack<T>& p, u64 i) { reduce_staged<T, Op>(p, in, mine, R, W, m, i, lo, hi); },
+                [&](Pack<T>& p, u64 i) { reduce_staged(p, in, mine, R, W, m, i, lo, hi, op); },
                 [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
         }
     }

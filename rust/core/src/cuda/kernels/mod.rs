@@ -81,7 +81,7 @@ pub const DESC0_DTYPE_SHIFT: u32 = abi::DESC0_DTYPE_SHIFT as u32;
 pub const DESC0_OP_SHIFT: u32 = abi::DESC0_OP_SHIFT as u32;
 pub const DESC0_ROOT_SHIFT: u32 = abi::DESC0_ROOT_SHIFT as u32;
 
-/// The kernel families with a dtype x op instantiation.
+/// The kernel families with an entry point per reduced dtype (the op comes with the call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
     OneShot,
@@ -126,8 +126,8 @@ const _: () = {
     assert!(ReduceOp::Avg as u64 == abi::OP_AVG);
 };
 
-/// Whether rsccl's CUDA kernels reduce `d` with `o` (every reducing family has the same
-/// dtype x op matrix), or the error that says what they take.
+/// Whether rsccl's CUDA kernels reduce `d` with `o` (every reducing family takes the same
+/// dtypes and ops), or the error that says what they take.
 pub fn check_reduces(d: DType, o: ReduceOp) -> Result<()> {
     if !REDUCE_DTYPES.contains(&d) {
         let take = REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ");
@@ -139,7 +139,7 @@ pub fn check_reduces(d: DType, o: ReduceOp) -> Result<()> {
     Ok(())
 }
 
-/// The kernels without a dtype x op matrix: (module, entry point).
+/// The kernels without an entry point per dtype: (module, entry point).
 pub const PLAIN_KERNELS: [(&str, &str); 8] = [
     ("all_gather", "rs_all_gather"),
     ("rooted", "rs_broadcast"),
@@ -162,31 +162,19 @@ fn dtype_tag(d: DType) -> Option<&'static str> {
     })
 }
 
-fn op_tag(o: ReduceOp) -> Option<&'static str> {
-    Some(match o {
-        ReduceOp::Sum => "sum",
-        ReduceOp::Avg => "avg",
-        ReduceOp::Product => "prod",
-        ReduceOp::Min => "min",
-        ReduceOp::Max => "max",
-        _ => return None,
-    })
+/// The entry point of family `f` for dtype `d` (`rs_ar_twoshot_bf16`), or None if rsccl's
+/// CUDA kernels do not reduce `d`. One entry point serves every op, read from the call's
+/// descriptor (csrc_kernels/common.cuh, NOTE [Reduce op at run time]).
+pub fn kernel_name(f: Family, d: DType) -> Option<String> {
+    Some(format!("{}_{}", f.prefix(), dtype_tag(d)?))
 }
 
-/// The entry point's name, or None if rsccl's CUDA kernels do not reduce this combination
-/// (AVG is defined on floating types only: ReduceOp::check rejects it on integers before
-/// any launch, so the source has no integer AVG entry points).
-pub fn kernel_name(f: Family, d: DType, o: ReduceOp) -> Option<String> {
-    if !reduces(d, o) {
-        return None;
-    }
-    Some(format!("{}_{}_{}", f.prefix(), dtype_tag(d)?, op_tag(o)?))
-}
-
-/// Whether every reducing family has an entry point for `d` with `o` (no allocation: it
-/// runs on every CUDA reduction, through `check_reduces`).
+/// Whether the reducing kernels take `d` with `o` (no allocation: it runs on every CUDA
+/// reduction, through `check_reduces`). AVG is defined on floating types only:
+/// ReduceOp::check rejects it on integers before any launch, so the integer kernels have no
+/// AVG code.
 fn reduces(d: DType, o: ReduceOp) -> bool {
-    dtype_tag(d).is_some() && op_tag(o).is_some() && (o != ReduceOp::Avg || d.is_float())
+    dtype_tag(d).is_some() && REDUCE_OPS.contains(&o) && (o != ReduceOp::Avg || d.is_float())
 }
 
 /// Every entry point the loader looks up, with its module.
@@ -194,10 +182,8 @@ pub fn required_kernels() -> Vec<(&'static str, String)> {
     let mut out: Vec<(&'static str, String)> = PLAIN_KERNELS.iter().map(|(m, k)| (*m, k.to_string())).collect();
     for f in FAMILIES {
         for d in REDUCE_DTYPES {
-            for o in REDUCE_OPS {
-                if let Some(name) = kernel_name(f, d, o) {
-                    out.push((f.module(), name));
-                }
+            if let Some(name) = kernel_name(f, d) {
+                out.push((f.module(), name));
             }
         }
     }
@@ -266,7 +252,7 @@ pub struct Kernels {
     /// The device whose context the modules live in (bound when they are unloaded).
     dev: Arc<Device>,
     modules: Modules,
-    reduce: HashMap<(Family, DType, ReduceOp), Function>,
+    reduce: HashMap<(Family, DType), Function>,
     pub all_gather: Function,
     pub broadcast: Function,
     pub gather: Function,
@@ -338,10 +324,8 @@ impl Kernels {
         let mut reduce = HashMap::new();
         for fam in FAMILIES {
             for d in REDUCE_DTYPES {
-                for o in REDUCE_OPS {
-                    if let Some(name) = kernel_name(fam, d, o) {
-                        reduce.insert((fam, d, o), modules.get(fam.module(), &name)?);
-                    }
+                if let Some(name) = kernel_name(fam, d) {
+                    reduce.insert((fam, d), modules.get(fam.module(), &name)?);
                 }
             }
         }
@@ -366,8 +350,12 @@ impl Kernels {
         })
     }
 
+    /// Family `f`'s kernel for `d` reduced with `o`, None if the kernels do not reduce that.
     pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<Function> {
-        self.reduce.get(&(f, d, o)).copied()
+        if !reduces(d, o) {
+            return None;
+        }
+        self.reduce.get(&(f, d)).copied()
     }
 
     /// Every collective entry point (not send/recv): what runs on a group's collective grid.
@@ -412,18 +400,32 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let required = required_kernels();
-        // 4 families x (3 float types x 5 ops + 2 integer types x 4 ops) + 8 plain kernels.
-        assert_eq!(required.len(), 4 * (3 * 5 + 2 * 4) + 8);
+        // 4 families x 5 dtypes (the op comes with the call) + 8 plain kernels.
+        assert_eq!(required.len(), 4 * 5 + 8);
         for (module, name) in &required {
             let src = MODULES.iter().find(|m| m.0 == *module).unwrap_or_else(|| panic!("{module}")).1;
             let plain = format!("void __launch_bounds__(THREADS) {name}(");
-            let family = name.rsplitn(3, '_').nth(2).unwrap_or("").trim_start_matches("rs_").to_string();
+            let family = name.rsplit_once('_').map(|f| f.0).unwrap_or("").trim_start_matches("rs_").to_string();
             assert!(src.contains(&plain) || src.contains(&format!("RS_TYPES({family})")), "{name} in {module}.cu");
         }
-        assert!(kernel_name(Family::OneShot, DType::F64, ReduceOp::Sum).is_none());
-        assert!(kernel_name(Family::OneShot, DType::F32, ReduceOp::BAnd).is_none());
-        assert!(kernel_name(Family::TwoShot, DType::I64, ReduceOp::Avg).is_none());
-        assert_eq!(kernel_name(Family::TwoShot, DType::BF16, ReduceOp::Avg).unwrap(), "rs_ar_twoshot_bf16_avg");
+        assert!(kernel_name(Family::OneShot, DType::F64).is_none());
+        assert_eq!(kernel_name(Family::TwoShot, DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
+        assert_eq!(kernel_name(Family::Reduce, DType::I64).unwrap(), "rs_reduce_root_i64");
+        // What one entry point serves: the five ops, AVG on floating types only.
+        assert!(reduces(DType::BF16, ReduceOp::Avg) && reduces(DType::I32, ReduceOp::Max));
+        assert!(!reduces(DType::I64, ReduceOp::Avg) && !reduces(DType::F32, ReduceOp::BAnd));
+        assert!(!reduces(DType::F64, ReduceOp::Sum));
+    }
+
+    #[test]
+    fn the_op_codes_are_defined_once() {
+        // abi.cuh's OP_* are ReduceOp's codes (the const assertions above), and common.cuh's
+        // switch names the ops by them, not by numbers: SUM is its default case, AVG a sum
+        // that finish_pack divides.
+        let common = HEADERS.iter().find(|h| h.0 == "common.cuh").unwrap().1;
+        for name in ["case OP_PROD:", "case OP_MIN:", "case OP_MAX:", "== OP_AVG"] {
+            assert!(common.contains(name), "{name} in common.cuh");
+        }
     }
 
     #[test]
