@@ -1,6 +1,7 @@
 // rsccl's kernels: what every family shares beyond the protocol (protocol.cuh): element
-// types and reduce ops (chosen at run time: NOTE [Reduce op at run time]), 16-byte packs, staging slots, the reduction in rank order, the
-// per-thread copy loops, the in-place helpers and the entry-point macros.
+// types and reduce ops (chosen at run time: NOTE [Reduce op at run time]), 16-byte packs,
+// staging slots, the reduction in rank order, the per-thread copy loops, the in-place
+// helpers and the entry-point macros.
 
 #pragma once
 
@@ -47,14 +48,16 @@ struct OpMax { template <typename A> __device__ __forceinline__ static A f(A a, 
 
 // NOTE [Reduce op at run time]
 // One kernel per (family, dtype) serves every reduce op (issue 30: one entry point per
-// (family, dtype, op) made 100 fully inlined kernels, 35 MB of fat binaries and 441 s of
-// nvcc). The op is the call's (abi.cuh's OP_*, in Args::desc0), the same in every thread
-// of the grid, so the switch on it at each pack is a uniform branch: no divergence, a few
-// instructions per 16-byte pack on a memory-bound path. `uniform_op` hides the op's value
-// from the optimizer at each use (an empty volatile asm: it cannot be hoisted out of
-// the loop), so that nvcc does not unswitch the loops around the reduction back into one
-// copy per op, which would bring the code size back (csrc_kernels/README.md gives the
-// sizes). Integer kernels have no AVG code: they treat any op they do not know as SUM.
+// (family, dtype, op) made 100 fully inlined kernels, 47 MB of fat binaries for four
+// arches and 7 min of nvcc CPU). The op is the call's (abi.cuh's OP_*, in Args::desc0),
+// the same in every thread of the grid, so the switch on it at each pack is a uniform
+// branch: no divergence, a few instructions per 16-byte pack on a memory-bound path.
+// `uniform_op` hides the op's value from the optimizer at each use (an empty volatile asm:
+// it cannot be hoisted out of the loop), so that no compiler unswitches the loops around
+// the reduction back into one copy per op, which would bring the code size back. (nvcc
+// 13.0 does not, even without it; the guard is for others, such as a newer NVRTC at run
+// time. Sizes before and after: docs/performance.md, issue 30.) Integer kernels have no
+// AVG code: they treat any op they do not know as SUM.
 
 // The reduce op of this call, from its descriptor (every rank's is the same: the first
 // barrier compares descriptors before any reduction).
