@@ -404,3 +404,11 @@ def _shutdown_all() -> None:
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
     _rsccl.finish_completions(10.0)
+
+
+def rsccl_group(group: object | None) -> ProcessGroupRsccl:
+    """`group` (default: the world group) if it is an rsccl group; TypeError otherwise."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupRsccl):
+        raise TypeError(f"rsccl: {pg!r} is not an rsccl process group")
+    return pg
