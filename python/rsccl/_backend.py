@@ -255,7 +255,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         parts, first = [], None
         for o in plan.ops:
             try:
-                parts.append(run(kind, o[0], o[1], o[2], o[3], o[4], o[5], o[6], stream, blocking, o[7], o[8]))
+                parts.append(run(kind, o.inp, o.inp_bytes, o.out, o.out_bytes, o.dtype, o.op, o.root, stream, blocking, o.splits, o.tag))
             except Exception as err:  # noqa: BLE001 - raised below, after the other ops
                 first = first or err
         if first is not None:
