@@ -7,7 +7,6 @@ import pytest
 import torch
 from rsccl._plan import (
     ArgumentError,
-    _even_or_split_bytes,
     _gather_layout,
     _gathered,
     _offsets,
@@ -97,9 +96,9 @@ def test_all_to_all_fast_path_splits_agree_with_the_full_path():
     would raise, so that the full path reports the error."""
     t = torch.empty(12, 3, dtype=torch.float16)
     for splits, n in [([], 4), ([0, 12, 0, 0], 4), ([5, 7], 2), ([], 1), ([1, 2, 3, 6], 4)]:
-        assert _even_or_split_bytes(t, splits, n) == _split_bytes(t, splits, n, "x")
+        assert _split_bytes(t, splits, n, None) == _split_bytes(t, splits, n, "x")
     for splits, n in [([1, 2], 2), ([], 5), ([13, -1], 2), ([12], 2)]:
-        assert _even_or_split_bytes(t, splits, n) is None
+        assert _split_bytes(t, splits, n, None) is None
         with pytest.raises(ArgumentError):
             _split_bytes(t, splits, n, "x")
-    assert _even_or_split_bytes(torch.empty(0, 5), [0, 0], 2) is None, "empty: the full path handles it"
+    assert _split_bytes(torch.empty(0, 5), [0, 0], 2, None) is None, "empty: the full path handles it"

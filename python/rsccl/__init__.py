@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import _rsccl
-from ._backend import ProcessGroupRsccl, create
+from ._backend import ProcessGroupRsccl, create, rsccl_group
 from ._report import memory_report
 from ._rsccl import GroupAbortedError, PeerFailureError
 from .options import Options
@@ -52,17 +52,10 @@ def register() -> None:
 register()
 
 
-def _rsccl_pg(group: object | None) -> ProcessGroupRsccl:
-    pg = group if group is not None else dist.group.WORLD
-    if not isinstance(pg, ProcessGroupRsccl):
-        raise TypeError(f"rsccl: {pg!r} is not an rsccl process group")
-    return pg
-
-
 def memory_stats(group: object | None = None) -> dict:
     """Bytes rsccl reserved and mapped for `group` (default: the world group), and its
     operation counters."""
-    return _rsccl_pg(group).memory_stats()
+    return rsccl_group(group).memory_stats()
 
 
 def mem_pool(group: object | None = None) -> torch.cuda.MemPool:
@@ -72,7 +65,7 @@ def mem_pool(group: object | None = None) -> torch.cuda.MemPool:
     at the same offset (same allocations in the same order); otherwise the collective is
     staged, still correct, and counted in memory_stats. The pool's size is the group's
     ``cuda_pool_bytes`` (Options or RSCCL_CUDA_POOL_BYTES), mapped at group creation."""
-    return _rsccl_pg(group)._mem_pool()
+    return rsccl_group(group)._mem_pool()
 
 
 def settings_table() -> str:

@@ -255,7 +255,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         parts, first = [], None
         for o in plan.ops:
             try:
-                parts.append(run(kind, o[0], o[1], o[2], o[3], o[4], o[5], o[6], stream, blocking, o[7], o[8]))
+                parts.append(run(kind, o.inp, o.inp_bytes, o.out, o.out_bytes, o.dtype, o.op, o.root, stream, blocking, o.splits, o.tag))
             except Exception as err:  # noqa: BLE001 - raised below, after the other ops
                 first = first or err
         if first is not None:
@@ -404,3 +404,11 @@ def _shutdown_all() -> None:
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
     _rsccl.finish_completions(10.0)
+
+
+def rsccl_group(group: object | None) -> ProcessGroupRsccl:
+    """`group` (default: the world group) if it is an rsccl group; TypeError otherwise."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupRsccl):
+        raise TypeError(f"rsccl: {pg!r} is not an rsccl process group")
+    return pg

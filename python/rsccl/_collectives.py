@@ -42,7 +42,7 @@ from ._plan import (
     _buf,
     _chain,
     _check_same_dtype,
-    _even_or_split_bytes,
+    _CopyBack,
     _flat_cat,
     _gather_layout,
     _gathered,
@@ -148,22 +148,17 @@ class Collectives:
         def prepare(cuda: bool) -> _Plan:
             check = self._checker(cuda)
             ts = [check(t, "all_reduce_coalesced") for t in tensors]
-            ops, keep, dsts, srcs = [], [], [], []
+            ops, keep, back = [], [], _CopyBack()
             for dt in dtypes:
                 group = [t for t in ts if t.dtype == dt]
                 if len(group) == 1 and group[0].is_contiguous():
                     flat = group[0]  # reduced in place
                 else:
-                    flat = torch.cat([t.reshape(-1) for t in group])
-                    off = 0
-                    for t in group:
-                        dsts.append(t)
-                        srcs.append(flat[off : off + t.numel()].view(t.shape))
-                        off += t.numel()
+                    flat = _flat_cat(group)
+                    back.add(flat, group)
                 ops.append(_op(flat, flat, op))
                 keep.append(flat)
-            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
-            return _Plan(ops, list(tensors), (ts, keep), post)
+            return _Plan(ops, list(tensors), (ts, keep), back.post())
 
         return self._noted(
             self._call(
@@ -366,7 +361,7 @@ class Collectives:
                 _check_same_dtype(f"{what} #{k}", o, i)
                 if i.numel() != n * o.numel():
                     raise ArgumentError(f"{what} #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
-            ops, keep, dsts, srcs = [], [], [], []
+            ops, keep, back = [], [], _CopyBack()
             for dt in dtypes:
                 pairs = [(o, i) for o, i in zip(outputs, inputs) if i.dtype == dt]
                 if len(pairs) == 1 and pairs[0][0].is_contiguous():
@@ -377,15 +372,10 @@ class Collectives:
                     # back; the combined output splits into the outputs.
                     flat_in = _reduce_scatter_pack([i for _, i in pairs], [o.numel() for o, _ in pairs], n)
                     flat_out = torch.empty(sum(o.numel() for o, _ in pairs), dtype=dt, device=flat_in.device)
-                    off = 0
-                    for o, _ in pairs:
-                        dsts.append(o)
-                        srcs.append(flat_out[off : off + o.numel()].view(o.shape))
-                        off += o.numel()
+                    back.add(flat_out, [o for o, _ in pairs])
                 ops.append(_op(flat_in, flat_out, op))
                 keep.append((flat_in, flat_out))
-            post = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
-            return _Plan(ops, list(outputs), (inputs, outputs, keep), post)
+            return _Plan(ops, list(outputs), (inputs, outputs, keep), back.post())
 
         return self._noted(
             self._call(
@@ -451,8 +441,8 @@ class Collectives:
         ):
             return False
         n = self.size()
-        send = _even_or_split_bytes(input, in_splits, n)
-        recv = _even_or_split_bytes(output, out_splits, n)
+        send = _split_bytes(input, in_splits, n, None)
+        recv = _split_bytes(output, out_splits, n, None)
         if send is None or recv is None:
             return False
         me = self.rank()

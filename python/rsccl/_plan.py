@@ -8,7 +8,7 @@ tests/test_plan.py run them on CPU tensors without processes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, overload
 
 import torch
 
@@ -95,35 +95,30 @@ def _rank_list(
     return ts
 
 
-def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]:
+@overload
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str) -> list[int]: ...
+@overload
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: None) -> list[int] | None: ...
+def _split_bytes(t: torch.Tensor, splits: list[int], n: int, what: str | None) -> list[int] | None:
     """Bytes per peer of an all_to_all_single buffer: `splits` counts rows (dim 0) per peer,
-    and an empty list splits the rows evenly. `what` starts the error message."""
+    and an empty list splits the rows evenly. `what` starts the error message. With `what`
+    None (the blocking fast path) anything but a valid split of a non-empty buffer is None:
+    the full path checks it again and reports it."""
     rows = t.shape[0] if t.dim() > 0 else t.numel()
     row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+    problem: tuple[str, ErrorClass] | None = None
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
-        raise ArgumentError(f"{what} split sizes {list(splits)} must be integers (rows per rank)", ErrorClass.TYPE)
-    if not splits:
-        if rows % n:
-            raise ArgumentError(f"{what} has {rows} rows, not divisible by group size {n}")
-        splits = [rows // n] * n
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ArgumentError(f"{what} split sizes {list(splits)} do not divide its {rows} rows among {n} ranks")
-    return [s * row_bytes for s in splits]
-
-
-def _even_or_split_bytes(t: torch.Tensor, splits: list[int], n: int) -> list[int] | None:
-    """`_split_bytes` for the fast path: bytes per peer, or None where the full path must
-    check (and report) the splits."""
-    rows = t.shape[0]
-    if rows == 0 or not all(type(s) is int for s in splits):
-        return None
-    row_bytes = t.nbytes // rows
-    if not splits:
-        if rows % n:
-            return None
-        return [rows // n * row_bytes] * n
-    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
-        return None
+        problem = (f"split sizes {list(splits)} must be integers (rows per rank)", ErrorClass.TYPE)
+    elif not splits and rows % n:
+        problem = (f"has {rows} rows, not divisible by group size {n}", ErrorClass.VALUE)
+    else:
+        splits = list(splits) or [rows // n] * n
+        if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+            problem = (f"split sizes {list(splits)} do not divide its {rows} rows among {n} ranks", ErrorClass.VALUE)
+    if what is None:
+        return None if problem is not None or rows == 0 else [s * row_bytes for s in splits]
+    if problem is not None:
+        raise ArgumentError(f"{what} {problem[0]}", problem[1])
     return [s * row_bytes for s in splits]
 
 
@@ -174,15 +169,30 @@ def _flat_cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0)
 
 
-def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None]:
-    def post() -> None:
+class _CopyBack:
+    """Outputs whose results land back to back in flat buffers, copied where torch expects
+    them after completion in one `_foreach_copy_` (the coalesced calls, and the list forms
+    of all_gather, gather and all_to_all on host memory)."""
+
+    def __init__(self) -> None:
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+
+    def add(self, flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
         off = 0
         for o in outs:
-            n = o.numel()
-            o.copy_(flat[off : off + n].view(o.shape))
-            off += n
+            self.dsts.append(o)
+            self.srcs.append(flat[off : off + o.numel()].view(o.shape))
+            off += o.numel()
 
-    return post
+    def post(self) -> Callable[[], None] | None:
+        return (lambda: torch._foreach_copy_(self.dsts, self.srcs)) if self.dsts else None
+
+
+def _scatter_back(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None] | None:
+    back = _CopyBack()
+    back.add(flat, outs)
+    return back.post()
 
 
 class _Plan:
@@ -190,11 +200,27 @@ class _Plan:
     tensors to keep alive until they complete, the result torch's future reports, and the
     copy-back step."""
 
-    def __init__(self, ops: list[tuple], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
+    def __init__(self, ops: list[Op], result: Any, keep: Any = None, post: Callable[[], None] | None = None):
         self.ops = ops
         self.result = result
         self.keep = keep
         self.post = post
+
+
+class Op(NamedTuple):
+    """One op's fields for Communicator.run, in its order: each side's address and bytes,
+    the dtype code, the reduce op, the root (a send/recv's peer), an all_to_all's splits and
+    a host send/recv's tag. The Rust core reads them on either device (collective/op.rs)."""
+
+    inp: int
+    inp_bytes: int
+    out: int
+    out_bytes: int
+    dtype: int | str
+    op: int | str
+    root: int
+    splits: tuple | None
+    tag: int
 
 
 def _op(
@@ -204,15 +230,13 @@ def _op(
     root: int = 0,
     splits: tuple | None = None,
     tag: int = 0,
-) -> tuple:
-    """One op's fields for Communicator.run, from contiguous tensors (None where a rank has
-    no such side): each side's (address, bytes), the dtype code (of `inp`, else `out`),
-    the op, the root (a send/recv's peer), an all_to_all's splits and a host send/recv's
-    tag. The Rust core reads them on either device (collective/op.rs)."""
+) -> Op:
+    """One op from contiguous tensors (None where a rank has no such side); its dtype is
+    `inp`'s, else `out`'s."""
     i = _buf(inp) if inp is not None else (0, 0)
     o = _buf(out) if out is not None else (0, 0)
     t = inp if inp is not None else out
-    return (i[0], i[1], o[0], o[1], dtype_code(t) if t is not None else UINT8, op, root, splits, tag)
+    return Op(i[0], i[1], o[0], o[1], dtype_code(t) if t is not None else UINT8, op, root, splits, tag)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

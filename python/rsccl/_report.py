@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._backend import rsccl_group
 from ._cuda import mapped_va_bytes
 
 
@@ -145,12 +146,10 @@ def format_report(rows: list[dict[str, Any]], title: str) -> str:
 
 def local_row(group: Any) -> dict[str, Any]:
     """This rank's figures."""
-    from . import memory_stats  # rsccl/__init__.py imports this module
-
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("rsccl.memory_report: this process is not a member of the group (only its members call it)")
-    stats = memory_stats(group)
+    stats = rsccl_group(group).memory_stats()
     return {
         "rank": rank,
         "global_rank": dist.get_rank(),

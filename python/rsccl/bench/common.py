@@ -1,5 +1,7 @@
 """What the CPU and the CUDA benchmark share: the collectives, the tolerances of the
-result checks, message sizes and the bus-bandwidth factors.
+result checks, message sizes and the bus-bandwidth factors; and what the CUDA bench and its
+FSDP2 section share: rsccl's options as rsccl resolves them, the pool arithmetic, and an
+exception in one line.
 """
 
 from __future__ import annotations
@@ -7,6 +9,9 @@ from __future__ import annotations
 import math
 import socket
 from typing import Any
+
+from .. import _rsccl
+from ..options import as_items
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
@@ -24,6 +29,32 @@ TOLERANCES = {
     "int32": (0.0, 0.0),
     "int64": (0.0, 0.0),
 }
+
+
+POOL_VA_FLOOR = 16 << 30  # rsccl's default max_cuda_va_bytes: the bench never sets a lower cap
+
+
+GRANULE = 2 << 20
+
+
+def describe(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message, shortened."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}"[:400]
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def resolved(options: dict[str, int | str]) -> dict[str, int] | None:
+    """Every setting as rsccl resolves it (the Options field, else the RSCCL_* variable, else
+    the default; rsccl's own parser), or None where rsccl would refuse the options (the
+    group's creation then fails and says why)."""
+    try:
+        return dict(_rsccl.resolve_options(as_items(options)))
+    except ValueError:
+        return None
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> tuple[int, ...]:

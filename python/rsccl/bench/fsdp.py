@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .common import GRANULE, POOL_VA_FLOOR, describe, resolved, round_up
+
 MiB = 1 << 20
 FSDP_ALLOWANCE_S = 300.0  # added to --timeout for a world size that runs this section
 GROUP_TIMEOUT_S = 120.0  # the section's own groups: a hang ends within this
@@ -169,8 +171,6 @@ def phase(r: Any, what: str, fn: Callable[[], Any], section: str = "FSDP2") -> A
     """fn() on every rank, then the device synchronized; if it raised on any rank, every rank
     raises PhaseError naming the first failing rank (its traceback goes to its stderr, under
     `section`'s name). No collective of the harness's gloo group may run inside fn."""
-    from .cuda.config import describe
-
     result, err = None, ""
     try:
         result = fn()
@@ -191,8 +191,6 @@ def phase(r: Any, what: str, fn: Callable[[], Any], section: str = "FSDP2") -> A
 
 def rsccl_options(r: Any, pool: int) -> dict[str, Any]:
     """The rsccl FSDP group's options: --rsccl-options, the pool, a VA cap that fits it."""
-    from .cuda.config import GRANULE, POOL_VA_FLOOR, resolved, round_up
-
     user = dict(r.cfg.rsccl_options)
     # cuda_buffer_bytes as rsccl resolves it (the option, else RSCCL_CUDA_BUFFER_BYTES, else the
     # default); None where rsccl would refuse the options (the group's creation then says why).

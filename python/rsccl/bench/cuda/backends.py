@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..common import TOLERANCES
-from .config import A2A, EXACT_COLLECTIVES, P2P, POOL_COLLECTIVES, POOL_MIN_BYTES, SWEEP, describe
+from ..common import TOLERANCES, describe
+from .config import A2A, EXACT_COLLECTIVES, P2P, POOL_COLLECTIVES, POOL_MIN_BYTES, SWEEP
 
 
 class Agree:

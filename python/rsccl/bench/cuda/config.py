@@ -8,8 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from ... import _rsccl
-from ...options import as_items
-from ..common import human
+from ..common import GRANULE, POOL_VA_FLOOR, human, resolved, round_up
 from ..fsdp import FsdpConfig
 from .overlap import OverlapConfig
 
@@ -92,12 +91,6 @@ POOL_SPEEDUP_MIN_BYTES = 16 * MiB  # the in-place/staged target is read from thi
 POOL_SPEEDUP_TARGET = 1.1
 
 
-POOL_VA_FLOOR = 16 << 30  # rsccl's default max_cuda_va_bytes: the bench never sets a lower cap
-
-
-GRANULE = 2 * MiB
-
-
 # all_to_all_single and send/recv: the sizes they run at, and their targets.
 A2A = "all_to_all_single"
 
@@ -153,30 +146,10 @@ class Config:
     ctas_profile: bool = False  # the kernels' grids read from a torch.profiler trace, last
 
 
-def describe(e: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message, shortened."""
-    first = next((line for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {first}"[:400]
-
-
 def iters_for(nbytes: int, cfg: Config) -> int:
     if cfg.iters:
         return cfg.iters
     return max(ITERS_MIN, min(ITERS_MAX, ITERS_MAX * ITERS_FULL_UP_TO // max(nbytes, 1)))
-
-
-def round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def resolved(options: dict[str, int | str]) -> dict[str, int] | None:
-    """Every setting as rsccl resolves it (the Options field, else the RSCCL_* variable, else
-    the default; rsccl's own parser), or None where rsccl would refuse the options (the
-    group's creation then fails and says why)."""
-    try:
-        return dict(_rsccl.resolve_options(as_items(options)))
-    except ValueError:
-        return None
 
 
 def options_text(options: dict[str, int | str]) -> str:

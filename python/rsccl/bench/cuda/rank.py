@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..._cuda import mapped_va_bytes, nccl_baseline
-from ..common import human, numels
+from ..common import describe, human, numels
 from ..fsdp import run_fsdp
 from .backends import Agree, Backend, Bufs, Call, close, make_bufs, setup_symm
 from .config import (
@@ -35,7 +35,6 @@ from .config import (
     SWEEP,
     SYMM_BACKENDS,
     Config,
-    describe,
     iters_for,
     one_shot_limit,
     options_text,

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from ..common import human
+from ..common import describe, human
 from ..fsdp_report import fsdp_markdown
-from .config import BACKEND_ORDER, GPU_ENV, GRAPH_CALLS, GRAPH_REPLAYS, POOL_BACKEND, POOL_MIN_BYTES, PROBE_BYTES, Config, MiB, describe
+from .config import BACKEND_ORDER, GPU_ENV, GRAPH_CALLS, GRAPH_REPLAYS, POOL_BACKEND, POOL_MIN_BYTES, PROBE_BYTES, Config, MiB
 from .ctas import cta_markdown
 from .memory import memory_table
 from .overlap_report import overlap_markdown

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from ..common import human, message_sizes
+from ..common import describe, human, message_sizes
 from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig
 from ..fsdp_report import fsdp_problems, fsdp_summary_lines
-from .config import DONE_GRACE_S, GPU_ENV, Config, describe, options_text, pool_options, pool_sizes
+from .config import DONE_GRACE_S, GPU_ENV, Config, options_text, pool_options, pool_sizes
 from .ctas import PROFILE_ALLOWANCE_S, cta_summary_lines
 from .memory import memory_summary
 from .overlap import OVERLAP_ALLOWANCE_S

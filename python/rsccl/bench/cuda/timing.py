@@ -6,8 +6,9 @@ import statistics
 
 import torch
 
+from ..common import describe
 from .backends import Agree, Call
-from .config import GRAPH_CALLS, GRAPH_REPLAYS, Config, describe
+from .config import GRAPH_CALLS, GRAPH_REPLAYS, Config
 
 
 def timed(call: Call, n: int, cfg: Config, agree: Agree) -> float:

@@ -14,7 +14,7 @@ pub struct RankInfo {
     pub uid: u32,
     /// Its rank in the default group (what torch users call "the rank"), for messages.
     pub global_rank: u32,
-    /// Its pid namespace (`setup::pid_namespace`): `pid` is meaningful to a peer only if
+    /// Its pid namespace (`pid_namespace`): `pid` is meaningful to a peer only if
     /// theirs is the same.
     pub pid_ns: u64,
     pub host_id: String,
@@ -36,7 +36,7 @@ impl RankInfo {
             // SAFETY: getuid cannot fail.
             uid: unsafe { libc::getuid() },
             global_rank: global_rank as u32,
-            pid_ns: super::setup::pid_namespace(),
+            pid_ns: pid_namespace(),
             host_id,
             socket: socket.to_string(),
             settings,
@@ -279,6 +279,13 @@ fn random_nonce() -> Result<[u8; 16]> {
 }
 
 /// An in-memory store, as torch's HashStore (for the tests of the modules that use a store).
+/// This process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown). A pid in
+/// another rank's record means the same process here only if the namespaces match.
+pub fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
+}
+
 #[cfg(test)]
 #[derive(Default)]
 pub(crate) struct MemStore(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);

@@ -174,13 +174,6 @@ fn pidfd_open(pid: u32) -> std::result::Result<OwnedFd, i32> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// This process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown). A pid in
-/// another rank's record means the same process here only if the namespaces match.
-pub fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0)
-}
-
 /// The other ranks of this host, watched through pidfds opened from their records while
 /// the group is created. Opened right after the rendezvous, so a rank that dies at any
 /// later step is seen by every wait that polls `fds()`.
@@ -296,6 +289,7 @@ impl SetupWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bootstrap::rendezvous::pid_namespace;
 
     #[test]
     fn exit_at_specs() {

@@ -108,25 +108,22 @@ impl Device {
         Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
     }
 
-    /// Whether this GPU can map and access the memory of the GPU at PCI `bus` (another
-    /// rank's, by `pci_bus_id`): cuDeviceCanAccessPeer, which peer mappings
-    /// (cuMemSetAccess of a peer's allocation) need. `SameGpu` for this GPU itself;
-    /// `Unknown` where that GPU is not visible to this process (CUDA_VISIBLE_DEVICES).
-    pub fn reach(&self, bus: &str) -> Result<crate::cuda::decide::Reach> {
-        use crate::cuda::decide::Reach;
-        let Ok(name) = std::ffi::CString::new(bus) else { return Ok(Reach::Unknown) };
+    /// The device at PCI `bus` (another rank's, by `pci_bus_id`); None where that GPU is not
+    /// visible to this process (CUDA_VISIBLE_DEVICES).
+    pub fn peer_by_bus(&self, bus: &str) -> Option<CUdevice> {
+        let name = std::ffi::CString::new(bus).ok()?;
         let mut peer: CUdevice = 0;
         // SAFETY: out-pointer to a local; `name` is NUL-terminated and outlives the call.
-        if unsafe { cu::cuDeviceGetByPCIBusId(&mut peer, name.as_ptr()) } != cu::CUresult::CUDA_SUCCESS {
-            return Ok(Reach::Unknown);
-        }
-        if peer == self.dev {
-            return Ok(Reach::SameGpu);
-        }
+        (unsafe { cu::cuDeviceGetByPCIBusId(&mut peer, name.as_ptr()) } == cu::CUresult::CUDA_SUCCESS).then_some(peer)
+    }
+
+    /// Whether this GPU can map and access the memory of device `peer`: cuDeviceCanAccessPeer,
+    /// which peer mappings (cuMemSetAccess of a peer's allocation) need.
+    pub fn can_access_peer(&self, peer: CUdevice) -> Result<bool> {
         let mut can: std::ffi::c_int = 0;
         // SAFETY: out-pointer to a local; both are valid device handles of this process.
         check(unsafe { cu::cuDeviceCanAccessPeer(&mut can, self.dev, peer) }, "cuDeviceCanAccessPeer")?;
-        Ok(if can != 0 { Reach::Yes } else { Reach::No })
+        Ok(can != 0)
     }
 }
 

@@ -108,6 +108,17 @@ pub(super) fn agree_grids(
 /// The test-only hook of `check_reach`.
 pub const NO_PEER_ACCESS_ENV: &str = "RSCCL_TEST_NO_PEER_ACCESS";
 
+/// Whether this GPU reaches the GPU at PCI `bus` (another rank's): `SameGpu` for this GPU
+/// itself; `Unknown` where that GPU is not visible to this process (CUDA_VISIBLE_DEVICES).
+fn reach(dev: &Device, bus: &str) -> Result<Reach> {
+    Ok(match dev.peer_by_bus(bus) {
+        None => Reach::Unknown,
+        Some(peer) if peer == dev.dev => Reach::SameGpu,
+        Some(peer) if dev.can_access_peer(peer)? => Reach::Yes,
+        Some(_) => Reach::No,
+    })
+}
+
 /// Whether the local ranks' GPUs can reach each other (peer access), checked before any
 /// peer's memory is mapped: a PCIe machine without P2P would otherwise fail the mapping
 /// with a bare driver error (cuMemSetAccess). Each rank asks its driver about every peer's
@@ -136,7 +147,7 @@ fn check_reach(
     // A rank that cannot ask still takes part (as `Unknown`), so no peer waits for it.
     let ask = |m: &[u8; 64]| {
         let _ctx = dev.bind()?;
-        dev.reach(&bus(m))
+        reach(dev, &bus(m))
     };
     let pretend_none = std::env::var(NO_PEER_ACCESS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) == local_ranks.get(me).copied();
     for (j, (m, _)) in buses.iter().enumerate() {

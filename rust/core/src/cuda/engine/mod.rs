@@ -25,7 +25,8 @@
 //! the group's failure state and its reports), `events` (the event pool and stream
 //! ordering), `launch` (collectives and all_to_all), `p2p` (send/recv), `run` (the `Engine` trait), `stats`,
 //! `shutdown` (drain and teardown) and `watchdog`. The pure choices (algorithm, placement,
-//! grids, staging) live in `cuda::decide`.
+//! grids, staging) live in `cuda::decide`. `DeviceCall`, what both device engines run, is
+//! here: its all_to_all carries this engine's `AllToAll`.
 
 mod abi;
 mod create;
@@ -61,6 +62,32 @@ pub use events::{CudaEvent, EventHome};
 pub use launch::AllToAll;
 pub use stats::CudaStats;
 use status::Shared;
+
+/// One call to a device engine (`Engine::Call` of `CudaEngine` and `NcclEngine`), ordered
+/// after the caller's current stream.
+#[derive(Debug, Clone)]
+pub enum DeviceCall {
+    /// A collective, a barrier, or the invalid call (`CudaKind::Invalid`).
+    Collective(CudaCall),
+    /// An all_to_all: its chunks, one per group rank.
+    AllToAll { chunks: AllToAll, stream: u64, asynchronous: bool },
+    /// A send (`send`) or recv of `bytes` at `ptr` with group rank `peer`.
+    P2p { send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool },
+}
+
+impl DeviceCall {
+    /// The same call ordered after `stream`, asynchronous or not (a front end that builds
+    /// its calls before it knows the stream).
+    pub fn after(mut self, on: u64, is_async: bool) -> DeviceCall {
+        match &mut self {
+            DeviceCall::Collective(c) => (c.stream, c.asynchronous) = (on, is_async),
+            DeviceCall::AllToAll { stream, asynchronous, .. } | DeviceCall::P2p { stream, asynchronous, .. } => {
+                (*stream, *asynchronous) = (on, is_async)
+            }
+        }
+        self
+    }
+}
 
 pub struct CudaEngine {
     sh: Arc<Shared>,

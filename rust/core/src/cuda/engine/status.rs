@@ -11,9 +11,11 @@ use parking_lot::Mutex;
 use super::abi::{ERR_A2A, ERR_ABORTED, ERR_CONCURRENT, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT, FLAG_HOLD_ON_ERROR};
 use super::CudaEngine;
 use crate::bootstrap::LocalMesh;
-use crate::cuda::call::describe;
+use crate::cuda::call::CudaKind;
+use crate::cuda::decide::call_in_words;
 use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
-use crate::cuda::kernels::POISON_DESTROYED;
+use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, POISON_DESTROYED};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Pinned host memory the kernels write errors into and the host writes the abort word into.
@@ -266,7 +268,7 @@ impl Shared {
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
             // A peer stopped the group; if its process is gone, say so as this rank's own
             // watchdog would have (it may not have polled yet: the peer's poison came first).
-            ERR_PEER if self.mesh.gone().contains(&peer) => super::watchdog::gone_error(&self.local_ranks, &self.pids, peer),
+            ERR_PEER if self.mesh.gone().contains(&peer) => gone_error(&self.local_ranks, &self.pids, peer),
             // This rank's own word: the host stopped the group (its own error is raised
             // first, where it has one).
             ERR_PEER if peer == self.me => Error::Aborted(format!("the group had failed on rank {me} before this CUDA call ran")),
@@ -317,6 +319,27 @@ impl Shared {
             _ => Error::Internal(format!("unknown CUDA kernel error code {code:#x}")),
         }
     }
+}
+
+/// The error naming local peer `j`, whose process is gone (`pids`: each local peer's pid,
+/// read while the connections were up).
+pub(super) fn gone_error(local_ranks: &[usize], pids: &[Option<u32>], j: usize) -> Error {
+    let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
+    Error::PeerFailure(format!(
+        "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
+        local_ranks.get(j).copied().unwrap_or(j)
+    ))
+}
+
+/// A kernel descriptor (the two words every rank publishes at a barrier) in words, for
+/// mismatch messages.
+fn describe(d0: u64, d1: u64) -> String {
+    let Some(k) = CudaKind::from_code((d0 & 0xff) as u8) else {
+        return "an unknown call".to_string();
+    };
+    let dtype = DType::from_code(((d0 >> DESC0_DTYPE_SHIFT) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
+    let op = ReduceOp::from_code(((d0 >> DESC0_OP_SHIFT) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
+    call_in_words(k, dtype, op, (d0 >> DESC0_ROOT_SHIFT) as u32, d1)
 }
 
 impl CudaEngine {
@@ -429,7 +452,7 @@ impl CudaEngine {
 
 #[cfg(test)]
 mod tests {
-    use crate::cuda::call::describe;
+    use super::describe;
     use crate::cuda::decide::message_bytes;
     use crate::cuda::CudaKind;
     use crate::dtype::{DType, ReduceOp};

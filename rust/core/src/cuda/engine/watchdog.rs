@@ -6,8 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::status::{HostWords, Shared};
-use crate::error::Error;
+use super::status::{gone_error, HostWords, Shared};
 
 /// How often the watchdog reads the status page: a failed kernel holds its stream until the
 /// host acted on its report (FLAG_HOLD_ON_ERROR), so this bounds how long that takes. A
@@ -15,16 +14,6 @@ use crate::error::Error;
 const POLL: Duration = Duration::from_millis(2);
 /// How often it asks whether a local peer is gone (a poll of the mesh's sockets and pidfds).
 const PEERS_EVERY: u32 = 25;
-
-/// The error naming local peer `j`, whose process is gone (`pids`: each local peer's pid,
-/// read while the connections were up).
-pub(super) fn gone_error(local_ranks: &[usize], pids: &[Option<u32>], j: usize) -> Error {
-    let pid = pids.get(j).copied().flatten().map(|pid| format!("pid {pid}, ")).unwrap_or_default();
-    Error::PeerFailure(format!(
-        "rank {} ({pid}local rank {j}) is gone: its process exited or closed its connection",
-        local_ranks.get(j).copied().unwrap_or(j)
-    ))
-}
 
 pub(super) fn watchdog(sh: Arc<Shared>) {
     let (mut tick, mut reported, mut peers_done) = (0u32, false, false);

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
+use super::bound::{free_bytes, Bound};
 use super::choice::{hierarchical_layout, host_major};
 use super::hier::HierLayout;
 use super::launch::new_event;
@@ -50,35 +51,6 @@ impl CommRole {
 pub fn id_key(nonce: &[u8; 16], role: CommRole, what: &str) -> String {
     let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
     format!("rsccl/nccl/{hex}/{}/{what}", role.label())
-}
-
-/// Free device memory of the current context.
-pub(super) fn free_bytes() -> Result<u64> {
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: out-pointers to locals; a context is current (the caller bound it).
-    check(unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
-    Ok(free as u64)
-}
-
-/// What bounds every wait of the NCCL engine's creation: the group's deadline, and the
-/// other ranks of this host, watched through their pidfds (`SetupWatch`), so that a local
-/// rank that dies ends the wait at once rather than at the deadline. The error it gives is
-/// named by the caller of `create` (`SetupWatch::during` -> `explain`: the rank, its pid
-/// and the phase).
-#[derive(Clone, Copy)]
-pub(super) struct Bound<'a> {
-    pub(super) deadline: Instant,
-    pub(super) watch: &'a SetupWatch,
-}
-
-impl Bound<'_> {
-    /// Err if a local rank of the group has exited; `during` completes "... exited during".
-    pub(super) fn peers_alive(&self, during: &str) -> Result<()> {
-        if self.watch.exited(Duration::ZERO).is_empty() {
-            return Ok(());
-        }
-        Err(Error::PeerFailure(format!("a local rank exited during {during}")))
-    }
 }
 
 /// The store keys of a group creation's failure notice: a counter and the text (see
@@ -499,7 +471,7 @@ mod tests {
     /// member has arrived: a member that died before leaves no root behind in the maker.
     #[test]
     fn the_id_is_made_only_once_every_member_has_arrived() {
-        use crate::bootstrap::setup::pid_namespace;
+        use crate::bootstrap::rendezvous::pid_namespace;
         use crate::bootstrap::RankInfo;
         use std::sync::atomic::{AtomicUsize, Ordering};
         let made = AtomicUsize::new(0);
@@ -541,7 +513,7 @@ mod tests {
     /// members, ends the wait at once (not at the deadline), and the phase's error names it.
     #[test]
     fn a_local_rank_that_dies_ends_the_id_waits_and_is_named() {
-        use crate::bootstrap::setup::pid_namespace;
+        use crate::bootstrap::rendezvous::pid_namespace;
         use crate::bootstrap::{Phase, RankInfo};
         for published in [false, true] {
             let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();

@@ -43,6 +43,7 @@
 //! composed) in hier.rs. Pure, tested without a GPU: the choices (flat or hierarchical,
 //! a launch's age) in choice.rs, the pair communicators' split schedule in pair_rounds.rs.
 
+mod bound;
 mod choice;
 mod create;
 mod hier;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
-use super::create::{free_bytes, Bound};
+use super::bound::{free_bytes, Bound};
 use super::launch::{join, new_event, record};
 use super::pair_rounds::p2p_split_rounds;
 use super::{NcclEngine, PairComm, Shared, Tracked, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};

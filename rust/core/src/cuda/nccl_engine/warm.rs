@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
-use super::create::Bound;
+use super::bound::Bound;
 use super::launch::new_event;
 use super::WARM_BYTES;
 use crate::cuda::driver::{check, CUstream};
