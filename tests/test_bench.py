@@ -78,6 +78,16 @@ def test_help_lists_every_flag(device):
         assert flag in r.stdout, flag
 
 
+def test_rsccl_options_are_parsed_and_checked():
+    """--rsccl-options KEY=VAL,... becomes Options fields; an unknown key is refused by name.
+    (It imported a module that does not exist, so every run that passed it failed.)"""
+    from rsccl.bench.cli import parse_options
+
+    assert parse_options("cuda_blocks=32,cuda_buffer_bytes=64MiB") == {"cuda_blocks": 32, "cuda_buffer_bytes": "64MiB"}
+    with pytest.raises(Exception, match="no_such_option"):
+        parse_options("no_such_option=1")
+
+
 def test_cuda_only_flags_are_refused_on_cpu():
     r = run_bench("--no-pool", "--collectives", "all_reduce,send_recv")
     assert r.returncode == 2

@@ -82,7 +82,7 @@ def parse_options(text: str) -> dict[str, int | str]:
     checked by rsccl when the group is created)."""
     from dataclasses import fields
 
-    from .options import Options
+    from ..options import Options
 
     known = [f.name for f in fields(Options)]
     out: dict[str, int | str] = {}
