@@ -30,9 +30,8 @@ __device__ void ar_oneshot(const Args& a, u32 op) {
             });
         BARRIER_OR_RETURN(a, s, steps)
         const T* mine = reinterpret_cast<const T*>(stage_of(a, me, par));
-        for_packs<T>(
-            lo, hi,
-            [&](Pack<T>& p, u64 i) { reduce_staged(p, in, mine, me, W, m, i, lo, hi, op); },
+        reduce_packs<T>(
+            lo, hi, W, op, staged_sources<T>(in, mine, me, m, lo, hi),
             [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     }
     save_state(a, &s, steps);
@@ -48,23 +47,14 @@ __device__ void ar_oneshot(const Args& a, u32 op) {
 // later work, and every read of my buffers before I return.
 template <typename T>
 __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count, P = Pack<T>::N;
     const u64 shard = round_up((n + W - 1) / W, P);
     u64 lo, hi;
     block_range(shard, P, &lo, &hi);
     const u64 slo = min64(me * shard + lo, n), shi = min64(me * shard + hi, n);
-    for_packs<T>(
-        slo, shi,
-        [&](Pack<T>& p, u64 i) {
-            A acc[Pack<T>::N];
-            for (u32 j = 0; j < W; j++) {
-                load_pack(p, peer_in<T>(a, j), i, shi);
-                reduce_pack(p, acc, j == 0, op);
-            }
-            finish_pack(p, acc, W, op);
-        },
+    reduce_packs<T>(
+        slo, shi, W, op, [&](u32 j, Pack<T>& q, u64 i) { load_pack(q, peer_in<T>(a, j), i, shi); },
         [&](const Pack<T>& p, u64 i) {
             for (u32 j0 = 0; j0 < W; j0++) store_pack(p, peer_out<T>(a, (me + j0) % W), i, shi);
         });
@@ -149,9 +139,8 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
         const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
         const u64 slo = lo + me * shard;
         const u64 shi = min64(slo + shard, hi);
-        for_packs<T>(
-            slo, shi,
-            [&](Pack<T>& p, u64 i) { reduce_staged(p, in, rs, me, W, shard, i, slo, shi, op); },
+        reduce_packs<T>(
+            slo, shi, W, op, staged_sources<T>(in, rs, me, shard, slo, shi),
             [&](const Pack<T>& p, u64 i) {
                 store_pack(p, out, i, shi);
                 for (u32 j0 = 1; j0 < W; j0++) {

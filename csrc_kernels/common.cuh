@@ -125,16 +125,19 @@ __device__ __forceinline__ u64 round_down(u64 x, u64 m) { return x - x % m; }
 __device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 __device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
 
-// Elements per block and step: at most what `slots` slots of the staging half hold, and no
-// more than an even share of `count` over the grid (so small messages use every block).
-// A multiple of the pack size, so slots and block ranges stay 16-byte aligned.
+// Elements per block and step: the fewest steps whose pieces fit `slots` slots of the
+// staging half, then `count` split evenly over those steps and the grid (so small
+// messages use every block, and no step is a sliver: 1.01 steps' worth runs as two equal
+// halves on every block, not a full step and a step where most blocks idle). A multiple
+// of the pack size, so slots and block ranges stay 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ u64 per_block(const Args& a, u64 slots, u64 count) {
-    const u64 P = Pack<T>::N;
+    const u64 P = Pack<T>::N, G = gridDim.x;
     const u64 cap = round_down(a.stage_per_block / slots / sizeof(T), P);
-    const u64 even = round_up((count + gridDim.x - 1) / gridDim.x, P);
-    const u64 m = min64(cap, even);
-    return m == 0 ? P : m;
+    // An empty message (the warm-up) still moves one pack's worth of nothing per block.
+    if (count == 0 || cap == 0) return P;
+    const u64 steps = (count + cap * G - 1) / (cap * G);
+    return round_up((count + G * steps - 1) / (G * steps), P);
 }
 
 // Steps of a kernel: at least one, so that even an empty message passes the first
@@ -181,20 +184,6 @@ __device__ __forceinline__ void finish_pack(Pack<T>& p, typename Acc<T>::type* a
     }
 #pragma unroll
     for (int k = 0; k < Pack<T>::N; k++) p.v[k] = narrow<T>(acc[k]);
-}
-
-// Pack i of the reduction, in rank order, of rank `own`'s input `in` (valid below `hi`) and
-// the other ranks' staging slots (`slots` + slot_of(j, own) * width, at i - lo): every rank
-// that reduces an element adds the same values in the same order, so gets the same bits.
-template <typename T>
-__device__ __forceinline__ void reduce_staged(Pack<T>& p, const T* in, const T* slots, u32 own, u32 W, u64 width, u64 i, u64 lo, u64 hi, u32 op) {
-    typename Acc<T>::type acc[Pack<T>::N];
-    for (u32 j = 0; j < W; j++) {
-        if (j == own) load_pack(p, in, i, hi);
-        else load_stage(p, slots + slot_of(j, own) * width, i - lo);
-        reduce_pack(p, acc, j == 0, op);
-    }
-    finish_pack(p, acc, W, op);
 }
 
 // Count a collective of `bytes` (memory_stats) once it passed its first barrier (calls
@@ -253,6 +242,67 @@ __device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store
             if (i < hi) store(p[u], i);
         }
     }
+}
+
+// The reduction over sources 0 .. W - 1 in rank order of packs [lo, hi), by the block's
+// threads [t0, t0 + nt) (`tid` = threadIdx.x - t0): `load(j, q, i)` loads source j's pack
+// i into q, `store(p, i)` takes the result. Each thread issues the loads of REDUCE_UNROLL
+// packs x SOURCES_IN_FLIGHT sources before adding any of them, so that 8 16-byte loads are
+// in flight per thread (the load-then-add loop this replaced waited for memory once per
+// source and pack: 4 H100s, bf16 reduce_scatter of 1 GiB, 272 -> 306 GB/s; docs/
+// performance.md, issue 26); the additions keep rank order, so every rank that reduces an
+// element gets the same bits. (More packs or accumulators per thread spill registers at
+// 512 threads per block: a bf16 pack's accumulator is 8 floats.)
+#define SOURCES_IN_FLIGHT 4
+#define REDUCE_UNROLL 2
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void reduce_packs_by(u64 lo, u64 hi, u32 tid, u32 nt, u32 W, u32 op, Load load, Store store) {
+    typedef typename Acc<T>::type A;
+    const u64 P = Pack<T>::N;
+    const u64 stride = (u64)nt * P;
+    for (u64 base = lo + tid * P; base < hi; base += stride * REDUCE_UNROLL) {
+        A acc[REDUCE_UNROLL][Pack<T>::N];
+        for (u32 j0 = 0; j0 < W; j0 += SOURCES_IN_FLIGHT) {
+            Pack<T> q[REDUCE_UNROLL][SOURCES_IN_FLIGHT];
+#pragma unroll
+            for (int u = 0; u < REDUCE_UNROLL; u++) {
+                const u64 i = base + u * stride;
+#pragma unroll
+                for (u32 v = 0; v < SOURCES_IN_FLIGHT; v++)
+                    if (i < hi && j0 + v < W) load(j0 + v, q[u][v], i);
+            }
+#pragma unroll
+            for (int u = 0; u < REDUCE_UNROLL; u++) {
+#pragma unroll
+                for (u32 v = 0; v < SOURCES_IN_FLIGHT; v++)
+                    if (j0 + v < W) reduce_pack(q[u][v], acc[u], j0 + v == 0, op);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < REDUCE_UNROLL; u++) {
+            const u64 i = base + u * stride;
+            if (i < hi) {
+                Pack<T> p;
+                finish_pack(p, acc[u], W, op);
+                store(p, i);
+            }
+        }
+    }
+}
+
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void reduce_packs(u64 lo, u64 hi, u32 W, u32 op, Load load, Store store) {
+    reduce_packs_by<T>(lo, hi, threadIdx.x, blockDim.x, W, op, load, store);
+}
+
+// The sources of a staged reduction: rank `own`'s input `in` (valid below `hi`) and the
+// other ranks' staging slots (`slots` + slot_of(j, own) * width, at i - lo).
+template <typename T>
+__device__ __forceinline__ auto staged_sources(const T* in, const T* slots, u32 own, u64 width, u64 lo, u64 hi) {
+    return [=](u32 j, Pack<T>& q, u64 i) {
+        if (j == own) load_pack(q, in, i, hi);
+        else load_stage(q, slots + slot_of(j, own) * width, i - lo);
+    };
 }
 
 // ---------------------------------------------------------------------------------------

@@ -7,22 +7,13 @@
 // my input).
 template <typename T>
 __device__ void rs_in_place(const Args& a, BlockState& s, u32 op) {
-    typedef typename Acc<T>::type A;
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count, P = Pack<T>::N;
     T* out = reinterpret_cast<T*>(a.out);
     u64 lo, hi;
     block_range(n, P, &lo, &hi);
-    for_packs<T>(
-        lo, hi,
-        [&](Pack<T>& p, u64 i) {
-            A acc[Pack<T>::N];
-            for (u32 j = 0; j < W; j++) {
-                load_pack(p, peer_in<T>(a, j) + me * n, i, hi);
-                reduce_pack(p, acc, j == 0, op);
-            }
-            finish_pack(p, acc, W, op);
-        },
+    reduce_packs<T>(
+        lo, hi, W, op, [&](u32 j, Pack<T>& q, u64 i) { load_pack(q, peer_in<T>(a, j) + me * n, i, hi); },
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
     barrier(a, &s);
 }
@@ -42,9 +33,8 @@ __device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_st
     const u64 hi = min64(lo + m, n);
     const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
     const T* own = in + me * n;
-    for_packs<T>(
-        lo, hi,
-        [&](Pack<T>& p, u64 i) { reduce_staged(p, own, rs, me, W, m, i, lo, hi, op); },
+    reduce_packs<T>(
+            lo, hi, W, op, staged_sources<T>(own, rs, me, m, lo, hi),
         [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 

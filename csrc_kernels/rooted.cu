@@ -197,9 +197,8 @@ __device__ void reduce_root(const Args& a, u32 op) {
         BARRIER_OR_RETURN(a, s, steps)
         if (me == R) {
             const T* mine = reinterpret_cast<const T*>(stage_of(a, R, par));
-            for_packs<T>(
-                lo, hi,
-                [&](Pack<T>& p, u64 i) { reduce_staged(p, in, mine, R, W, m, i, lo, hi, op); },
+            reduce_packs<T>(
+            lo, hi, W, op, staged_sources<T>(in, mine, R, m, lo, hi),
                 [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
         }
     }
