@@ -249,7 +249,7 @@ __device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store
 // i into q, `store(p, i)` takes the result. Each thread issues the loads of REDUCE_UNROLL
 // packs x SOURCES_IN_FLIGHT sources before adding any of them, so that 8 16-byte loads are
 // in flight per thread (the load-then-add loop this replaced waited for memory once per
-// source and pack: 4 H100s, bf16 reduce_scatter of 1 GiB, 272 -> 306 GB/s; docs/
+// source and pack: 4 H100s, bf16 reduce_scatter of 1 GiB, 262 -> 306 GB/s; docs/
 // performance.md, issue 26); the additions keep rank order, so every rank that reduces an
 // element gets the same bits. (More packs or accumulators per thread spill registers at
 // 512 threads per block: a bf16 pack's accumulator is 8 floats.)
