@@ -51,6 +51,17 @@ impl Error {
         Error::Os { context: context.into(), source: std::sync::Arc::new(source) }
     }
 
+    /// The group was destroyed (or is being), so it runs nothing more: the one spelling of
+    /// this message, used by every engine.
+    pub fn destroyed() -> Self {
+        Error::Aborted("the group was destroyed".into())
+    }
+
+    /// The group was destroyed at the moment `when` says ("before this send/recv completed").
+    pub fn destroyed_when(when: &str) -> Self {
+        Error::Aborted(format!("the group was destroyed {when}"))
+    }
+
     /// Whether the group can keep running collectives after this error: argument and
     /// agreement errors are detected by every rank at the same step, so the shared state
     /// stays consistent; anything else leaves the group aborted.
@@ -119,5 +130,13 @@ mod tests {
         let e = Error::InvalidType("all_reduce: rank 3 passed float64".into()).naming_rank(3);
         assert_eq!(e.to_string(), "all_reduce: rank 3 passed float64");
         assert!(matches!(Error::Timeout("t".into()).naming_rank(0), Error::Timeout(m) if m == "t"), "only argument errors");
+    }
+
+    /// Python's tests match these words (GroupAbortedError, "destroyed").
+    #[test]
+    fn destroyed_is_one_aborted_message() {
+        assert!(matches!(Error::destroyed(), Error::Aborted(m) if m == "the group was destroyed"));
+        let e = Error::destroyed_when("before this send/recv completed");
+        assert!(matches!(e, Error::Aborted(m) if m == "the group was destroyed before this send/recv completed"));
     }
 }

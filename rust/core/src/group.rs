@@ -208,7 +208,7 @@ impl Group {
     fn host_engine(&self) -> Result<Arc<HostEngine>> {
         match (&*self.host.lock(), self.kind) {
             (Some(e), _) => Ok(e.clone()),
-            (None, EngineKind::Host) => Err(Error::Aborted("the group was destroyed".into())),
+            (None, EngineKind::Host) => Err(Error::destroyed()),
             (None, EngineKind::Gloo) => {
                 Err(Error::Internal("this group spans hosts; its CPU collectives run on gloo, not the host engine".into()))
             }
@@ -267,7 +267,7 @@ impl Group {
             return Ok(d.clone());
         }
         Err(match self.kind {
-            EngineKind::Host if self.host.lock().is_none() => Error::Aborted("the group was destroyed".into()),
+            EngineKind::Host if self.host.lock().is_none() => Error::destroyed(),
             EngineKind::Gloo => Error::InvalidArgument(
                 "this group spans hosts and has no CUDA engine: CUDA was not initialized when it was created. Call \
                  torch.cuda.set_device(local_rank) before init_process_group/new_group"

@@ -52,7 +52,7 @@ impl CudaEngine {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
             if self.sh.stop.load(Ordering::Acquire) {
-                return Err(Error::Aborted("the group was destroyed".into()));
+                return Err(Error::destroyed());
             }
             self.join(&mut o, stream, target)?;
             let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;

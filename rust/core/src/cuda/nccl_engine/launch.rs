@@ -56,7 +56,7 @@ impl NcclEngine {
         let mut o = sh.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
         if sh.stop.load(Ordering::Acquire) {
-            return Err(Error::Aborted("the group was destroyed".into()));
+            return Err(Error::destroyed());
         }
         if target != caller {
             join(&mut o, caller, target)?;

@@ -222,7 +222,7 @@ impl NcclEngine {
             return Err(e);
         }
         if self.sh.stop.load(Ordering::Acquire) {
-            return Err(Error::Aborted("the group was destroyed".into()));
+            return Err(Error::destroyed());
         }
         // Querying the launches' events needs the device's context on this thread.
         let _ctx = self.sh.dev.bind()?;

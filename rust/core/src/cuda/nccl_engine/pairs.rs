@@ -219,7 +219,7 @@ impl NcclEngine {
         let mut o = sh.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
         if sh.stop.load(Ordering::Acquire) {
-            return Err(Error::Aborted("the group was destroyed".into()));
+            return Err(Error::destroyed());
         }
         join(&mut o, caller, target)?;
         // As in launch_inner: the watchdog ages a send/recv from its start on the GPU.

@@ -59,7 +59,7 @@ pub(super) fn execute(sh: &Shared, exec: &mut CollExec, c: &Collective, timeout:
     let broken = sh.broken.lock().clone();
     match broken {
         Some(e) => Err(Error::Aborted(format!("the group was aborted by an earlier error: {e}"))),
-        None if sh.shutdown.load(Ordering::Acquire) => Err(Error::Aborted("the group was destroyed".into())),
+        None if sh.shutdown.load(Ordering::Acquire) => Err(Error::destroyed()),
         None => {
             // A panic here is a bug; it must become an error, not a Work that never completes.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| exec.run(c, timeout)))

@@ -187,7 +187,7 @@ impl Shared {
 impl WaitGuard for Shared {
     fn check(&self) -> Result<()> {
         if self.shutdown.load(Ordering::Acquire) {
-            return Err(Error::Aborted("the group was destroyed while an operation was waiting".into()));
+            return Err(Error::destroyed_when("while an operation was waiting"));
         }
         if let Some(e) = self.abort_error() {
             return Err(e);
@@ -363,7 +363,7 @@ impl HostEngine {
         {
             let mut q = self.coll.items.lock();
             if q.closed {
-                return Err(Error::Aborted("the group was destroyed".into()));
+                return Err(Error::destroyed());
             }
             if q.busy || !q.jobs.is_empty() {
                 drop(q);
@@ -414,7 +414,7 @@ impl HostEngine {
                 return work;
             }
         }
-        work.complete(Err(Error::Aborted("the group was destroyed".into())));
+        work.complete(Err(Error::destroyed()));
         work
     }
 

@@ -181,7 +181,7 @@ impl P2pExec {
                     inbox.jobs.drain(..).collect()
                 };
                 // Completing runs Python callbacks: never while holding the inbox lock.
-                let e = Error::Aborted("the group was destroyed before this send/recv completed".into());
+                let e = Error::destroyed_when("before this send/recv completed");
                 for job in late {
                     job.work.complete(Err(e.clone()));
                 }
