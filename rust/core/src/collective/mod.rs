@@ -4,6 +4,7 @@
 mod kind;
 pub mod op;
 pub mod reduce;
+pub mod validate;
 
 pub use kind::Kind;
 
@@ -27,16 +28,6 @@ unsafe impl Send for Buf {}
 impl Buf {
     pub fn empty() -> Buf {
         Buf { ptr: std::ptr::NonNull::<u64>::dangling().as_ptr() as *mut u8, len: 0 }
-    }
-}
-
-/// A root (src/dst) rank as the caller gave it, checked against a group of `n` ranks: the
-/// one place its message is made, for negative roots (refused before they become an index)
-/// and roots past the group alike.
-pub fn root_index(kind: Kind, root: i64, n: usize) -> Result<usize> {
-    match usize::try_from(root) {
-        Ok(r) if r < n => Ok(r),
-        _ => Err(Error::InvalidArgument(format!("{}: root/src rank {root} is out of range for a group of size {n}", kind.name()))),
     }
 }
 
@@ -108,7 +99,7 @@ impl Collective {
     /// Errors are this rank's bad arguments, which it then submits as `Collective::Invalid`.
     pub fn from_op(o: &Op, rank: usize, n: usize) -> Result<Collective> {
         let (inp, out, dtype, op) = (o.inp.buf(), o.out.buf(), o.dtype, o.op);
-        let root = || root_index(o.kind, o.root, n);
+        let root = || validate::root(o.kind.name(), o.root, n);
         Ok(match o.kind {
             Kind::AllReduce => Collective::AllReduce { buf: out, dtype, op },
             Kind::Broadcast => Collective::Broadcast { buf: out, dtype, root: root()? },
@@ -167,8 +158,9 @@ impl Collective {
     pub fn check_local(&self, rank: usize, n: usize) -> Result<()> {
         let dt = self.dtype();
         let elems = |b: &Buf| b.len / dt.map_or(1, |d| d.size());
+        let elem = dt.map_or(1, |d| d.size()) as u64;
         let bad = |msg: String| Err(Error::InvalidArgument(msg));
-        let root_ok = |root: usize| root_index(self.kind(), root as i64, n).map(|_| ());
+        let root_ok = |root: usize| validate::root(self.kind().name(), root as i64, n).map(|_| ());
         match self {
             Collective::AllReduce { dtype, op, .. } => op.check(*dtype)?,
             Collective::Reduce { dtype, op, root, .. } => {
@@ -177,25 +169,11 @@ impl Collective {
             }
             Collective::ReduceScatter { dtype, op, input, output } => {
                 op.check(*dtype)?;
-                if input.len != output.len * n {
-                    return bad(format!(
-                        "reduce_scatter: input has {} elements, expected group size {n} x output {} = {}",
-                        elems(input),
-                        elems(output),
-                        elems(output) * n
-                    ));
-                }
+                validate::blocks_per_rank("reduce_scatter", n, elem, ("input", input.len as u64), ("output", output.len as u64))?;
             }
             Collective::Broadcast { root, .. } => root_ok(*root)?,
             Collective::AllGather { input, output, .. } => {
-                if output.len != input.len * n {
-                    return bad(format!(
-                        "all_gather: output has {} elements, expected group size {n} x input {} = {}",
-                        elems(output),
-                        elems(input),
-                        elems(input) * n
-                    ));
-                }
+                validate::blocks_per_rank("all_gather", n, elem, ("output", output.len as u64), ("input", input.len as u64))?;
             }
             Collective::Gather { input, output, root, .. } => {
                 root_ok(*root)?;

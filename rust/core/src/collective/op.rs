@@ -3,7 +3,7 @@
 //! place. The translations into each engine's own description (`Collective`, `P2p`,
 //! `CudaCall`) live here, once, with exhaustive matches on `Kind`.
 
-use super::{root_index, Buf, Collective, Kind};
+use super::{validate, Buf, Collective, Kind};
 use crate::cuda::decide::{self, Blocks};
 use crate::cuda::{AllToAll, CudaCall, DeviceCall};
 use crate::dtype::{DType, ReduceOp};
@@ -89,7 +89,7 @@ impl Op {
     /// arguments.
     pub fn to_host(&self, rank: usize, n: usize) -> Result<HostCall> {
         if self.kind.is_p2p() {
-            return Ok(HostCall::P2p(self.to_p2p()?));
+            return Ok(HostCall::P2p(self.to_p2p(rank, n)?));
         }
         Ok(HostCall::Collective { c: Collective::from_op(self, rank, n)?, blocking: self.blocking })
     }
@@ -102,7 +102,7 @@ impl Op {
         if self.kind.is_p2p() {
             let send = self.kind == Kind::Send;
             let span = if send { self.inp } else { self.out };
-            return Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer: self.peer()?, stream, asynchronous });
+            return Ok(DeviceCall::P2p { send, ptr: span.ptr, bytes: span.bytes, peer: self.peer(rank, n)?, stream, asynchronous });
         }
         if self.kind == Kind::AllToAll {
             let chunks = self.splits.take().ok_or_else(|| Error::Internal("all_to_all without splits".into()))?;
@@ -121,15 +121,15 @@ impl Op {
         if self.kind == Kind::Invalid {
             return Err(Error::Internal("an invalid call without its error".into()));
         }
-        Ok(DeviceCall::Collective(self.to_cuda(rank, n, stream)?))
+        Ok(DeviceCall::Collective(self.to_cuda(n, stream)?))
     }
 
-    /// The host engine's description of a send or recv.
-    pub fn to_p2p(&self) -> Result<P2p> {
+    /// The host engine's description of a send or recv of `rank` in a group of `n` ranks.
+    pub fn to_p2p(&self, rank: usize, n: usize) -> Result<P2p> {
         if !self.kind.is_p2p() {
             return Err(Error::Internal(format!("{} is not point to point", self.kind.name())));
         }
-        let (dtype, tag, peer) = (self.dtype, self.tag, self.peer()?);
+        let (dtype, tag, peer) = (self.dtype, self.tag, self.peer(rank, n)?);
         Ok(if self.kind == Kind::Send {
             P2p::Send { buf: self.inp.buf(), dtype, peer, tag }
         } else {
@@ -137,37 +137,33 @@ impl Op {
         })
     }
 
-    /// The peer of a send or recv (it travels in `root`).
-    fn peer(&self) -> Result<usize> {
-        usize::try_from(self.root).map_err(|_| Error::InvalidArgument(format!("peer {} is not a rank", self.root)))
+    /// The peer of a send or recv of `rank` in a group of `n` (it travels in `root`).
+    fn peer(&self, rank: usize, n: usize) -> Result<usize> {
+        validate::peer(self.kind.name(), rank, self.root, n)
     }
 
-    /// The CUDA engines' description of a collective of `rank` on `stream` in a group of
-    /// `n` ranks: what its `count` means per kind, and uint8/SUM for operations that move
-    /// bytes. The one check of the root and of the block-per-rank sizes on CUDA. What the
+    /// The CUDA engines' description of a collective on `stream` in a group of `n` ranks:
+    /// what its `count` means per kind, and uint8/SUM for operations that move bytes. The
+    /// root and the block-per-rank sizes are checked here, by the rules of `validate`
+    /// (the caller names the rank, `Error::naming_rank`). What the
     /// engine reduces is not checked here but asked of the engine itself, before this
     /// (`Engine::can_run`, `cuda::decide::can_run`): rsccl's kernels and NCCL reduce
     /// different dtypes.
-    pub fn to_cuda(&self, rank: usize, n: usize, stream: u64) -> Result<CudaCall> {
+    pub fn to_cuda(&self, n: usize, stream: u64) -> Result<CudaCall> {
+        let elem = self.dtype.size() as u64;
         // The buffer that holds a block per rank must hold `n` of the other's.
-        let sides = decide::blocks_per_rank(self.kind).map(|b| match b {
-            Blocks::Output => (self.out, self.inp, "output", "input"),
-            Blocks::Input => (self.inp, self.out, "input", "output"),
-        });
-        if let Some((whole, part, w, p)) = sides {
-            if whole.bytes != part.bytes * n as u64 {
-                let (d, elem) = (self.dtype.name(), self.dtype.size() as u64);
-                return Err(Error::InvalidArgument(format!(
-                    "{}: rank {rank} passed {w} {d}[{}] for {p} {d}[{}] (the {w} must hold group size {n} {p}s)",
-                    self.kind.name(),
-                    whole.bytes / elem,
-                    part.bytes / elem
-                )));
+        match decide::blocks_per_rank(self.kind) {
+            Some(Blocks::Output) => {
+                validate::blocks_per_rank(self.kind.name(), n, elem, ("output", self.out.bytes), ("input", self.inp.bytes))?
             }
+            Some(Blocks::Input) => {
+                validate::blocks_per_rank(self.kind.name(), n, elem, ("input", self.inp.bytes), ("output", self.out.bytes))?
+            }
+            None => {}
         }
         let count = decide::cuda_count(self.kind, self.inp.bytes, self.out.bytes, self.dtype.size() as u64);
         let (dtype, op) = if self.kind.moves_bytes() || !self.kind.has_op() { (DType::U8, ReduceOp::Sum) } else { (self.dtype, self.op) };
-        let root = if self.kind.has_root() { root_index(self.kind, self.root, n)? } else { 0 };
+        let root = if self.kind.has_root() { validate::root(self.kind.name(), self.root, n)? } else { 0 };
         Ok(CudaCall { kind: self.kind, dtype, op, root, inp: self.inp.ptr, out: self.out.ptr, count, stream, asynchronous: !self.blocking })
     }
 }
@@ -229,7 +225,12 @@ mod tests {
         assert!(a2a.to_device(0, 4, 7).is_err() && a2a.to_host(0, 4).is_err(), "all_to_all needs its splits");
         let mut send = op(Kind::Send, 64, 64, DType::F32);
         send.root = -2;
-        assert!(send.to_device(0, 4, 7).unwrap_err().to_string().contains("peer -2 is not a rank"));
+        let e = send.to_device(0, 4, 7).unwrap_err().to_string();
+        assert!(e.contains("send: rank 0 passed peer -2; give another rank of this group of 4"), "{e}");
+        send.root = 0;
+        assert!(send.to_host(0, 4).unwrap_err().to_string().contains("rank 0 passed peer 0"), "itself");
+        send.root = 3;
+        assert!(send.to_host(0, 4).is_ok() && send.to_device(0, 4, 7).is_ok());
     }
 
     #[test]
@@ -245,39 +246,39 @@ mod tests {
 
     #[test]
     fn cuda_counts_follow_each_kind() {
-        let c = op(Kind::AllReduce, 4096, 4096, DType::BF16).to_cuda(0, 2, 9).unwrap();
+        let c = op(Kind::AllReduce, 4096, 4096, DType::BF16).to_cuda(2, 9).unwrap();
         assert_eq!((c.count, c.dtype, c.op, c.root, c.stream, c.asynchronous), (2048, DType::BF16, ReduceOp::Max, 0, 9, false));
-        let c = op(Kind::ReduceScatter, 4096, 1024, DType::F32).to_cuda(0, 4, 0).unwrap();
+        let c = op(Kind::ReduceScatter, 4096, 1024, DType::F32).to_cuda(4, 0).unwrap();
         assert_eq!(c.count, 256);
-        let c = op(Kind::AllGather, 100, 400, DType::F32).to_cuda(0, 4, 0).unwrap();
+        let c = op(Kind::AllGather, 100, 400, DType::F32).to_cuda(4, 0).unwrap();
         assert_eq!((c.count, c.dtype, c.op), (100, DType::U8, ReduceOp::Sum));
-        let c = op(Kind::Scatter, 400, 100, DType::I64).to_cuda(0, 4, 0).unwrap();
+        let c = op(Kind::Scatter, 400, 100, DType::I64).to_cuda(4, 0).unwrap();
         assert_eq!((c.count, c.root, c.dtype), (100, 1, DType::U8));
-        assert!(op(Kind::Broadcast, 8, 8, DType::U8).to_cuda(0, 1, 0).is_err(), "root 1 in a group of 1");
+        assert!(op(Kind::Broadcast, 8, 8, DType::U8).to_cuda(1, 0).is_err(), "root 1 in a group of 1");
     }
 
     /// What an engine reduces is not this translation's business (Engine::can_run asks the
     /// engine, cuda::decide::can_run): a float64 all_reduce translates for both engines.
     #[test]
     fn cuda_translation_leaves_the_dtype_to_the_engine() {
-        let c = op(Kind::AllReduce, 64, 64, DType::F64).to_cuda(2, 4, 0).unwrap();
+        let c = op(Kind::AllReduce, 64, 64, DType::F64).to_cuda(4, 0).unwrap();
         assert_eq!((c.dtype, c.op, c.count), (DType::F64, ReduceOp::Max, 8));
         // Operations that move bytes run as uint8.
-        assert_eq!(op(Kind::AllGather, 64, 256, DType::F64).to_cuda(0, 4, 0).unwrap().dtype, DType::U8);
+        assert_eq!(op(Kind::AllGather, 64, 256, DType::F64).to_cuda(4, 0).unwrap().dtype, DType::U8);
     }
 
     /// What the kernels cannot see is checked here: a rank's own all_to_all chunk, the
     /// block-per-rank buffer of all_gather and reduce_scatter.
     #[test]
     fn cuda_sizes_are_checked_within_the_rank() {
-        let e = op(Kind::AllGather, 16, 28, DType::F32).to_cuda(1, 3, 0).unwrap_err().to_string();
-        assert!(
-            e.contains("all_gather: rank 1 passed output float32[7] for input float32[4] (the output must hold group size 3 inputs)"),
-            "{e}"
-        );
-        let e = op(Kind::ReduceScatter, 40, 16, DType::F32).to_cuda(0, 2, 0).unwrap_err().to_string();
-        assert!(e.contains("reduce_scatter: rank 0 passed input float32[10] for output float32[4]"), "{e}");
-        assert!(op(Kind::ReduceScatter, 32, 16, DType::F32).to_cuda(0, 2, 0).is_ok());
+        let e = op(Kind::AllGather, 16, 28, DType::F32).to_cuda(3, 0).unwrap_err().to_string();
+        assert_eq!(e, "all_gather: output has 7 elements, expected group size 3 x input 4 = 12");
+        let e = op(Kind::ReduceScatter, 40, 16, DType::F32).to_cuda(2, 0).unwrap_err().to_string();
+        assert_eq!(e, "reduce_scatter: input has 10 elements, expected group size 2 x output 4 = 8");
+        assert!(op(Kind::ReduceScatter, 32, 16, DType::F32).to_cuda(2, 0).is_ok());
+        // The device path names the rank as the host engine's agreement does.
+        let e = op(Kind::ReduceScatter, 40, 16, DType::F32).to_device(1, 2, 0).unwrap_err().naming_rank(1).to_string();
+        assert!(e.starts_with("rank 1: reduce_scatter: input has 10 elements"), "{e}");
         let mut a2a = op(Kind::AllToAll, 0, 0, DType::U8);
         a2a.splits = Some(AllToAll { send: vec![0, 0], send_bytes: vec![8, 4], recv: vec![0, 0], recv_bytes: vec![8, 12] });
         let e = a2a.to_device(1, 2, 0).unwrap_err().to_string();

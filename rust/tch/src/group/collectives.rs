@@ -1,7 +1,7 @@
 //! The collectives and send/recv of `ProcessGroup` on `tch::Tensor`s: each checks its
 //! tensors, builds one plan and hands it to the host or CUDA seam of group/mod.rs.
 
-use rsccl_core::collective::{Collective, Kind};
+use rsccl_core::collective::{validate, Collective, Kind};
 use rsccl_core::cuda::{AllToAll, CudaKind};
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::engine::P2p;
@@ -137,14 +137,8 @@ impl ProcessGroup {
         let (me, n) = (self.rank(), self.size());
         let pair = |cuda: bool| {
             self.in_out("all_gather", input, output, cuda, None, || {
-                if output.numel() != n * input.numel() {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_gather: rank {me} passed output of {} elements for input of {} (the output holds group size {n} inputs)",
-                        output.numel(),
-                        input.numel()
-                    )));
-                }
-                Ok(())
+                validate::blocks_per_rank("all_gather", n, 1, ("output", output.numel() as u64), ("input", input.numel() as u64))
+                    .map_err(|e| e.naming_rank(me))
             })
         };
         match tensor::place_of(&[input]) {
@@ -217,14 +211,8 @@ impl ProcessGroup {
         let (me, n) = (self.rank(), self.size());
         let pair = |cuda: bool| {
             self.in_out("reduce_scatter", input, output, cuda, Some((Kind::ReduceScatter, op)), || {
-                if input.numel() != n * output.numel() {
-                    return Err(Error::InvalidArgument(format!(
-                        "reduce_scatter: rank {me} passed input of {} elements for output of {} (the input holds group size {n} outputs)",
-                        input.numel(),
-                        output.numel()
-                    )));
-                }
-                Ok(())
+                validate::blocks_per_rank("reduce_scatter", n, 1, ("input", input.numel() as u64), ("output", output.numel() as u64))
+                    .map_err(|e| e.naming_rank(me))
             })
         };
         match tensor::place_of(&[input]) {
@@ -418,11 +406,7 @@ impl ProcessGroup {
         let (me, n) = (self.rank(), self.size());
         let what = if send { "send" } else { "recv" };
         let a = check(t, &format!("{what} tensor"), me)?;
-        if peer >= n || peer == me {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: rank {me} passed peer {peer}; give another rank of this group of {n} (rsccl does not send to itself)"
-            )));
-        }
+        validate::peer(what, me, peer as i64, n)?;
         let (c, post) = if send { (tensor::contiguous(t, what)?, None) } else { tensor::output(t, what)? };
         match a.place {
             Place::Cpu => {

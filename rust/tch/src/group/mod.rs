@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use rsccl_core::collective::op::{Op, Place as OpPlace};
-use rsccl_core::collective::{Collective, Kind};
+use rsccl_core::collective::{validate, Collective, Kind};
 use rsccl_core::cuda::{CudaCall, CudaEvent, CudaKind, CudaStats, DeviceCall, NcclStats};
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::group::Ran;
@@ -441,14 +441,8 @@ impl ProcessGroup {
     }
 
     fn check_root(&self, root: usize, what: &str) -> Result<()> {
-        if root >= self.size() {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: rank {} passed root {root}, not a rank of this group of {}",
-                self.rank(),
-                self.size()
-            )));
-        }
-        Ok(())
+        let r = i64::try_from(root).unwrap_or(i64::MAX);
+        validate::root(what, r, self.size()).map(|_| ()).map_err(|e| e.naming_rank(self.rank()))
     }
 }
 

@@ -8,6 +8,7 @@ use cudarc::driver::sys as cu;
 use super::abi::P2pArgs;
 use super::events::{CudaEvent, EventHome};
 use super::{CudaEngine, CudaKind};
+use crate::collective::validate;
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::THREADS;
 use crate::error::{Error, Result};
@@ -27,10 +28,8 @@ impl CudaEngine {
         asynchronous: bool,
     ) -> Result<Option<CudaEvent>> {
         let (n, me) = (self.pool.nranks, self.pool.me);
-        let what = if send { "send to" } else { "recv from" };
-        if peer >= n || peer == me {
-            return Err(Error::InvalidArgument(format!("CUDA {what} local rank {peer}: not a peer of local rank {me} in a group of {n}")));
-        }
+        // Local ranks: the NCCL engine passes this host's share of its group.
+        validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
         self.fatal()?;
         let kind = if send { CudaKind::Send } else { CudaKind::Recv };
         let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };

@@ -74,6 +74,7 @@ use parking_lot::{Mutex, RwLock};
 use super::driver::{CUevent, CUstream, Device};
 use super::nccl::NcclComm;
 use super::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind};
+use crate::collective::validate;
 use crate::error::{Error, Result};
 use hier::{HierLayout, Hierarchical};
 use launch::new_event;
@@ -293,10 +294,8 @@ impl NcclEngine {
     /// fewer) waits until the watchdog's timeout aborts the group.
     pub fn launch_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
         let (me, n) = (self.sh.rank, self.sh.flat.nranks);
+        validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
         let what = if send { "send to" } else { "recv from" };
-        if peer >= n || peer == me {
-            return Err(Error::InvalidArgument(format!("rank {me}: CUDA {what} rank {peer}: not another rank of this group of {n}")));
-        }
         self.health()?;
         if self.host_of[peer] == self.host_of[me] {
             if let Some(local) = &self.sh.local {

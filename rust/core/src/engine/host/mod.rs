@@ -28,6 +28,7 @@ use parking_lot::{Condvar, Mutex};
 use super::{Engine, GroupStats, HostCall, MemoryStats, P2p, Ran};
 use crate::bootstrap::LocalMesh;
 use crate::collective::op::Op;
+use crate::collective::validate;
 use crate::collective::Collective;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -381,11 +382,9 @@ impl HostEngine {
     /// Queue a send or recv; its Work completes when the message was moved.
     pub fn submit_p2p(&self, op: P2p, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());
-        if let Some(peer) = op.peer().filter(|&p| p >= self.sh.n || p == self.sh.me) {
-            work.complete(Err(Error::InvalidArgument(format!(
-                "send/recv peer {peer} is invalid for rank {} of a group of size {}",
-                self.sh.me, self.sh.n
-            ))));
+        let what = if matches!(op, P2p::Send { .. }) { "send" } else { "recv" };
+        if let Some(Err(e)) = op.peer().map(|p| validate::peer(what, self.sh.me, p as i64, self.sh.n)) {
+            work.complete(Err(e));
             return work;
         }
         if let Err(e) = op.check_tag(self.sh.me) {
