@@ -118,7 +118,7 @@ impl CudaEngine {
         let mut o = self.order.lock();
         // Shutdown sets `stop` under this lock: no launch starts after it.
         if self.sh.stop.load(Ordering::Acquire) {
-            return Err(Error::Aborted("the group was destroyed".into()));
+            return Err(Error::destroyed());
         }
         if target != caller {
             // The internal stream waits for everything the caller queued before the call
