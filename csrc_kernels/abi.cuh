@@ -29,9 +29,12 @@ typedef long long i64;
 //   [CTR_OFF, +MAX_BLOCKS*8)  per CUDA block {epoch, step} u32 pairs: this rank only
 //   [BUSY_OFF, +MAX_BLOCKS*4) per CUDA block: 1 while a kernel of the group runs that
 //                             block on this GPU (NOTE [Kernel entry]): this rank only
-//   [POISON_OFF, +4)          1 + the local index of the rank whose failure stopped the
-//                             group (a peer's kernel, this rank's own kernel, or a host's
-//                             abort); POISON_DESTROYED once the group was destroyed;
+//   [POISON_OFF, +4)          low 16 bits: 1 + the local index of the rank whose failure
+//                             stopped the group (a peer's kernel, this rank's own kernel,
+//                             or a host's abort); bits 16-23: that kernel's ERR_* cause and
+//                             bits 24-31: 1 + the rank it names (the one a timed-out wait
+//                             waited for), both 0 when the host wrote it;
+//                             POISON_DESTROYED once the group was destroyed;
 //                             0 = none (NOTE [Bounded waits], NOTE [Kernel entry])
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
@@ -61,9 +64,11 @@ typedef long long i64;
 #define A2A_OFF 163840
 #define STAGE_OFF 262144
 
-// Error codes written to Args::err_host (high 16 bits: kind, low 16: peer local index): a
+// Error codes written to Args::err_host (bits 16-19: kind, low 16: peer local index): a
 // mismatch into the first u32, a timeout or abort into the second, so that neither kind
 // overwrites the other (the host clears a reported mismatch but never a fatal error).
+// ERR_PEER also carries what the poison word said of the culprit: bits 20-23 its cause
+// (an ERR_* code, 0 if the host poisoned), bits 24-31 1 + the rank that cause names.
 #define ERR_TIMEOUT 1u
 #define ERR_ABORTED 2u
 #define ERR_MISMATCH 3u

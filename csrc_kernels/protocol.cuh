@@ -66,8 +66,10 @@ __device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
 //   finds its rank's poison word set, records an error in host-mapped memory and the
 //   whole kernel returns; the GPU is never left spinning. The group is unusable afterwards.
 //   A rank whose wait timed out (or that saw a send/recv size mismatch, or two of its
-//   kernels running at once) writes its index into every rank's poison word, its own
-//   included: the peers' waits stop at once instead of each running into its own
+//   kernels running at once) writes its index, the cause and the rank the cause names
+//   (whom it waited for) into every rank's poison word, its own included (abi.cuh), so
+//   that every rank can say that rank 1 timed out waiting for rank 3, not only that rank
+//   1 stopped the group: the peers' waits stop at once instead of each running into its own
 //   timeout, and every later kernel of this rank, eager or replayed from a CUDA graph,
 //   finds the word at its entry and writes nothing (NOTE [Kernel entry]). The host's
 //   abort writes the same words (Shared::poison_peers). The poison word is only ever set,
@@ -83,13 +85,14 @@ __device__ __forceinline__ void st_volatile_host(u64 p, u32 v) {
 //   no work queued behind the failed kernel runs on its output.
 
 // Why a wait must stop now, or 0: the host's abort word, a peer's poison word (`*who` is
-// then that peer), or the timeout. Polled every 256 spins.
+// then the word less one: the culprit in the low 16 bits, its cause above, as fail()
+// wants it), or the timeout. Polled every 256 spins.
 __device__ __forceinline__ u32 stop_reason(const Args& a, u64 start, u32* who) {
     if (ld_volatile_host(a.abort_host) != 0) return ERR_ABORTED;
     const u32 p = ld_volatile_host(a.peer[a.rank] + POISON_OFF);
     if (p == POISON_DESTROYED) return ERR_ABORTED;
     if (p != 0) {
-        *who = (p - 1) & 0xffff;
+        *who = p - 1;
         return ERR_PEER;
     }
     if (global_ns() - start > a.timeout_ns) return ERR_TIMEOUT;
@@ -108,16 +111,22 @@ __device__ void hold_for_host(const Args& a) {
 // A wait failed, a kernel found its group failed at entry, or two kernels of the group
 // ran at once: record it for the host (the fatal word: never cleared) and poison every
 // rank, this one included, so that every wait and every later kernel of the group stops
-// (NOTE [Bounded waits]), unless the cause came from a poisoned word already. Any thread
-// may call it; racing writers store codes of failures of the same group.
+// (NOTE [Bounded waits]), unless the cause came from a poisoned word already. `peer` is
+// the rank the failure names; for ERR_PEER, the poison word less one (stop_reason), whose
+// cause goes into the fatal word's high bits (abi.cuh). Any thread may call it; racing
+// writers store codes of failures of the same group, each one whole word.
 __device__ void fail(const Args& a, u32 why, u32 peer) {
+    const u32 culprit = peer & 0xffff;
+    const u32 code = why == ERR_PEER ? (why << 16) | (((peer >> 16) & 0xf) << 20) | ((peer >> 24) << 24) | culprit
+                                     : (why << 16) | culprit;
     // This rank's own word names this rank: whoever set it reported the cause; write only
     // if nothing is there yet (a host's abort), so that the host hears of this kernel.
-    const bool own_word = why == ERR_PEER && peer == a.rank;
-    if (!own_word || ld_volatile_host(a.err_host + 4) == 0) st_volatile_host(a.err_host + 4, (why << 16) | peer);
+    const bool own_word = why == ERR_PEER && culprit == a.rank;
+    if (!own_word || ld_volatile_host(a.err_host + 4) == 0) st_volatile_host(a.err_host + 4, code);
     __threadfence_system();
     if (why == ERR_TIMEOUT || why == ERR_P2P_SIZE || why == ERR_CONCURRENT) {
-        for (u32 j = 0; j < a.world; j++) st_volatile_host(a.peer[j] + POISON_OFF, 1 + a.rank);
+        const u32 poison = (1 + a.rank) | (why << 16) | ((1 + culprit) << 24);
+        for (u32 j = 0; j < a.world; j++) st_volatile_host(a.peer[j] + POISON_OFF, poison);
         __threadfence_system();
     }
     hold_for_host(a);
@@ -181,7 +190,7 @@ __device__ __noinline__ void stop_destroyed() {
 __device__ __forceinline__ bool failed_at_entry(const Args& a, u32 poison) {
     if (poison == POISON_DESTROYED) stop_destroyed();
     if (poison == 0) return false;
-    fail(a, ERR_PEER, (poison - 1) & 0xffff);
+    fail(a, ERR_PEER, poison - 1);
     return true;
 }
 

@@ -45,6 +45,14 @@ pub(super) struct HostWords {
     page: PinnedPage,
 }
 
+/// The fields of a FATAL code (abi.cuh, at the error codes): (kind, peer, cause, named).
+/// Bits 16-19 are the kind and the low 16 the peer; for ERR_PEER, bits 20-23 are the
+/// culprit's cause (an ERR_* code, 0 when the host poisoned) and bits 24-31 are 1 + the rank
+/// that cause names (0: none), as fail() in csrc_kernels/protocol.cuh packs them.
+pub(super) fn fatal_fields(code: u32) -> (u32, usize, u32, usize) {
+    ((code >> 16) & 0xf, (code & 0xffff) as usize, (code >> 20) & 0xf, (code >> 24) as usize)
+}
+
 impl HostWords {
     /// A mismatch between ranks' calls (reported once, then cleared).
     pub(super) const ERR: usize = 0;
@@ -257,9 +265,10 @@ impl Shared {
         if code == 0 {
             return None;
         }
-        let (kind, peer) = (code >> 16, (code & 0xffff) as usize);
+        let (kind, peer, cause, named) = fatal_fields(code);
         let grank = self.local_ranks.get(peer).copied().unwrap_or(peer);
         let me = self.local_ranks[self.me];
+        let gnamed = named.checked_sub(1).map(|n| self.local_ranks.get(n).copied().unwrap_or(n));
         Some(match kind {
             ERR_TIMEOUT => Error::Timeout(format!(
                 "a CUDA collective or send/recv on rank {me} waited longer than the group timeout ({:.1} s) for rank {grank}",
@@ -271,7 +280,26 @@ impl Shared {
             ERR_PEER if self.mesh.gone().contains(&peer) => gone_error(&self.local_ranks, &self.pids, peer),
             // This rank's own word: the host stopped the group (its own error is raised
             // first, where it has one).
-            ERR_PEER if peer == self.me => Error::Aborted(format!("the group had failed on rank {me} before this CUDA call ran")),
+            ERR_PEER if peer == self.me && cause == 0 => {
+                Error::Aborted(format!("the group had failed on rank {me} before this CUDA call ran"))
+            }
+            // Another rank's kernel (or this rank's earlier one) timed out: every rank names
+            // the rank that was waited for, as the one that timed out does.
+            ERR_PEER if cause == ERR_TIMEOUT && gnamed.is_some() => Error::Timeout(format!(
+                "a CUDA collective or send/recv on rank {grank} waited longer than the group timeout ({:.1} s) for \
+                 rank {}, and stopped the group: this CUDA call on rank {me} did not complete",
+                self.timeout.as_secs_f64(),
+                gnamed.unwrap_or(peer)
+            )),
+            ERR_PEER if cause == ERR_P2P_SIZE && gnamed.is_some() => Error::Mismatch(format!(
+                "a recv on rank {grank} found that rank {} sent a different number of bytes, which stopped the group \
+                 (send/recv sizes must match): this CUDA call on rank {me} did not complete",
+                gnamed.unwrap_or(peer)
+            )),
+            ERR_PEER if cause == ERR_CONCURRENT => Error::Aborted(format!(
+                "two CUDA collectives of this group ran at the same time on rank {grank}'s GPU, which stopped the \
+                 group: this CUDA call on rank {me} did not complete (see rank {grank}'s error)"
+            )),
             ERR_PEER => Error::Aborted(format!(
                 "the group was stopped because of rank {grank}: it failed (a timeout, a send/recv size mismatch, two \
                  collectives at once, an abort) or died; see rank {grank}'s error, or its exit"
@@ -452,10 +480,25 @@ impl CudaEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::describe;
+    use super::{describe, fatal_fields, ERR_CONCURRENT, ERR_PEER, ERR_TIMEOUT};
     use crate::cuda::decide::message_bytes;
     use crate::cuda::CudaKind;
     use crate::dtype::{DType, ReduceOp};
+
+    #[test]
+    fn fatal_codes_carry_the_culprits_cause() {
+        // fail() on a rank poisoned by local rank 1, which timed out waiting for rank 3:
+        // the poison word is (1 + 1) | ERR_TIMEOUT << 16 | (1 + 3) << 24; stop_reason hands
+        // fail() that word less one, and fail() packs the code as below.
+        let poison: u32 = 2 | (ERR_TIMEOUT << 16) | (4 << 24);
+        let who = poison - 1;
+        let code = (ERR_PEER << 16) | (((who >> 16) & 0xf) << 20) | ((who >> 24) << 24) | (who & 0xffff);
+        assert_eq!(fatal_fields(code), (ERR_PEER, 1, ERR_TIMEOUT, 4));
+        // The host's poison (1 + culprit, no cause) and plain codes keep their old meaning.
+        assert_eq!(fatal_fields((ERR_PEER << 16) | 2), (ERR_PEER, 2, 0, 0));
+        assert_eq!(fatal_fields((ERR_TIMEOUT << 16) | 3), (ERR_TIMEOUT, 3, 0, 0));
+        assert_eq!(fatal_fields((ERR_CONCURRENT << 16) | 15), (ERR_CONCURRENT, 15, 0, 0));
+    }
 
     #[test]
     fn descriptors_read_back_as_calls() {
