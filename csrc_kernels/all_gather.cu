@@ -61,7 +61,7 @@ __device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64
         });
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank;

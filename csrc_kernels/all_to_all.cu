@@ -67,7 +67,7 @@ __device__ __forceinline__ void a2a_copy(const A2aArgs& x, u64 st, u64 per_step,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rs_all_to_all(const A2aArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_all_to_all(const __grid_constant__ A2aArgs x) {
     const Args& a = x.a;
     __shared__ BlockState s;
     __shared__ unsigned long long s_max;

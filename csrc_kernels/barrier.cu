@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 // A device-side barrier of every local rank (all CUDA blocks, one epoch each).
-extern "C" __global__ void __launch_bounds__(THREADS) rs_barrier(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_barrier(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u64 steps = 0;

@@ -129,15 +129,20 @@ __device__ __forceinline__ u64 min64(u64 a, u64 b) { return a < b ? a : b; }
 // staging half, then `count` split evenly over those steps and the grid (so small
 // messages use every block, and no step is a sliver: 1.01 steps' worth runs as two equal
 // halves on every block, not a full step and a step where most blocks idle). A multiple
-// of the pack size, so slots and block ranges stay 16-byte aligned.
+// of 128 bytes where the staging allows (else of the pack size), so that slots and block
+// ranges start on a cache line. (Balanced pieces rounded to 16 bytes only made all_reduce
+// 4-7% slower at 256 MiB-1 GiB on 4 H100s than full-staging pieces, which the default
+// buffer makes 128-byte multiples: docs/performance.md, issue 30. The likely reason: a
+// warp's 512 bytes of pushes then touch 5 lines instead of 4.)
 template <typename T>
 __device__ __forceinline__ u64 per_block(const Args& a, u64 slots, u64 count) {
-    const u64 P = Pack<T>::N, G = gridDim.x;
-    const u64 cap = round_down(a.stage_per_block / slots / sizeof(T), P);
+    const u64 G = gridDim.x, room = a.stage_per_block / slots / sizeof(T);
+    const u64 L = room >= 128 / sizeof(T) ? 128 / sizeof(T) : Pack<T>::N;
+    const u64 cap = round_down(room, L);
     // An empty message (the warm-up) still moves one pack's worth of nothing per block.
-    if (count == 0 || cap == 0) return P;
+    if (count == 0 || cap == 0) return Pack<T>::N;
     const u64 steps = (count + cap * G - 1) / (cap * G);
-    return round_up((count + G * steps - 1) / (G * steps), P);
+    return round_up((count + G * steps - 1) / (G * steps), L);
 }
 
 // Steps of a kernel: at least one, so that even an empty message passes the first
@@ -374,9 +379,9 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // Entry points: rs_<algorithm>_<dtype>, one per reduced type; the op comes with the call
 // (NOTE [Reduce op at run time]).
 
-#define RS_ENTRY(ALG, T, TN)                                                                \
-    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN(const Args a) { \
-        ALG<T>(a, desc_op(a));                                                            \
+#define RS_ENTRY(ALG, T, TN)                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN(const __grid_constant__ Args a) { \
+        ALG<T>(a, desc_op(a));                                                                              \
     }
 
 #define RS_TYPES(ALG)          \

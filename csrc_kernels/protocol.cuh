@@ -5,11 +5,21 @@
 //   NOTE [Lockstep blocks]    at BlockState
 //   NOTE [Bounded waits]      at stop_reason
 //   NOTE [Kernel entry]       at load_state
+//   NOTE [Code size]          below, at the head
 //   NOTE [Barrier protocol], NOTE [Buffer reuse], NOTE [Agreement]   at barrier()
 //   NOTE [In place]           common.cuh, at the in-place helpers
 //   NOTE [Point to point]     send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
+//
+// NOTE [Code size]
+// What runs once per failure stays out of line: fail, report_mismatch, hold_for_host and
+// the spin of wait_geq (after its first, inline check) are __noinline__, so the 3 to 6
+// barriers a kernel inlines share one copy of them. The barrier itself stays inline: out
+// of line it cost 0.5-1.5 us per small collective under CUDA graphs and 4-8% at 256 MiB-1
+// GiB (4 H100s, docs/performance.md, issue 30), for another 5% of code. Kernels take their
+// Args as __grid_constant__, so passing `a` by reference to those functions reads the
+// kernel's parameter space instead of copying the struct to the stack at every launch.
 
 #pragma once
 
@@ -102,7 +112,7 @@ __device__ __forceinline__ u32 stop_reason(const Args& a, u64 start, u32* who) {
 // Keep the calling thread's block until the host acted on a report (FLAG_HOLD_ON_ERROR):
 // the host sets the abort word (cuda_on_error = "raise") or ends the process ("teardown").
 // Bounded by the timeout, like every wait.
-__device__ void hold_for_host(const Args& a) {
+__device__ __noinline__ void hold_for_host(const Args& a) {
     if (!(a.flags & FLAG_HOLD_ON_ERROR)) return;
     const u64 start = global_ns();
     while (ld_volatile_host(a.abort_host) == 0 && global_ns() - start <= a.timeout_ns) __nanosleep(1000);
@@ -115,7 +125,7 @@ __device__ void hold_for_host(const Args& a) {
 // the rank the failure names; for ERR_PEER, the poison word less one (stop_reason), whose
 // cause goes into the fatal word's high bits (abi.cuh). Any thread may call it; racing
 // writers store codes of failures of the same group, each one whole word.
-__device__ void fail(const Args& a, u32 why, u32 peer) {
+__device__ __noinline__ void fail(const Args& a, u32 why, u32 peer) {
     const u32 culprit = peer & 0xffff;
     const u32 code = why == ERR_PEER ? (why << 16) | (((peer >> 16) & 0xf) << 20) | ((peer >> 24) << 24) | culprit
                                      : (why << 16) | culprit;
@@ -133,9 +143,9 @@ __device__ void fail(const Args& a, u32 why, u32 peer) {
 }
 
 // Spin (one thread) until *p >= e (wrap-safe), bounded as above. False: it failed and
-// reported why (`peer` is the rank waited for).
-__device__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
-    if ((i32)(ld_acquire_sys(p) - e) >= 0) return true;
+// reported why (`peer` is the rank waited for). The first check is inline; the spin, with
+// its stop checks, is out of line (NOTE [Code size]).
+__device__ __noinline__ bool wait_geq_slow(const Args& a, const u32* p, u32 e, u32 peer) {
     const u64 start = global_ns();
     u32 spins = 0;
     while ((i32)(ld_acquire_sys(p) - e) < 0) {
@@ -149,6 +159,10 @@ __device__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
         }
     }
     return true;
+}
+__device__ __forceinline__ bool wait_geq(const Args& a, const u32* p, u32 e, u32 peer) {
+    if ((i32)(ld_acquire_sys(p) - e) >= 0) return true;
+    return wait_geq_slow(a, p, e, peer);
 }
 
 // NOTE [Kernel entry]
@@ -250,7 +264,7 @@ __device__ __forceinline__ u64* desc_ptr(u64 block_base, u32 epoch, u32 cuda_blo
 
 // On a mismatch the host reads both descriptors from host-mapped memory next to the error
 // word: this rank's at +32 bytes, peer j's at +64 + 16 j (see rust/core/src/cuda/engine/status.rs, HostWords).
-__device__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
+__device__ __noinline__ void report_mismatch(const Args& a, u32 peer, const u64* theirs) {
     volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
     h[4] = a.desc0;
     h[5] = a.desc1;

@@ -53,7 +53,7 @@ __device__ __forceinline__ void bc_copy(const Args& a, u64 st, u64 per_step, u64
         [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rs_broadcast(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_broadcast(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u64 n = a.count;
@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_broadcast(const Args a)
 // other rank pushes its piece into its slot of the root's staging; barrier; the root
 // copies the slots into the output. Reuse: a rank writes parity p's slot again at step
 // s + 2, after barrier(s + 1), which needs the root's signal given after its copy of s.
-extern "C" __global__ void __launch_bounds__(THREADS) rs_gather(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_gather(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;
@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_gather(const Args a) {
 // copies its own piece into its output); barrier; the others copy it into their output.
 // Reuse as for broadcast: the root writes parity p again at step s + 2, after barrier(s + 1),
 // which needs every rank's signal given after its copy of step s.
-extern "C" __global__ void __launch_bounds__(THREADS) rs_scatter(const Args a) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_scatter(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
     const u32 W = a.world, me = a.rank, R = a.root;

@@ -63,7 +63,7 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
 __device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 __device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const __grid_constant__ P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const P2pArgs x) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const P2pArgs x) {
+extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_constant__ P2pArgs x) {
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
