@@ -12,11 +12,10 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rsccl_core::collective::op::{Op, Place, Span};
-use rsccl_core::collective::{Buf, Kind};
+use rsccl_core::collective::Kind;
 use rsccl_core::config::{Config, SETTINGS};
 use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
-use rsccl_core::engine::P2p;
 use rsccl_core::group::{Group, Ran};
 use rsccl_core::work::WorkState;
 use rsccl_core::Error;
@@ -25,14 +24,6 @@ use errors::{to_py, IntoPyResult};
 
 /// (data_ptr, nbytes) of a contiguous tensor the caller keeps alive until the Work completes.
 type PyBuf = (usize, usize);
-
-fn buf(b: PyBuf) -> Buf {
-    if b.1 == 0 {
-        Buf::empty()
-    } else {
-        Buf { ptr: b.0 as *mut u8, len: b.1 }
-    }
-}
 
 fn timeout_of(t: Option<f64>) -> Option<Duration> {
     t.filter(|s| *s > 0.0).map(Duration::from_secs_f64)
@@ -178,8 +169,6 @@ impl Communicator {
         };
         let splits = splits.map(|(send, send_bytes, recv, recv_bytes)| AllToAll { send, send_bytes, recv, recv_bytes });
         let op = Op {
-            kind,
-            place,
             inp: Span { ptr: inp, bytes: inp_bytes },
             out: Span { ptr: out, bytes: out_bytes },
             dtype,
@@ -189,6 +178,7 @@ impl Communicator {
             splits,
             blocking,
             invalid,
+            ..Op::new(kind, place)
         };
         let ran = py.detach(|| self.0.run(op)).py()?;
         ran_to_py(py, ran)
@@ -216,8 +206,12 @@ impl Communicator {
     /// RecvSource names that rank once the Work completed.
     fn recv_any(&self, b: PyBuf, dtype: Code, tag: i64) -> PyResult<(Work, RecvSource)> {
         let source = Arc::new(AtomicUsize::new(usize::MAX));
-        let op = P2p::RecvAny { buf: buf(b), dtype: dtype.dtype().py()?, tag, source: source.clone() };
-        Ok((Work(self.0.submit_p2p(op, None).py()?), RecvSource(source)))
+        let out = Span { ptr: b.0 as u64, bytes: b.1 as u64 };
+        let op = Op { out, dtype: dtype.dtype().py()?, tag, any_source: Some(source.clone()), ..Op::new(Kind::Recv, Place::Host) };
+        match self.0.run(op).py()? {
+            Ran::Work(w) => Ok((Work(w), RecvSource(source))),
+            _ => Err(pyo3::exceptions::PyRuntimeError::new_err("rsccl: a recv from any source returned no Work")),
+        }
     }
 
     /// Whether the group has a CUDA engine (rsccl's or, across hosts, NCCL).

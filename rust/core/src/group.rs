@@ -9,17 +9,15 @@ use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
-use crate::collective::op::{Op, Place, Span};
-use crate::collective::Collective;
+use crate::collective::op::{Op, Place};
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
 use crate::cuda::{CudaEngine, DeviceCall, NcclEngine};
 use crate::engine::host::HostEngine;
 pub use crate::engine::Ran;
-use crate::engine::{Engine, GroupStats, MemoryStats, P2p};
+use crate::engine::{Engine, GroupStats, MemoryStats};
 use crate::error::{Error, Result};
 use crate::memory::Layout;
-use crate::work::WorkState;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineKind {
@@ -171,8 +169,9 @@ impl Group {
         Ok(g)
     }
 
-    /// The seam: run one op on the engine of its place. Every torch method reaches the
-    /// engines through here (Python: `Communicator.run`; the Rust front end too).
+    /// The seam: run one op on the engine of its place. Every operation reaches the
+    /// engines through here, and only through here: Python's (`Communicator.run`) and the
+    /// Rust front end's (rsccl-tch builds the same `Op`s).
     ///
     /// The rule "a rank with bad arguments still joins the call as invalid, so its peers
     /// raise instead of waiting" lives here and nowhere else: an op that carries an error
@@ -213,23 +212,6 @@ impl Group {
                 Err(Error::Internal("this group spans hosts; its CPU collectives run on gloo, not the host engine".into()))
             }
         }
-    }
-
-    /// Queue a host collective (the Rust front end's plans; Python goes through `run`).
-    pub fn submit(&self, c: Collective, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.host_engine()?.submit(c, timeout.unwrap_or(self.timeout)))
-    }
-
-    /// Run a host collective on the calling thread (or after the queued ones) and return
-    /// when done.
-    pub fn run_now(&self, c: Collective, timeout: Option<Duration>) -> Result<()> {
-        self.host_engine()?.run_now(c, timeout.unwrap_or(self.timeout))
-    }
-
-    /// Queue a host send/recv (a recv from any source has no `Op`: its Work names the
-    /// source).
-    pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.host_engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
     }
 
     /// Name the global rank of each group rank in this group's messages (a subgroup's).
@@ -292,44 +274,6 @@ impl Group {
                     .into(),
             )
         })
-    }
-
-    /// Refuse a `kind` call of `dtype` with `op` on `stream` that the group's device
-    /// engine cannot run, as `run` does (`Engine::can_run`, then `Engine::refuse`): for a
-    /// front end that builds its device calls itself (the Rust front end's plans,
-    /// `run_device`). Ok if the engine runs it.
-    pub fn refuse_on_device(
-        &self,
-        kind: crate::collective::Kind,
-        dtype: crate::dtype::DType,
-        op: crate::dtype::ReduceOp,
-        stream: u64,
-    ) -> Result<()> {
-        let engine = self.device()?.engine;
-        let (inp, out) = (Span::default(), Span::default());
-        let probe =
-            Op { kind, place: Place::Cuda { stream }, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
-        let Err(e) = engine.can_run(&probe, self.topo.rank) else { return Ok(()) };
-        match engine.refuse(&probe, e.clone(), self.timeout) {
-            Err(told) => Err(told),
-            Ok(_) => Err(e),
-        }
-    }
-
-    /// Whether the group's device engine can run a `kind` call of `dtype` with `op`
-    /// (`Engine::can_run`, as `run` asks it), naming this rank: for a front end that builds
-    /// its device calls itself (the Rust front end's plans, `run_device`).
-    pub fn device_can_run(&self, kind: crate::collective::Kind, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
-        let place = Place::Cuda { stream: 0 };
-        let (inp, out) = (Span::default(), Span::default());
-        let probe = Op { kind, place, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
-        self.device()?.engine.can_run(&probe, self.topo.rank)
-    }
-
-    /// Run one call on the device engine (the Rust front end's CUDA plans, checked; an op
-    /// that failed its checks goes through `run` as `Op::invalid`).
-    pub fn run_device(&self, call: DeviceCall) -> Result<Ran> {
-        self.device()?.engine.run(call, self.timeout)
     }
 
     /// Raise the error that made the group's device engine unusable, or a reported
@@ -437,11 +381,7 @@ mod tests {
     }
 
     fn op(kind: Kind, invalid: Option<&str>) -> Op {
-        let mut o = Op::invalid(kind, Place::Host, Error::InvalidArgument(invalid.unwrap_or("").into()));
-        if invalid.is_none() {
-            o.invalid = None;
-        }
-        o
+        Op { invalid: invalid.map(|m| Error::InvalidArgument(m.into())), ..Op::new(kind, Place::Host) }
     }
 
     /// The one owner of "join as invalid": a collective whose arguments were found bad
