@@ -62,7 +62,7 @@ def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> bac
     dist.ProcessGroup.__init__(pg, rank, size)
     pg._comm = _Recorder()
     pg._gloo = None
-    pg._cuda_engine = "rsccl" if cuda else None
+    pg._cuda_engine = _ops.Route.RSCCL if cuda else None
     pg._cuda_device = -1 if cuda else None  # a CPU tensor's get_device()
     pg._done = backend.DoneWork([])
     pg._coalesced = None

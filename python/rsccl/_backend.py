@@ -40,12 +40,14 @@ from ._ops import (
     RECV,
     REDUCE,
     REDUCE_SCATTER,
+    ROUTE_OF,
     SCATTER,
     SEND,
     SUM,
     UINT8,
     ArgumentError,
     ErrorClass,
+    Route,
     dtype_code,
     op_code,
     op_name,
@@ -94,14 +96,17 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path, global_rank
         )
         self._cuda_device = device if self._comm.has_cuda else None
-        # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
-        self._cuda_engine = self._comm.cuda_engine
+        # Where CPU tensors go (Route.HOST, or Route.GLOO across hosts), and CUDA tensors
+        # (Route.RSCCL on one host, Route.NCCL across hosts, None without CUDA).
+        self._route = ROUTE_OF[self._comm.route]
+        cuda_route = self._comm.cuda_route
+        self._cuda_engine = ROUTE_OF[cuda_route] if cuda_route is not None else None
         self._pool_bytes = int(self._comm.cuda_pool_bytes)
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
         self._done = DoneWork([])
         self._gloo = None
-        if self._comm.engine == "gloo":
+        if self._route == Route.GLOO:
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
         self._group_name = ""
         self._group_desc = ""
@@ -136,7 +141,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def engine(self) -> str:
         """ "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
         tensors go through gloo, CUDA tensors through NCCL)."""
-        return self._comm.engine
+        return self._route.value
 
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
@@ -151,7 +156,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         send/recv), where it is a clear TypeError."""
         if not getattr(t, "is_cuda", False):
             return False
-        if self._gloo is None or self._cuda_engine == "nccl":
+        if self._gloo is None or self._cuda_engine == Route.NCCL:
             return True
         if what is None:
             return False

@@ -116,10 +116,11 @@ impl Communicator {
         self.0.topo.size
     }
 
-    /// "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts).
+    /// Where CPU tensors go: the ROUTES code of "host" (rsccl's shared-memory engine) or
+    /// "gloo" (the group spans hosts).
     #[getter]
-    fn engine(&self) -> &'static str {
-        self.0.kind.name()
+    fn route(&self) -> u8 {
+        self.0.kind as u8
     }
 
     #[getter]
@@ -220,10 +221,11 @@ impl Communicator {
         self.0.has_cuda()
     }
 
-    /// "rsccl" (one host: rsccl's kernels), "nccl" (across hosts), or None (no CUDA).
+    /// Where CUDA tensors go: the ROUTES code of "rsccl" (one host: rsccl's kernels) or
+    /// "nccl" (across hosts), or None (no CUDA).
     #[getter]
-    fn cuda_engine(&self) -> Option<&'static str> {
-        self.0.cuda_engine_name()
+    fn cuda_route(&self) -> Option<u8> {
+        self.0.cuda_route().map(|r| r as u8)
     }
 
     /// Bytes of this group's pool per rank (0: none); reads nothing from the device.
@@ -501,6 +503,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The code tables, once: Python maps torch's dtypes and ReduceOps onto these at import.
     m.add("KINDS", Kind::ALL.iter().map(|k| (k.name(), *k as u8)).collect::<Vec<_>>())?;
     m.add("DTYPES", DType::ALL.iter().map(|d| (d.name(), *d as u8)).collect::<Vec<_>>())?;
+    m.add("ROUTES", rsccl_core::group::routes())?;
     m.add("OPS", ReduceOp::ALL.iter().map(|o| (o.name(), *o as u8)).collect::<Vec<_>>())?;
     // What rsccl's CUDA kernels reduce: the Python layer checks a call against these.
     m.add("CUDA_REDUCE_DTYPES", rsccl_core::cuda::kernels::REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;

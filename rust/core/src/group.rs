@@ -19,23 +19,56 @@ use crate::engine::{Engine, GroupStats, MemoryStats};
 use crate::error::{Error, Result};
 use crate::memory::Layout;
 
+/// Where a group's CPU tensors go. With `CudaRoute`, the routes the front ends route by:
+/// Python gets both as one table, `_rsccl.ROUTES` (names and codes, distinct across the
+/// two), and a group's routes as codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum EngineKind {
     /// rsccl's shared-memory engine: all ranks on one host.
-    Host,
+    Host = 0,
     /// Ranks span hosts: CPU tensors go through gloo, created by the Python layer from
     /// the same store; CUDA tensors through the NCCL engine (when the group was created
     /// with a device).
-    Gloo,
+    Gloo = 1,
 }
 
 impl EngineKind {
+    pub const ALL: [EngineKind; 2] = [EngineKind::Host, EngineKind::Gloo];
+
     pub fn name(self) -> &'static str {
         match self {
             EngineKind::Host => "host",
             EngineKind::Gloo => "gloo",
         }
     }
+}
+
+/// Where a group's CUDA tensors go (see `EngineKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CudaRoute {
+    /// rsccl's CUDA engine: its kernels, all ranks on one host.
+    Rsccl = 2,
+    /// The NCCL engine: the group spans hosts.
+    Nccl = 3,
+}
+
+impl CudaRoute {
+    pub const ALL: [CudaRoute; 2] = [CudaRoute::Rsccl, CudaRoute::Nccl];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaRoute::Rsccl => "rsccl",
+            CudaRoute::Nccl => "nccl",
+        }
+    }
+}
+
+/// The routes of both kinds, as (name, code): the table front ends map codes with.
+pub fn routes() -> Vec<(&'static str, u8)> {
+    let host = EngineKind::ALL.iter().map(|r| (r.name(), *r as u8));
+    host.chain(CudaRoute::ALL.iter().map(|r| (r.name(), *r as u8))).collect()
 }
 
 /// Which engine serves CPU tensors of a group with this topology, and why.
@@ -51,6 +84,7 @@ pub struct Group {
     pub topo: Topology,
     pub cfg: Config,
     pub timeout: Duration,
+    /// Where CPU tensors go.
     pub kind: EngineKind,
     /// The engine of host memory (None where CPU tensors run on gloo). Taken out at
     /// shutdown, so the region and sockets are released then, not whenever Python drops
@@ -66,6 +100,7 @@ pub struct Group {
 #[derive(Clone)]
 struct Device {
     engine: Arc<dyn Engine<Call = DeviceCall>>,
+    route: CudaRoute,
     /// rsccl's CUDA engine of this host, which holds the pool: the device engine itself on
     /// one host; across hosts, the NCCL engine's host-local engine, if it has one.
     local: Option<Arc<CudaEngine>>,
@@ -135,7 +170,7 @@ impl Group {
                     let e = watch.during(Phase::Nccl, || {
                         NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline, &watch)
                     })?;
-                    cuda = Some(Device { local: e.local().cloned(), engine: e });
+                    cuda = Some(Device { local: e.local().cloned(), engine: e, route: CudaRoute::Nccl });
                 }
                 None
             }
@@ -150,7 +185,7 @@ impl Group {
                 // starts watching the mesh for peers that leave.
                 if let Some(d) = cuda_device {
                     let c = watch.during(Phase::Cuda, || CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline))?;
-                    cuda = Some(Device { local: Some(c.clone()), engine: c });
+                    cuda = Some(Device { local: Some(c.clone()), engine: c, route: CudaRoute::Rsccl });
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
                 Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids))?))
@@ -289,9 +324,10 @@ impl Group {
         self.device.lock().is_some()
     }
 
-    /// "rsccl" (rsccl's kernels), "nccl" (the group spans hosts), or None (no CUDA).
-    pub fn cuda_engine_name(&self) -> Option<&'static str> {
-        self.device.lock().as_ref().map(|d| d.engine.name())
+    /// Where CUDA tensors go: rsccl's kernels, NCCL (the group spans hosts), or None (no
+    /// CUDA).
+    pub fn cuda_route(&self) -> Option<CudaRoute> {
+        self.device.lock().as_ref().map(|d| d.route)
     }
 
     /// Stop the engines and release their memory, region and sockets. Idempotent.
@@ -464,5 +500,14 @@ mod tests {
         assert_eq!(choose_engine(&one).0, EngineKind::Host);
         let two = Topology::from_infos(0, &[i("a"), i("b")]);
         assert_eq!(choose_engine(&two).0, EngineKind::Gloo);
+    }
+
+    #[test]
+    fn routes_are_named_and_coded_once() {
+        let all = routes();
+        for (i, (name, code)) in all.iter().enumerate() {
+            assert_eq!(*code as usize, i, "{name}: its code is its place in the table");
+            assert_eq!(all.iter().filter(|o| o.0 == *name).count(), 1, "{name}");
+        }
     }
 }
