@@ -14,21 +14,19 @@ pub(crate) enum Place {
     Cuda(i32),
 }
 
-/// rsccl's element type of a tch kind.
-pub(crate) fn dtype_of_kind(k: Kind) -> Option<DType> {
-    Some(match k {
-        Kind::Float => DType::F32,
-        Kind::Double => DType::F64,
-        Kind::Half => DType::F16,
-        Kind::BFloat16 => DType::BF16,
-        Kind::Int8 => DType::I8,
-        Kind::Uint8 => DType::U8,
-        Kind::Int => DType::I32,
-        Kind::Int64 => DType::I64,
-        Kind::Bool => DType::Bool,
-        _ => return None,
-    })
+macro_rules! tch_kinds {
+    ($($v:ident = $code:literal, $name:literal, $size:literal, $float:literal, $tag:tt, $nccl:tt, $tch:ident;)*) => {
+        /// rsccl's element type of a tch kind: the tch column of rsccl's dtype table
+        /// (rsccl-core's dtype.rs, `dtype_rows!`).
+        pub(crate) fn dtype_of_kind(k: Kind) -> Option<DType> {
+            match k {
+                $(Kind::$tch => Some(DType::$v),)*
+                _ => None,
+            }
+        }
+    };
 }
+rsccl_core::dtype_rows!(tch_kinds);
 
 /// A checked tensor argument.
 pub(crate) struct Arg {
