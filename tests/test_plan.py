@@ -211,6 +211,9 @@ def test_cuda_ops(monkeypatch, seed):
     assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 3)
     pg.recv([y], 0)
     assert pg._comm.ops[-1][:10] == (_ops.RECV, 0, 0, y.data_ptr(), 32, f32, _ops.SUM, 0, 77, False)
+    # The peer is the core's to check (collective/validate.rs): it travels as the rank gave it.
+    pg.send([y], 9)
+    assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 9)
 
 
 def test_cuda_coalesced_all_reduce_is_one_op_per_dtype(monkeypatch, seed):

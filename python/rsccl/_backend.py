@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import _plans as plans
 from . import _rsccl
-from ._cuda import REDUCE_DTYPES, REDUCE_OPS, device_for_new_group, nccl_library_path, raw_stream
+from ._cuda import NO_CUDA_AT_CREATION, REDUCE_DTYPES, REDUCE_OPS, device_for_new_group, nccl_library_path, raw_stream
 from ._monitored import monitored_barrier
 from ._ops import (
     ALL_GATHER,
@@ -162,8 +162,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             return False
         raise TypeError(
             f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
-            "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
-            "before init_process_group/new_group); or use CPU tensors"
+            f"does not have ({NO_CUDA_AT_CREATION}); or use CPU tensors"
         )
 
     # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
@@ -173,10 +172,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         core exports."""
         if self._pool is None:
             if self._cuda_device is None:
-                raise RuntimeError(
-                    "rsccl: this group has no CUDA engine, so no pool: call torch.cuda.set_device(local_rank) "
-                    "before init_process_group/new_group"
-                )
+                raise RuntimeError(f"rsccl: this group has no CUDA engine, so no pool ({NO_CUDA_AT_CREATION})")
             alloc_fn, free_fn = self._comm.pool_allocator()
             self._allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
             self._pool = torch.cuda.MemPool(self._allocator)
@@ -553,10 +549,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         the group and sizes that fit by `Op::to_cuda` (which joins the call as invalid)."""
         if self._cuda_device is None:
             self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
-            raise ArgumentError(
-                f"{what}: this group has no CUDA engine (CUDA was not initialized when it was created); "
-                "call torch.cuda.set_device(local_rank) before init_process_group/new_group"
-            )
+            raise ArgumentError(f"{what}: this group has no CUDA engine ({NO_CUDA_AT_CREATION})")
         if t.device.index != self._cuda_device:
             raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
 

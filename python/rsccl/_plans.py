@@ -79,6 +79,20 @@ def _coalesced(
     return ops, keep, back.post()
 
 
+def _check_pairs(what: str, outputs: Any, inputs: Any) -> None:
+    """A coalesced call's outputs and inputs pair up."""
+    if len(outputs) != len(inputs):
+        raise ArgumentError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+
+
+def _check_blocks(what: str, side_name: str, whole: torch.Tensor, n: int, block: torch.Tensor) -> None:
+    """The block-per-rank rule of one pair of a coalesced call, checked before it is packed:
+    `whole` (its `side_name`) holds `n` blocks of `block`'s size. The core checks the same
+    rule of a single call (collective/validate.rs `blocks_per_rank`)."""
+    if whole.numel() != n * block.numel():
+        raise ArgumentError(f"{what}: {side_name} has {whole.numel()} elements, expected {n} x {block.numel()}")
+
+
 # -- reductions and broadcast, in place ------------------------------------------------------
 def all_reduce(side: Side, tensors: Any, op: int | str) -> _Plan:
     s = _Staged(_one(tensors, "all_reduce", side.check))
@@ -128,8 +142,7 @@ def _all_gather_bytes(side: Side, what: str, inputs: list[torch.Tensor], outputs
     rank-major (all_gather_into_tensor), or a list of one tensor per rank
     (all_gather_coalesced)."""
     n, check = side.size, side.check
-    if len(outputs) != len(inputs):
-        raise ArgumentError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+    _check_pairs(what, outputs, inputs)
     ins = [check(t, f"{what} input") for t in inputs]
     for k, (o, i) in enumerate(zip(outputs, ins)):
         per_rank = list(o) if isinstance(o, (list, tuple)) else None
@@ -138,8 +151,8 @@ def _all_gather_bytes(side: Side, what: str, inputs: list[torch.Tensor], outputs
             _check_same_dtype(f"{what} #{k}", x, i)
         if per_rank is not None and (len(per_rank) != n or any(x.numel() != i.numel() for x in per_rank)):
             raise ArgumentError(f"{what} #{k}: give {n} outputs of {i.numel()} elements (one per rank)")
-        if per_rank is None and o.numel() != n * i.numel():
-            raise ArgumentError(f"{what} #{k}: output has {o.numel()} elements, expected {n} x {i.numel()}")
+        if per_rank is None:
+            _check_blocks(f"{what} #{k}", "output", o, n, i)
     offsets, total = _gather_layout(ins)
     flat_in = _pack_bytes(ins, offsets, total)
     flat_out = torch.empty(n * total, dtype=torch.uint8, device=flat_in.device)
@@ -195,14 +208,12 @@ def reduce_scatter(side: Side, output_tensors: Any, input_tensors: Any, op: int 
 
 def reduce_scatter_tensor_coalesced(side: Side, outputs: Any, inputs: Any, dtypes: list[torch.dtype], op: int | str) -> _Plan:
     n, check, what = side.size, side.check, "reduce_scatter_tensor_coalesced"
-    if len(outputs) != len(inputs):
-        raise ArgumentError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+    _check_pairs(what, outputs, inputs)
     for k, (o, i) in enumerate(zip(outputs, inputs)):
         check(o, "reduce_scatter output")
         check(i, "reduce_scatter input")
         _check_same_dtype(f"{what} #{k}", o, i)
-        if i.numel() != n * o.numel():
-            raise ArgumentError(f"{what} #{k}: input has {i.numel()} elements, expected {n} x {o.numel()}")
+        _check_blocks(f"{what} #{k}", "input", i, n, o)
     groups = []
     for dt in dtypes:
         pairs = [(i, o) for o, i in zip(outputs, inputs) if i.dtype == dt]
@@ -320,10 +331,8 @@ def barrier(side: Side) -> _Plan:
 # -- point to point --------------------------------------------------------------------------
 def send_recv(side: Side, tensors: Any, peer: Any, tag: int, send: bool) -> _Plan:
     """One send (`send`) or recv of torch's one-tensor list with `peer` (its root)."""
-    what = "send" if send else "recv"
-    t = _one(tensors, what, side.check)
-    if not isinstance(peer, int) or not 0 <= peer < side.size or peer == side.rank:
-        raise ArgumentError(f"{what} peer {peer} is invalid for rank {side.rank} of a group of size {side.size}")
+    t = _one(tensors, "send" if send else "recv", side.check)
+    # The peer is the core's to check (collective/validate.rs `peer`, one message).
     if send:
         c = t.contiguous()
         return _Plan([_op(c, None, root=peer, tag=tag)], tensors, (t, c))

@@ -283,19 +283,15 @@ impl Group {
         if let Some(d) = &*self.device.lock() {
             return Ok(d.clone());
         }
-        Err(match self.kind {
-            EngineKind::Host if self.host.lock().is_none() => Error::destroyed(),
-            EngineKind::Gloo => Error::InvalidArgument(
-                "this group spans hosts and has no CUDA engine: CUDA was not initialized when it was created. Call \
-                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
-                    .into(),
-            ),
-            EngineKind::Host => Error::InvalidArgument(
-                "this group has no CUDA engine: CUDA was not initialized when it was created. Call \
-                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
-                    .into(),
-            ),
-        })
+        let spans = match self.kind {
+            EngineKind::Host if self.host.lock().is_none() => return Err(Error::destroyed()),
+            EngineKind::Host => "",
+            EngineKind::Gloo => " spans hosts and",
+        };
+        Err(Error::InvalidArgument(format!(
+            "this group{spans} has no CUDA engine: CUDA was not initialized when it was created. Call \
+             torch.cuda.set_device(local_rank) before init_process_group/new_group"
+        )))
     }
 
     /// rsccl's CUDA engine of this host (the pool lives there), or why there is none. A
