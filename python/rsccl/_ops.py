@@ -35,7 +35,7 @@ SUM = OP_CODES["SUM"]
 # tensors, RSCCL or NCCL for CUDA tensors. A member's value is its Rust name, so it
 # compares equal to that name ("nccl"). ROUTE_OF maps the codes Communicator.route and
 # .cuda_route return to members.
-Route = enum.Enum("Route", [(name.upper(), name) for name, _ in _rsccl.ROUTES], type=str)  # type: ignore[misc]
+Route = enum.Enum("Route", [(name.upper(), name) for name, _ in _rsccl.ROUTES], type=str, module=__name__)  # type: ignore[misc]
 ROUTE_OF: dict[int, Any] = {code: Route(name) for name, code in _rsccl.ROUTES}
 
 # torch's RedOpType value -> rsccl op code (or torch's name, for ops rsccl lacks: the core
