@@ -12,6 +12,7 @@ import time
 import rsccl._backend as backend
 import torch
 import torch.distributed as dist
+from rsccl._ops import Route
 
 
 class _Cuda(torch.Tensor):
@@ -36,7 +37,7 @@ def main() -> None:
     dist.ProcessGroup.__init__(pg, 0, 2)
     pg._comm = _Launch()
     pg._gloo = None
-    pg._cuda_engine = "rsccl"
+    pg._cuda_engine = Route.RSCCL
     pg._cuda_device = -1  # a CPU tensor's get_device()
     pg._done = backend.DoneWork([])
     pg._coalesced = None

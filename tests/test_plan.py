@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import rsccl._backend as backend
-import rsccl._collectives as collectives
+import rsccl._plans as plans
 import torch
 import torch.distributed as dist
 from rsccl import _ops, _rsccl
@@ -58,12 +58,11 @@ class _Recorder:
 
 def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> backend.ProcessGroupRsccl:
     monkeypatch.setattr(backend, "raw_stream", lambda device: 77)
-    monkeypatch.setattr(collectives, "raw_stream", lambda device: 77)
     pg = backend.ProcessGroupRsccl.__new__(backend.ProcessGroupRsccl)
     dist.ProcessGroup.__init__(pg, rank, size)
     pg._comm = _Recorder()
     pg._gloo = None
-    pg._cuda_engine = "rsccl" if cuda else None
+    pg._cuda_engine = _ops.Route.RSCCL if cuda else None
     pg._cuda_device = -1 if cuda else None  # a CPU tensor's get_device()
     pg._done = backend.DoneWork([])
     pg._coalesced = None
@@ -151,14 +150,14 @@ def test_coalesced_all_gather_is_packed_once_for_both_devices(monkeypatch, seed)
         outs = [torch.empty(2 * t.numel(), dtype=t.dtype) for t in ins]
         outs = [t.as_subclass(_Cuda) for t in outs] if cuda else outs
         captured = []
-        real_pack = collectives._pack_bytes
+        real_pack = plans._pack_bytes
 
         def pack(inputs, offsets, total, captured=captured, real_pack=real_pack):
             flat = real_pack(inputs, offsets, total)
             captured.append((list(offsets), total, flat))
             return flat
 
-        monkeypatch.setattr(collectives, "_pack_bytes", pack)
+        monkeypatch.setattr(plans, "_pack_bytes", pack)
         pg.allgather_into_tensor_coalesced(outs, inputs, _opts(AllgatherOptions))
         (op,) = pg._comm.ops
         assert op[0] == _ops.ALL_GATHER and op[5] == _ops.UINT8
@@ -212,6 +211,9 @@ def test_cuda_ops(monkeypatch, seed):
     assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 3)
     pg.recv([y], 0)
     assert pg._comm.ops[-1][:10] == (_ops.RECV, 0, 0, y.data_ptr(), 32, f32, _ops.SUM, 0, 77, False)
+    # The peer is the core's to check (collective/validate.rs): it travels as the rank gave it.
+    pg.send([y], 9)
+    assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 9)
 
 
 def test_cuda_coalesced_all_reduce_is_one_op_per_dtype(monkeypatch, seed):
@@ -253,14 +255,14 @@ def test_registry_every_kind_is_named_routed_and_covered():
     """Every kind of the Rust core (collective/kind.rs) has a constant in rsccl._ops, is
     used by the ProcessGroup, and by this file's checks; every dtype and op has a torch
     counterpart; every error class its exception."""
-    src = Path(collectives.__file__).read_text() + Path(backend.__file__).read_text()
+    src = Path(plans.__file__).read_text() + Path(backend.__file__).read_text()
     here = Path(__file__).read_text()
     for name, code in _rsccl.KINDS:
         if name == "an invalid call":
             continue
         const = name.upper()
         assert getattr(_ops, const) == code, f"rsccl._ops lacks {const}"
-        assert src.count(const) >= 2, f"_collectives.py/_backend.py do not route {name}"
+        assert src.count(const) >= 2, f"_plans.py/_backend.py do not route {name}"
         assert f"_ops.{const}" in here, f"tests/test_plan.py does not cover {name}"
     assert {getattr(torch, n) for n, _ in _rsccl.DTYPES} == set(_ops.DTYPE_CODES)
     assert set(_ops.OP_CODES) <= set(dist.ReduceOp.RedOpType.__members__)

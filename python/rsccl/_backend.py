@@ -1,7 +1,7 @@
 """rsccl's torch.distributed ProcessGroup.
 
-Each torch method (_collectives.py, one per collective for both devices) turns torch's
-arguments into contiguous buffers and ops, which `_call` makes through the Rust
+Each torch method (one per collective for both devices, a few lines over its plan builder
+in _plans.py) turns torch's arguments into contiguous buffers and ops, which `_call` makes through the Rust
 Communicator on the side the tensors are on, and returns a Work that copies results back
 where torch expects them. Argument errors found on one rank are submitted too
 (``Communicator.invalid``), so every rank of the group raises instead of waiting for the
@@ -22,34 +22,64 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from . import _plans as plans
 from . import _rsccl
-from ._collectives import Collectives
-from ._cuda import (
-    device_for_new_group,
-    nccl_library_path,
-    raw_stream,
-)
+from ._cuda import NO_CUDA_AT_CREATION, REDUCE_DTYPES, REDUCE_OPS, device_for_new_group, nccl_library_path, raw_stream
+from ._monitored import monitored_barrier
 from ._ops import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BARRIER,
+    BROADCAST,
+    DTYPE_CODES,
+    GATHER,
     KIND_NAMES,
     KINDS,
+    OP_CODES,
+    RECV,
+    REDUCE,
+    REDUCE_SCATTER,
+    ROUTE_OF,
+    SCATTER,
+    SEND,
+    SUM,
+    UINT8,
     ArgumentError,
     ErrorClass,
+    Route,
+    dtype_code,
+    op_code,
+    op_name,
 )
-from ._plan import (
-    Check,
-    _check_cuda_tensor,
-    _check_tensor,
-    _first_tensor,
-    _Plan,
-)
+from ._plan import _as_bytes, _buf, _check_cuda_tensor, _check_tensor, _first_tensor, _one, _Plan, _Staged
+from ._plans import Side
 from ._profile import instrument as instrument_profiler
-from ._work import CudaWork, DoneWork, Pending, RsWork
+from ._work import CudaWork, DoneWork, Pending, RecvAnyWork, RsWork
 from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
+# (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce.
+_FAST_ALLREDUCE = {
+    (dt, OP_CODES[name]): DTYPE_CODES[dt] for dt in REDUCE_DTYPES for name in REDUCE_OPS if name != "AVG" or dt.is_floating_point
+}
 
-class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
+
+def _reduce_op(opts: Any) -> int | str:
+    return op_code(opts.reduceOp) if opts is not None else SUM
+
+
+def _root(opts: Any) -> int:
+    return opts.rootRank if opts is not None else 0
+
+
+def _first(ts: Any) -> Any:
+    """The tensor a call routes by: the first of torch's list (None if there is none)."""
+    return ts[0] if isinstance(ts, (list, tuple)) and ts else None
+
+
+class ProcessGroupRsccl(dist.ProcessGroup):
     """torch.distributed backend "rsccl" (see README.md)."""
 
     def __init__(
@@ -66,14 +96,17 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
             store, rank, size, max(timeout.total_seconds(), 0.001), as_items(pg_options), device, nccl_path, global_rank
         )
         self._cuda_device = device if self._comm.has_cuda else None
-        # "rsccl" (one host), "nccl" (across hosts) or None: where CUDA tensors go.
-        self._cuda_engine = self._comm.cuda_engine
+        # Where CPU tensors go (Route.HOST, or Route.GLOO across hosts), and CUDA tensors
+        # (Route.RSCCL on one host, Route.NCCL across hosts, None without CUDA).
+        self._route = ROUTE_OF[self._comm.route]
+        cuda_route = self._comm.cuda_route
+        self._cuda_engine = ROUTE_OF[cuda_route] if cuda_route is not None else None
         self._pool_bytes = int(self._comm.cuda_pool_bytes)
         self._pending = Pending()
         # Returned by every blocking CUDA collective (torch discards it after wait()).
         self._done = DoneWork([])
         self._gloo = None
-        if self._comm.engine == "gloo":
+        if self._route == Route.GLOO:
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
         self._group_name = ""
         self._group_desc = ""
@@ -108,7 +141,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
     def engine(self) -> str:
         """ "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts: CPU
         tensors go through gloo, CUDA tensors through NCCL)."""
-        return self._comm.engine
+        return self._route.value
 
     def memory_stats(self) -> dict:
         return dict(self._comm.memory_stats())
@@ -123,14 +156,13 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         send/recv), where it is a clear TypeError."""
         if not getattr(t, "is_cuda", False):
             return False
-        if self._gloo is None or self._cuda_engine == "nccl":
+        if self._gloo is None or self._cuda_engine == Route.NCCL:
             return True
         if what is None:
             return False
         raise TypeError(
             f"rsccl: {what} on CUDA tensors in a group that spans hosts needs its NCCL engine, which this group "
-            "does not have (CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) "
-            "before init_process_group/new_group); or use CPU tensors"
+            f"does not have ({NO_CUDA_AT_CREATION}); or use CPU tensors"
         )
 
     # -- the pool (rsccl.mem_pool) ---------------------------------------------------------
@@ -140,10 +172,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         core exports."""
         if self._pool is None:
             if self._cuda_device is None:
-                raise RuntimeError(
-                    "rsccl: this group has no CUDA engine, so no pool: call torch.cuda.set_device(local_rank) "
-                    "before init_process_group/new_group"
-                )
+                raise RuntimeError(f"rsccl: this group has no CUDA engine, so no pool ({NO_CUDA_AT_CREATION})")
             alloc_fn, free_fn = self._comm.pool_allocator()
             self._allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
             self._pool = torch.cuda.MemPool(self._allocator)
@@ -211,12 +240,229 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
     def abort(self) -> None:
         self._comm.shutdown()
 
+    # -- collectives: each builds its plan (_plans.py) and hands it to the seam, `_call` ---
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = op_code(opts.reduceOp) if opts is not None else SUM  # inline: the fast path's cost
+        if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return self._sparse_allreduce(tensors, op, opts)
+        if len(tensors) == 1 and self._on_cuda(tensors[0]):
+            t = tensors[0]
+            # The blocking call's fast path: nothing to check beyond this, nothing to keep.
+            dt = _FAST_ALLREDUCE.get((t.dtype, op))
+            if dt is not None and opts is not None and opts.asyncOp is False and t.get_device() == self._cuda_device and t.is_contiguous():
+                p, nbytes = t.data_ptr(), t.nbytes
+                self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, op, 0, raw_stream(self._cuda_device), True)
+                return self._done
+        prepare = lambda s: plans.all_reduce(s, tensors, op)  # noqa: E731
+        return self._call(ALL_REDUCE, _first(tensors), prepare, opts, gloo=lambda g: g.allreduce(tensors, opts), args=(tensors,))
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: int | str, opts: Any) -> Any:
+        """Sum of sparse COO tensors (DDP's path for nn.Embedding(sparse=True)), as gloo
+        computes it: every rank's coalesced indices and values are gathered through host
+        memory and summed in rank order, so every rank gets the same coalesced result, in
+        place. A CUDA sparse tensor takes the same path through host memory, as on gloo.
+        Runs before returning (the Work is complete)."""
+        if self._gloo is not None:
+            return self._gloo.allreduce(tensors, opts)
+        t = tensors[0]
+        if op != SUM:
+            raise TypeError(
+                f"rsccl: rank {self.rank()}: all_reduce of a sparse tensor takes ReduceOp.SUM only (as gloo), got ReduceOp.{op_name(op)}"
+            )
+        local = t.detach().to("cpu").coalesce()
+        idx, vals = local.indices().contiguous(), local.values().contiguous()
+        n = self.size()
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(n * x.numel(), dtype=x.dtype)
+            self._comm.run(ALL_GATHER, *_buf(x), *_buf(out), dtype_code(x), SUM, 0, None, True)
+            return out.view(n, -1)
+
+        counts = gather(torch.tensor([idx.shape[1]], dtype=torch.int64)).view(-1)
+        # Pad every rank's entries to the largest count: all_gather moves equal blocks.
+        m = int(counts.max())
+        pad_idx = torch.zeros((idx.shape[0], m), dtype=idx.dtype)
+        pad_idx[:, : idx.shape[1]] = idx
+        pad_vals = torch.zeros((m, *vals.shape[1:]), dtype=vals.dtype)
+        pad_vals[: vals.shape[0]] = vals
+        parts_i, parts_v = [idx], [vals]
+        if m > 0:
+            gi, gv = gather(_as_bytes(pad_idx)), gather(_as_bytes(pad_vals))
+            parts_i = [gi[r].view(idx.dtype).view(idx.shape[0], m)[:, : int(counts[r])] for r in range(n)]
+            parts_v = [gv[r].view(vals.dtype).view(m, *vals.shape[1:])[: int(counts[r])] for r in range(n)]
+        total = torch.sparse_coo_tensor(torch.cat(parts_i, dim=1), torch.cat(parts_v), local.shape, check_invariants=True).coalesce()
+        with torch.no_grad():
+            t.copy_(total.to(t.device))
+        return DoneWork(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op, dtypes = _reduce_op(opts), plans.dtypes_of(tensors)
+        prepare = lambda s: plans.all_reduce_coalesced(s, tensors, dtypes, op)  # noqa: E731
+        gloo = lambda g: g.allreduce_coalesced(tensors, opts)  # noqa: E731
+        return self._noted(self._call(ALL_REDUCE, _first(tensors), prepare, opts, gloo=gloo, n_ops=len(dtypes), args=(tensors,)))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = _root(opts)
+        prepare = lambda s: plans.broadcast(s, tensors, root)  # noqa: E731
+        return self._call(BROADCAST, _first(tensors), prepare, opts, gloo=lambda g: g.broadcast(tensors, opts), args=(tensors,))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root, op = _root(opts), _reduce_op(opts)
+        prepare = lambda s: plans.reduce(s, tensors, op, root)  # noqa: E731
+        return self._call(REDUCE, _first(tensors), prepare, opts, gloo=lambda g: g.reduce(tensors, opts), args=(tensors,))
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        prepare = lambda s: plans.all_gather_into(s, output, input, [output])  # noqa: E731
+        gloo = lambda g: g._allgather_base(output, input, opts)  # noqa: E731
+        return self._call(ALL_GATHER, input, prepare, opts, gloo=gloo, args=(output, input))
+
+    all_gather_single = _allgather_base
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        prepare = lambda s: plans.all_gather(s, output_tensors, input_tensors)  # noqa: E731
+        gloo = lambda g: g.allgather(output_tensors, input_tensors, opts)  # noqa: E731
+        return self._call(ALL_GATHER, _first(input_tensors), prepare, opts, gloo=gloo, args=(output_tensors, input_tensors))
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        prepare = lambda s: plans.all_gather_into_tensor_coalesced(s, outputs, inputs)  # noqa: E731
+        gloo = lambda g: g.allgather_into_tensor_coalesced(outputs, inputs, opts)  # noqa: E731
+        return self._noted(self._call(ALL_GATHER, _first(inputs), prepare, opts, gloo=gloo, args=(outputs, inputs)))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> Any:
+        prepare = lambda s: plans.all_gather_coalesced(s, output_lists, input_list)  # noqa: E731
+        gloo = lambda g: g.allgather_coalesced(output_lists, input_list, opts)  # noqa: E731
+        return self._call(ALL_GATHER, _first(input_list), prepare, opts, gloo=gloo, args=(output_lists, input_list))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        op = _reduce_op(opts)
+        prepare = lambda s: plans.reduce_scatter_into(s, output, input, op, [output])  # noqa: E731
+        gloo = lambda g: g._reduce_scatter_base(output, input, opts)  # noqa: E731
+        return self._call(REDUCE_SCATTER, input, prepare, opts, gloo=gloo, args=(output, input))
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        op = _reduce_op(opts)
+        prepare = lambda s: plans.reduce_scatter(s, output_tensors, input_tensors, op)  # noqa: E731
+        gloo = lambda g: g.reduce_scatter(output_tensors, input_tensors, opts)  # noqa: E731
+        return self._call(REDUCE_SCATTER, _first(output_tensors), prepare, opts, gloo=gloo, args=(output_tensors, input_tensors))
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        op, dtypes = _reduce_op(opts), plans.dtypes_of(inputs)  # one op per dtype of the inputs
+        prepare = lambda s: plans.reduce_scatter_tensor_coalesced(s, outputs, inputs, dtypes, op)  # noqa: E731
+        gloo = lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, opts)  # noqa: E731
+        return self._noted(self._call(REDUCE_SCATTER, _first(inputs), prepare, opts, gloo=gloo, n_ops=len(dtypes), args=(outputs, inputs)))
+
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None
+    ) -> Any:
+        if self._on_cuda(input, "all_to_all_single") and opts is not None and opts.asyncOp is False and self._cuda_device is not None:
+            # The blocking call's fast path (the common case; anything else takes the plan).
+            fast = plans.all_to_all_single_fast(self._side(True), output, input, output_split_sizes, input_split_sizes, self._cuda_device)
+            if fast is not None:
+                ip, ib, op, ob, splits = fast
+                self._comm.run(ALL_TO_ALL, ip, ib, op, ob, dtype_code(input), SUM, 0, raw_stream(self._cuda_device), True, splits)
+                return self._done
+        prepare = lambda s: plans.all_to_all_single(s, output, input, output_split_sizes, input_split_sizes)  # noqa: E731
+        gloo = lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)  # noqa: E731
+        args = (output, input, output_split_sizes, input_split_sizes)
+        return self._call(ALL_TO_ALL, input, prepare, opts, gloo=gloo, args=args, what="all_to_all_single")
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        prepare = lambda s: plans.all_to_all(s, output_tensors, input_tensors)  # noqa: E731
+        gloo = lambda g: g.alltoall(output_tensors, input_tensors, opts)  # noqa: E731
+        return self._call(
+            ALL_TO_ALL, _first(input_tensors), prepare, opts, gloo=gloo, args=(output_tensors, input_tensors), what="all_to_all"
+        )
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = _root(opts)
+        prepare = lambda s: plans.gather(s, output_tensors, input_tensors, root)  # noqa: E731
+        gloo = lambda g: g.gather(output_tensors, input_tensors, opts)  # noqa: E731
+        return self._call(GATHER, _first(input_tensors), prepare, opts, gloo=gloo, args=(output_tensors, input_tensors))
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        root = _root(opts)
+        prepare = lambda s: plans.scatter(s, output_tensors, input_tensors, root)  # noqa: E731
+        gloo = lambda g: g.scatter(output_tensors, input_tensors, opts)  # noqa: E731
+        return self._call(SCATTER, _first(output_tensors), prepare, opts, gloo=gloo, args=(output_tensors, input_tensors))
+
+    def barrier(self, opts: Any = None) -> Any:
+        if self._cuda_device is not None:
+            # Like NCCL's barrier: every GPU reaches a device barrier, and this CPU waits
+            # for its own, so all ranks' earlier work is done and every rank got here.
+            stream = raw_stream(self._cuda_device)
+            self._comm.run(BARRIER, 0, 0, 0, 0, UINT8, SUM, 0, stream, True)
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+            self._comm.cuda_health()
+            return DoneWork([])
+        return self._call(BARRIER, None, plans.barrier, opts, gloo=lambda g: g.barrier(opts))
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """dist.monitored_barrier on torch >= 2.15 (which takes any group that serves CPU
+        tensors; 2.11 takes gloo's only, so call it on the group there): rank 0 names the
+        ranks that did not arrive within `timeout` (default: the group's). _monitored.py."""
+        monitored_barrier(self, timeout, wait_all_ranks)
+
+    # -- point to point ----------------------------------------------------------------
+    # torch calls these for dist.send/recv/isend/irecv, and batch_isend_irecv calls
+    # isend/irecv one by one for a ProcessGroup subclass.
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:
+        return self._p2p(tensors, dstRank, tag, True)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:
+        return self._p2p(tensors, srcRank, tag, False)
+
+    def _p2p(self, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> Any:
+        """One send or recv, always asynchronous (torch passes no asyncOp here: a blocking
+        dist.send/recv waits on the Work). Bad arguments raise on this rank alone: only it
+        and its peer are involved, and a peer left waiting times out after the group's
+        timeout. On CUDA each (peer, direction) has its own internal stream (across hosts:
+        its own NCCL communicator too), so a send to j and a recv from j progress together;
+        sends to one peer match that peer's recvs in order, and the tag is ignored, as NCCL
+        ignores it."""
+        what = "send" if send else "recv"
+        if self._gloo is not None and isinstance(tensors, (list, tuple)) and len(tensors) > 1:
+            if any(getattr(t, "is_cuda", False) for t in tensors):
+                raise TypeError(
+                    f"rsccl: rank {self.rank()}: {what} of a list that mixes CPU and CUDA tensors in a group that spans hosts: "
+                    "give one CUDA tensor (NCCL) or CPU tensors (gloo)"
+                )
+        # Tags past 64 bits are clamped so that the host engine refuses them (with this
+        # clamped value in its message) and tells the peer, as it does any tag out of 0..2^31-1.
+        tag = max(min(int(tag), 2**63 - 1), -(2**63))
+        prepare = lambda s: plans.send_recv(s, tensors, peer, tag, send)  # noqa: E731
+        gloo = lambda g: getattr(g, what)(tensors, peer, tag)  # noqa: E731
+        return self._call(SEND if send else RECV, _first(tensors), prepare, gloo=gloo, args=(tensors,), what=what)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        """dist.recv/irecv without a source, on CPU tensors: the first message with `tag`
+        from any rank (a recv posted for that sender takes it first); the Work's
+        _source_rank() names the sender. Gloo's for a group across hosts. CUDA tensors
+        have no such call (NCCL has none): a clear TypeError."""
+        if isinstance(tensors, (list, tuple)) and any(getattr(t, "is_cuda", False) for t in tensors):
+            raise TypeError(
+                f"rsccl: rank {self.rank()}: recv from any source (dist.recv/irecv without src) takes CPU tensors; "
+                "on CUDA tensors pass the sender's rank as src (NCCL has no receive from any source)"
+            )
+        if self._gloo is not None:
+            return self._gloo.recv_anysource(tensors, tag)
+        try:
+            t = _one(tensors, "recv")
+        except ArgumentError as e:
+            raise e.to_raise() from None
+        s = _Staged(t, copy_in=False)
+        part, source = self._comm.recv_any(_buf(s.buf), dtype_code(s.buf), tag)
+        return RecvAnyWork(source, [part], tensors, s, s.post)
+
     # -- the single seam ---------------------------------------------------------------
     def _call(
         self,
         kind: int,
         on: Any,
-        prepare: Callable[[bool], _Plan],
+        prepare: Callable[[Side], _Plan],
         opts: Any = None,
         *,
         gloo: Callable[[Any], Any],
@@ -229,7 +475,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         across hosts go to `gloo`; everything else is prepared, then made as ops through
         Communicator.run, on host memory or on the caller's current CUDA stream.
 
-        `prepare(cuda)` checks every argument and builds every buffer before any op is
+        `prepare(side)` (a plan builder of _plans.py) checks every argument and builds every buffer before any op is
         made, so a bad argument never leaves earlier ops of the same call in flight. If it
         fails, this rank joins the `n_ops` ops a healthy rank makes for this call as invalid
         (`_join_invalid`), so every rank stays in step and raises. `args` are the call's
@@ -244,7 +490,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
             device = self._cuda_device if self._cuda_device is not None else torch.cuda.current_device()
             stream = raw_stream(device)
         try:
-            plan = prepare(cuda)
+            plan = prepare(self._side(cuda))
         except Exception as e:  # noqa: BLE001 - raised by _join_invalid once the peers are told
             self._join_invalid(kind, e, n_ops, stream if cuda else self._invalid_stream(args))
         # torch sets opts.asyncOp = False for a blocking call (it waits right after): it runs
@@ -286,10 +532,10 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         self._pending.add(w)
         return w
 
-    def _checker(self, cuda: bool) -> Check:
-        """How a call on this side checks each of its tensors: a dense CPU tensor, or a dense
-        CUDA tensor on the group's GPU."""
-        return self._check_cuda if cuda else _check_tensor
+    def _side(self, cuda: bool) -> Side:
+        """The group as a plan sees it, on the call's side: its size, this rank, and how
+        each tensor is checked (a dense CPU tensor, or a dense CUDA tensor on the group's GPU)."""
+        return Side(self.size(), self.rank(), cuda, self._check_cuda if cuda else _check_tensor)
 
     def _check_cuda(self, t: Any, what: str) -> torch.Tensor:
         _check_cuda_tensor(t, what)
@@ -303,10 +549,7 @@ class ProcessGroupRsccl(Collectives, dist.ProcessGroup):
         the group and sizes that fit by `Op::to_cuda` (which joins the call as invalid)."""
         if self._cuda_device is None:
             self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
-            raise ArgumentError(
-                f"{what}: this group has no CUDA engine (CUDA was not initialized when it was created); "
-                "call torch.cuda.set_device(local_rank) before init_process_group/new_group"
-            )
+            raise ArgumentError(f"{what}: this group has no CUDA engine ({NO_CUDA_AT_CREATION})")
         if t.device.index != self._cuda_device:
             raise ArgumentError(f"{what}: rank {self.rank()} passed a tensor on {t.device}, but its group uses cuda:{self._cuda_device}")
 

@@ -21,6 +21,11 @@ _NVRTC_LOADED = False
 REDUCE_DTYPES = {getattr(torch, name): name for name in _rsccl.CUDA_REDUCE_DTYPES}
 REDUCE_OPS = tuple(_rsccl.CUDA_REDUCE_OPS)
 
+# Why a group has no CUDA engine, and what to do: every message that says so ends with it.
+NO_CUDA_AT_CREATION = (
+    "CUDA was not initialized when it was created: call torch.cuda.set_device(local_rank) before init_process_group/new_group"
+)
+
 
 def load_nvrtc() -> None:
     """Load NVRTC (and its builtins) from torch's CUDA packages, globally, so the Rust core

@@ -1,6 +1,6 @@
 """The op vocabulary shared with the Rust core, resolved once at import: kind, dtype and
-reduce-op codes (the tables live in Rust: rust/core/src/collective/kind.rs, dtype.rs) and
-the classes of argument errors. The hot path passes these small ints to
+reduce-op codes and routes (the tables live in Rust: rust/core/src/collective/kind.rs,
+dtype.rs, group.rs) and the classes of argument errors. The hot path passes these small ints to
 `Communicator.run`; nothing here is looked up by string per call.
 """
 
@@ -30,6 +30,13 @@ UINT8 = DTYPE_CODES[torch.uint8]
 OP_CODES: dict[str, int] = dict(_rsccl.OPS)
 OP_NAMES: dict[int, str] = {code: name for name, code in OP_CODES.items()}
 SUM = OP_CODES["SUM"]
+
+# Where a group's calls go, from the Rust table (group.rs `Route`): HOST or GLOO for CPU
+# tensors, RSCCL or NCCL for CUDA tensors. A member's value is its Rust name, so it
+# compares equal to that name ("nccl"). ROUTE_OF maps the codes Communicator.route and
+# .cuda_route return to members.
+Route = enum.Enum("Route", [(name.upper(), name) for name, _ in _rsccl.ROUTES], type=str, module=__name__)  # type: ignore[misc]
+ROUTE_OF: dict[int, Any] = {code: Route(name) for name, code in _rsccl.ROUTES}
 
 # torch's RedOpType value -> rsccl op code (or torch's name, for ops rsccl lacks: the core
 # refuses those with a message naming them). Built once: reading .name of a pybind enum on

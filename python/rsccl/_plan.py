@@ -1,5 +1,5 @@
 """Plan building: what buffers, splits and packing a torch call uses, as pure functions of
-its tensors (either device; no group, no Rust). The torch methods (_collectives.py) check
+its tensors (either device; no group, no Rust). The plan builders (_plans.py) check
 torch's arguments with these, lay out the buffers each op reads and writes (`_op`), and
 copy results back where torch expects them (`_Plan.post`); tests/test_cuda_layout.py and
 tests/test_plan.py run them on CPU tensors without processes.

@@ -89,7 +89,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
             else:
                 os.environ["RSCCL_HOST_ID"] = old
         out["hosts"] = len(hier._comm.hosts)
-        out["engine"] = getattr(hier._comm, "cuda_engine", "?")
+        out["engine"] = getattr(getattr(hier, "_cuda_engine", None), "value", "?")
         g = torch.Generator(device="cuda").manual_seed(1000 + rank)
 
         def event_us(step: Callable[[], None]) -> float:

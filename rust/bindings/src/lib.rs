@@ -12,11 +12,10 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rsccl_core::collective::op::{Op, Place, Span};
-use rsccl_core::collective::{Buf, Kind};
+use rsccl_core::collective::Kind;
 use rsccl_core::config::{Config, SETTINGS};
 use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
-use rsccl_core::engine::P2p;
 use rsccl_core::group::{Group, Ran};
 use rsccl_core::work::WorkState;
 use rsccl_core::Error;
@@ -25,14 +24,6 @@ use errors::{to_py, IntoPyResult};
 
 /// (data_ptr, nbytes) of a contiguous tensor the caller keeps alive until the Work completes.
 type PyBuf = (usize, usize);
-
-fn buf(b: PyBuf) -> Buf {
-    if b.1 == 0 {
-        Buf::empty()
-    } else {
-        Buf { ptr: b.0 as *mut u8, len: b.1 }
-    }
-}
 
 fn timeout_of(t: Option<f64>) -> Option<Duration> {
     t.filter(|s| *s > 0.0).map(Duration::from_secs_f64)
@@ -125,10 +116,11 @@ impl Communicator {
         self.0.topo.size
     }
 
-    /// "host" (rsccl's shared-memory engine) or "gloo" (the group spans hosts).
+    /// Where CPU tensors go: the ROUTES code of "host" (rsccl's shared-memory engine) or
+    /// "gloo" (the group spans hosts).
     #[getter]
-    fn engine(&self) -> &'static str {
-        self.0.kind.name()
+    fn route(&self) -> u8 {
+        self.0.kind as u8
     }
 
     #[getter]
@@ -178,8 +170,6 @@ impl Communicator {
         };
         let splits = splits.map(|(send, send_bytes, recv, recv_bytes)| AllToAll { send, send_bytes, recv, recv_bytes });
         let op = Op {
-            kind,
-            place,
             inp: Span { ptr: inp, bytes: inp_bytes },
             out: Span { ptr: out, bytes: out_bytes },
             dtype,
@@ -189,6 +179,7 @@ impl Communicator {
             splits,
             blocking,
             invalid,
+            ..Op::new(kind, place)
         };
         let ran = py.detach(|| self.0.run(op)).py()?;
         ran_to_py(py, ran)
@@ -216,8 +207,12 @@ impl Communicator {
     /// RecvSource names that rank once the Work completed.
     fn recv_any(&self, b: PyBuf, dtype: Code, tag: i64) -> PyResult<(Work, RecvSource)> {
         let source = Arc::new(AtomicUsize::new(usize::MAX));
-        let op = P2p::RecvAny { buf: buf(b), dtype: dtype.dtype().py()?, tag, source: source.clone() };
-        Ok((Work(self.0.submit_p2p(op, None).py()?), RecvSource(source)))
+        let out = Span { ptr: b.0 as u64, bytes: b.1 as u64 };
+        let op = Op { out, dtype: dtype.dtype().py()?, tag, any_source: Some(source.clone()), ..Op::new(Kind::Recv, Place::Host) };
+        match self.0.run(op).py()? {
+            Ran::Work(w) => Ok((Work(w), RecvSource(source))),
+            _ => Err(pyo3::exceptions::PyRuntimeError::new_err("rsccl: a recv from any source returned no Work")),
+        }
     }
 
     /// Whether the group has a CUDA engine (rsccl's or, across hosts, NCCL).
@@ -226,10 +221,11 @@ impl Communicator {
         self.0.has_cuda()
     }
 
-    /// "rsccl" (one host: rsccl's kernels), "nccl" (across hosts), or None (no CUDA).
+    /// Where CUDA tensors go: the ROUTES code of "rsccl" (one host: rsccl's kernels) or
+    /// "nccl" (across hosts), or None (no CUDA).
     #[getter]
-    fn cuda_engine(&self) -> Option<&'static str> {
-        self.0.cuda_engine_name()
+    fn cuda_route(&self) -> Option<u8> {
+        self.0.cuda_route().map(|r| r as u8)
     }
 
     /// Bytes of this group's pool per rank (0: none); reads nothing from the device.
@@ -507,6 +503,7 @@ fn _rsccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The code tables, once: Python maps torch's dtypes and ReduceOps onto these at import.
     m.add("KINDS", Kind::ALL.iter().map(|k| (k.name(), *k as u8)).collect::<Vec<_>>())?;
     m.add("DTYPES", DType::ALL.iter().map(|d| (d.name(), *d as u8)).collect::<Vec<_>>())?;
+    m.add("ROUTES", rsccl_core::group::routes())?;
     m.add("OPS", ReduceOp::ALL.iter().map(|o| (o.name(), *o as u8)).collect::<Vec<_>>())?;
     // What rsccl's CUDA kernels reduce: the Python layer checks a call against these.
     m.add("CUDA_REDUCE_DTYPES", rsccl_core::cuda::kernels::REDUCE_DTYPES.iter().map(|d| d.name()).collect::<Vec<_>>())?;

@@ -9,35 +9,66 @@ use crate::bootstrap::rendezvous::exchange;
 use crate::bootstrap::setup;
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, RankInfo, SetupWatch, Store, Topology};
-use crate::collective::op::{Op, Place, Span};
-use crate::collective::Collective;
+use crate::collective::op::{Op, Place};
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
 use crate::cuda::{CudaEngine, DeviceCall, NcclEngine};
 use crate::engine::host::HostEngine;
 pub use crate::engine::Ran;
-use crate::engine::{Engine, GroupStats, MemoryStats, P2p};
+use crate::engine::{Engine, GroupStats, MemoryStats};
 use crate::error::{Error, Result};
 use crate::memory::Layout;
-use crate::work::WorkState;
 
+/// Where a group's CPU tensors go. With `CudaRoute`, the routes the front ends route by:
+/// Python gets both as one table, `_rsccl.ROUTES` (names and codes, distinct across the
+/// two), and a group's routes as codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum EngineKind {
     /// rsccl's shared-memory engine: all ranks on one host.
-    Host,
+    Host = 0,
     /// Ranks span hosts: CPU tensors go through gloo, created by the Python layer from
     /// the same store; CUDA tensors through the NCCL engine (when the group was created
     /// with a device).
-    Gloo,
+    Gloo = 1,
 }
 
 impl EngineKind {
+    pub const ALL: [EngineKind; 2] = [EngineKind::Host, EngineKind::Gloo];
+
     pub fn name(self) -> &'static str {
         match self {
             EngineKind::Host => "host",
             EngineKind::Gloo => "gloo",
         }
     }
+}
+
+/// Where a group's CUDA tensors go (see `EngineKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CudaRoute {
+    /// rsccl's CUDA engine: its kernels, all ranks on one host.
+    Rsccl = 2,
+    /// The NCCL engine: the group spans hosts.
+    Nccl = 3,
+}
+
+impl CudaRoute {
+    pub const ALL: [CudaRoute; 2] = [CudaRoute::Rsccl, CudaRoute::Nccl];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaRoute::Rsccl => "rsccl",
+            CudaRoute::Nccl => "nccl",
+        }
+    }
+}
+
+/// The routes of both kinds, as (name, code): the table front ends map codes with.
+pub fn routes() -> Vec<(&'static str, u8)> {
+    let host = EngineKind::ALL.iter().map(|r| (r.name(), *r as u8));
+    host.chain(CudaRoute::ALL.iter().map(|r| (r.name(), *r as u8))).collect()
 }
 
 /// Which engine serves CPU tensors of a group with this topology, and why.
@@ -53,6 +84,7 @@ pub struct Group {
     pub topo: Topology,
     pub cfg: Config,
     pub timeout: Duration,
+    /// Where CPU tensors go.
     pub kind: EngineKind,
     /// The engine of host memory (None where CPU tensors run on gloo). Taken out at
     /// shutdown, so the region and sockets are released then, not whenever Python drops
@@ -68,6 +100,7 @@ pub struct Group {
 #[derive(Clone)]
 struct Device {
     engine: Arc<dyn Engine<Call = DeviceCall>>,
+    route: CudaRoute,
     /// rsccl's CUDA engine of this host, which holds the pool: the device engine itself on
     /// one host; across hosts, the NCCL engine's host-local engine, if it has one.
     local: Option<Arc<CudaEngine>>,
@@ -137,7 +170,7 @@ impl Group {
                     let e = watch.during(Phase::Nccl, || {
                         NcclEngine::create(nccl, d, &topo, store, &nonce, listener, &cfg, timeout, deadline, &watch)
                     })?;
-                    cuda = Some(Device { local: e.local().cloned(), engine: e });
+                    cuda = Some(Device { local: e.local().cloned(), engine: e, route: CudaRoute::Nccl });
                 }
                 None
             }
@@ -152,7 +185,7 @@ impl Group {
                 // starts watching the mesh for peers that leave.
                 if let Some(d) = cuda_device {
                     let c = watch.during(Phase::Cuda, || CudaEngine::create(d, mesh.clone(), ranks.clone(), &cfg, timeout, deadline))?;
-                    cuda = Some(Device { local: Some(c.clone()), engine: c });
+                    cuda = Some(Device { local: Some(c.clone()), engine: c, route: CudaRoute::Rsccl });
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
                 Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids))?))
@@ -171,8 +204,9 @@ impl Group {
         Ok(g)
     }
 
-    /// The seam: run one op on the engine of its place. Every torch method reaches the
-    /// engines through here (Python: `Communicator.run`; the Rust front end too).
+    /// The seam: run one op on the engine of its place. Every operation reaches the
+    /// engines through here, and only through here: Python's (`Communicator.run`) and the
+    /// Rust front end's (rsccl-tch builds the same `Op`s).
     ///
     /// The rule "a rank with bad arguments still joins the call as invalid, so its peers
     /// raise instead of waiting" lives here and nowhere else: an op that carries an error
@@ -215,23 +249,6 @@ impl Group {
         }
     }
 
-    /// Queue a host collective (the Rust front end's plans; Python goes through `run`).
-    pub fn submit(&self, c: Collective, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.host_engine()?.submit(c, timeout.unwrap_or(self.timeout)))
-    }
-
-    /// Run a host collective on the calling thread (or after the queued ones) and return
-    /// when done.
-    pub fn run_now(&self, c: Collective, timeout: Option<Duration>) -> Result<()> {
-        self.host_engine()?.run_now(c, timeout.unwrap_or(self.timeout))
-    }
-
-    /// Queue a host send/recv (a recv from any source has no `Op`: its Work names the
-    /// source).
-    pub fn submit_p2p(&self, op: P2p, timeout: Option<Duration>) -> Result<Arc<WorkState>> {
-        Ok(self.host_engine()?.submit_p2p(op, timeout.unwrap_or(self.timeout)))
-    }
-
     /// Name the global rank of each group rank in this group's messages (a subgroup's).
     pub fn name_global_ranks(&self, global: Vec<usize>) -> Result<()> {
         if global.len() != self.topo.size {
@@ -266,19 +283,15 @@ impl Group {
         if let Some(d) = &*self.device.lock() {
             return Ok(d.clone());
         }
-        Err(match self.kind {
-            EngineKind::Host if self.host.lock().is_none() => Error::destroyed(),
-            EngineKind::Gloo => Error::InvalidArgument(
-                "this group spans hosts and has no CUDA engine: CUDA was not initialized when it was created. Call \
-                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
-                    .into(),
-            ),
-            EngineKind::Host => Error::InvalidArgument(
-                "this group has no CUDA engine: CUDA was not initialized when it was created. Call \
-                 torch.cuda.set_device(local_rank) before init_process_group/new_group"
-                    .into(),
-            ),
-        })
+        let spans = match self.kind {
+            EngineKind::Host if self.host.lock().is_none() => return Err(Error::destroyed()),
+            EngineKind::Host => "",
+            EngineKind::Gloo => " spans hosts and",
+        };
+        Err(Error::InvalidArgument(format!(
+            "this group{spans} has no CUDA engine: CUDA was not initialized when it was created. Call \
+             torch.cuda.set_device(local_rank) before init_process_group/new_group"
+        )))
     }
 
     /// rsccl's CUDA engine of this host (the pool lives there), or why there is none. A
@@ -294,44 +307,6 @@ impl Group {
         })
     }
 
-    /// Refuse a `kind` call of `dtype` with `op` on `stream` that the group's device
-    /// engine cannot run, as `run` does (`Engine::can_run`, then `Engine::refuse`): for a
-    /// front end that builds its device calls itself (the Rust front end's plans,
-    /// `run_device`). Ok if the engine runs it.
-    pub fn refuse_on_device(
-        &self,
-        kind: crate::collective::Kind,
-        dtype: crate::dtype::DType,
-        op: crate::dtype::ReduceOp,
-        stream: u64,
-    ) -> Result<()> {
-        let engine = self.device()?.engine;
-        let (inp, out) = (Span::default(), Span::default());
-        let probe =
-            Op { kind, place: Place::Cuda { stream }, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
-        let Err(e) = engine.can_run(&probe, self.topo.rank) else { return Ok(()) };
-        match engine.refuse(&probe, e.clone(), self.timeout) {
-            Err(told) => Err(told),
-            Ok(_) => Err(e),
-        }
-    }
-
-    /// Whether the group's device engine can run a `kind` call of `dtype` with `op`
-    /// (`Engine::can_run`, as `run` asks it), naming this rank: for a front end that builds
-    /// its device calls itself (the Rust front end's plans, `run_device`).
-    pub fn device_can_run(&self, kind: crate::collective::Kind, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
-        let place = Place::Cuda { stream: 0 };
-        let (inp, out) = (Span::default(), Span::default());
-        let probe = Op { kind, place, inp, out, dtype, op, root: 0, tag: 0, splits: None, blocking: true, invalid: None };
-        self.device()?.engine.can_run(&probe, self.topo.rank)
-    }
-
-    /// Run one call on the device engine (the Rust front end's CUDA plans, checked; an op
-    /// that failed its checks goes through `run` as `Op::invalid`).
-    pub fn run_device(&self, call: DeviceCall) -> Result<Ran> {
-        self.device()?.engine.run(call, self.timeout)
-    }
-
     /// Raise the error that made the group's device engine unusable, or a reported
     /// mismatch. Ok for a group without CUDA.
     pub fn cuda_health(&self) -> Result<()> {
@@ -345,9 +320,10 @@ impl Group {
         self.device.lock().is_some()
     }
 
-    /// "rsccl" (rsccl's kernels), "nccl" (the group spans hosts), or None (no CUDA).
-    pub fn cuda_engine_name(&self) -> Option<&'static str> {
-        self.device.lock().as_ref().map(|d| d.engine.name())
+    /// Where CUDA tensors go: rsccl's kernels, NCCL (the group spans hosts), or None (no
+    /// CUDA).
+    pub fn cuda_route(&self) -> Option<CudaRoute> {
+        self.device.lock().as_ref().map(|d| d.route)
     }
 
     /// Stop the engines and release their memory, region and sockets. Idempotent.
@@ -437,11 +413,7 @@ mod tests {
     }
 
     fn op(kind: Kind, invalid: Option<&str>) -> Op {
-        let mut o = Op::invalid(kind, Place::Host, Error::InvalidArgument(invalid.unwrap_or("").into()));
-        if invalid.is_none() {
-            o.invalid = None;
-        }
-        o
+        Op { invalid: invalid.map(|m| Error::InvalidArgument(m.into())), ..Op::new(kind, Place::Host) }
     }
 
     /// The one owner of "join as invalid": a collective whose arguments were found bad
@@ -524,5 +496,14 @@ mod tests {
         assert_eq!(choose_engine(&one).0, EngineKind::Host);
         let two = Topology::from_infos(0, &[i("a"), i("b")]);
         assert_eq!(choose_engine(&two).0, EngineKind::Gloo);
+    }
+
+    #[test]
+    fn routes_are_named_and_coded_once() {
+        let all = routes();
+        for (i, (name, code)) in all.iter().enumerate() {
+            assert_eq!(*code as usize, i, "{name}: its code is its place in the table");
+            assert_eq!(all.iter().filter(|o| o.0 == *name).count(), 1, "{name}");
+        }
     }
 }

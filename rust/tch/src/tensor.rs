@@ -2,7 +2,7 @@
 //! Every check returns an error naming the rank and what it passed; nothing here panics
 //! (tch's accessors panic on undefined or sparse tensors, so those are refused first).
 
-use rsccl_core::collective::Buf;
+use rsccl_core::collective::op::Span;
 use rsccl_core::dtype::DType;
 use rsccl_core::{Error, Result};
 use tch::{Device, Kind, Tensor};
@@ -14,21 +14,19 @@ pub(crate) enum Place {
     Cuda(i32),
 }
 
-/// rsccl's element type of a tch kind.
-pub(crate) fn dtype_of_kind(k: Kind) -> Option<DType> {
-    Some(match k {
-        Kind::Float => DType::F32,
-        Kind::Double => DType::F64,
-        Kind::Half => DType::F16,
-        Kind::BFloat16 => DType::BF16,
-        Kind::Int8 => DType::I8,
-        Kind::Uint8 => DType::U8,
-        Kind::Int => DType::I32,
-        Kind::Int64 => DType::I64,
-        Kind::Bool => DType::Bool,
-        _ => return None,
-    })
+macro_rules! tch_kinds {
+    ($($v:ident = $code:literal, $name:literal, $size:literal, $float:literal, $tag:tt, $nccl:tt, $tch:ident;)*) => {
+        /// rsccl's element type of a tch kind: the tch column of rsccl's dtype table
+        /// (rsccl-core's dtype.rs, `dtype_rows!`).
+        pub(crate) fn dtype_of_kind(k: Kind) -> Option<DType> {
+            match k {
+                $(Kind::$tch => Some(DType::$v),)*
+                _ => None,
+            }
+        }
+    };
 }
+rsccl_core::dtype_rows!(tch_kinds);
 
 /// A checked tensor argument.
 pub(crate) struct Arg {
@@ -81,15 +79,10 @@ pub(crate) fn nbytes(t: &Tensor, dtype: DType) -> usize {
     t.numel() * dtype.size()
 }
 
-/// The engine's view of a contiguous tensor `t`, which the caller keeps alive until the
-/// operation completed.
-pub(crate) fn buf(t: &Tensor, dtype: DType) -> Buf {
-    let len = nbytes(t, dtype);
-    if len == 0 {
-        Buf::empty()
-    } else {
-        Buf { ptr: t.data_ptr() as *mut u8, len }
-    }
+/// The op's view of a contiguous tensor `t` (address and bytes), which the caller keeps
+/// alive until the operation completed.
+pub(crate) fn span(t: &Tensor, dtype: DType) -> Span {
+    Span { ptr: ptr(t), bytes: nbytes(t, dtype) as u64 }
 }
 
 pub(crate) fn ptr(t: &Tensor) -> u64 {
@@ -103,6 +96,14 @@ pub(crate) fn contiguous(t: &Tensor, what: &str) -> Result<Tensor> {
     } else {
         t.f_contiguous().map_err(|e| torch_err(what, e))
     }
+}
+
+/// A contiguous tensor an in-place operation reads and writes for `t`: `t` itself, or a
+/// contiguous copy whose result the returned copy-back step writes into `t`.
+pub(crate) fn in_place(t: &Tensor, what: &str) -> Result<(Tensor, Option<CopyBack>)> {
+    let c = contiguous(t, what)?;
+    let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
+    Ok((c, post))
 }
 
 /// A new contiguous tensor of `t`'s shape, dtype and device (a checked tensor).

@@ -3,65 +3,101 @@
 //! `rsccl._rsccl.KINDS`). Every match on `Kind` is exhaustive, so adding a variant makes
 //! the compiler list each place that must learn it (docs/internals.md).
 
-/// One kind of operation. The discriminant is its code: it travels in the host engine's
-/// headers and in the CUDA kernels' descriptors (which only compare it), and Python passes
-/// it to `Communicator.run`. Codes are never reused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Kind {
-    AllReduce = 1,
-    ReduceScatter = 2,
-    AllGather = 3,
-    Broadcast = 4,
-    Barrier = 5,
+/// The kind table: one row per operation and every fact of it. Columns: the variant and
+/// its code (the discriminant: it travels in the host engine's headers and in the CUDA
+/// kernels' descriptors, which only compare it, and Python passes it to
+/// `Communicator.run`; codes are never reused), torch's name (as error messages and
+/// profiler events name it), and four facts: it takes a reduce op (`op`: peers must agree
+/// on it), it has a root (`root`: src/dst, peers must agree on it), it involves one peer
+/// only (`p2p`: a rank with bad arguments raises without joining, `Group::run`), the
+/// CUDA engines run it on bytes (`bytes`: any dtype, no op; the descriptor carries
+/// uint8/SUM, so ranks that pass different dtypes of the same bytes agree). `-`: no.
+macro_rules! kinds {
+    ($($(#[$doc:meta])* $v:ident = $code:literal, $name:literal, $op:tt, $root:tt, $p2p:tt, $bytes:tt;)*) => {
+        /// One kind of operation (the table above).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Kind {
+            $($(#[$doc])* $v = $code,)*
+        }
+
+        impl Kind {
+            pub const ALL: [Kind; [$($code),*].len()] = [$(Kind::$v),*];
+
+            /// torch's spelling, as error messages and profiler events name it.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Kind::$v => $name,)*
+                }
+            }
+
+            /// Whether it takes a reduce op (peers must agree on it).
+            pub fn has_op(self) -> bool {
+                match self {
+                    $(Kind::$v => fact!($op),)*
+                }
+            }
+
+            /// Whether it has a root (src/dst) rank (peers must agree on it).
+            pub fn has_root(self) -> bool {
+                match self {
+                    $(Kind::$v => fact!($root),)*
+                }
+            }
+
+            /// Whether it involves one peer only (send, recv): a rank with bad arguments
+            /// raises without joining (`Group::run`), as there is no call of the whole
+            /// group to join.
+            pub fn is_p2p(self) -> bool {
+                match self {
+                    $(Kind::$v => fact!($p2p),)*
+                }
+            }
+
+            /// Whether the CUDA engines run it on bytes (any dtype, no op): the descriptor
+            /// then carries uint8/SUM, so ranks that pass different dtypes of the same
+            /// bytes agree.
+            pub fn moves_bytes(self) -> bool {
+                match self {
+                    $(Kind::$v => fact!($bytes),)*
+                }
+            }
+        }
+    };
+}
+
+/// A fact cell: set (its column's name) or `-`.
+macro_rules! fact {
+    (-) => {
+        false
+    };
+    ($x:ident) => {
+        true
+    };
+}
+
+kinds! {
+    // variant = code, torch name, reduce op, root, p2p, bytes on CUDA
+    AllReduce = 1, "all_reduce", op, -, -, -;
+    ReduceScatter = 2, "reduce_scatter", op, -, -, -;
+    AllGather = 3, "all_gather", -, -, -, bytes;
+    Broadcast = 4, "broadcast", -, root, -, bytes;
+    Barrier = 5, "barrier", -, -, -, -;
     /// This rank's arguments were invalid: on CUDA it takes part in the first barrier only,
     /// so every peer learns of it (descriptor mismatch) instead of waiting.
-    Invalid = 6,
+    Invalid = 6, "an invalid call", -, -, -, -;
     /// Rooted: bytes per rank (gather, scatter) or elements (reduce).
-    Gather = 7,
-    Scatter = 8,
-    Reduce = 9,
+    Gather = 7, "gather", -, root, -, bytes;
+    Scatter = 8, "scatter", -, root, -, bytes;
+    Reduce = 9, "reduce", op, root, -, -;
     /// Bytes per peer travel in the op's splits.
-    AllToAll = 10,
+    AllToAll = 10, "all_to_all", -, -, -, bytes;
     /// Point to point with one peer.
-    Send = 11,
-    Recv = 12,
+    Send = 11, "send", -, -, p2p, bytes;
+    Recv = 12, "recv", -, -, p2p, bytes;
 }
 
 impl Kind {
-    pub const ALL: [Kind; 12] = [
-        Kind::AllReduce,
-        Kind::ReduceScatter,
-        Kind::AllGather,
-        Kind::Broadcast,
-        Kind::Barrier,
-        Kind::Invalid,
-        Kind::Gather,
-        Kind::Scatter,
-        Kind::Reduce,
-        Kind::AllToAll,
-        Kind::Send,
-        Kind::Recv,
-    ];
-
-    /// torch's spelling, as error messages and profiler events name it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::AllGather => "all_gather",
-            Kind::Broadcast => "broadcast",
-            Kind::Barrier => "barrier",
-            Kind::Invalid => "an invalid call",
-            Kind::Gather => "gather",
-            Kind::Scatter => "scatter",
-            Kind::Reduce => "reduce",
-            Kind::AllToAll => "all_to_all",
-            Kind::Send => "send",
-            Kind::Recv => "recv",
-        }
-    }
-
     pub fn from_name(name: &str) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| k.name() == name)
     }
@@ -73,64 +109,6 @@ impl Kind {
 
     pub fn from_code(c: u8) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| *k as u8 == c)
-    }
-
-    /// Whether it takes a reduce op (peers must agree on it).
-    pub fn has_op(self) -> bool {
-        match self {
-            Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter => true,
-            Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::AllToAll
-            | Kind::Send
-            | Kind::Recv => false,
-        }
-    }
-
-    /// Whether it has a root (src/dst) rank (peers must agree on it).
-    pub fn has_root(self) -> bool {
-        match self {
-            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter => true,
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::AllToAll
-            | Kind::Send
-            | Kind::Recv => false,
-        }
-    }
-
-    /// Whether it involves one peer only (send, recv): a rank with bad arguments raises
-    /// without joining (`Group::run`), as there is no call of the whole group to join.
-    pub fn is_p2p(self) -> bool {
-        match self {
-            Kind::Send | Kind::Recv => true,
-            Kind::AllReduce
-            | Kind::ReduceScatter
-            | Kind::AllGather
-            | Kind::Broadcast
-            | Kind::Barrier
-            | Kind::Invalid
-            | Kind::Gather
-            | Kind::Scatter
-            | Kind::Reduce
-            | Kind::AllToAll => false,
-        }
-    }
-
-    /// Whether the CUDA engines run it on bytes (any dtype, no op): the descriptor then
-    /// carries uint8/SUM, so ranks that pass different dtypes of the same bytes agree.
-    pub fn moves_bytes(self) -> bool {
-        match self {
-            Kind::AllGather | Kind::Broadcast | Kind::Gather | Kind::Scatter | Kind::AllToAll | Kind::Send | Kind::Recv => true,
-            Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce | Kind::Barrier | Kind::Invalid => false,
-        }
     }
 }
 
@@ -152,5 +130,15 @@ mod tests {
         }
         assert_eq!(Kind::from_code(0), None);
         assert_eq!(Kind::from_code(13), None);
+    }
+
+    /// The facts as the table gives them (a changed cell is a changed protocol).
+    #[test]
+    fn facts_follow_the_table() {
+        let with = |f: fn(Kind) -> bool| Kind::ALL.into_iter().filter(|k| f(*k)).map(|k| k.name()).collect::<Vec<_>>();
+        assert_eq!(with(Kind::has_op), ["all_reduce", "reduce_scatter", "reduce"]);
+        assert_eq!(with(Kind::has_root), ["broadcast", "gather", "scatter", "reduce"]);
+        assert_eq!(with(Kind::is_p2p), ["send", "recv"]);
+        assert_eq!(with(Kind::moves_bytes), ["all_gather", "broadcast", "gather", "scatter", "all_to_all", "send", "recv"]);
     }
 }

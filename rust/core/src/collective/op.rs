@@ -3,6 +3,9 @@
 //! place. The translations into each engine's own description (`Collective`, `P2p`,
 //! `CudaCall`) live here, once, with exhaustive matches on `Kind`.
 
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
 use super::{validate, Buf, Collective, Kind};
 use crate::cuda::decide::{self, Blocks};
 use crate::cuda::{AllToAll, CudaCall, DeviceCall};
@@ -65,11 +68,16 @@ pub struct Op {
     /// This rank's arguments were found invalid (by Python or while building the op): it
     /// joins the call as invalid, so every rank raises instead of waiting for it.
     pub invalid: Option<Error>,
+    /// A recv from whichever rank's message with `tag` comes first (host memory only):
+    /// the sender's group rank lands here once the Work completed; `root` is not read.
+    pub any_source: Option<Arc<AtomicUsize>>,
 }
 
 impl Op {
-    /// An op that only joins `kind` as invalid with `error` (see `Group::run`).
-    pub fn invalid(kind: Kind, place: Place, error: Error) -> Op {
+    /// A `kind` op on `place` with nothing set yet: empty buffers, uint8, SUM, root 0, tag
+    /// 0, asynchronous. Front ends fill in the fields their call has
+    /// (`Op { inp, out, ..Op::new(kind, place) }`).
+    pub fn new(kind: Kind, place: Place) -> Op {
         Op {
             kind,
             place,
@@ -81,8 +89,14 @@ impl Op {
             tag: 0,
             splits: None,
             blocking: false,
-            invalid: Some(error),
+            invalid: None,
+            any_source: None,
         }
+    }
+
+    /// An op that only joins `kind` as invalid with `error` (see `Group::run`).
+    pub fn invalid(kind: Kind, place: Place, error: Error) -> Op {
+        Op { invalid: Some(error), ..Op::new(kind, place) }
     }
 
     /// What the host engine runs for this op (`rank` of `n`). Errors are this rank's bad
@@ -99,6 +113,11 @@ impl Op {
     /// call (no copy per call).
     pub fn to_device(&mut self, rank: usize, n: usize, stream: u64) -> Result<DeviceCall> {
         let asynchronous = !self.blocking;
+        if self.any_source.is_some() {
+            return Err(Error::InvalidArgument(
+                "a recv from any source takes host memory; on CUDA pass the sender's rank (NCCL has no receive from any source)".into(),
+            ));
+        }
         if self.kind.is_p2p() {
             let send = self.kind == Kind::Send;
             let span = if send { self.inp } else { self.out };
@@ -128,6 +147,9 @@ impl Op {
     pub fn to_p2p(&self, rank: usize, n: usize) -> Result<P2p> {
         if !self.kind.is_p2p() {
             return Err(Error::Internal(format!("{} is not point to point", self.kind.name())));
+        }
+        if let (Kind::Recv, Some(source)) = (self.kind, &self.any_source) {
+            return Ok(P2p::RecvAny { buf: self.out.buf(), dtype: self.dtype, tag: self.tag, source: source.clone() });
         }
         let (dtype, tag, peer) = (self.dtype, self.tag, self.peer(rank, n)?);
         Ok(if self.kind == Kind::Send {
@@ -174,17 +196,14 @@ mod tests {
 
     fn op(kind: Kind, inp: u64, out: u64, dtype: DType) -> Op {
         Op {
-            kind,
-            place: Place::Cuda { stream: 7 },
             inp: Span { ptr: 0x1000, bytes: inp },
             out: Span { ptr: 0x2000, bytes: out },
             dtype,
             op: ReduceOp::Max,
             root: 1,
             tag: 3,
-            splits: None,
             blocking: true,
-            invalid: None,
+            ..Op::new(kind, Place::Cuda { stream: 7 })
         }
     }
 
@@ -231,6 +250,19 @@ mod tests {
         assert!(send.to_host(0, 4).unwrap_err().to_string().contains("rank 0 passed peer 0"), "itself");
         send.root = 3;
         assert!(send.to_host(0, 4).is_ok() && send.to_device(0, 4, 7).is_ok());
+    }
+
+    /// A recv from any source is a recv whose sender lands in `any_source`: the host
+    /// engine's `RecvAny`; the device engines have none (NCCL has none) and refuse it.
+    #[test]
+    fn a_recv_from_any_source_runs_on_host_memory_only() {
+        let source = Arc::new(AtomicUsize::new(usize::MAX));
+        let mut o = Op { out: Span { ptr: 0x2000, bytes: 64 }, tag: 5, root: -1, ..Op::new(Kind::Recv, Place::Host) };
+        o.any_source = Some(source.clone());
+        let HostCall::P2p(P2p::RecvAny { tag, source: s, .. }) = o.to_host(0, 4).unwrap() else { panic!("not a recv from any") };
+        assert!(tag == 5 && Arc::ptr_eq(&s, &source));
+        let e = o.to_device(0, 4, 7).unwrap_err().to_string();
+        assert!(e.contains("a recv from any source takes host memory"), "{e}");
     }
 
     #[test]

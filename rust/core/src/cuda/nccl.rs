@@ -254,37 +254,41 @@ pub fn config(max_ctas: Option<i32>, name: *const c_char) -> nc::ncclConfig_t {
     }
 }
 
-/// NCCL's type for an rsccl dtype (None: NCCL has no such type).
-pub fn nccl_dtype(d: crate::dtype::DType) -> Option<nc::ncclDataType_t> {
-    use crate::dtype::DType as D;
-    use nc::ncclDataType_t as N;
-    Some(match d {
-        D::I8 => N::ncclInt8,
-        D::U8 | D::Bool => N::ncclUint8,
-        D::I32 => N::ncclInt32,
-        D::I64 => N::ncclInt64,
-        D::F16 => N::ncclFloat16,
-        D::F32 => N::ncclFloat32,
-        D::F64 => N::ncclFloat64,
-        D::BF16 => N::ncclBfloat16,
-        #[allow(unreachable_patterns)]
-        _ => return None,
-    })
+/// `Some(N::x)` for a table cell `x` of NCCL's enum `N`, None for `-`.
+macro_rules! nccl_cell {
+    ($n:ident, -) => {
+        None
+    };
+    ($n:ident, $x:ident) => {
+        Some(nc::$n::$x)
+    };
 }
 
-/// NCCL's op for an rsccl reduction (None: NCCL has none; bitwise ops).
-pub fn nccl_op(o: crate::dtype::ReduceOp) -> Option<nc::ncclRedOp_t> {
-    use crate::dtype::ReduceOp as R;
-    use nc::ncclRedOp_t as N;
-    Some(match o {
-        R::Sum => N::ncclSum,
-        R::Product => N::ncclProd,
-        R::Max => N::ncclMax,
-        R::Min => N::ncclMin,
-        R::Avg => N::ncclAvg,
-        _ => return None,
-    })
+macro_rules! nccl_dtypes {
+    ($($v:ident = $code:literal, $name:literal, $size:literal, $float:literal, $tag:tt, $nccl:tt, $tch:tt;)*) => {
+        /// NCCL's type for an rsccl dtype (None: NCCL has no such type): the NCCL column
+        /// of the dtype table (dtype.rs).
+        pub fn nccl_dtype(d: crate::dtype::DType) -> Option<nc::ncclDataType_t> {
+            match d {
+                $(crate::dtype::DType::$v => nccl_cell!(ncclDataType_t, $nccl),)*
+            }
+        }
+    };
 }
+dtype_rows!(nccl_dtypes);
+
+macro_rules! nccl_ops {
+    ($($v:ident = $code:literal, $name:literal, $on:ident, $kernel:tt, $nccl:tt;)*) => {
+        /// NCCL's op for an rsccl reduction (None: NCCL has none; bitwise ops): the NCCL
+        /// column of the reduce-op table (dtype.rs).
+        pub fn nccl_op(o: crate::dtype::ReduceOp) -> Option<nc::ncclRedOp_t> {
+            match o {
+                $(crate::dtype::ReduceOp::$v => nccl_cell!(ncclRedOp_t, $nccl),)*
+            }
+        }
+    };
+}
+reduce_op_rows!(nccl_ops);
 
 /// One NCCL communicator (rank `rank` of `nranks`), created blocking and destroyed (or
 /// aborted) with the group. Work on it goes to the caller's streams: the engine orders

@@ -1,14 +1,25 @@
 //! The collectives and send/recv of `ProcessGroup` on `tch::Tensor`s: each checks its
-//! tensors, builds one plan and hands it to the host or CUDA seam of group/mod.rs.
+//! tensors and builds one `Op` (a `Plan`), which the seam of group/mod.rs runs through
+//! `Group::run`. Sizes, roots, peers and what the engine reduces are checked by the core.
 
-use rsccl_core::collective::{validate, Collective, Kind};
-use rsccl_core::cuda::{AllToAll, CudaKind};
+use rsccl_core::collective::op::{Op, Place as OpPlace, Span};
+use rsccl_core::collective::Kind;
+use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
-use rsccl_core::engine::P2p;
 use rsccl_core::{Error, Result};
 use tch::Tensor;
 
 use super::*;
+
+/// A `kind` op with this call's fields still to fill in; the seam sets its place.
+fn op(kind: Kind) -> Op {
+    Op::new(kind, OpPlace::Host)
+}
+
+/// A root or peer as the op carries it (an index past i64 is out of range there too).
+fn rank_arg(r: usize) -> i64 {
+    i64::try_from(r).unwrap_or(i64::MAX)
+}
 
 impl ProcessGroup {
     /// Reduce `t` across ranks in place with `op`.
@@ -20,30 +31,14 @@ impl ProcessGroup {
         self.all_reduce_impl(t, op, false)
     }
 
-    fn all_reduce_impl(&self, t: &Tensor, op: ReduceOp, blocking: bool) -> Result<Work> {
-        let me = self.rank();
-        match tensor::place_of(&[t]) {
-            Place::Cpu => self.host(Kind::AllReduce, blocking, || {
-                let a = check(t, "all_reduce tensor", me)?;
-                let c = tensor::contiguous(t, "all_reduce")?;
-                let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
-                Ok(op_plan(Collective::AllReduce { buf: tensor::buf(&c, a.dtype), dtype: a.dtype, op }, vec![t.shallow_clone(), c], post))
-            }),
-            Place::Cuda(d) => {
-                self.refuse_unrunnable(t, Kind::AllReduce, op, d)?;
-                self.cuda_coll(d, blocking, || {
-                    let a = self.cuda_arg(t, "all_reduce tensor", Some((Kind::AllReduce, op)))?;
-                    let c = tensor::contiguous(t, "all_reduce")?;
-                    let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
-                    let p = tensor::ptr(&c);
-                    Ok(op_plan(
-                        Self::cuda_call(CudaKind::AllReduce, a.dtype, op, 0, p, p, c.numel() as u64),
-                        vec![t.shallow_clone(), c],
-                        post,
-                    ))
-                })
-            }
-        }
+    fn all_reduce_impl(&self, t: &Tensor, op_: ReduceOp, blocking: bool) -> Result<Work> {
+        let place = tensor::place_of(&[t]);
+        self.run(Kind::AllReduce, place, blocking, || {
+            let a = self.arg(t, "all_reduce tensor", place)?;
+            let (c, post) = tensor::in_place(t, "all_reduce")?;
+            let s = tensor::span(&c, a.dtype);
+            Ok(Plan::new(Op { inp: s, out: s, dtype: a.dtype, op: op_, ..op(Kind::AllReduce) }, vec![t.shallow_clone(), c], post))
+        })
     }
 
     /// Copy `root`'s `t` into every rank's `t`.
@@ -56,28 +51,14 @@ impl ProcessGroup {
     }
 
     fn broadcast_impl(&self, t: &Tensor, root: usize, blocking: bool) -> Result<Work> {
-        let me = self.rank();
-        match tensor::place_of(&[t]) {
-            Place::Cpu => self.host(Kind::Broadcast, blocking, || {
-                let a = check(t, "broadcast tensor", me)?;
-                let c = tensor::contiguous(t, "broadcast")?;
-                let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
-                Ok(op_plan(Collective::Broadcast { buf: tensor::buf(&c, a.dtype), dtype: a.dtype, root }, vec![t.shallow_clone(), c], post))
-            }),
-            Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let a = self.cuda_arg(t, "broadcast tensor", None)?;
-                self.check_root(root, "broadcast")?;
-                let c = tensor::contiguous(t, "broadcast")?;
-                let post = (!t.is_contiguous()).then(|| CopyBack { dst: vec![t.shallow_clone()], src: vec![c.shallow_clone()] });
-                let p = tensor::ptr(&c);
-                let bytes = tensor::nbytes(&c, a.dtype) as u64;
-                Ok(op_plan(
-                    Self::cuda_call(CudaKind::Broadcast, DType::U8, ReduceOp::Sum, root, p, p, bytes),
-                    vec![t.shallow_clone(), c],
-                    post,
-                ))
-            }),
-        }
+        let place = tensor::place_of(&[t]);
+        self.run(Kind::Broadcast, place, blocking, || {
+            let a = self.arg(t, "broadcast tensor", place)?;
+            let (c, post) = tensor::in_place(t, "broadcast")?;
+            let s = tensor::span(&c, a.dtype);
+            let root = rank_arg(root);
+            Ok(Plan::new(Op { inp: s, out: s, dtype: a.dtype, root, ..op(Kind::Broadcast) }, vec![t.shallow_clone(), c], post))
+        })
     }
 
     /// Every rank's `input`, in rank order, into `output` (group size x input's elements).
@@ -126,34 +107,18 @@ impl ProcessGroup {
         })();
         match checked {
             Ok((flat, post)) => self.all_gather_impl(&flat, input, Some(post), blocking),
-            Err(e) => match tensor::place_of(&[input]) {
-                Place::Cpu => self.host(Kind::AllGather, blocking, || Err(e)),
-                Place::Cuda(d) => Err(self.cuda_failed(d, e)),
-            },
+            Err(e) => self.run(Kind::AllGather, tensor::place_of(&[input]), blocking, || Err(e)),
         }
     }
 
     fn all_gather_impl(&self, output: &Tensor, input: &Tensor, extra: Option<CopyBack>, blocking: bool) -> Result<Work> {
-        let (me, n) = (self.rank(), self.size());
-        let pair = |cuda: bool| {
-            self.in_out("all_gather", input, output, cuda, None, || {
-                validate::blocks_per_rank("all_gather", n, 1, ("output", output.numel() as u64), ("input", input.numel() as u64))
-                    .map_err(|e| e.naming_rank(me))
-            })
-        };
-        match tensor::place_of(&[input]) {
-            Place::Cpu => self.host(Kind::AllGather, blocking, || {
-                let InOut { arg: a, inp: i, out: o, post } = pair(false)?;
-                let c = Collective::AllGather { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype };
-                Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
-            }),
-            Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
-                let bytes = tensor::nbytes(&i, a.dtype) as u64;
-                let l = Self::cuda_call(CudaKind::AllGather, DType::U8, ReduceOp::Sum, 0, tensor::ptr(&i), tensor::ptr(&o), bytes);
-                Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
-            }),
-        }
+        let place = tensor::place_of(&[input]);
+        self.run(Kind::AllGather, place, blocking, || {
+            let InOut { arg: a, inp: i, out: o, post } = self.in_out("all_gather", input, output, place)?;
+            let (inp, out) = (tensor::span(&i, a.dtype), tensor::span(&o, a.dtype));
+            let keep = vec![input.shallow_clone(), output.shallow_clone(), i, o];
+            Ok(Plan::new(Op { inp, out, dtype: a.dtype, ..op(Kind::AllGather) }, keep, CopyBack::chain(post, extra)))
+        })
     }
 
     /// Reduce `input` (group size x output's elements) across ranks with `op`; rank r
@@ -200,36 +165,18 @@ impl ProcessGroup {
         })();
         match checked {
             Ok(flat) => self.reduce_scatter_impl(output, &flat, op, blocking),
-            Err(e) => match tensor::place_of(&[output]) {
-                Place::Cpu => self.host(Kind::ReduceScatter, blocking, || Err(e)),
-                Place::Cuda(d) => Err(self.cuda_failed(d, e)),
-            },
+            Err(e) => self.run(Kind::ReduceScatter, tensor::place_of(&[output]), blocking, || Err(e)),
         }
     }
 
-    fn reduce_scatter_impl(&self, output: &Tensor, input: &Tensor, op: ReduceOp, blocking: bool) -> Result<Work> {
-        let (me, n) = (self.rank(), self.size());
-        let pair = |cuda: bool| {
-            self.in_out("reduce_scatter", input, output, cuda, Some((Kind::ReduceScatter, op)), || {
-                validate::blocks_per_rank("reduce_scatter", n, 1, ("input", input.numel() as u64), ("output", output.numel() as u64))
-                    .map_err(|e| e.naming_rank(me))
-            })
-        };
-        match tensor::place_of(&[input]) {
-            Place::Cpu => self.host(Kind::ReduceScatter, blocking, || {
-                let InOut { arg: a, inp: i, out: o, post } = pair(false)?;
-                let c = Collective::ReduceScatter { input: tensor::buf(&i, a.dtype), output: tensor::buf(&o, a.dtype), dtype: a.dtype, op };
-                Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
-            }),
-            Place::Cuda(d) => {
-                self.refuse_unrunnable(input, Kind::ReduceScatter, op, d)?;
-                self.cuda_coll(d, blocking, || {
-                    let InOut { arg: a, inp: i, out: o, post } = pair(true)?;
-                    let l = Self::cuda_call(CudaKind::ReduceScatter, a.dtype, op, 0, tensor::ptr(&i), tensor::ptr(&o), o.numel() as u64);
-                    Ok(op_plan(l, vec![input.shallow_clone(), output.shallow_clone(), i, o], post))
-                })
-            }
-        }
+    fn reduce_scatter_impl(&self, output: &Tensor, input: &Tensor, op_: ReduceOp, blocking: bool) -> Result<Work> {
+        let place = tensor::place_of(&[input]);
+        self.run(Kind::ReduceScatter, place, blocking, || {
+            let InOut { arg: a, inp: i, out: o, post } = self.in_out("reduce_scatter", input, output, place)?;
+            let (inp, out) = (tensor::span(&i, a.dtype), tensor::span(&o, a.dtype));
+            let keep = vec![input.shallow_clone(), output.shallow_clone(), i, o];
+            Ok(Plan::new(Op { inp, out, dtype: a.dtype, op: op_, ..op(Kind::ReduceScatter) }, keep, post))
+        })
     }
 
     /// Rows (dim 0) of `input` to every rank: `input_splits[r]` rows to rank r, and
@@ -242,7 +189,6 @@ impl ProcessGroup {
         self.all_to_all_single_impl(output, input, output_splits, input_splits, None, false)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn all_to_all_single_impl(
         &self,
         output: &Tensor,
@@ -253,52 +199,23 @@ impl ProcessGroup {
         blocking: bool,
     ) -> Result<Work> {
         let (me, n) = (self.rank(), self.size());
-        let prep = |cuda: bool| -> Result<(InOut, Vec<u64>, Vec<u64>)> {
-            let mut splits = None;
-            let st = self.in_out("all_to_all", input, output, cuda, None, || {
-                let dtype = tensor::dtype_of_kind(input.f_kind().map_err(|e| tensor::torch_err("all_to_all", e))?).unwrap_or(DType::U8);
-                let send = tensor::split_bytes(input, dtype, in_splits, n, &format!("all_to_all: rank {me}'s input"))?;
-                let recv = tensor::split_bytes(output, dtype, out_splits, n, &format!("all_to_all: rank {me}'s output"))?;
-                splits = Some((send, recv));
-                Ok(())
-            })?;
-            let (send, recv) = splits.expect("set by the size check");
-            Ok((st, send, recv))
-        };
-        match tensor::place_of(&[input]) {
-            Place::Cpu => self.host(Kind::AllToAll, blocking, || {
-                let (InOut { arg: a, inp: i, out: o, post }, send, recv) = prep(false)?;
-                let c = Collective::AllToAll {
-                    input: tensor::buf(&i, a.dtype),
-                    output: tensor::buf(&o, a.dtype),
-                    dtype: a.dtype,
-                    send_bytes: send,
-                    recv_bytes: recv,
-                };
-                Ok(op_plan(c, vec![input.shallow_clone(), output.shallow_clone(), i, o], CopyBack::chain(post, extra)))
-            }),
-            Place::Cuda(d) => self.cuda_coll(d, blocking, || {
-                let (InOut { inp: i, out: o, post, .. }, send, recv) = prep(true)?;
-                if send[me] != recv[me] {
-                    return Err(Error::InvalidArgument(format!(
-                        "all_to_all: rank {me} sends itself {} bytes but expects {} bytes from itself",
-                        send[me], recv[me]
-                    )));
-                }
-                let (ip, op) = (tensor::ptr(&i), tensor::ptr(&o));
-                let x = AllToAll {
-                    send: tensor::offsets(&send).iter().map(|x| ip + x).collect(),
-                    send_bytes: send,
-                    recv: tensor::offsets(&recv).iter().map(|x| op + x).collect(),
-                    recv_bytes: recv,
-                };
-                Ok(op_plan(
-                    DeviceCall::AllToAll { chunks: x, stream: 0, asynchronous: false },
-                    vec![input.shallow_clone(), output.shallow_clone(), i, o],
-                    CopyBack::chain(post, extra),
-                ))
-            }),
-        }
+        let place = tensor::place_of(&[input]);
+        self.run(Kind::AllToAll, place, blocking, || {
+            let dtype = tensor::dtype_of_kind(input.f_kind().map_err(|e| tensor::torch_err("all_to_all", e))?).unwrap_or(DType::U8);
+            let InOut { arg: a, inp: i, out: o, post } = self.in_out("all_to_all", input, output, place)?;
+            let send = tensor::split_bytes(input, dtype, in_splits, n, &format!("all_to_all: rank {me}'s input"))?;
+            let recv = tensor::split_bytes(output, dtype, out_splits, n, &format!("all_to_all: rank {me}'s output"))?;
+            // Each peer's chunk where it lies (the host engine reads the byte counts only).
+            let (inp, out) = (tensor::span(&i, a.dtype), tensor::span(&o, a.dtype));
+            let splits = AllToAll {
+                send: tensor::offsets(&send).iter().map(|x| inp.ptr + x).collect(),
+                send_bytes: send,
+                recv: tensor::offsets(&recv).iter().map(|x| out.ptr + x).collect(),
+                recv_bytes: recv,
+            };
+            let keep = vec![input.shallow_clone(), output.shallow_clone(), i, o];
+            Ok(Plan::new(Op { inp, out, dtype: a.dtype, splits: Some(splits), ..op(Kind::AllToAll) }, keep, CopyBack::chain(post, extra)))
+        })
     }
 
     /// `inputs[r]` to rank r; rank r's tensor for this rank into `outputs[r]` (one dtype).
@@ -326,7 +243,7 @@ impl ProcessGroup {
             }
             let mut dtype = None;
             for t in inputs.iter().chain(outputs) {
-                let a = if cuda { self.cuda_arg(t, "all_to_all tensor", None)? } else { check(t, "all_to_all tensor", me)? };
+                let a = self.arg(t, "all_to_all tensor", place)?;
                 if a.place != Place::Cpu && !cuda || dtype.is_some_and(|d| d != a.kind) {
                     return Err(Error::InvalidType(format!(
                         "all_to_all: rank {me} passed tensors of several dtypes or devices; give one of each"
@@ -348,10 +265,7 @@ impl ProcessGroup {
         };
         match prep() {
             Ok((fi, fo, sp, post)) => self.all_to_all_single_impl(&fo, &fi, &sp.output, &sp.input, Some(post), blocking),
-            Err(e) => match place {
-                Place::Cpu => self.host(Kind::AllToAll, blocking, || Err(e)),
-                Place::Cuda(d) => Err(self.cuda_failed(d, e)),
-            },
+            Err(e) => self.run(Kind::AllToAll, place, blocking, || Err(e)),
         }
     }
 
@@ -362,15 +276,13 @@ impl ProcessGroup {
             // The barrier kernel runs after the current stream's earlier work; its end event
             // completing means both are done. synchronize() is bounded by the group timeout.
             let stream = crate::cuda::current_stream(d)?;
-            if let Ran::Event(ev) =
-                self.inner.group.run_device(DeviceCall::Collective(CudaCall::bare(CudaKind::Barrier, 0, stream, true)))?
-            {
+            if let Ran::Event(ev) = self.inner.group.run(Op::new(Kind::Barrier, OpPlace::Cuda { stream }))? {
                 ev.wait_on(stream)?;
                 ev.synchronize()?;
             }
             return self.inner.group.cuda_health();
         }
-        self.host(Kind::Barrier, true, || Ok(op_plan(Collective::Barrier, vec![], None)))?.wait()
+        self.run(Kind::Barrier, Place::Cpu, true, || Ok(Plan::new(op(Kind::Barrier), vec![], None)))?.wait()
     }
 
     /// With a CUDA engine this is `barrier()` (it waits on the CPU, as NCCL's does).
@@ -379,7 +291,7 @@ impl ProcessGroup {
             self.barrier()?;
             return Ok(Work::done());
         }
-        self.host(Kind::Barrier, false, || Ok(op_plan(Collective::Barrier, vec![], None)))
+        self.run(Kind::Barrier, Place::Cpu, false, || Ok(Plan::new(op(Kind::Barrier), vec![], None)))
     }
 
     /// Send `t` to group rank `dst` (matched with its `recv` of the same size; on CPU also
@@ -401,34 +313,18 @@ impl ProcessGroup {
         self.p2p(t, src, tag, false)
     }
 
-    /// Always asynchronous underneath: the blocking forms wait on the Work.
+    /// Always asynchronous underneath: the blocking forms wait on the Work. A bad argument
+    /// raises on this rank alone (only it and its peer are involved; `Group::run`).
     fn p2p(&self, t: &Tensor, peer: usize, tag: i64, send: bool) -> Result<Work> {
-        let (me, n) = (self.rank(), self.size());
-        let what = if send { "send" } else { "recv" };
-        let a = check(t, &format!("{what} tensor"), me)?;
-        validate::peer(what, me, peer as i64, n)?;
-        let (c, post) = if send { (tensor::contiguous(t, what)?, None) } else { tensor::output(t, what)? };
-        match a.place {
-            Place::Cpu => {
-                if self.inner.group.kind == EngineKind::Gloo {
-                    return Err(Error::InvalidArgument(format!(
-                        "{what}: rank {me}: CPU send/recv in a group that spans hosts is not supported by rsccl-tch; use CUDA tensors"
-                    )));
-                }
-                let buf = tensor::buf(&c, a.dtype);
-                let op = if send { P2p::Send { buf, dtype: a.dtype, peer, tag } } else { P2p::Recv { buf, dtype: a.dtype, peer, tag } };
-                let state = self.inner.group.submit_p2p(op, None)?;
-                Ok(Work::host(state, vec![t.shallow_clone(), c], post))
-            }
-            Place::Cuda(d) => {
-                self.cuda_arg(t, &format!("{what} tensor"), None)?;
-                let (ptr, bytes) = (tensor::ptr(&c), tensor::nbytes(&c, a.dtype) as u64);
-                self.cuda(
-                    d,
-                    false,
-                    op_plan(DeviceCall::P2p { send, ptr, bytes, peer, stream: 0, asynchronous: false }, vec![t.shallow_clone(), c], post),
-                )
-            }
-        }
+        let kind = if send { Kind::Send } else { Kind::Recv };
+        let place = tensor::place_of(&[t]);
+        self.run(kind, place, false, || {
+            let what = kind.name();
+            let a = self.arg(t, &format!("{what} tensor"), place)?;
+            let (c, post) = if send { (tensor::contiguous(t, what)?, None) } else { tensor::output(t, what)? };
+            let s = tensor::span(&c, a.dtype);
+            let (inp, out) = if send { (s, Span::default()) } else { (Span::default(), s) };
+            Ok(Plan::new(Op { inp, out, dtype: a.dtype, root: rank_arg(peer), tag, ..op(kind) }, vec![t.shallow_clone(), c], post))
+        })
     }
 }

@@ -1,14 +1,15 @@
 //! `ProcessGroup`: a group of ranks and its collectives on `tch::Tensor`s. Every collective
-//! checks its tensors, builds one engine operation (CPU tensors: rsccl-core's host engine;
-//! CUDA tensors: its CUDA engine, after libtorch's current stream), and returns a `Work`
+//! checks its tensors, builds one `Op` and runs it through `Group::run`, the core's one
+//! front door, as rsccl's Python backend does (CPU tensors: the host engine; CUDA tensors:
+//! the group's device engine, after libtorch's current stream), and returns a `Work`
 //! (`*_async`) or waits for it. A rank whose arguments are wrong still takes part (as
 //! rsccl's Python backend does), so every rank returns the error instead of waiting.
 //!
 //! Ranks are group ranks: in a group from `new_group`, `root`, `src` and `dst` count
 //! within that group.
 //!
-//! The group itself (creation, sub-groups, the engine seams every collective goes through)
-//! is here; the collectives and send/recv, each a few checks and one plan, in collectives.rs.
+//! The group itself (creation, sub-groups, the seam every collective goes through) is
+//! here; the collectives and send/recv, each a few checks and one op, in collectives.rs.
 
 mod collectives;
 
@@ -18,9 +19,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use rsccl_core::collective::op::{Op, Place as OpPlace};
-use rsccl_core::collective::{validate, Collective, Kind};
-use rsccl_core::cuda::{CudaCall, CudaEvent, CudaKind, CudaStats, DeviceCall, NcclStats};
-use rsccl_core::dtype::{DType, ReduceOp};
+use rsccl_core::collective::Kind;
+use rsccl_core::cuda::{CudaEvent, CudaStats, NcclStats};
 use rsccl_core::group::Ran;
 use rsccl_core::group::{EngineKind, Group};
 use rsccl_core::{Error, Result};
@@ -85,19 +85,19 @@ impl Drop for Inner {
     }
 }
 
-/// A CUDA operation: a `DeviceCall` whose stream is filled in at launch.
-type Launch = DeviceCall;
-
-/// What one call becomes on an engine: the operation, the tensors to keep alive until it
-/// completed, and the copies into the caller's tensors after.
-struct Plan<Op> {
+/// What one call becomes: its `Op` (its place and blocking set by the seam,
+/// `ProcessGroup::run`), the tensors to keep alive until it completed, and the copies into
+/// the caller's tensors after.
+struct Plan {
     op: Op,
     keep: Vec<Tensor>,
     post: Option<CopyBack>,
 }
 
-fn op_plan<Op>(op: Op, keep: Vec<Tensor>, post: Option<CopyBack>) -> Plan<Op> {
-    Plan { op, keep, post }
+impl Plan {
+    fn new(op: Op, keep: Vec<Tensor>, post: Option<CopyBack>) -> Plan {
+        Plan { op, keep, post }
+    }
 }
 
 /// The staged buffers of an (input, output) collective (see `ProcessGroup::in_out`).
@@ -279,14 +279,16 @@ impl ProcessGroup {
         self.inner.group.shutdown();
     }
 
-    // -- the two seams -------------------------------------------------------------------
+    // -- the seam ------------------------------------------------------------------------
 
-    /// Run a CPU collective on the host engine: `prepare` checks the arguments and builds
-    /// the operation. If it fails, this rank takes part as `Invalid`, so every rank
-    /// returns the error (with every failed rank's message).
-    fn host(&self, kind: Kind, blocking: bool, prepare: impl FnOnce() -> Result<Plan<Collective>>) -> Result<Work> {
+    /// The one seam, as Python's: run the op `prepare` builds (its checks, buffers and
+    /// `Op`) for a `kind` call on the engine of `place`, through `Group::run`; the seam
+    /// sets the op's place (the CPU, or libtorch's current stream of the device) and
+    /// whether it blocks. If `prepare` fails, this rank joins the call as invalid
+    /// (`join_invalid`), so every rank returns the error instead of waiting.
+    fn run(&self, kind: Kind, place: Place, blocking: bool, prepare: impl FnOnce() -> Result<Plan>) -> Result<Work> {
         let g = &self.inner.group;
-        if g.kind == EngineKind::Gloo {
+        if place == Place::Cpu && g.kind == EngineKind::Gloo {
             return Err(Error::InvalidArgument(format!(
                 "rank {}: {} on CPU tensors in a group that spans hosts: rsccl runs those on gloo, which only its Python \
                  side has; use CUDA tensors",
@@ -294,54 +296,57 @@ impl ProcessGroup {
                 kind.name()
             )));
         }
-        let plan = match prepare() {
+        let Plan { mut op, keep, post } = match prepare() {
             Ok(p) => p,
-            Err(error) => {
-                // Joins the call as invalid (Group::run): every rank's Work fails with the
-                // error they agree on.
-                let mut op = Op::invalid(kind, OpPlace::Host, error.clone());
-                op.blocking = true;
-                return Err(g.run(op).err().unwrap_or(error));
+            Err(e) => return Err(self.join_invalid(kind, place, e)),
+        };
+        op.blocking = blocking;
+        let ran = match place {
+            Place::Cpu => g.run(Op { place: OpPlace::Host, ..op })?,
+            Place::Cuda(d) => {
+                let stream = crate::cuda::current_stream(d)?;
+                self.inner.release_finished();
+                match g.run(Op { place: OpPlace::Cuda { stream }, ..op })? {
+                    Ran::Event(ev) => return Ok(Work::cuda(self.inner.clone(), ev, d, stream, keep, post)),
+                    other => other,
+                }
             }
         };
-        if blocking {
-            g.run_now(plan.op, None)?;
-            if let Some(p) = plan.post {
-                p.run()?;
-            }
-            return Ok(Work::done());
-        }
-        Ok(Work::host(g.submit(plan.op, None)?, plan.keep, plan.post))
-    }
-
-    /// Launch a CUDA operation after libtorch's current stream of `device` (its
-    /// arguments were checked: see `cuda_coll`).
-    fn cuda(&self, device: i32, blocking: bool, plan: Plan<Launch>) -> Result<Work> {
-        let g = &self.inner.group;
-        let stream = crate::cuda::current_stream(device)?;
-        self.inner.release_finished();
-        let asynchronous = !blocking;
-        let ev = match g.run_device(plan.op.after(stream, asynchronous))? {
-            Ran::Event(ev) => Some(ev),
-            Ran::Done => None,
-            Ran::Work(_) => return Err(Error::Internal("a device engine returned a host Work".into())),
-        };
-        match ev {
-            None => {
-                if let Some(p) = plan.post {
+        match ran {
+            Ran::Work(w) => Ok(Work::host(w, keep, post)),
+            Ran::Done => {
+                if let Some(p) = post {
                     p.run()?;
                 }
                 Ok(Work::done())
             }
-            Some(ev) => Ok(Work::cuda(self.inner.clone(), ev, device, stream, plan.keep, plan.post)),
+            Ran::Event(_) => Err(Error::Internal("the host engine returned a CUDA event".into())),
         }
     }
 
-    /// Check a CUDA collective's tensor against the group; on error, tell the peers (see
-    /// `cuda`) before returning it.
-    fn cuda_arg(&self, t: &Tensor, what: &str, op: Option<(Kind, ReduceOp)>) -> Result<tensor::Arg> {
+    /// This rank's `kind` call on `place` failed its checks (`e`): it joins the call as
+    /// invalid (`Op::invalid` through `Group::run`, the rule's one owner), so its peers
+    /// raise instead of waiting; returns the error this rank gets (on host memory the one
+    /// the ranks agree on). A send or recv raises alone (`Group::run`).
+    fn join_invalid(&self, kind: Kind, place: Place, e: Error) -> Error {
+        let op = match place {
+            Place::Cpu => Op { blocking: true, ..Op::invalid(kind, OpPlace::Host, e.clone()) },
+            Place::Cuda(d) => match (self.inner.cuda_device, crate::cuda::current_stream(d)) {
+                (Some(_), Ok(stream)) => Op::invalid(kind, OpPlace::Cuda { stream }, e.clone()),
+                _ => return e,
+            },
+        };
+        self.inner.group.run(op).err().unwrap_or(e)
+    }
+
+    /// Check a tensor of a call on `place` (`what` in messages): on CUDA also that it is on
+    /// the group's GPU.
+    fn arg(&self, t: &Tensor, what: &str, place: Place) -> Result<tensor::Arg> {
         let me = self.rank();
         let a = check(t, what, me)?;
+        if place == Place::Cpu {
+            return Ok(a);
+        }
         let Some(dev) = self.inner.cuda_device else {
             return Err(Error::InvalidArgument(format!(
                 "rank {me}: {what} is a CUDA tensor, but this group has no CUDA engine (it was created with \
@@ -351,77 +356,17 @@ impl ProcessGroup {
         if a.place != Place::Cuda(dev) {
             return Err(Error::InvalidArgument(format!("rank {me}: {what} is on {:?}, but its group uses cuda:{dev}", t.device())));
         }
-        if let Some((kind, op)) = op {
-            // What the group's engine reduces has one home: the engine's answer, as for
-            // Python's calls (rsccl's kernels on one host, NCCL across hosts).
-            self.inner.group.device_can_run(kind, a.dtype, op)?;
-        }
         Ok(a)
     }
 
-    /// A CUDA reduction the group's engine cannot run at all is refused here, before its
-    /// call is prepared, the way the engine refuses (`Group::refuse_on_device`, as
-    /// `Group::run` does): every rank that passed the same dtype and op gets the same
-    /// answer, and the group stays usable (an error while preparing joins the call as
-    /// invalid, which aborts a group on the NCCL engine). A tensor without a dtype rsccl
-    /// knows is left to the preparation's checks.
-    fn refuse_unrunnable(&self, t: &Tensor, kind: Kind, op: ReduceOp, device: i32) -> Result<()> {
-        match check(t, "the tensor", self.rank()) {
-            Ok(a) if self.inner.cuda_device.is_some() => {
-                let stream = crate::cuda::current_stream(device)?;
-                self.inner.group.refuse_on_device(kind, a.dtype, op, stream)
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// A CUDA collective whose preparation failed: take part as "invalid" (Group::run), so
-    /// the peers raise too; returns this rank's error.
-    fn cuda_failed(&self, device: i32, e: Error) -> Error {
-        if self.inner.cuda_device.is_some() {
-            if let Ok(stream) = crate::cuda::current_stream(device) {
-                let op = Op::invalid(Kind::Invalid, OpPlace::Cuda { stream }, e.clone());
-                return self.inner.group.run(op).err().unwrap_or(e);
-            }
-        }
-        e
-    }
-
-    /// A CUDA collective: if `prepare` (the checks and buffers) fails, this rank takes part
-    /// in the collective's first barrier as "invalid", so the peers report a mismatch
-    /// instead of waiting, and returns its own error (send/recv do not: only the peer is
-    /// involved, and it times out).
-    fn cuda_coll(&self, device: i32, blocking: bool, prepare: impl FnOnce() -> Result<Plan<Launch>>) -> Result<Work> {
-        match prepare() {
-            Ok(plan) => self.cuda(device, blocking, plan),
-            Err(e) => Err(self.cuda_failed(device, e)),
-        }
-    }
-
-    fn cuda_call(kind: CudaKind, dtype: DType, op: ReduceOp, root: usize, inp: u64, out: u64, count: u64) -> Launch {
-        DeviceCall::Collective(CudaCall { kind, dtype, op, root, inp, out, count, stream: 0, asynchronous: false })
-    }
-
-    /// Check the (input, output) pair of collective `what`: same dtype and device (CUDA:
-    /// the group's GPU and, with `op`, a dtype its kernels reduce), then `sizes`; and stage
-    /// it: the input contiguous (a copy if it overlaps the output: a collective must not
-    /// read what it writes), the output itself or a contiguous stand-in copied back after.
-    fn in_out(
-        &self,
-        what: &str,
-        input: &Tensor,
-        output: &Tensor,
-        cuda: bool,
-        op: Option<(Kind, ReduceOp)>,
-        sizes: impl FnOnce() -> Result<()>,
-    ) -> Result<InOut> {
+    /// Check the (input, output) pair of collective `what` on `place`: same dtype and
+    /// device (CUDA: the group's GPU); and stage it: the input contiguous (a copy if it
+    /// overlaps the output: a collective must not read what it writes), the output itself
+    /// or a contiguous stand-in copied back after. Sizes and what the engine reduces are
+    /// the core's to check (`Group::run`), as for Python's calls.
+    fn in_out(&self, what: &str, input: &Tensor, output: &Tensor, place: Place) -> Result<InOut> {
         let me = self.rank();
-        let (win, wout) = (format!("{what} input"), format!("{what} output"));
-        let (a, b) = if cuda {
-            (self.cuda_arg(input, &win, op)?, self.cuda_arg(output, &wout, op)?)
-        } else {
-            (check(input, &win, me)?, check(output, &wout, me)?)
-        };
+        let (a, b) = (self.arg(input, &format!("{what} input"), place)?, self.arg(output, &format!("{what} output"), place)?);
         if a.dtype != b.dtype || a.place != b.place {
             return Err(Error::InvalidType(format!(
                 "{what}: rank {me} passed output {} on {:?} for input {} on {:?}",
@@ -431,18 +376,12 @@ impl ProcessGroup {
                 input.device()
             )));
         }
-        sizes()?;
         let mut inp = tensor::contiguous(input, what)?;
         if tensor::may_overlap(&inp, output, a.dtype) {
             inp = tensor::copy(&inp, what)?;
         }
         let (out, post) = tensor::output(output, what)?;
         Ok(InOut { arg: a, inp, out, post })
-    }
-
-    fn check_root(&self, root: usize, what: &str) -> Result<()> {
-        let r = i64::try_from(root).unwrap_or(i64::MAX);
-        validate::root(what, r, self.size()).map(|_| ()).map_err(|e| e.naming_rank(self.rank()))
     }
 }
 

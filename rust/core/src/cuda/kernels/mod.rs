@@ -113,8 +113,10 @@ impl Family {
     }
 }
 
-pub const REDUCE_DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
-pub const REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max];
+/// What the reducing kernels take, from the dtype and reduce-op tables (dtype.rs): the
+/// dtypes with a kernel tag, the ops marked `kernel`.
+pub const REDUCE_DTYPES: [DType; DType::kernel_tagged()] = DType::with_kernel_tag();
+pub const REDUCE_OPS: [ReduceOp; ReduceOp::in_kernels_count()] = ReduceOp::in_kernels_all();
 
 // The kernels switch on the op code in desc0 (csrc_kernels/common.cuh, NOTE [Reduce op at
 // run time]) by abi.cuh's OP_* names: each must be the code ReduceOp sends.
@@ -151,22 +153,11 @@ pub const PLAIN_KERNELS: [(&str, &str); 8] = [
     ("barrier", "rs_barrier"),
 ];
 
-fn dtype_tag(d: DType) -> Option<&'static str> {
-    Some(match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        _ => return None,
-    })
-}
-
 /// The entry point of family `f` for dtype `d` (`rs_ar_twoshot_bf16`), or None if rsccl's
 /// CUDA kernels do not reduce `d`. One entry point serves every op, read from the call's
 /// descriptor (csrc_kernels/common.cuh, NOTE [Reduce op at run time]).
 pub fn kernel_name(f: Family, d: DType) -> Option<String> {
-    Some(format!("{}_{}", f.prefix(), dtype_tag(d)?))
+    Some(format!("{}_{}", f.prefix(), d.kernel_tag()?))
 }
 
 /// Whether the reducing kernels take `d` with `o` (no allocation: it runs on every CUDA
@@ -174,7 +165,7 @@ pub fn kernel_name(f: Family, d: DType) -> Option<String> {
 /// ReduceOp::check rejects it on integers before any launch, so the integer kernels have no
 /// AVG code.
 fn reduces(d: DType, o: ReduceOp) -> bool {
-    dtype_tag(d).is_some() && REDUCE_OPS.contains(&o) && (o != ReduceOp::Avg || d.is_float())
+    d.kernel_tag().is_some() && REDUCE_OPS.contains(&o) && (o != ReduceOp::Avg || d.is_float())
 }
 
 /// Every entry point the loader looks up, with its module.

@@ -27,8 +27,8 @@ pub(super) fn new_event() -> Result<CUevent> {
 
 impl NcclEngine {
     fn path(&self, c: &CudaCall) -> Result<CrossHost> {
-        // Group::run asked the same (Engine::can_run) for ops; this covers calls built
-        // without one (the Rust front end's plans, Group::run_device).
+        // Group::run asked the same (Engine::can_run) before translating the op; this
+        // guards a call that reaches `Engine::run` any other way.
         can_run(DeviceEngine::Nccl, c.kind, c.dtype, c.op, self.sh.rank)?;
         Ok(self.hierarchical().map_or(CrossHost::Flat, |h| h.path(c)))
     }
