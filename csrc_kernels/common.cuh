@@ -258,33 +258,36 @@ __device__ __forceinline__ void for_packs(u64 lo, u64 hi, Load load, Store store
 // performance.md, issue 26); the additions keep rank order, so every rank that reduces an
 // element gets the same bits. (More packs or accumulators per thread spill registers at
 // 512 threads per block: a bf16 pack's accumulator is 8 floats.)
+// `RU` x `SF` (packs x sources per round) can be chosen per caller: two-shot all_reduce,
+// whose store pushes every result to all peers, does better with more packs and one source
+// at a time (all_reduce.cu).
 #define SOURCES_IN_FLIGHT 4
 #define REDUCE_UNROLL 2
-template <typename T, typename Load, typename Store>
+template <typename T, int RU = REDUCE_UNROLL, int SF = SOURCES_IN_FLIGHT, typename Load, typename Store>
 __device__ __forceinline__ void reduce_packs_by(u64 lo, u64 hi, u32 tid, u32 nt, u32 W, u32 op, Load load, Store store) {
     typedef typename Acc<T>::type A;
     const u64 P = Pack<T>::N;
     const u64 stride = (u64)nt * P;
-    for (u64 base = lo + tid * P; base < hi; base += stride * REDUCE_UNROLL) {
-        A acc[REDUCE_UNROLL][Pack<T>::N];
-        for (u32 j0 = 0; j0 < W; j0 += SOURCES_IN_FLIGHT) {
-            Pack<T> q[REDUCE_UNROLL][SOURCES_IN_FLIGHT];
+    for (u64 base = lo + tid * P; base < hi; base += stride * RU) {
+        A acc[RU][Pack<T>::N];
+        for (u32 j0 = 0; j0 < W; j0 += SF) {
+            Pack<T> q[RU][SF];
 #pragma unroll
-            for (int u = 0; u < REDUCE_UNROLL; u++) {
+            for (int u = 0; u < RU; u++) {
                 const u64 i = base + u * stride;
 #pragma unroll
-                for (u32 v = 0; v < SOURCES_IN_FLIGHT; v++)
+                for (u32 v = 0; v < SF; v++)
                     if (i < hi && j0 + v < W) load(j0 + v, q[u][v], i);
             }
 #pragma unroll
-            for (int u = 0; u < REDUCE_UNROLL; u++) {
+            for (int u = 0; u < RU; u++) {
 #pragma unroll
-                for (u32 v = 0; v < SOURCES_IN_FLIGHT; v++)
+                for (u32 v = 0; v < SF; v++)
                     if (j0 + v < W) reduce_pack(q[u][v], acc[u], j0 + v == 0, op);
             }
         }
 #pragma unroll
-        for (int u = 0; u < REDUCE_UNROLL; u++) {
+        for (int u = 0; u < RU; u++) {
             const u64 i = base + u * stride;
             if (i < hi) {
                 Pack<T> p;
@@ -295,9 +298,9 @@ __device__ __forceinline__ void reduce_packs_by(u64 lo, u64 hi, u32 tid, u32 nt,
     }
 }
 
-template <typename T, typename Load, typename Store>
+template <typename T, int RU = REDUCE_UNROLL, int SF = SOURCES_IN_FLIGHT, typename Load, typename Store>
 __device__ __forceinline__ void reduce_packs(u64 lo, u64 hi, u32 W, u32 op, Load load, Store store) {
-    reduce_packs_by<T>(lo, hi, threadIdx.x, blockDim.x, W, op, load, store);
+    reduce_packs_by<T, RU, SF>(lo, hi, threadIdx.x, blockDim.x, W, op, load, store);
 }
 
 // The sources of a staged reduction: rank `own`'s input `in` (valid below `hi`) and the
