@@ -44,7 +44,7 @@ from .config import (
 from .ctas import PROFILED_BACKENDS, nccl_cta_env, profiled_grids
 from .overlap import run_overlap
 from .tables import path_label, time_cell
-from .timing import graph_timed, timed
+from .timing import graph_timed, launch_cost, timed
 
 
 def snapshot(label: str) -> dict:
@@ -84,6 +84,7 @@ class Rank:
                 "bytes": nbytes,
                 "backend": backend,
                 "eager_s": None,
+                "cpu_s": None,  # the host's seconds per eager call (timing.event_timed)
                 "async_s": None,
                 "graph_s": None,
                 "graph_note": "",
@@ -343,7 +344,7 @@ class Rank:
         if err := self.guarded(b, f"{what} (eager)", warm):
             row["note"] = "; ".join(filter(None, (row["note"], f"eager: {err}")))
             return
-        row["eager_s"] = timed(sync, n, cfg, self.agree)
+        row["eager_s"], row["cpu_s"] = timed(sync, n, cfg, self.agree)
         row["iters"] = n * cfg.repeats
         if b.is_symm:
             return
@@ -351,7 +352,7 @@ class Rank:
         if err := self.guarded(b, f"{what} (async)", calls):
             row["note"] = "; ".join(filter(None, (row["note"], f"async: {err}")))
             return
-        row["async_s"] = timed(calls, n, cfg, self.agree)
+        row["async_s"], _ = timed(calls, n, cfg, self.agree)
 
     def zero_symm(self) -> None:
         """The check left random data in the symmetric buffer, which two-shot sums in place
@@ -392,6 +393,8 @@ class Rank:
 
     def run(self) -> None:
         cfg = self.cfg
+        gpu_s, cpu_s = launch_cost(self.dev, iters_for(1024, cfg), cfg, self.agree)
+        self.meta["torch_launch"] = f"x.add_(0) on 1 KiB: {gpu_s * 1e6:.1f} us on the GPU, {cpu_s * 1e6:.1f} us of CPU per call"
         gen = torch.Generator(device=self.dev).manual_seed(cfg.seed * 1009 + self.rank)
         elem = torch.empty(0, dtype=self.dtype).element_size()
         cases: list[tuple[str, tuple[int, int], int]] = []

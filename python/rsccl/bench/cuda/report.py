@@ -40,7 +40,8 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
         ),
         (
             f"- eager: CUDA events around N back-to-back blocking calls after {cfg.warmup} warm-up calls, slowest rank, "
-            f"median of {cfg.repeats}, per call; async: async_op=True + wait() per call; graph: {GRAPH_CALLS} calls "
+            f"median of {cfg.repeats}, per call; CPU: the calling thread's time over the same calls, per call; "
+            f"async: async_op=True + wait() per call; graph: {GRAPH_CALLS} calls "
             f"captured in one CUDA graph, {GRAPH_REPLAYS} replays per repeat (sizes <= {human(cfg.graph_max_bytes)}); "
             f"busbw from eager (nccl-tests factors); vs nccl = nccl eager time / this eager time; "
             f"check: same random input as nccl (sizes <= {human(cfg.check_max_bytes)}); "
@@ -49,6 +50,7 @@ def header_lines(meta: dict, cfg: Config, command: str) -> list[str]:
             f"rsccl.mem_pool() (sizes >= {human(POOL_MIN_BYTES)}; note: inplace / STAGED = how memory_stats() "
             f"counted its calls)"
         ),
+        f"- a plain torch launch, the CPU yardstick: {meta.get('torch_launch', 'n/a')}",
         f"- torch symmetric memory: {meta.get('symm', 'n/a')}",
         f"- rsccl pool (rsccl-pool rows): {meta.get('pool', 'n/a')}",
     ]
@@ -76,15 +78,15 @@ def world_markdown(world: int, results: dict | None, rows: list[dict], error: st
             "",
             f"## {collective}",
             "",
-            "| size | backend | eager us | async us | graph us | busbw GB/s | algbw GB/s | vs nccl | check | iters | note |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+            "| size | backend | eager us | CPU us | async us | graph us | busbw GB/s | algbw GB/s | vs nccl | check | iters | note |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
         ]
         mine = [r for r in rows if r["collective"] == collective]
         for r in sorted(mine, key=lambda r: (r["bytes"], BACKEND_ORDER.index(r["backend"]))):
             vs = f"{r['vs_nccl']:.2f}x" if r["vs_nccl"] else ""
             note = note_of(r).replace("|", "/").replace("\n", " ")[:300]
             out.append(
-                f"| {human(r['bytes'])} | {r['backend']} | {time_cell(r, 'eager_s')} | {time_cell(r, 'async_s')} "
+                f"| {human(r['bytes'])} | {r['backend']} | {time_cell(r, 'eager_s')} | {time_cell(r, 'cpu_s')} | {time_cell(r, 'async_s')} "
                 f"| {graph_cell(r, cfg)} | {fmt(r['busbw_GBps'], 1, 2)} | {fmt(r['algbw_GBps'], 1, 2)} "
                 f"| {vs} | {r['check']} | {r['iters']} | {note} |"
             )

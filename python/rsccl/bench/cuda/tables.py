@@ -15,6 +15,7 @@ CSV_COLUMNS = (
     "bytes",
     "backend",
     "eager_us",
+    "cpu_us",
     "async_us",
     "graph_us",
     "algbw_GBps",
@@ -44,7 +45,7 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 def time_cell(r: dict, key: str) -> str:
     """A latency in us, "fail" when that measurement failed, else "n/a" (not run)."""
-    if r[key] is not None:
+    if r.get(key) is not None:
         return fmt(r[key], 1e6)
     return "fail" if f"{key.removesuffix('_s')}:" in r["note"] else "n/a"
 
@@ -131,7 +132,9 @@ def write_csv(path: Path, rows: list[dict], header: str) -> None:
         w.writerow(CSV_COLUMNS)
         for r in rows:
             graph = f"{r['graph_s'] * 1e6:.3f}" if r["graph_s"] is not None else (r["graph_note"].split(" ")[0] or "")
-            eager, async_ = (fmt(r[k], 1e6, 3) if r[k] is not None else time_cell(r, k).replace("n/a", "") for k in ("eager_s", "async_s"))
+            eager, cpu, async_ = (
+                fmt(r[k], 1e6, 3) if r.get(k) is not None else time_cell(r, k).replace("n/a", "") for k in ("eager_s", "cpu_s", "async_s")
+            )
             w.writerow(
                 [
                     "cuda",
@@ -140,6 +143,7 @@ def write_csv(path: Path, rows: list[dict], header: str) -> None:
                     r["bytes"],
                     r["backend"],
                     eager,
+                    cpu,
                     async_,
                     graph,
                     fmt(r["algbw_GBps"], 1, 4),
