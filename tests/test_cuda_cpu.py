@@ -16,9 +16,11 @@ def test_kernels_compile_for_hopper():
     _cuda.load_nvrtc()
     sizes = dict(rsccl._rsccl.compile_kernels("sm_90"))
     # Every module of csrc_kernels/ (NVRTC, the fallback and developer path), each a real
-    # image: the smallest (rs_barrier alone) is several KB.
+    # image: the smallest (rs_barrier alone) is several KB; all_reduce's 10 kernels are
+    # tens of KB each (about 850 KB with NVRTC 13.0 since the failure paths went out of
+    # line, issue 30).
     assert set(sizes) == {"all_reduce", "reduce_scatter", "rooted", "all_gather", "all_to_all", "send_recv", "barrier"}
-    assert min(sizes.values()) > 4_000 and sizes["all_reduce"] > 1_000_000, sizes
+    assert min(sizes.values()) > 4_000 and sizes["all_reduce"] > 400_000, sizes
 
 
 def test_kernel_lineinfo_setting_rejects_bad_values(monkeypatch):
