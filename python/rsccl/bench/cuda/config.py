@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ... import _rsccl
 from ..common import GRANULE, POOL_VA_FLOOR, human, resolved, round_up
 from ..fsdp import FsdpConfig
-from .overlap import OverlapConfig
+from .overlap_config import OverlapConfig
 
 # NVLink multicast can take a shared host's GPUs down: off in NCCL, torch's symmetric memory
 # and NVSHMEM. Set in this process before it spawns the ranks, so that they have it from their
