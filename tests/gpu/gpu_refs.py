@@ -62,6 +62,16 @@ def rand(seed: int, rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt
     return torch.randint(-100, 100, (n,), generator=g, device=device).to(dtype)
 
 
+def refill(inputs: dict[str, torch.Tensor], seed: int, rank: int, what: str, i: int) -> dict[str, torch.Tensor]:
+    """Fresh random data (`rand`, salted "{what} {name} {i}") into each static input of a
+    captured graph, for its i-th replay; returns what was written, by name."""
+    fresh = {}
+    for name, t in inputs.items():
+        fresh[name] = rand(seed, rank, t.numel(), t.dtype, salt=f"{what} {name} {i}")
+        t.copy_(fresh[name])
+    return fresh
+
+
 def ref_call(fn, *args, group, **kwargs):
     """The reference's `fn(*args, group=group, **kwargs)` (a torch.distributed call): as it is
     on an NCCL group; on a gloo group (ranks that share GPUs, where NCCL cannot run) on CPU
