@@ -25,6 +25,7 @@ def rank_main(rank, world, port, q):
     import torch
     import torch.distributed as dist
     from rsccl import _rsccl_pg
+    from rsccl.bench.common import event_us
 
     errors = []
     try:
@@ -169,15 +170,7 @@ def rank_main(rank, world, port, q):
         def timeit(fn, iters):
             for _ in range(3):
                 fn()
-            torch.cuda.synchronize()
-            dist.barrier(group=nccl)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            return s.elapsed_time(e) / iters * 1000
+            return event_us(fn, iters, lambda: dist.barrier(group=nccl))
 
         rows = []
         for size in [64 << 10, 256 << 10, 16 << 20, 64 << 20, 256 << 20]:

@@ -78,7 +78,7 @@ def main() -> int:
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from rsccl.bench.cli import parse_byte_list
-    from rsccl.bench.cuda.overlap import QUICK, config_problems
+    from rsccl.bench.cuda.overlap_config import QUICK, config_problems
     from rsccl.bench.cuda.overlap_report import overlap_markdown, overlap_problems
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -21,6 +21,7 @@ def rank_main(rank, world, port, q):
     import rsccl
     import torch
     import torch.distributed as dist
+    from rsccl.bench.common import event_us
 
     try:
         torch.cuda.set_device(rank)
@@ -133,15 +134,7 @@ def rank_main(rank, world, port, q):
         def timeit(fn, iters):
             for _ in range(3):
                 fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            torch.cuda.synchronize()
-            return e0.elapsed_time(e1) * 1000 / iters
+            return event_us(fn, iters, dist.barrier)
 
         rows = []
         for nbytes in [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]:

@@ -132,14 +132,9 @@ def _rank(rank: int, world: int, port: int, calls: int, groups: int, every: int,
 def _own_rsccl_sockets() -> list[str]:
     """Names of this process's Unix sockets on rsccl's abstract names (/proc/net/unix lists
     every process's: other jobs on the machine must not count)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    from harness import socket_inodes  # tests/, on the path main() sets (spawned ranks inherit it)
+
+    inodes = set(socket_inodes())
     with open("/proc/net/unix") as f:
         return [ln.split()[-1] for ln in f if "@rsccl-" in ln and ln.split()[6] in inodes]
 

@@ -32,6 +32,19 @@ def fresh_seed() -> int:
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
 
 
+def socket_inodes() -> list[str]:
+    """The inodes of this process's open sockets (/proc/self/fd), as /proc/net/unix names them."""
+    inodes = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.append(link[8:-1])
+    return inodes
+
+
 @dataclass
 class Ctx:
     rank: int

@@ -44,6 +44,8 @@ def make(seed: int, rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt
 
 
 def reduce_ref(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The expected result of reducing every rank's `xs[rank]` by `op`: in float64 or int64,
+    then rounded (or wrapped) once to the inputs' dtype; bool by its truth table."""
     dtype = xs[0].dtype
     if dtype == torch.bool:
         b = torch.stack(xs).to(torch.int64)
@@ -53,22 +55,33 @@ def reduce_ref(xs: list[torch.Tensor], op: str) -> torch.Tensor:
             return b.amin(0).bool()
         return (b.sum(0) % 2).bool()
     wide = torch.float64 if dtype in FLOATS else torch.int64
-    s = torch.stack([x.to(wide) for x in xs])
+    return reduce_rows(torch.stack([x.to(wide) for x in xs]), op).to(dtype)
+
+
+BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+
+
+def reduce_rows(s: torch.Tensor, op: str) -> torch.Tensor:
+    """The rows of `s` (one per rank, float64 or int64) reduced by `op`, not rounded: AVG is
+    the sum over the number of rows (integers truncate toward zero, as NCCL's does), the
+    bitwise ops fold in rank order. The CPU and the GPU references both reduce here."""
     if op in ("SUM", "AVG"):
         r = s.sum(0)
         if op == "AVG":
-            r = r / len(xs)
+            r = r / s.shape[0] if r.is_floating_point() else torch.div(r, s.shape[0], rounding_mode="trunc")
     elif op == "PRODUCT":
         r = s.prod(0)
     elif op == "MIN":
         r = s.amin(0)
     elif op == "MAX":
         r = s.amax(0)
-    else:
+    elif op in BITWISE:
         r = s[0].clone()
         for x in s[1:]:
-            r = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](r, x)
-    return r.to(dtype)
+            r = BITWISE[op](r, x)
+    else:
+        raise AssertionError(op)
+    return r
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, n_inputs: int = 1) -> None:

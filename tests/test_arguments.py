@@ -48,47 +48,43 @@ def _opts_call(method, opts_cls, tensors_of, **fields):
     return call
 
 
+def _bad_root(good, method, opts_cls, tensors_of, root):
+    """A rooted collective's case: `good`, against the group's `method` with root `root`,
+    out of range (negative roots pass torch's checks only through the options)."""
+    bad = _opts_call(method, opts_cls, tensors_of, rootRank=root)
+    return (good, bad, "ValueError", [f"{method}: root/src rank {root} is out of range for a group of size {WORLD}"])
+
+
+_ONE = lambda r: ([torch.ones(4)],)  # one tensor, as broadcast and reduce take it
+
 # case -> (good call, bad call, exception class, fragments every rank's message contains)
 CASES = {
-    "broadcast_negative_src": (
-        lambda r: dist.broadcast(torch.ones(4), src=0),
-        _opts_call("broadcast", dist.BroadcastOptions, lambda r: ([torch.ones(4)],), rootRank=-1),
-        "ValueError",
-        ["broadcast: root/src rank -1 is out of range for a group of size 3"],
-    ),
-    "broadcast_src_too_large": (
-        lambda r: dist.broadcast(torch.ones(4), src=0),
-        _opts_call("broadcast", dist.BroadcastOptions, lambda r: ([torch.ones(4)],), rootRank=3),
-        "ValueError",
-        ["broadcast: root/src rank 3 is out of range for a group of size 3"],
-    ),
-    "reduce_negative_dst": (
-        lambda r: dist.reduce(torch.ones(4), dst=0),
-        _opts_call("reduce", dist.ReduceOptions, lambda r: ([torch.ones(4)],), rootRank=-2),
-        "ValueError",
-        ["reduce: root/src rank -2 is out of range"],
-    ),
-    "gather_negative_dst": (
+    "broadcast_negative_src": _bad_root(lambda r: dist.broadcast(torch.ones(4), src=0), "broadcast", dist.BroadcastOptions, _ONE, -1),
+    "broadcast_src_too_large": _bad_root(lambda r: dist.broadcast(torch.ones(4), src=0), "broadcast", dist.BroadcastOptions, _ONE, 3),
+    "reduce_negative_dst": _bad_root(lambda r: dist.reduce(torch.ones(4), dst=0), "reduce", dist.ReduceOptions, _ONE, -2),
+    "gather_negative_dst": _bad_root(
         _opts_call(
             "gather",
             dist.GatherOptions,
             lambda r: ([[torch.empty(2) for _ in range(WORLD)]] if r == 0 else [], [torch.ones(2)]),
             rootRank=0,
         ),
-        _opts_call("gather", dist.GatherOptions, lambda r: ([], [torch.ones(2)]), rootRank=-1),
-        "ValueError",
-        ["gather: root/src rank -1 is out of range"],
+        "gather",
+        dist.GatherOptions,
+        lambda r: ([], [torch.ones(2)]),
+        -1,
     ),
-    "scatter_negative_src": (
+    "scatter_negative_src": _bad_root(
         _opts_call(
             "scatter",
             dist.ScatterOptions,
             lambda r: ([torch.empty(2)], [[torch.ones(2) for _ in range(WORLD)]] if r == 0 else []),
             rootRank=0,
         ),
-        _opts_call("scatter", dist.ScatterOptions, lambda r: ([torch.empty(2)], []), rootRank=-1),
-        "ValueError",
-        ["scatter: root/src rank -1 is out of range"],
+        "scatter",
+        dist.ScatterOptions,
+        lambda r: ([torch.empty(2)], []),
+        -1,
     ),
     "a2a_float_splits": (
         _a2a_single([2, 2, 2]),

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from rsccl.bench.cli import parse_args
-from rsccl.bench.cuda import ctas, overlap, overlap_report
+from rsccl.bench.cuda import ctas, overlap, overlap_config, overlap_report
 from rsccl.bench.cuda.config import Config
 
 MiB = 1 << 20
@@ -27,16 +27,16 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_overlap_is_on_for_cuda_reduced_with_quick_and_flags_override_either():
     full = parse_args(["--device", "cuda"])
-    assert full.overlap is True and full.overlap_config == overlap.OverlapConfig()
+    assert full.overlap is True and full.overlap_config == overlap_config.OverlapConfig()
     assert full.overlap_config.sizes == (64 * MiB, 128 * MiB, 256 * MiB) and full.overlap_config.matmul == 8192
     quick = parse_args(["--device", "cuda", "--quick"])
-    assert quick.overlap is True and quick.overlap_config == overlap.QUICK
+    assert quick.overlap is True and quick.overlap_config == overlap_config.QUICK
     given = parse_args(
         ["--device", "cuda", "--quick", "--overlap-matmul", "4096", "--overlap-bytes", "64MiB,256MiB", "--overlap-repeats", "5"]
     )
     c = given.overlap_config
     assert (c.matmul, c.sizes, c.repeats) == (4096, (64 * MiB, 256 * MiB), 5)
-    assert (c.matmuls, c.rounds) == (overlap.QUICK.matmuls, overlap.QUICK.rounds)  # the rest stays --quick's
+    assert (c.matmuls, c.rounds) == (overlap_config.QUICK.matmuls, overlap_config.QUICK.rounds)  # the rest stays --quick's
     assert parse_args(["--device", "cuda", "--no-overlap"]).overlap is False
     assert parse_args([]).overlap is False  # --device cpu has no such section
 
@@ -69,10 +69,10 @@ def test_bad_overlap_settings_pass_with_no_overlap_and_overlap_flags_are_refused
 
 
 def test_every_problem_of_a_configuration_is_named():
-    assert overlap.config_problems(overlap.OverlapConfig()) == []
-    assert overlap.config_problems(overlap.QUICK) == []
-    bad = overlap.OverlapConfig(matmul=100, matmuls=0, sizes=(), rounds=0, repeats=1)
-    got = overlap.config_problems(bad)
+    assert overlap_config.config_problems(overlap_config.OverlapConfig()) == []
+    assert overlap_config.config_problems(overlap_config.QUICK) == []
+    bad = overlap_config.OverlapConfig(matmul=100, matmuls=0, sizes=(), rounds=0, repeats=1)
+    got = overlap_config.config_problems(bad)
     assert len(got) == 5, got
     for flag in ("--overlap-matmul 100", "--overlap-matmuls 0", "--overlap-rounds 0", "--overlap-repeats 1", "--overlap-bytes"):
         assert any(p.startswith(flag) for p in got), (flag, got)
@@ -248,7 +248,7 @@ def test_world_report_has_the_ctas_and_overlap_sections():
         check_max_bytes=MiB,
         symm_max_bytes=MiB,
         sweep_one_shot=False,
-        overlap=overlap.QUICK,
+        overlap=overlap_config.QUICK,
     )
     meta = meta_with([{"cuda_blocks": 64, "cuda_p2p_blocks": 16}] * 2)
     meta["overlap"] = fabricated([24.0, 26.0, 25.0], [28.0, 27.0, 30.0])

@@ -1,15 +1,16 @@
 """Every collective x dtype x op on 2, 3 and 4 real processes, against gloo's result and
 a float64/int64 reference, on random data with a printed seed. Sizes cover the one-shot
 and two-phase all_reduce, empty tensors, odd element counts, and (on the small-buffer
-clusters) messages many times larger than the staging region."""
+clusters) messages many times larger than the staging region. Each collective's call and
+check is its entry in tests/cases.py; the bodies here pick the matrix and add the
+comparisons with gloo, the coalesced forms and the rest."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
-from refs import DTYPES, OPS, assert_close, assert_identical_across_ranks, make, reduce_ref, valid_ops
+from cases import CASES, Call, a2a_inputs, barrier_held, inputs
+from refs import DTYPES, OPS, assert_close, make, reduce_ref, valid_ops
 
 SIZES = [0, 1, 7, 1000, 5003, 300_001]
 
@@ -27,16 +28,12 @@ def body_all_reduce(ctx, seed: int, sizes: list[int]) -> int:
     for dtype in DTYPES:
         for op in valid_ops(dtype):
             for n in sizes:
-                xs = [make(seed, r, n, dtype, op) for r in range(ctx.world)]
-                ours = xs[ctx.rank].clone()
-                dist.all_reduce(ours, op=OPS[op])
-                what = f"all_reduce {op} {dtype} n={n} world={ctx.world}"
-                assert_close(ours, reduce_ref(xs, op), what, ctx.world)
-                assert_identical_across_ranks(ctx, ours, what)
-                theirs = xs[ctx.rank].clone()
+                c = Call(dtype, n, op)
+                ours = CASES["all_reduce"](ctx, seed, c)
+                theirs = inputs(ctx, seed, c)[ctx.rank]
                 if op != "AVG" and dtype not in (torch.float16, torch.bfloat16, torch.bool):
                     if _gloo_supports(lambda: dist.all_reduce(theirs, op=OPS[op], group=ctx.gloo)):
-                        assert_close(ours, theirs, what + " vs gloo", ctx.world)
+                        assert_close(ours, theirs, c.what("all_reduce", ctx) + " vs gloo", ctx.world)
                 checks += 1
     return checks
 
@@ -92,17 +89,9 @@ def body_broadcast_reduce(ctx, seed: int, sizes: list[int]) -> None:
     for dtype in DTYPES:
         for n in sizes:
             for root in range(ctx.world):
-                xs = [make(seed, r, n, dtype, salt=root) for r in range(ctx.world)]
-                t = xs[ctx.rank].clone()
-                dist.broadcast(t, src=root)
-                assert_close(t, xs[root], f"broadcast {dtype} n={n} root={root}")
+                CASES["broadcast"](ctx, seed, Call(dtype, n, root=root, salt=root))
             for op in valid_ops(dtype)[:4]:
-                root = (n + len(op)) % ctx.world
-                xs = [make(seed, r, n, dtype, op, salt=3) for r in range(ctx.world)]
-                t = xs[ctx.rank].clone()
-                dist.reduce(t, dst=root, op=OPS[op])
-                if ctx.rank == root:
-                    assert_close(t, reduce_ref(xs, op), f"reduce {op} {dtype} n={n} root={root}", ctx.world)
+                CASES["reduce"](ctx, seed, Call(dtype, n, op, root=(n + len(op)) % ctx.world, salt=3))
 
 
 def test_broadcast_and_reduce(cluster, seed):
@@ -112,16 +101,11 @@ def test_broadcast_and_reduce(cluster, seed):
 def body_all_gather(ctx, seed: int, sizes: list[int]) -> None:
     for dtype in DTYPES:
         for n in sizes:
-            xs = [make(seed, r, n, dtype) for r in range(ctx.world)]
-            out = torch.empty(ctx.world * n, dtype=dtype)
-            dist.all_gather_into_tensor(out, xs[ctx.rank])
-            assert_close(out, torch.cat(xs), f"all_gather_into_tensor {dtype} n={n}")
-            outs = [torch.empty(n, dtype=dtype) for _ in range(ctx.world)]
-            dist.all_gather(outs, xs[ctx.rank])
-            for r in range(ctx.world):
-                assert_close(outs[r], xs[r], f"all_gather (list) {dtype} n={n} from rank {r}")
+            c = Call(dtype, n)
+            CASES["all_gather_into_tensor"](ctx, seed, c)
+            outs = CASES["all_gather"](ctx, seed, c)
             ref = [torch.empty(n, dtype=dtype) for _ in range(ctx.world)]
-            dist.all_gather(ref, xs[ctx.rank], group=ctx.gloo)
+            dist.all_gather(ref, inputs(ctx, seed, c)[ctx.rank], group=ctx.gloo)
             for r in range(ctx.world):
                 assert_close(outs[r], ref[r], f"all_gather vs gloo {dtype} n={n}")
     # Coalesced: several tensors of different sizes in one call.
@@ -160,20 +144,13 @@ def body_reduce_scatter(ctx, seed: int, sizes: list[int]) -> None:
     for dtype in DTYPES:
         for op in valid_ops(dtype):
             for n in sizes:
-                xs = [make(seed, r, n * ctx.world, dtype, op) for r in range(ctx.world)]
-                out = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter_tensor(out, xs[ctx.rank], op=OPS[op])
-                full = reduce_ref(xs, op)
-                what = f"reduce_scatter_tensor {op} {dtype} n={n}"
-                assert_close(out, full[ctx.rank * n : (ctx.rank + 1) * n], what, ctx.world)
-        n = 501
-        xs = [make(seed, r, n * ctx.world, dtype, salt=9) for r in range(ctx.world)]
-        out = torch.empty(n, dtype=dtype)
-        dist.reduce_scatter(out, list(xs[ctx.rank].chunk(ctx.world)), op=dist.ReduceOp.MAX)
-        assert_close(out, reduce_ref(xs, "MAX")[ctx.rank * n : (ctx.rank + 1) * n], f"reduce_scatter (list) {dtype}")
+                CASES["reduce_scatter_tensor"](ctx, seed, Call(dtype, n, op))
+        c = Call(dtype, 501, "MAX", salt=9)
+        out = CASES["reduce_scatter"](ctx, seed, c)
         if dtype in (torch.float32, torch.int64):
-            ref = torch.empty(n, dtype=dtype)
-            dist.reduce_scatter(ref, list(xs[ctx.rank].chunk(ctx.world)), op=dist.ReduceOp.MAX, group=ctx.gloo)
+            ref = torch.empty(c.n, dtype=dtype)
+            mine = inputs(ctx, seed, c, n=c.n * ctx.world)[ctx.rank]
+            dist.reduce_scatter(ref, list(mine.chunk(ctx.world)), op=dist.ReduceOp.MAX, group=ctx.gloo)
             assert_close(out, ref, f"reduce_scatter vs gloo {dtype}")
     ins = [make(seed, ctx.rank, k * ctx.world, torch.float64, salt=k) for k in (5, 4000)]
     outs = [torch.empty(k, dtype=torch.float64) for k in (5, 4000)]
@@ -213,30 +190,14 @@ def test_all_reduce_coalesced(cluster, seed):
     cluster.run(body_coalesced_all_reduce, seed)
 
 
-def _splits(seed: int, world: int, scale: int) -> list[list[int]]:
-    """send[i][j]: rows rank i sends to rank j, random and uneven (zeros included)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, scale, (world, world), generator=g).tolist()
-
-
 def body_all_to_all(ctx, seed: int, scale: int, row: int) -> None:
-    send = _splits(seed, ctx.world, scale)
     me = ctx.rank
     for dtype in DTYPES:
-        in_rows = [send[me][j] for j in range(ctx.world)]
-        out_rows = [send[i][me] for i in range(ctx.world)]
-        x = make(seed, me, sum(in_rows) * row, dtype).view(-1, row)
-        out = torch.empty(sum(out_rows), row, dtype=dtype)
-        dist.all_to_all_single(out, x, output_split_sizes=out_rows, input_split_sizes=in_rows)
-        # Expected: block from rank i is the rows of i's input destined to me.
-        pieces = []
-        for i in range(ctx.world):
-            xi = make(seed, i, sum(send[i]) * row, dtype).view(-1, row)
-            start = sum(send[i][:me])
-            pieces.append(xi[start : start + send[i][me]])
-        assert_close(out, torch.cat(pieces), f"all_to_all_single {dtype} rows={scale} world={ctx.world}")
+        c = Call(dtype, row, rows=scale)
+        out = CASES["all_to_all_single"](ctx, seed, c)
+        send, xs = a2a_inputs(ctx, seed, c)
         ref = torch.empty_like(out)
-        dist.all_to_all_single(ref, x, output_split_sizes=out_rows, input_split_sizes=in_rows, group=ctx.gloo)
+        dist.all_to_all_single(ref, xs[me], [send[i][me] for i in range(ctx.world)], send[me], group=ctx.gloo)
         assert_close(out, ref, f"all_to_all_single vs gloo {dtype}")
     # Even split without sizes, and the list form.
     x = make(seed, me, ctx.world * 10, torch.int32, salt=5)
@@ -245,11 +206,7 @@ def body_all_to_all(ctx, seed: int, scale: int, row: int) -> None:
     ref = torch.empty_like(x)
     dist.all_to_all_single(ref, x, group=ctx.gloo)
     assert_close(out, ref, "all_to_all_single even split")
-    ins = [make(seed, me, 3 + j, torch.float32, salt=j) for j in range(ctx.world)]
-    outs = [torch.empty(3 + me) for _ in range(ctx.world)]
-    dist.all_to_all(outs, ins)
-    for i in range(ctx.world):
-        assert_close(outs[i], make(seed, i, 3 + me, torch.float32, salt=me), f"all_to_all (list) from rank {i}")
+    CASES["all_to_all"](ctx, seed, Call(torch.float32, 3))
 
 
 def test_all_to_all(cluster, seed):
@@ -261,16 +218,8 @@ def body_gather_scatter(ctx, seed: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64):
         for n in (0, 5, 30_001):
             for root in range(ctx.world):
-                xs = [make(seed, r, n, dtype, salt=root) for r in range(ctx.world)]
-                outs = [torch.empty(n, dtype=dtype) for _ in range(ctx.world)] if ctx.rank == root else None
-                dist.gather(xs[ctx.rank], outs, dst=root)
-                if ctx.rank == root:
-                    for r in range(ctx.world):
-                        assert_close(outs[r], xs[r], f"gather {dtype} n={n} root={root} from {r}")
-                out = torch.empty(n, dtype=dtype)
-                dist.scatter(out, xs if ctx.rank == root else None, src=root)
-                xs_root = [make(seed, r, n, dtype, salt=root) for r in range(ctx.world)]
-                assert_close(out, xs_root[ctx.rank], f"scatter {dtype} n={n} root={root}")
+                CASES["gather"](ctx, seed, Call(dtype, n, root=root, salt=root))
+                CASES["scatter"](ctx, seed, Call(dtype, n, root=root, salt=root))
 
 
 def test_gather_and_scatter(cluster, seed):
@@ -278,29 +227,19 @@ def test_gather_and_scatter(cluster, seed):
 
 
 def body_barrier(ctx) -> tuple[float, float]:
-    time.sleep(0.15 * ctx.rank)
-    before = time.time()
-    dist.barrier()
-    return before, time.time()
+    return CASES["barrier"](ctx, 0, Call(torch.float32, 0))
 
 
 def test_barrier_waits_for_the_last_rank(cluster):
     times = cluster.run(body_barrier)
-    last_arrival = max(b for b, _ in times)
-    assert all(after >= last_arrival for _, after in times), times
+    assert barrier_held(times), times
 
 
 def body_send_recv(ctx, seed: int) -> None:
     me, w = ctx.rank, ctx.world
-    nxt, prv = (me + 1) % w, (me - 1) % w
     for n in (0, 1, 1000, 200_000):
         for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
-            x = make(seed, me, n, dtype, salt=n)
-            got = torch.empty(n, dtype=dtype)
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, got, prv)])
-            for r in reqs:
-                r.wait()
-            assert_close(got, make(seed, prv, n, dtype, salt=n), f"batch_isend_irecv ring {dtype} n={n}")
+            CASES["send_recv"](ctx, seed, Call(dtype, n, salt=n))
     # Tags received in another order than sent: a message whose tag no recv matches yet
     # must not hold back the messages behind it (gloo delivers these too).
     if me == 0:

@@ -40,16 +40,28 @@ def test_kernel_compile_errors_are_exceptions():
         rsccl._rsccl.compile_kernels("sm_1")
 
 
+def resolve(items=()) -> dict:
+    """Every setting as rsccl resolves it from these Options items, the environment and the defaults."""
+    return dict(rsccl._rsccl.resolve_options(list(items)))
+
+
+def assert_bad_values_named(monkeypatch, field: str, bad: str, env: str, junk: str) -> None:
+    """An Options value out of range names its field; an environment value that does not
+    parse names its variable; the variable is in the settings table."""
+    with pytest.raises(ValueError, match=field):
+        resolve([(field, bad)])
+    monkeypatch.setenv(env, junk)
+    with pytest.raises(ValueError, match=env):
+        resolve()
+    assert env in rsccl.settings_table()
+
+
 def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
     got = dict(rsccl._rsccl.resolve_options([("cuda_buffer_bytes", "64MiB"), ("cuda_blocks", "16")]))
     assert got["cuda_buffer_bytes"] == 64 << 20 and got["cuda_blocks"] == 16
     assert got["max_cuda_va_bytes"] == 16 << 30 and got["cuda_warmup"] == 1 and got["cuda_pool_bytes"] == 0
-    with pytest.raises(ValueError, match="cuda_blocks"):
-        rsccl._rsccl.resolve_options([("cuda_blocks", "65")])
-    monkeypatch.setenv("RSCCL_MAX_CUDA_VA_BYTES", "lots")
-    with pytest.raises(ValueError, match="RSCCL_MAX_CUDA_VA_BYTES"):
-        rsccl._rsccl.resolve_options([])
     assert "RSCCL_CUDA_BUFFER_BYTES" in rsccl.settings_table()
+    assert_bad_values_named(monkeypatch, "cuda_blocks", "65", "RSCCL_MAX_CUDA_VA_BYTES", "lots")
 
 
 def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
@@ -60,12 +72,8 @@ def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
     assert got["nccl_p2p_max_ctas"] == 4 and "RSCCL_NCCL_P2P_MAX_CTAS" in rsccl.settings_table()
     got = dict(rsccl._rsccl.resolve_options(rsccl.Options(nccl_max_ctas=0, nccl_hierarchical_min_bytes="1MiB").items()))
     assert got["nccl_max_ctas"] == 0 and got["nccl_hierarchical_min_bytes"] == 1 << 20
-    with pytest.raises(ValueError, match="nccl_max_ctas"):
-        rsccl._rsccl.resolve_options([("nccl_max_ctas", "65")])
-    monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_MIN_BYTES", "big")
-    with pytest.raises(ValueError, match="RSCCL_NCCL_HIERARCHICAL_MIN_BYTES"):
-        rsccl._rsccl.resolve_options([])
     assert "RSCCL_NCCL_MAX_CTAS" in rsccl.settings_table()
+    assert_bad_values_named(monkeypatch, "nccl_max_ctas", "65", "RSCCL_NCCL_HIERARCHICAL_MIN_BYTES", "big")
 
 
 def test_nccl_hierarchical_scratch_setting(monkeypatch):
@@ -76,10 +84,7 @@ def test_nccl_hierarchical_scratch_setting(monkeypatch):
     assert got["nccl_hierarchical_scratch_bytes"] == 0
     monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES", "128MiB")
     assert dict(rsccl._rsccl.resolve_options([]))["nccl_hierarchical_scratch_bytes"] == 128 << 20
-    monkeypatch.setenv("RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES", "lots")
-    with pytest.raises(ValueError, match="RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES"):
-        rsccl._rsccl.resolve_options([])
-    assert "RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES" in rsccl.settings_table()
+    assert_bad_values_named(monkeypatch, "nccl_hierarchical_scratch_bytes", "lots", "RSCCL_NCCL_HIERARCHICAL_SCRATCH_BYTES", "lots")
 
 
 def test_no_cuda_engine_without_cuda():
@@ -153,7 +158,4 @@ def test_nccl_p2p_setting(monkeypatch):
         rsccl._rsccl.resolve_options(rsccl.Options(nccl_p2p=2).items())
     monkeypatch.setenv("RSCCL_NCCL_P2P", "0")
     assert dict(rsccl._rsccl.resolve_options([]))["nccl_p2p"] == 0
-    monkeypatch.setenv("RSCCL_NCCL_P2P", "yes")
-    with pytest.raises(ValueError, match="RSCCL_NCCL_P2P"):
-        rsccl._rsccl.resolve_options([])
-    assert "RSCCL_NCCL_P2P" in rsccl.settings_table()
+    assert_bad_values_named(monkeypatch, "nccl_p2p", "2", "RSCCL_NCCL_P2P", "yes")

@@ -120,32 +120,29 @@ def test_every_rank_raises_the_same_clear_error(trio, case):
     assert len({m for _, m in results}) == 1, f"ranks raised different messages: {results}"
 
 
-def body_p2p_errors(ctx) -> tuple[str, str]:
-    big = torch.arange(300_000, dtype=torch.float32)  # several channel chunks
+def p2p_outcome(ctx, calls: dict) -> tuple[str, str]:
+    """What this rank's call in `calls` (rank -> call) did: (exception class, message), or
+    ("no error", "") when it returned, or ("skip", "") for a rank that has none."""
+    if ctx.rank not in calls:
+        return ("skip", "")
     try:
-        if ctx.rank == 0:
-            dist.send(big, dst=1, tag=5)
-        elif ctx.rank == 1:
-            dist.recv(torch.empty(200_000), src=0, tag=5)
-        else:
-            return ("skip", "")
-    except Exception as e:  # noqa: BLE001
+        calls[ctx.rank]()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
         return (type(e).__name__, str(e))
     return ("no error", "")
+
+
+def body_p2p_errors(ctx) -> tuple[str, str]:
+    big = torch.arange(300_000, dtype=torch.float32)  # several channel chunks
+    return p2p_outcome(ctx, {0: lambda: dist.send(big, dst=1, tag=5), 1: lambda: dist.recv(torch.empty(200_000), src=0, tag=5)})
 
 
 def body_tag_nobody_receives(ctx) -> tuple[str, str]:
-    try:
-        if ctx.rank == 2:
-            time.sleep(1)  # so the recv's deadline comes first
-            dist.send(torch.ones(10), dst=0, tag=5)
-        elif ctx.rank == 0:
-            dist.recv(torch.empty(10), src=2, tag=6)
-        else:
-            return ("skip", "")
-    except Exception as e:  # noqa: BLE001
-        return (type(e).__name__, str(e))
-    return ("no error", "")
+    def late_send() -> None:
+        time.sleep(1)  # so the recv's deadline comes first
+        dist.send(torch.ones(10), dst=0, tag=5)
+
+    return p2p_outcome(ctx, {2: late_send, 0: lambda: dist.recv(torch.empty(10), src=2, tag=6)})
 
 
 def body_tags_out_of_order(ctx) -> None:

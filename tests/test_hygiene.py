@@ -10,7 +10,7 @@ import signal
 
 import torch
 import torch.distributed as dist
-from harness import Cluster
+from harness import Cluster, socket_inodes
 from refs import assert_close, make, reduce_ref
 
 
@@ -25,15 +25,7 @@ def unix_sockets() -> dict[str, str]:
 
 
 def body_socket_inodes(ctx) -> list[str]:
-    inodes = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.append(link[8:-1])
-    return inodes
+    return socket_inodes()
 
 
 def body_fds_released(ctx, seed: int) -> tuple[int, int, int]:

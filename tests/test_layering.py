@@ -39,10 +39,6 @@ ALLOWED_CIRCLES: dict[frozenset[str], str] = {
     frozenset({"collective::op", "engine"}): (
         "issue 29 item 1: engines translate the op themselves, so the op record stops naming HostCall and P2p"
     ),
-    frozenset({"bench.cuda.backends", "bench.cuda.config", "bench.cuda.overlap"}): (
-        "config.py names the overlap section's OverlapConfig, whose run_overlap uses backends.py, which reads config.py: "
-        "OverlapConfig moves into config.py (as FsdpConfig could), once the bench is not being changed by another hand (issue 29)"
-    ),
 }
 
 

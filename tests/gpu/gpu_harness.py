@@ -40,6 +40,28 @@ GROUP_CONFIGS: dict[str, dict | None] = {
 }
 
 
+def warm_up_aside(calls: Any) -> None:
+    """`calls()` once on a side stream that waits for the current one, then joined back and
+    synchronized: the warm-up before a CUDA graph capture, outside it, as torch's docs ask."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture(calls: Any) -> torch.cuda.CUDAGraph:
+    """`calls()` captured into a CUDA graph, then synchronized. "thread_local", as vLLM and
+    Megatron capture: in the default "global" mode, CUDA calls of other threads (NCCL's
+    watchdog for the reference group, say) void the capture."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        calls()
+    torch.cuda.synchronize()
+    return graph
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count()
 

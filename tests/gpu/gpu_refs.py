@@ -19,6 +19,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from refs import reduce_rows  # tests/refs.py: the CPU and GPU references reduce alike
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
@@ -61,6 +62,16 @@ def rand(seed: int, rank: int, n: int, dtype: torch.dtype, op: str = "SUM", salt
     return torch.randint(-100, 100, (n,), generator=g, device=device).to(dtype)
 
 
+def refill(inputs: dict[str, torch.Tensor], seed: int, rank: int, what: str, i: int) -> dict[str, torch.Tensor]:
+    """Fresh random data (`rand`, salted "{what} {name} {i}") into each static input of a
+    captured graph, for its i-th replay; returns what was written, by name."""
+    fresh = {}
+    for name, t in inputs.items():
+        fresh[name] = rand(seed, rank, t.numel(), t.dtype, salt=f"{what} {name} {i}")
+        t.copy_(fresh[name])
+    return fresh
+
+
 def ref_call(fn, *args, group, **kwargs):
     """The reference's `fn(*args, group=group, **kwargs)` (a torch.distributed call): as it is
     on an NCCL group; on a gloo group (ranks that share GPUs, where NCCL cannot run) on CPU
@@ -97,20 +108,7 @@ def gather_inputs(ctx, x: torch.Tensor) -> torch.Tensor:
 def reduce_ref(xs: torch.Tensor, op: str) -> torch.Tensor:
     """Reduce rows of `xs` (one per rank): float64 for floats (not rounded), the input's
     integer type otherwise. Integer AVG truncates toward zero, as NCCL's does."""
-    w = xs.shape[0]
-    s = xs.double() if xs.dtype.is_floating_point else xs.long()
-    if op == "SUM":
-        r = s.sum(0)
-    elif op == "AVG":
-        r = s.sum(0) / w if s.is_floating_point() else torch.div(s.sum(0), w, rounding_mode="trunc")
-    elif op == "PRODUCT":
-        r = s.prod(0)
-    elif op == "MIN":
-        r = s.amin(0)
-    elif op == "MAX":
-        r = s.amax(0)
-    else:
-        raise AssertionError(op)
+    r = reduce_rows(xs.double() if xs.dtype.is_floating_point else xs.long(), op)
     return r if r.is_floating_point() else r.to(xs.dtype)
 
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import needs_gpus, rsccl_group
+from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
 from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any, ref_call
 
 pytestmark = needs_gpus
@@ -206,16 +206,9 @@ def body_graph(ctx, seed: int) -> None:
         dist.all_to_all_single(out, x, out_splits, in_splits)
         dist.all_to_all(lst_out, lst_in)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
-        f.run("warm-up", calls)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    warm_up_aside(lambda: f.run("warm-up", calls))
     if not f.items:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            calls()
+        graph = capture(calls)
         for rep in range(3):
             what = f"graph replay {rep}"
             xs = inputs_of(seed, what, s, torch.float32)

@@ -6,11 +6,10 @@ all_reduce results must be bitwise identical on every rank."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
+from cases import CASES, Call, barrier_held
 from gpu_harness import needs_gpus, rsccl_group, shares_gpus
 from gpu_refs import (
     DTYPES,
@@ -140,16 +139,12 @@ def test_broadcast(gpus, seed, config):
 
 
 def body_barrier(ctx) -> tuple[float, float]:
-    time.sleep(0.2 * ctx.rank)
-    before = time.time()
-    dist.barrier()
-    return before, time.time()
+    return CASES["barrier"](ctx, 0, Call(torch.float32, 0))
 
 
 def test_barrier_waits_for_the_last_rank(gpus):
     times = gpus.run(body_barrier, timeout=60)
-    last_arrival = max(b for b, _ in times)
-    assert all(after >= last_arrival for _, after in times), times
+    assert barrier_held(times), times
 
 
 def body_large(ctx, seed: int, config: str, elements: list[int]) -> None:

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from gpu_harness import needs_gpus
+from gpu_harness import capture, needs_gpus, warm_up_aside
 from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any
 
 pytestmark = needs_gpus
@@ -204,16 +204,9 @@ def body_graph(ctx, seed: int) -> None:
         for w in works:
             w.wait()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
-        f.run("warm-up", exchange)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up_aside(lambda: f.run("warm-up", exchange))
     if not f.items:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            exchange()
+        graph = capture(exchange)
         for rep in range(4):
             what = f"graph replay {rep}"
             x.copy_(rand_any(seed, me, n, torch.float16, salt=what))

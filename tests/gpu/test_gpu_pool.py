@@ -37,7 +37,7 @@ import rsccl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_harness import needs_gpus, needs_own_gpus, shares_gpus
+from gpu_harness import capture, needs_gpus, needs_own_gpus, shares_gpus, warm_up_aside
 from gpu_refs import (
     DTYPES,
     RED,
@@ -50,6 +50,7 @@ from gpu_refs import (
     ops_for,
     rand,
     ref_call,
+    refill,
 )
 from torch import nn
 
@@ -452,28 +453,13 @@ def body_inplace_graph(ctx, seed: int, replays: int) -> dict:
         dist.reduce_scatter_tensor(rs_out, rs_in, op=dist.ReduceOp.SUM, group=g)
         dist.broadcast(bc, src=w - 1, group=g)
 
-    def refill(i: int) -> dict:
-        fresh = {}
-        for name, t in inputs.items():
-            fresh[name] = rand(seed, ctx.rank, t.numel(), t.dtype, salt=f"pool graph {name} {i}")
-            t.copy_(fresh[name])
-        return fresh
-
-    refill(-1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch's docs ask
-        collectives()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        collectives()
-    torch.cuda.synchronize()
+    refill(inputs, seed, ctx.rank, "pool graph", -1)
+    warm_up_aside(collectives)
+    graph = capture(collectives)
 
     before = _counts(g)
     for i in range(replays):
-        fresh = refill(i)
+        fresh = refill(inputs, seed, ctx.rank, "pool graph", i)
         graph.replay()
         what = f"pool graph replay {i}"
         ref = fresh["ar"].clone()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import needs_gpus, rsccl_group
+from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
 from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
 
 pytestmark = needs_gpus
@@ -124,19 +124,14 @@ def body_rooted_async_views_graph(ctx, seed: int) -> None:
     sin = [torch.zeros(n, dtype=torch.float32, device=ctx.device) for _ in range(w)] if me == root else None
     sout = torch.zeros(n, dtype=torch.float32, device=ctx.device)
     gin = torch.zeros(n, dtype=torch.float32, device=ctx.device)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside the capture, as torch recommends
+
+    def calls() -> None:
         dist.reduce(a, dst=root)
         dist.gather(gin, gout, dst=root)
         dist.scatter(sout, sin, src=root)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        dist.reduce(a, dst=root)
-        dist.gather(gin, gout, dst=root)
-        dist.scatter(sout, sin, src=root)
+
+    warm_up_aside(calls)
+    graph = capture(calls)
     for rep in range(4):
         what = f"graph replay {rep}"
         xa = rand(seed, me, n, torch.float32, salt=what + "a")

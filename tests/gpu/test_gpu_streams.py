@@ -13,8 +13,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from gpu_harness import needs_gpus
-from gpu_refs import assert_equal, check_reduction, check_vs_nccl, gather_inputs, rand, ref_call
+from gpu_harness import capture, needs_gpus, warm_up_aside
+from gpu_refs import assert_equal, check_reduction, check_vs_nccl, gather_inputs, rand, ref_call, refill
 
 pytestmark = needs_gpus
 
@@ -143,30 +143,12 @@ def body_cuda_graph(ctx, seed: int, replays: int) -> None:
         dist.reduce_scatter_tensor(rs_out, rs_in, op=dist.ReduceOp.SUM)
         dist.broadcast(bc, src=w - 1)
 
-    def refill(i: int) -> dict:
-        """Fresh random data into the static inputs; returns a copy of it."""
-        fresh = {}
-        for name, t in inputs.items():
-            fresh[name] = rand(seed, ctx.rank, t.numel(), t.dtype, salt=f"graph {name} {i}")
-            t.copy_(fresh[name])
-        return fresh
-
-    refill(-1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch's docs ask
-        collectives()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # "thread_local", as vLLM and Megatron capture: in the default "global" mode, CUDA calls
-    # of other threads (NCCL's watchdog for the reference group, say) void the capture.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        collectives()
-    torch.cuda.synchronize()
+    refill(inputs, seed, ctx.rank, "graph", -1)
+    warm_up_aside(collectives)
+    graph = capture(collectives)
 
     for i in range(replays):
-        fresh = refill(i)
+        fresh = refill(inputs, seed, ctx.rank, "graph", i)
         graph.replay()
         what = f"graph replay {i}"
         ref = fresh["ar_small"].clone()

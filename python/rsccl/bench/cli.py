@@ -20,8 +20,8 @@ from typing import Any
 
 from .common import COLLECTIVES, CUDA_ONLY_COLLECTIVES, TOLERANCES, human
 from .cpu import MAX_ITERS, MIN_ITERS, TARGET_SECONDS
-from .cuda.overlap import QUICK as OVERLAP_QUICK
-from .cuda.overlap import OverlapConfig, config_problems
+from .cuda.overlap_config import QUICK as OVERLAP_QUICK
+from .cuda.overlap_config import OverlapConfig, config_problems
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 

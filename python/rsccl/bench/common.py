@@ -1,5 +1,6 @@
-"""What the CPU and the CUDA benchmark share: the collectives, the tolerances of the
-result checks, message sizes and the bus-bandwidth factors; and what the CUDA bench and its
+"""What the CPU and the CUDA benchmark share: the collectives, the sweep every rank runs,
+the tolerances of the result checks, message sizes, the bus-bandwidth factors and the CSV's
+key columns; and what the CUDA bench and its
 FSDP2 section share: rsccl's options as rsccl resolves them, the pool arithmetic, and an
 exception in one line.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _rsccl
@@ -31,6 +34,26 @@ TOLERANCES = {
 }
 
 
+# The first columns of either bench's CSV: what a row measured (its figures follow).
+CSV_KEY_COLUMNS = ("device", "world_size", "collective", "bytes", "backend")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What every rank of either bench runs: the collectives at each message size, `warmup`
+    untimed and `iters` timed calls (None: chosen per size), `repeats` times, on inputs drawn
+    from `seed`. Picklable, so it travels to spawned ranks; the CUDA bench's Config adds its
+    own fields."""
+
+    collectives: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    iters: int | None
+    warmup: int
+    repeats: int
+    seed: int
+
+
 POOL_VA_FLOOR = 16 << 30  # rsccl's default max_cuda_va_bytes: the bench never sets a lower cap
 
 
@@ -41,6 +64,24 @@ def describe(e: BaseException) -> str:
     """An exception in one line: its type and the first line of its message, shortened."""
     first = next((line for line in str(e).splitlines() if line.strip()), "")
     return f"{type(e).__name__}: {first}"[:400]
+
+
+def event_us(step: Callable[[], Any], iters: int, barrier: Callable[[], Any]) -> float:
+    """Microseconds per call of `step` on this rank: CUDA events around `iters` back-to-back
+    calls, after a synchronize and `barrier` (so that the ranks start together). For the
+    hierarchy section and the GPU smoke scripts; the CUDA bench's own timing (cuda/timing.py)
+    takes the median over repeats of the slowest rank."""
+    import torch
+
+    torch.cuda.synchronize()
+    barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1000.0
 
 
 def round_up(n: int, to: int) -> int:

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from .common import TOLERANCES, bus_factor, free_port, human, message_sizes, numels, pyplot, size_axis
+from .common import CSV_KEY_COLUMNS, TOLERANCES, Sweep, bus_factor, free_port, human, message_sizes, numels, pyplot, size_axis
 
 BACKENDS = ("rsccl", "gloo")
 
@@ -56,11 +55,7 @@ ROOT = 0
 
 
 CSV_COLUMNS = (
-    "device",
-    "world_size",
-    "collective",
-    "bytes",
-    "backend",
+    *CSV_KEY_COLUMNS,
     "latency_us",
     "algbw_GBps",
     "busbw_GBps",
@@ -75,17 +70,7 @@ class MismatchError(RuntimeError):
     """rsccl's result differs from gloo's."""
 
 
-@dataclass(frozen=True)
-class Config:
-    """What every rank runs; picklable, so it travels to spawned ranks."""
-
-    collectives: tuple[str, ...]
-    sizes: tuple[int, ...]
-    dtype: str
-    iters: int | None
-    warmup: int
-    seed: int
-    repeats: int = 3
+Config = Sweep  # the CPU bench runs a sweep and nothing else
 
 
 def is_in_place(collective: str) -> bool:
@@ -323,7 +308,7 @@ def write_png(path: Path, rows: list[dict], title: str) -> bool:
 def main(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(2), "little")
     sizes = message_sizes(args.min_bytes, args.max_bytes)
-    cfg = Config(args.collectives, sizes, args.dtype, args.iters, args.warmup, seed, args.repeats)
+    cfg = Config(args.collectives, sizes, args.dtype, args.iters, args.warmup, args.repeats, seed)
     print(
         f"rsccl.bench: device {args.device}, world sizes {args.world_sizes}, {args.dtype}, "
         f"{human(cfg.sizes[0])}..{human(cfg.sizes[-1])}, seed {seed}",

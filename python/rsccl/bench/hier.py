@@ -31,6 +31,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .common import event_us
+
 MiB = 1 << 20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 P2P_SIZES = [1 * MiB, 16 * MiB, 256 * MiB]
@@ -92,21 +94,12 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
         out["engine"] = getattr(getattr(hier, "_cuda_engine", None), "value", "?")
         g = torch.Generator(device="cuda").manual_seed(1000 + rank)
 
-        def event_us(step: Callable[[], None]) -> float:
-            """Microseconds per call: CUDA events around `iters` back-to-back calls of `step`,
-            after a barrier on torch's NCCL group."""
-            torch.cuda.synchronize()
-            dist.barrier(group=nccl)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                step()
-            e.record()
-            torch.cuda.synchronize()
-            return s.elapsed_time(e) / iters * 1000.0
+        def us(step: Callable[[], None]) -> float:
+            """Microseconds per call, after a barrier on torch's NCCL group."""
+            return event_us(step, iters, lambda: dist.barrier(group=nccl))
 
         def timeit(kind: str, group: Any, big: torch.Tensor, small: torch.Tensor) -> float:
-            return event_us(lambda: _call(kind, group, big, small))
+            return us(lambda: _call(kind, group, big, small))
 
         def hier_calls() -> int:
             return int(hier._comm.memory_stats().get("nccl_hierarchical_collectives", -1))
@@ -162,7 +155,7 @@ def _rank_main(rank: int, world: int, per_host: int, port: int, sizes: list[int]
                     _p2p(rank, src, dst, grp, buf)
 
             def time_p2p(grp: Any, buf: torch.Tensor = buf) -> float:
-                return event_us(lambda: _p2p(rank, src, dst, grp, buf))
+                return us(lambda: _p2p(rank, src, dst, grp, buf))
 
             t = {"nccl": [], "rsccl": []}
             for order in (("nccl", "rsccl"), ("rsccl", "nccl")):

@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass, field
 
 from ... import _rsccl
-from ..common import GRANULE, POOL_VA_FLOOR, human, resolved, round_up
+from ..common import GRANULE, POOL_VA_FLOOR, Sweep, human, resolved, round_up
 from ..fsdp import FsdpConfig
-from .overlap import OverlapConfig
+from .overlap_config import OverlapConfig
 
 # NVLink multicast can take a shared host's GPUs down: off in NCCL, torch's symmetric memory
 # and NVSHMEM. Set in this process before it spawns the ranks, so that they have it from their
@@ -123,16 +123,10 @@ EXACT_COLLECTIVES = ("all_gather_into_tensor", "broadcast", A2A, P2P)  # data mo
 
 
 @dataclass(frozen=True)
-class Config:
-    """What every rank runs; picklable, so it travels to spawned ranks."""
+class Config(Sweep):
+    """What every rank runs: the sweep and the CUDA bench's own fields; picklable, so it
+    travels to spawned ranks."""
 
-    collectives: tuple[str, ...]
-    sizes: tuple[int, ...]
-    dtype: str
-    iters: int | None
-    warmup: int
-    repeats: int
-    seed: int
     graph: bool
     graph_max_bytes: int
     check_max_bytes: int

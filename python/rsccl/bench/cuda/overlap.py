@@ -2,7 +2,8 @@
 "What runs"): a bf16 matmul loop on the compute stream while a side stream runs
 all_gather_into_tensor and reduce_scatter_tensor, per backend, in the benchmark's rank
 processes, after the collective measurements and before FSDP2. Its report is in
-overlap_report.py.
+overlap_report.py, its configuration (OverlapConfig, --quick's, the flags' checks) in
+overlap_config.py.
 
 A window is the same work for every backend: `matmuls` bf16 (n x n) @ (n x n) products on
 the current (compute) stream, and `rounds` rounds of one all_gather_into_tensor and one
@@ -25,78 +26,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-MiB = 1 << 20
+from .overlap_config import OVERLAP_COLLECTIVES, OverlapConfig
+
 OVERLAP_ALLOWANCE_S = 180.0  # added to --timeout for a world size that runs this section
-OVERLAP_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
-MATMUL_MIN, MATMUL_MAX, MATMUL_MULTIPLE = 64, 32768, 64
-BYTES_MIN, BYTES_MAX = 1 << 10, 4 << 30
-REPEATS_MIN = 3  # medians and a spread need at least three runs per backend
 TARGET_RATIO = 0.95  # issue 17, target 4: rsccl's total <= 0.95 x NCCL's
 FIRST = "nccl"  # ABBA starts with NCCL, as the FSDP2 section does
 SECTION = "overlap"  # the name failures are printed under
-
-
-@dataclass(frozen=True)
-class OverlapConfig:
-    """What the section runs; picklable, it travels to the ranks inside the bench's Config.
-
-    The defaults are meant to keep both streams busy for a similar time on 2-4 H200s (an
-    8192^3 bf16 matmul ~1.5-2 ms; a round of 64+128+256 MiB all_gather and reduce_scatter
-    ~1.3-2 ms at ~350 GB/s): an estimate, not a measurement; the report gives both alone."""
-
-    matmul: int = 8192  # n of the (n x n) @ (n x n) bf16 matmul
-    matmuls: int = 20  # matmuls per window
-    sizes: tuple[int, ...] = (64 * MiB, 128 * MiB, 256 * MiB)  # per rank: all_gather OUTPUT, reduce_scatter INPUT bytes
-    rounds: int = 16  # rounds per window: one all_gather and one reduce_scatter per size
-    repeats: int = 3  # runs per backend, in ABBA order
-
-    def describe(self) -> str:
-        from ..common import human
-
-        n = self.matmul
-        return (
-            f"{self.matmuls} x bf16 matmul {n}x{n}x{n} ({2 * n**3 * self.matmuls / 1e12:.2f} TFLOP) against "
-            f"{self.rounds} x (all_gather_into_tensor + reduce_scatter_tensor) at {', '.join(human(s) for s in self.sizes)} "
-            f"({self.calls()} calls) on a side stream; {self.repeats} runs per backend, ABBA"
-        )
-
-    def calls(self) -> int:
-        return self.rounds * len(OVERLAP_COLLECTIVES) * len(self.sizes)
-
-
-# --quick: small enough to finish in seconds, still both streams and every phase.
-QUICK = OverlapConfig(matmul=2048, matmuls=8, sizes=(1 * MiB, 4 * MiB), rounds=4, repeats=3)
-
-
-def config_problems(c: OverlapConfig) -> list[str]:
-    """What is wrong with a configuration, one message per problem naming the flag (empty: fine)."""
-    from ..common import human
-
-    out = []
-    if not (MATMUL_MIN <= c.matmul <= MATMUL_MAX) or c.matmul % MATMUL_MULTIPLE:
-        out.append(
-            f"--overlap-matmul {c.matmul}: give a multiple of {MATMUL_MULTIPLE} from {MATMUL_MIN} to {MATMUL_MAX} (n of an n x n x n matmul)"
-        )
-    if c.matmuls < 1:
-        out.append(f"--overlap-matmuls {c.matmuls}: give at least 1 (matmuls per window)")
-    if c.rounds < 1:
-        out.append(f"--overlap-rounds {c.rounds}: give at least 1 (rounds of collectives per window)")
-    if c.repeats < REPEATS_MIN:
-        out.append(f"--overlap-repeats {c.repeats}: give at least {REPEATS_MIN} (medians and spreads of ABBA runs)")
-    if not c.sizes:
-        out.append("--overlap-bytes: give at least one message size")
-    bad = [s for s in c.sizes if not BYTES_MIN <= s <= BYTES_MAX]
-    if bad:
-        out.append(
-            f"--overlap-bytes {', '.join(human(s) for s in bad)}: each size must be from {human(BYTES_MIN)} to {human(BYTES_MAX)} "
-            "(per rank: the all_gather output, the reduce_scatter input)"
-        )
-    if len(set(c.sizes)) != len(c.sizes):
-        out.append(f"--overlap-bytes {', '.join(human(s) for s in c.sizes)}: a size is given twice")
-    return out
 
 
 def abba_order(names: tuple[str, ...] | list[str], repeats: int) -> list[str]:

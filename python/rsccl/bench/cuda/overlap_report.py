@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ..common import human
 from .ctas import nccl_ctas, rsccl_cell
-from .overlap import FIRST, OVERLAP_COLLECTIVES, TARGET_RATIO, paired_ratios, summarize
+from .overlap import FIRST, TARGET_RATIO, paired_ratios, summarize
+from .overlap_config import OVERLAP_COLLECTIVES
 
 REFERENCE = "nccl"
 # The backend the target is read on: rsccl on torch's buffers (staged), as a user gets it

@@ -5,15 +5,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from ..common import bus_factor, human
+from ..common import CSV_KEY_COLUMNS, bus_factor, human
 from .config import BACKEND_ORDER, POOL_BACKEND, SHORT, Config
 
 CSV_COLUMNS = (
-    "device",
-    "world_size",
-    "collective",
-    "bytes",
-    "backend",
+    *CSV_KEY_COLUMNS,
     "eager_us",
     "cpu_us",
     "async_us",

@@ -212,12 +212,12 @@ impl CollExec {
                 Collective::AllReduce { buf, dtype, op } => self.all_reduce(*buf, *dtype, *op),
                 Collective::Broadcast { buf, root, .. } => self.broadcast(*buf, *root),
                 Collective::Reduce { buf, dtype, op, root } => self.reduce_to_root(*buf, *dtype, *op, *root),
-                Collective::AllGather { input, output, .. } => self.all_gather(*input, *output),
+                Collective::AllGather { input, output, .. } => self.gather(*input, Some(*output)),
                 Collective::ReduceScatter { input, output, dtype, op } => self.reduce_scatter(*input, *output, *dtype, *op),
                 Collective::AllToAll { input, output, recv_bytes, send_bytes, .. } => {
                     self.all_to_all(*input, *output, send_bytes, recv_bytes)
                 }
-                Collective::Gather { input, output, root, .. } => self.gather(*input, *output, *root),
+                Collective::Gather { input, output, root, .. } => self.gather(*input, output.filter(|_| me == *root)),
                 Collective::Scatter { input, output, root, .. } => self.scatter(*input, *output, *root),
                 Collective::Barrier => self.sync(),
                 Collective::Invalid { error, .. } => Err(error.clone()),
@@ -305,20 +305,6 @@ impl CollExec {
         Ok(())
     }
 
-    unsafe fn all_gather(&mut self, input: Buf, output: Buf) -> Result<()> {
-        let (me, n) = (self.sh.me, self.sh.n);
-        for (off, m) in chunks(input.len, self.half()) {
-            let q = self.parity();
-            copy(self.slot(me, q), input.ptr.add(off), m);
-            self.staged(m);
-            self.sync()?;
-            for k in 0..n {
-                copy(output.ptr.add(k * input.len + off), self.slot(k, q), m);
-            }
-        }
-        Ok(())
-    }
-
     unsafe fn reduce_scatter(&mut self, input: Buf, output: Buf, dtype: crate::dtype::DType, op: crate::dtype::ReduceOp) -> Result<()> {
         let (me, n) = (self.sh.me, self.sh.n);
         let es = dtype.size();
@@ -339,14 +325,16 @@ impl CollExec {
         Ok(())
     }
 
-    unsafe fn gather(&mut self, input: Buf, output: Option<Buf>, root: usize) -> Result<()> {
+    /// all_gather (`output` on every rank) and gather (`output` on the root alone): every
+    /// rank stages its input chunk by chunk, and the ranks with an output copy out all of them.
+    unsafe fn gather(&mut self, input: Buf, output: Option<Buf>) -> Result<()> {
         let (me, n) = (self.sh.me, self.sh.n);
         for (off, m) in chunks(input.len, self.half()) {
             let q = self.parity();
             copy(self.slot(me, q), input.ptr.add(off), m);
             self.staged(m);
             self.sync()?;
-            if let (true, Some(out)) = (me == root, output) {
+            if let Some(out) = output {
                 for k in 0..n {
                     copy(out.ptr.add(k * input.len + off), self.slot(k, q), m);
                 }

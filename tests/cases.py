@@ -1,0 +1,228 @@
+"""The case registry: one entry per collective, each a function that runs the collective on
+this rank's random input and checks the result against the reference of tests/refs.py.
+
+Every rank makes every rank's input from the test's seed (`inputs`), so each rank computes
+the expected result itself: in float64 (floats) or int64 (integers, cast back with
+two's-complement wrap-around), rounded once to the dtype; data movement is compared bit for
+bit. An entry's docstring states the arithmetic, for `w` ranks whose inputs are x_0 ..
+x_{w-1} (`n` elements each, unless it says otherwise), rank `me` and root `root`. Each
+returns this rank's result, so that a test may compare it further (with gloo's, say).
+
+A test picks the matrix (dtypes, ops, sizes, roots) and calls `CASES[name](ctx, seed, call)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from refs import OPS, assert_close, assert_identical_across_ranks, make, reduce_ref
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a case: the dtype, the elements per rank (all_to_all_single: per row),
+    the op (reductions), the root (rooted collectives), a salt that tells this call's inputs
+    from another's, and for all_to_all_single the bound on the rows one rank sends another."""
+
+    dtype: torch.dtype
+    n: int
+    op: str = "SUM"
+    root: int = 0
+    salt: int = 0
+    rows: int = 50
+
+    def what(self, name: str, ctx: Any) -> str:
+        return f"{name} {self.op} {self.dtype} n={self.n} root={self.root} world={ctx.world}"
+
+
+Case = Callable[[Any, int, Call], Any]
+CASES: dict[str, Case] = {}
+
+
+def case(fn: Case) -> Case:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def inputs(ctx, seed: int, c: Call, n: int | None = None) -> list[torch.Tensor]:
+    """Every rank's input for `c` (`n` elements each, default c.n)."""
+    return [make(seed, r, c.n if n is None else n, c.dtype, c.op, c.salt) for r in range(ctx.world)]
+
+
+def my_block(t: torch.Tensor, ctx, n: int) -> torch.Tensor:
+    return t[ctx.rank * n : (ctx.rank + 1) * n]
+
+
+@case
+def all_reduce(ctx, seed: int, c: Call) -> torch.Tensor:
+    """Every rank: out = op(x_0, ..., x_{w-1}), elementwise (AVG: the SUM over w), bitwise
+    identical on every rank."""
+    xs = inputs(ctx, seed, c)
+    out = xs[ctx.rank].clone()
+    dist.all_reduce(out, op=OPS[c.op])
+    what = c.what("all_reduce", ctx)
+    assert_close(out, reduce_ref(xs, c.op), what, ctx.world)
+    assert_identical_across_ranks(ctx, out, what)
+    return out
+
+
+@case
+def broadcast(ctx, seed: int, c: Call) -> torch.Tensor:
+    """Every rank: out = x_root."""
+    xs = inputs(ctx, seed, c)
+    out = xs[ctx.rank].clone()
+    dist.broadcast(out, src=c.root)
+    assert_close(out, xs[c.root], c.what("broadcast", ctx))
+    return out
+
+
+@case
+def reduce(ctx, seed: int, c: Call) -> torch.Tensor:
+    """The root: out = op(x_0, ..., x_{w-1}), elementwise; the other ranks' tensors are
+    theirs to reuse (not checked)."""
+    xs = inputs(ctx, seed, c)
+    out = xs[ctx.rank].clone()
+    dist.reduce(out, dst=c.root, op=OPS[c.op])
+    if ctx.rank == c.root:
+        assert_close(out, reduce_ref(xs, c.op), c.what("reduce", ctx), ctx.world)
+    return out
+
+
+@case
+def all_gather_into_tensor(ctx, seed: int, c: Call) -> torch.Tensor:
+    """Every rank: out = concat(x_0, ..., x_{w-1}), w x n elements."""
+    xs = inputs(ctx, seed, c)
+    out = torch.empty(ctx.world * c.n, dtype=c.dtype)
+    dist.all_gather_into_tensor(out, xs[ctx.rank])
+    assert_close(out, torch.cat(xs), c.what("all_gather_into_tensor", ctx))
+    return out
+
+
+@case
+def all_gather(ctx, seed: int, c: Call) -> list[torch.Tensor]:
+    """Every rank: outs[r] = x_r (the list form)."""
+    xs = inputs(ctx, seed, c)
+    outs = [torch.empty(c.n, dtype=c.dtype) for _ in range(ctx.world)]
+    dist.all_gather(outs, xs[ctx.rank])
+    for r in range(ctx.world):
+        assert_close(outs[r], xs[r], f"{c.what('all_gather (list)', ctx)} from rank {r}")
+    return outs
+
+
+@case
+def reduce_scatter_tensor(ctx, seed: int, c: Call) -> torch.Tensor:
+    """Inputs of w x n elements; rank me: out = op(x_0, ..., x_{w-1})[me*n : (me+1)*n]."""
+    xs = inputs(ctx, seed, c, n=c.n * ctx.world)
+    out = torch.empty(c.n, dtype=c.dtype)
+    dist.reduce_scatter_tensor(out, xs[ctx.rank], op=OPS[c.op])
+    assert_close(out, my_block(reduce_ref(xs, c.op), ctx, c.n), c.what("reduce_scatter_tensor", ctx), ctx.world)
+    return out
+
+
+@case
+def reduce_scatter(ctx, seed: int, c: Call) -> torch.Tensor:
+    """The list form of reduce_scatter_tensor: each rank's input is its w x n elements cut
+    into w chunks; rank me: out = op over ranks of chunk me."""
+    xs = inputs(ctx, seed, c, n=c.n * ctx.world)
+    out = torch.empty(c.n, dtype=c.dtype)
+    dist.reduce_scatter(out, list(xs[ctx.rank].chunk(ctx.world)), op=OPS[c.op])
+    assert_close(out, my_block(reduce_ref(xs, c.op), ctx, c.n), c.what("reduce_scatter (list)", ctx), ctx.world)
+    return out
+
+
+def split_matrix(seed: int, world: int, scale: int) -> list[list[int]]:
+    """send[i][j]: rows rank i sends to rank j, random and uneven (zeros included)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, scale, (world, world), generator=g).tolist()
+
+
+def a2a_inputs(ctx, seed: int, c: Call) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """all_to_all_single's splits (`split_matrix`, rows below c.rows) and every rank's
+    input: rank i's is sum_j send[i][j] rows of c.n elements."""
+    send = split_matrix(seed, ctx.world, c.rows)
+    return send, [make(seed, i, sum(send[i]) * c.n, c.dtype, salt=c.salt).view(-1, c.n) for i in range(ctx.world)]
+
+
+@case
+def all_to_all_single(ctx, seed: int, c: Call) -> torch.Tensor:
+    """Uneven splits: rank i sends send[i][j] rows (a random matrix with zeros, `a2a_inputs`)
+    to rank j, its rows for rank 0 first; rank me: out = concat over i of the send[i][me]
+    rows of x_i that follow its rows for ranks < me."""
+    send, xs = a2a_inputs(ctx, seed, c)
+    me = ctx.rank
+    in_rows, out_rows = send[me], [send[i][me] for i in range(ctx.world)]
+    out = torch.empty(sum(out_rows), c.n, dtype=c.dtype)
+    dist.all_to_all_single(out, xs[me], output_split_sizes=out_rows, input_split_sizes=in_rows)
+    want = torch.cat([xs[i][sum(send[i][:me]) : sum(send[i][:me]) + send[i][me]] for i in range(ctx.world)])
+    assert_close(out, want, f"{c.what('all_to_all_single', ctx)} splits={send}")
+    return out
+
+
+@case
+def all_to_all(ctx, seed: int, c: Call) -> list[torch.Tensor]:
+    """The list form, sizes that differ per destination: rank i sends n + j elements to
+    rank j (x_i^j); rank me: outs[i] = x_i^me."""
+    mine = [make(seed, ctx.rank, c.n + j, c.dtype, salt=c.salt + j) for j in range(ctx.world)]
+    outs = [torch.empty(c.n + ctx.rank, dtype=c.dtype) for _ in range(ctx.world)]
+    dist.all_to_all(outs, mine)
+    for i in range(ctx.world):
+        want = make(seed, i, c.n + ctx.rank, c.dtype, salt=c.salt + ctx.rank)
+        assert_close(outs[i], want, f"{c.what('all_to_all (list)', ctx)} from rank {i}")
+    return outs
+
+
+@case
+def gather(ctx, seed: int, c: Call) -> list[torch.Tensor] | None:
+    """The root: outs[r] = x_r; the other ranks pass no output."""
+    xs = inputs(ctx, seed, c)
+    outs = [torch.empty(c.n, dtype=c.dtype) for _ in range(ctx.world)] if ctx.rank == c.root else None
+    dist.gather(xs[ctx.rank], outs, dst=c.root)
+    if outs is not None:
+        for r in range(ctx.world):
+            assert_close(outs[r], xs[r], f"{c.what('gather', ctx)} from {r}")
+    return outs
+
+
+@case
+def scatter(ctx, seed: int, c: Call) -> torch.Tensor:
+    """The root holds w tensors s_0 .. s_{w-1} (here the inputs x_0 .. x_{w-1}, which the
+    root can make); rank me: out = s_me."""
+    xs = inputs(ctx, seed, c)
+    out = torch.empty(c.n, dtype=c.dtype)
+    dist.scatter(out, xs if ctx.rank == c.root else None, src=c.root)
+    assert_close(out, xs[ctx.rank], c.what("scatter", ctx))
+    return out
+
+
+@case
+def barrier(ctx, seed: int, c: Call) -> tuple[float, float]:
+    """Rank r arrives 0.15 x r seconds late; no rank leaves before the last arrived. Returns
+    (arrival, departure) for the test to compare across ranks (`barrier_held`)."""
+    time.sleep(0.15 * ctx.rank)
+    before = time.time()
+    dist.barrier()
+    return before, time.time()
+
+
+def barrier_held(times: list[tuple[float, float]]) -> bool:
+    """Whether every rank left the barrier after the last one arrived."""
+    last_arrival = max(b for b, _ in times)
+    return all(after >= last_arrival for _, after in times)
+
+
+@case
+def send_recv(ctx, seed: int, c: Call) -> torch.Tensor:
+    """A ring (batch_isend_irecv): rank me sends x_me to me + 1 and receives x_{me-1}."""
+    me, w = ctx.rank, ctx.world
+    nxt, prv = (me + 1) % w, (me - 1) % w
+    x = make(seed, me, c.n, c.dtype, salt=c.salt)
+    got = torch.empty(c.n, dtype=c.dtype)
+    for r in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, got, prv)]):
+        r.wait()
+    assert_close(got, make(seed, prv, c.n, c.dtype, salt=c.salt), c.what("batch_isend_irecv ring", ctx))
+    return got
