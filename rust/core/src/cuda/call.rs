@@ -5,11 +5,11 @@ use crate::dtype::{DType, ReduceOp};
 
 /// The kinds of CUDA operations are rsccl's one list of kinds (collective/kind.rs); the
 /// name stays for the engines' code.
-pub use crate::collective::Kind as CudaKind;
+use crate::collective::Kind;
 
 #[derive(Debug, Clone, Copy)]
 pub struct CudaCall {
-    pub kind: CudaKind,
+    pub kind: Kind,
     pub dtype: DType,
     pub op: ReduceOp,
     pub root: usize,
@@ -26,7 +26,7 @@ pub struct CudaCall {
 impl CudaCall {
     /// A call that carries no buffers, dtype, op or root of its own (all_to_all, whose
     /// chunks travel apart; an invalid call): bytes, SUM, root 0, `count` as given.
-    pub fn bare(kind: CudaKind, count: u64, stream: u64, asynchronous: bool) -> CudaCall {
+    pub fn bare(kind: Kind, count: u64, stream: u64, asynchronous: bool) -> CudaCall {
         CudaCall { kind, dtype: DType::U8, op: ReduceOp::Sum, root: 0, inp: 0, out: 0, count, stream, asynchronous }
     }
 }

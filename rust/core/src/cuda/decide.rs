@@ -14,8 +14,9 @@
 //! here too, once for both engines; and whether the GPUs of a host can reach each other
 //! (`check_peer_access`).
 
-use super::call::{CudaCall, CudaKind};
+use super::call::CudaCall;
 use super::kernels::{self, Family, STAGE_OFF};
+use crate::collective::Kind;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -111,7 +112,7 @@ pub const NCCL_REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, Re
 /// and op (as torch requires) gets the same answer. So `Group::run` asks before anything
 /// is exchanged, and a call that the group's engine cannot run is refused by every rank
 /// (`Engine::refuse`), leaving the group usable with no stale error.
-pub fn can_run(engine: DeviceEngine, kind: CudaKind, dtype: DType, op: ReduceOp, rank: usize) -> Result<()> {
+pub fn can_run(engine: DeviceEngine, kind: Kind, dtype: DType, op: ReduceOp, rank: usize) -> Result<()> {
     if !kind.has_op() {
         return Ok(());
     }
@@ -263,15 +264,15 @@ pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -
 /// The bytes a call moves per rank, as memory_stats counts them and the in-place threshold
 /// compares: the all_reduce / broadcast tensor, the all_gather output, the reduce_scatter
 /// input.
-pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u64 {
+pub fn message_bytes(kind: Kind, count: u64, elem: usize, world: usize) -> u64 {
     match kind {
-        CudaKind::AllReduce => count * elem as u64,
-        CudaKind::ReduceScatter => count * (elem * world) as u64,
-        CudaKind::AllGather | CudaKind::Gather | CudaKind::Scatter => count * world as u64,
-        CudaKind::Broadcast => count,
-        CudaKind::Reduce => count * elem as u64,
-        CudaKind::Send | CudaKind::Recv => count,
-        CudaKind::AllToAll | CudaKind::Barrier | CudaKind::Invalid => 0,
+        Kind::AllReduce => count * elem as u64,
+        Kind::ReduceScatter => count * (elem * world) as u64,
+        Kind::AllGather | Kind::Gather | Kind::Scatter => count * world as u64,
+        Kind::Broadcast => count,
+        Kind::Reduce => count * elem as u64,
+        Kind::Send | Kind::Recv => count,
+        Kind::AllToAll | Kind::Barrier | Kind::Invalid => 0,
     }
 }
 
@@ -279,13 +280,13 @@ pub fn message_bytes(kind: CudaKind, count: u64, elem: usize, world: usize) -> u
 /// its dtype's `elem` size: elements for reductions, bytes for operations that move bytes
 /// (per rank where the buffer holds one block per rank), nothing for calls without a size
 /// of their own.
-pub fn cuda_count(kind: CudaKind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 {
+pub fn cuda_count(kind: Kind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 {
     match kind {
-        CudaKind::AllReduce | CudaKind::Reduce => inp_bytes / elem,
-        CudaKind::ReduceScatter => out_bytes / elem,
-        CudaKind::AllGather | CudaKind::Gather | CudaKind::Broadcast | CudaKind::Send => inp_bytes,
-        CudaKind::Scatter | CudaKind::Recv => out_bytes,
-        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => 0,
+        Kind::AllReduce | Kind::Reduce => inp_bytes / elem,
+        Kind::ReduceScatter => out_bytes / elem,
+        Kind::AllGather | Kind::Gather | Kind::Broadcast | Kind::Send => inp_bytes,
+        Kind::Scatter | Kind::Recv => out_bytes,
+        Kind::Barrier | Kind::Invalid | Kind::AllToAll => 0,
     }
 }
 
@@ -299,20 +300,20 @@ pub enum Blocks {
     Input,
 }
 
-pub fn blocks_per_rank(kind: CudaKind) -> Option<Blocks> {
+pub fn blocks_per_rank(kind: Kind) -> Option<Blocks> {
     match kind {
-        CudaKind::AllGather => Some(Blocks::Output),
-        CudaKind::ReduceScatter => Some(Blocks::Input),
-        CudaKind::AllReduce
-        | CudaKind::Broadcast
-        | CudaKind::Reduce
-        | CudaKind::Gather
-        | CudaKind::Scatter
-        | CudaKind::Barrier
-        | CudaKind::Invalid
-        | CudaKind::AllToAll
-        | CudaKind::Send
-        | CudaKind::Recv => None,
+        Kind::AllGather => Some(Blocks::Output),
+        Kind::ReduceScatter => Some(Blocks::Input),
+        Kind::AllReduce
+        | Kind::Broadcast
+        | Kind::Reduce
+        | Kind::Gather
+        | Kind::Scatter
+        | Kind::Barrier
+        | Kind::Invalid
+        | Kind::AllToAll
+        | Kind::Send
+        | Kind::Recv => None,
     }
 }
 
@@ -333,18 +334,18 @@ pub enum Kernel {
     P2p,
 }
 
-pub fn kernel(kind: CudaKind, bytes: usize, local_ranks: usize, one_shot_max: usize) -> Kernel {
+pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize) -> Kernel {
     match kind {
-        CudaKind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max)),
-        CudaKind::ReduceScatter => Kernel::Reduce(Family::ReduceScatter),
-        CudaKind::Reduce => Kernel::Reduce(Family::Reduce),
-        CudaKind::AllGather => Kernel::AllGather,
-        CudaKind::Broadcast => Kernel::Broadcast,
-        CudaKind::Gather => Kernel::Gather,
-        CudaKind::Scatter => Kernel::Scatter,
-        CudaKind::Barrier | CudaKind::Invalid => Kernel::Barrier,
-        CudaKind::AllToAll => Kernel::AllToAll,
-        CudaKind::Send | CudaKind::Recv => Kernel::P2p,
+        Kind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max)),
+        Kind::ReduceScatter => Kernel::Reduce(Family::ReduceScatter),
+        Kind::Reduce => Kernel::Reduce(Family::Reduce),
+        Kind::AllGather => Kernel::AllGather,
+        Kind::Broadcast => Kernel::Broadcast,
+        Kind::Gather => Kernel::Gather,
+        Kind::Scatter => Kernel::Scatter,
+        Kind::Barrier | Kind::Invalid => Kernel::Barrier,
+        Kind::AllToAll => Kernel::AllToAll,
+        Kind::Send | Kind::Recv => Kernel::P2p,
     }
 }
 
@@ -367,32 +368,32 @@ pub enum NcclCall {
     P2p,
 }
 
-pub fn nccl_call(kind: CudaKind) -> NcclCall {
+pub fn nccl_call(kind: Kind) -> NcclCall {
     match kind {
-        CudaKind::AllReduce => NcclCall::AllReduce,
-        CudaKind::ReduceScatter => NcclCall::ReduceScatter,
-        CudaKind::AllGather => NcclCall::AllGather,
-        CudaKind::Broadcast => NcclCall::Broadcast,
-        CudaKind::Reduce => NcclCall::Reduce,
-        CudaKind::Barrier | CudaKind::Invalid => NcclCall::Barrier,
-        CudaKind::Gather | CudaKind::Scatter => NcclCall::Rooted,
-        CudaKind::AllToAll => NcclCall::AllToAll,
-        CudaKind::Send | CudaKind::Recv => NcclCall::P2p,
+        Kind::AllReduce => NcclCall::AllReduce,
+        Kind::ReduceScatter => NcclCall::ReduceScatter,
+        Kind::AllGather => NcclCall::AllGather,
+        Kind::Broadcast => NcclCall::Broadcast,
+        Kind::Reduce => NcclCall::Reduce,
+        Kind::Barrier | Kind::Invalid => NcclCall::Barrier,
+        Kind::Gather | Kind::Scatter => NcclCall::Rooted,
+        Kind::AllToAll => NcclCall::AllToAll,
+        Kind::Send | Kind::Recv => NcclCall::P2p,
     }
 }
 
 /// A call in words, from what a kernel descriptor holds (`count` is its second word), for
 /// mismatch messages (cuda/call.rs `describe`).
-pub fn call_in_words(kind: CudaKind, dtype: &str, op: &str, root: u32, count: u64) -> String {
+pub fn call_in_words(kind: Kind, dtype: &str, op: &str, root: u32, count: u64) -> String {
     let name = kind.name();
     match kind {
-        CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll => name.to_string(),
-        CudaKind::AllReduce | CudaKind::ReduceScatter => format!("{name} {dtype}[{count}] {op}"),
-        CudaKind::Reduce => format!("{name} {dtype}[{count}] {op} to local rank {root}"),
-        CudaKind::Broadcast => format!("{name} of {count} bytes from local rank {root}"),
-        CudaKind::Gather => format!("{name} of {count} bytes per rank to local rank {root}"),
-        CudaKind::Scatter => format!("{name} of {count} bytes per rank from local rank {root}"),
-        CudaKind::AllGather | CudaKind::Send | CudaKind::Recv => format!("{name} of {count} bytes per rank"),
+        Kind::Barrier | Kind::Invalid | Kind::AllToAll => name.to_string(),
+        Kind::AllReduce | Kind::ReduceScatter => format!("{name} {dtype}[{count}] {op}"),
+        Kind::Reduce => format!("{name} {dtype}[{count}] {op} to local rank {root}"),
+        Kind::Broadcast => format!("{name} of {count} bytes from local rank {root}"),
+        Kind::Gather => format!("{name} of {count} bytes per rank to local rank {root}"),
+        Kind::Scatter => format!("{name} of {count} bytes per rank from local rank {root}"),
+        Kind::AllGather | Kind::Send | Kind::Recv => format!("{name} of {count} bytes per rank"),
     }
 }
 
@@ -410,12 +411,12 @@ pub fn placement(c: &CudaCall, fam: Option<Family>, world: usize, min_bytes: u64
     }
     let at = |ptr: u64, len: u64| in_pool(ptr, len).map(|o| o + 1);
     match c.kind {
-        CudaKind::AllReduce if fam == Some(Family::TwoShot) => match (at(c.inp, msg), at(c.out, msg)) {
+        Kind::AllReduce if fam == Some(Family::TwoShot) => match (at(c.inp, msg), at(c.out, msg)) {
             (Some(i), Some(o)) => (i, o),
             _ => (0, 0),
         },
-        CudaKind::ReduceScatter => (at(c.inp, msg).unwrap_or(0), 0),
-        CudaKind::AllGather | CudaKind::Broadcast => (0, at(c.out, msg).unwrap_or(0)),
+        Kind::ReduceScatter => (at(c.inp, msg).unwrap_or(0), 0),
+        Kind::AllGather | Kind::Broadcast => (0, at(c.out, msg).unwrap_or(0)),
         _ => (0, 0),
     }
 }
@@ -433,7 +434,7 @@ mod tests {
     /// Every kind has one kernel, one NCCL call and words, and they agree with its facts.
     #[test]
     fn every_kind_has_a_kernel_and_an_nccl_call() {
-        for k in CudaKind::ALL {
+        for k in Kind::ALL {
             let kern = kernel(k, 64, 2, 0);
             assert_eq!(kern == Kernel::P2p, k.is_p2p(), "{k:?}");
             assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
@@ -441,10 +442,10 @@ mod tests {
             assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
             assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
         }
-        assert_eq!(kernel(CudaKind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
-        assert_eq!(kernel(CudaKind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
-        assert_eq!(cuda_count(CudaKind::ReduceScatter, 4096, 1024, 4), 256);
-        assert_eq!(cuda_count(CudaKind::Scatter, 400, 100, 8), 100);
+        assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
+        assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
+        assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
+        assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
     }
 
     /// Each engine answers for what it runs: NCCL reduces float64, int8 and uint8, which
@@ -454,7 +455,7 @@ mod tests {
     #[test]
     fn each_device_engine_answers_for_what_it_reduces() {
         use DeviceEngine::{Nccl, Rsccl};
-        for k in CudaKind::ALL {
+        for k in Kind::ALL {
             for d in DType::ALL {
                 for o in ReduceOp::ALL {
                     let (r, n) = (can_run(Rsccl, k, d, o, 2), can_run(Nccl, k, d, o, 2));
@@ -472,21 +473,21 @@ mod tests {
             }
         }
         for d in [DType::F64, DType::I8, DType::U8] {
-            assert!(can_run(Nccl, CudaKind::AllReduce, d, ReduceOp::Sum, 2).is_ok(), "{d:?}");
-            assert!(can_run(Rsccl, CudaKind::AllReduce, d, ReduceOp::Sum, 2).is_err(), "{d:?}");
+            assert!(can_run(Nccl, Kind::AllReduce, d, ReduceOp::Sum, 2).is_ok(), "{d:?}");
+            assert!(can_run(Rsccl, Kind::AllReduce, d, ReduceOp::Sum, 2).is_err(), "{d:?}");
         }
-        let e = can_run(Rsccl, CudaKind::AllReduce, DType::F64, ReduceOp::Sum, 2).unwrap_err().to_string();
+        let e = can_run(Rsccl, Kind::AllReduce, DType::F64, ReduceOp::Sum, 2).unwrap_err().to_string();
         assert!(
             e.contains("all_reduce: rank 2 passed float64; rsccl's CUDA reductions take float32, float16, bfloat16, int32, int64"),
             "{e}"
         );
-        let e = can_run(Nccl, CudaKind::Reduce, DType::Bool, ReduceOp::Sum, 2).unwrap_err().to_string();
+        let e = can_run(Nccl, Kind::Reduce, DType::Bool, ReduceOp::Sum, 2).unwrap_err().to_string();
         assert!(e.contains("reduce: rank 2 passed bool; NCCL") && e.contains("reduces float32, float64"), "{e}");
-        let e = can_run(Nccl, CudaKind::ReduceScatter, DType::I32, ReduceOp::BAnd, 2).unwrap_err().to_string();
+        let e = can_run(Nccl, Kind::ReduceScatter, DType::I32, ReduceOp::BAnd, 2).unwrap_err().to_string();
         assert!(e.contains("reduce_scatter: rank 2 passed ReduceOp.BAND on int32; NCCL"), "{e}");
-        let e = can_run(Nccl, CudaKind::AllReduce, DType::I64, ReduceOp::Avg, 2).unwrap_err().to_string();
+        let e = can_run(Nccl, Kind::AllReduce, DType::I64, ReduceOp::Avg, 2).unwrap_err().to_string();
         assert!(e.contains("all_reduce: rank 2 ReduceOp.AVG is not defined on dtype int64"), "{e}");
-        assert!(can_run(Nccl, CudaKind::AllGather, DType::Bool, ReduceOp::BXor, 2).is_ok());
+        assert!(can_run(Nccl, Kind::AllGather, DType::Bool, ReduceOp::BXor, 2).is_ok());
     }
 
     /// GPUs that cannot reach each other are refused at creation, naming both ranks and
@@ -558,23 +559,23 @@ mod tests {
         let mib = 1u64 << 20;
         let two = Some(Family::TwoShot);
         // all_reduce: both buffers in the pool, two-shot, over the threshold.
-        let ar = call(CudaKind::AllReduce, 4 * mib / 2, 2048, 2048);
+        let ar = call(Kind::AllReduce, 4 * mib / 2, 2048, 2048);
         assert_eq!(placement(&ar, two, 4, mib, &pool), (2049, 2049));
         assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
         assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
-        assert_eq!(placement(&call(CudaKind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
+        assert_eq!(placement(&call(Kind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
         // A buffer that runs past the end of the pool is not in it.
-        assert_eq!(placement(&call(CudaKind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
+        assert_eq!(placement(&call(Kind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
         // reduce_scatter offers its input (world x count elements), all_gather and
         // broadcast their output.
-        let rs = call(CudaKind::ReduceScatter, mib, 4096, 1 << 40);
+        let rs = call(Kind::ReduceScatter, mib, 4096, 1 << 40);
         assert_eq!(placement(&rs, None, 4, mib, &pool), (4097, 0));
-        let ag = call(CudaKind::AllGather, mib, 1 << 40, 4096);
+        let ag = call(Kind::AllGather, mib, 1 << 40, 4096);
         assert_eq!(placement(&ag, None, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
-        let bc = call(CudaKind::Broadcast, 2 * mib, 8192, 8192);
+        let bc = call(Kind::Broadcast, 2 * mib, 8192, 8192);
         assert_eq!(placement(&bc, None, 2, mib, &pool), (0, 8193));
-        assert_eq!(placement(&call(CudaKind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
-        assert_eq!(message_bytes(CudaKind::ReduceScatter, 10, 2, 4), 80);
+        assert_eq!(placement(&call(Kind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
+        assert_eq!(message_bytes(Kind::ReduceScatter, 10, 2, 4), 80);
     }
 
     #[test]

@@ -16,5 +16,5 @@ pub mod nccl_engine;
 // The device pool and heap live in memory/; their old paths stay.
 pub use crate::memory::device_heap as heap;
 pub use crate::memory::device_pool as pool;
-pub use engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind, CudaStats, DeviceCall, EventHome};
+pub use engine::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaStats, DeviceCall, EventHome};
 pub use nccl_engine::{NcclEngine, NcclStats};

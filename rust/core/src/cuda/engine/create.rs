@@ -13,8 +13,9 @@ use super::events::Ordering_;
 use super::launch::AllToAll;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
-use super::{CudaCall, CudaEngine, CudaKind};
+use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
+use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
@@ -377,8 +378,8 @@ impl CudaEngine {
         // that `launch` takes (all_to_all and send/recv have their own entry points, below;
         // the invalid call is the barrier's kernel), in `Kind::ALL` order on every rank: a
         // new kind is warmed up with no line here.
-        for kind in CudaKind::ALL {
-            if kind == CudaKind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::P2p) {
+        for kind in Kind::ALL {
+            if kind == Kind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::P2p) {
                 continue;
             }
             let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };

@@ -8,7 +8,8 @@ use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
 use super::events::{CudaEvent, EventHome};
-use super::{CudaCall, CudaEngine, CudaKind};
+use super::{CudaCall, CudaEngine};
+use crate::collective::Kind;
 use crate::cuda::decide::{kernel, placement, Kernel};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
@@ -44,7 +45,7 @@ impl CudaEngine {
             return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
         }
         self.fatal()?;
-        let ev = self.launch_inner(&CudaCall::bare(CudaKind::AllToAll, 0, stream, asynchronous), Some(x))?;
+        let ev = self.launch_inner(&CudaCall::bare(Kind::AllToAll, 0, stream, asynchronous), Some(x))?;
         self.checked(ev)
     }
     /// After a launch: raise an error a kernel reported, once the launched work is done
@@ -65,7 +66,7 @@ impl CudaEngine {
         let bytes = c.count as usize * c.dtype.size();
         let kernel = kernel(c.kind, bytes, self.pool.nranks, self.one_shot_max);
         let family = match kernel {
-            Kernel::Reduce(f) if c.kind == CudaKind::AllReduce => Some(f),
+            Kernel::Reduce(f) if c.kind == Kind::AllReduce => Some(f),
             _ => None,
         };
         let func = match kernel {
@@ -94,7 +95,7 @@ impl CudaEngine {
             | ((c.op as u64) << DESC0_OP_SHIFT)
             | ((c.root as u64) << DESC0_ROOT_SHIFT);
         a.desc1 = c.count;
-        if matches!(c.kind, CudaKind::Barrier | CudaKind::Invalid | CudaKind::AllToAll) {
+        if matches!(c.kind, Kind::Barrier | Kind::Invalid | Kind::AllToAll) {
             a.desc0 = c.kind.code();
             a.desc1 = 0;
         }

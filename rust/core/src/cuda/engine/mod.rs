@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-pub use super::call::{CudaCall, CudaKind};
+pub use super::call::CudaCall;
 pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
 };
@@ -67,7 +67,7 @@ use status::Shared;
 /// after the caller's current stream.
 #[derive(Debug, Clone)]
 pub enum DeviceCall {
-    /// A collective, a barrier, or the invalid call (`CudaKind::Invalid`).
+    /// A collective, a barrier, or the invalid call (`Kind::Invalid`).
     Collective(CudaCall),
     /// An all_to_all: its chunks, one per group rank.
     AllToAll { chunks: AllToAll, stream: u64, asynchronous: bool },

@@ -7,8 +7,9 @@ use cudarc::driver::sys as cu;
 
 use super::abi::P2pArgs;
 use super::events::{CudaEvent, EventHome};
-use super::{CudaEngine, CudaKind};
+use super::CudaEngine;
 use crate::collective::validate;
+use crate::collective::Kind;
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::THREADS;
 use crate::error::{Error, Result};
@@ -31,7 +32,7 @@ impl CudaEngine {
         // Local ranks: the NCCL engine passes this host's share of its group.
         validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
         self.fatal()?;
-        let kind = if send { CudaKind::Send } else { CudaKind::Recv };
+        let kind = if send { Kind::Send } else { Kind::Recv };
         let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
         if send {
             x.a.inp = ptr;

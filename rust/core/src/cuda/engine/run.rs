@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{CudaCall, CudaEngine, CudaKind};
+use super::{CudaCall, CudaEngine};
 use crate::collective::op::Op;
+use crate::collective::Kind;
 use crate::cuda::decide::{can_run, DeviceEngine};
 use crate::cuda::DeviceCall;
 use crate::engine::{Engine, GroupStats, Ran};
@@ -51,7 +52,7 @@ impl Engine for CudaEngine {
         self.join_invalid(op, error, timeout)
     }
 
-    /// Launches the invalid kernel (`CudaKind::Invalid`): it takes part in the first barrier
+    /// Launches the invalid kernel (`Kind::Invalid`): it takes part in the first barrier
     /// only, where every peer sees its descriptor mismatch theirs and raises. This rank
     /// raises `error`, its own (a failure to tell the peers is logged).
     fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _timeout: Duration) -> Result<Ran> {
@@ -59,7 +60,7 @@ impl Engine for CudaEngine {
             crate::collective::op::Place::Cuda { stream } => stream,
             crate::collective::op::Place::Host => return Err(Error::Internal("a host op reached the CUDA engine".into())),
         };
-        if let Err(told) = self.launch(&CudaCall::bare(CudaKind::Invalid, 0, stream, false)) {
+        if let Err(told) = self.launch(&CudaCall::bare(Kind::Invalid, 0, stream, false)) {
             tracing::warn!(error = %told, "could not report an invalid CUDA call to the peers");
         }
         Err(error)

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use super::abi::{ERR_A2A, ERR_ABORTED, ERR_CONCURRENT, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT, FLAG_HOLD_ON_ERROR};
 use super::CudaEngine;
 use crate::bootstrap::LocalMesh;
-use crate::cuda::call::CudaKind;
+use crate::collective::Kind;
 use crate::cuda::decide::call_in_words;
 use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, POISON_DESTROYED};
@@ -362,7 +362,7 @@ pub(super) fn gone_error(local_ranks: &[usize], pids: &[Option<u32>], j: usize) 
 /// A kernel descriptor (the two words every rank publishes at a barrier) in words, for
 /// mismatch messages.
 fn describe(d0: u64, d1: u64) -> String {
-    let Some(k) = CudaKind::from_code((d0 & 0xff) as u8) else {
+    let Some(k) = Kind::from_code((d0 & 0xff) as u8) else {
         return "an unknown call".to_string();
     };
     let dtype = DType::from_code(((d0 >> DESC0_DTYPE_SHIFT) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
@@ -481,8 +481,8 @@ impl CudaEngine {
 #[cfg(test)]
 mod tests {
     use super::{describe, fatal_fields, ERR_CONCURRENT, ERR_PEER, ERR_TIMEOUT};
+    use crate::collective::Kind;
     use crate::cuda::decide::message_bytes;
-    use crate::cuda::CudaKind;
     use crate::dtype::{DType, ReduceOp};
 
     #[test]
@@ -502,12 +502,12 @@ mod tests {
 
     #[test]
     fn descriptors_read_back_as_calls() {
-        let d0 = CudaKind::AllReduce.code() | ((DType::BF16 as u64) << 8) | ((ReduceOp::Max as u64) << 16);
+        let d0 = Kind::AllReduce.code() | ((DType::BF16 as u64) << 8) | ((ReduceOp::Max as u64) << 16);
         assert_eq!(describe(d0, 1000), "all_reduce bfloat16[1000] MAX");
-        assert_eq!(describe(CudaKind::Invalid.code(), 0), "an invalid call");
-        let r = CudaKind::Reduce.code() | ((DType::F32 as u64) << 8) | ((ReduceOp::Sum as u64) << 16) | (2u64 << 32);
+        assert_eq!(describe(Kind::Invalid.code(), 0), "an invalid call");
+        let r = Kind::Reduce.code() | ((DType::F32 as u64) << 8) | ((ReduceOp::Sum as u64) << 16) | (2u64 << 32);
         assert_eq!(describe(r, 7), "reduce float32[7] SUM to local rank 2");
-        assert_eq!(describe(CudaKind::Gather.code() | (1u64 << 32), 64), "gather of 64 bytes per rank to local rank 1");
-        assert_eq!(message_bytes(CudaKind::Scatter, 64, 1, 4), 256);
+        assert_eq!(describe(Kind::Gather.code() | (1u64 << 32), 64), "gather of 64 bytes per rank to local rank 1");
+        assert_eq!(message_bytes(Kind::Scatter, 64, 1, 4), 256);
     }
 }

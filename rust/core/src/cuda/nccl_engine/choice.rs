@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::cuda::CudaKind;
+use crate::collective::Kind;
 use crate::dtype::ReduceOp;
 
 /// How a CUDA collective of a group that spans hosts runs.
@@ -29,8 +29,8 @@ pub fn hierarchical_layout(ranks_per_host: &[usize]) -> bool {
 /// the same number (>= 2) of ranks, applies to all_reduce, all_gather and reduce_scatter,
 /// and pays off only for messages large enough that the host-local phases' extra launches
 /// and barriers are small against the bytes moved (`min_bytes`).
-pub fn choose_cross_host(kind: CudaKind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
-    use CudaKind as K;
+pub fn choose_cross_host(kind: Kind, bytes: u64, ranks_per_host: &[usize], min_bytes: u64) -> CrossHost {
+    use Kind as K;
     let eligible = matches!(kind, K::AllReduce | K::AllGather | K::ReduceScatter);
     if hierarchical_layout(ranks_per_host) && eligible && bytes >= min_bytes {
         CrossHost::Hierarchical
@@ -55,7 +55,7 @@ pub fn all_reduce_path(
     min_bytes: u64,
 ) -> (CrossHost, &'static str) {
     let bytes = count * elem as u64;
-    if choose_cross_host(CudaKind::AllReduce, bytes, ranks_per_host, min_bytes) == CrossHost::Flat {
+    if choose_cross_host(Kind::AllReduce, bytes, ranks_per_host, min_bytes) == CrossHost::Flat {
         return (CrossHost::Flat, "small message, or hosts with unequal or single GPUs");
     }
     if !matches!(op, ReduceOp::Sum | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max) {
@@ -86,7 +86,7 @@ pub fn host_major(hosts: &[Vec<usize>]) -> bool {
 /// and pieces that are whole multiples of 16 bytes (aligned for the host-local kernel).
 pub fn all_gather_path(bytes_per_rank: u64, ranks_per_host: &[usize], host_major: bool, min_bytes: u64) -> (CrossHost, &'static str) {
     let world = ranks_per_host.iter().sum::<usize>() as u64;
-    if choose_cross_host(CudaKind::AllGather, bytes_per_rank * world, ranks_per_host, min_bytes) == CrossHost::Flat {
+    if choose_cross_host(Kind::AllGather, bytes_per_rank * world, ranks_per_host, min_bytes) == CrossHost::Flat {
         return (CrossHost::Flat, "small message, or hosts with unequal or single GPUs");
     }
     if !host_major {
@@ -116,7 +116,7 @@ pub fn reduce_scatter_path(
 ) -> (CrossHost, &'static str) {
     let piece = count * elem as u64;
     let world = ranks_per_host.iter().sum::<usize>() as u64;
-    if choose_cross_host(CudaKind::ReduceScatter, piece * world, ranks_per_host, min_bytes) == CrossHost::Flat {
+    if choose_cross_host(Kind::ReduceScatter, piece * world, ranks_per_host, min_bytes) == CrossHost::Flat {
         return (CrossHost::Flat, "small message, or hosts with unequal or single GPUs");
     }
     if !host_major {
@@ -259,12 +259,12 @@ mod tests {
     fn hierarchical_only_where_it_can_pay() {
         let mib = 1u64 << 20;
         let two_by_two = [2usize, 2];
-        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &two_by_two, mib), CrossHost::Hierarchical);
-        assert_eq!(choose_cross_host(CudaKind::AllGather, mib, &two_by_two, mib), CrossHost::Hierarchical);
-        assert_eq!(choose_cross_host(CudaKind::AllReduce, mib - 1, &two_by_two, mib), CrossHost::Flat, "small");
-        assert_eq!(choose_cross_host(CudaKind::Broadcast, 16 * mib, &two_by_two, mib), CrossHost::Flat, "not eligible");
-        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[1, 1, 1, 1], mib), CrossHost::Flat, "one GPU per host");
-        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[2, 3], mib), CrossHost::Flat, "uneven hosts");
-        assert_eq!(choose_cross_host(CudaKind::AllReduce, 16 * mib, &[4], mib), CrossHost::Flat, "one host");
+        assert_eq!(choose_cross_host(Kind::AllReduce, 16 * mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(Kind::AllGather, mib, &two_by_two, mib), CrossHost::Hierarchical);
+        assert_eq!(choose_cross_host(Kind::AllReduce, mib - 1, &two_by_two, mib), CrossHost::Flat, "small");
+        assert_eq!(choose_cross_host(Kind::Broadcast, 16 * mib, &two_by_two, mib), CrossHost::Flat, "not eligible");
+        assert_eq!(choose_cross_host(Kind::AllReduce, 16 * mib, &[1, 1, 1, 1], mib), CrossHost::Flat, "one GPU per host");
+        assert_eq!(choose_cross_host(Kind::AllReduce, 16 * mib, &[2, 3], mib), CrossHost::Flat, "uneven hosts");
+        assert_eq!(choose_cross_host(Kind::AllReduce, 16 * mib, &[4], mib), CrossHost::Flat, "one host");
     }
 }

@@ -15,8 +15,9 @@ use std::sync::Arc;
 use cudarc::nccl::sys as nc;
 
 use super::choice::{all_gather_path, all_reduce_path, reduce_scatter_path, CrossHost};
+use crate::collective::Kind;
 use crate::cuda::nccl::{nccl_dtype, nccl_op, NcclComm};
-use crate::cuda::{CudaCall, CudaEngine, CudaKind};
+use crate::cuda::{CudaCall, CudaEngine};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -54,12 +55,12 @@ impl<'a> Hierarchical<'a> {
     pub(super) fn path(&self, c: &CudaCall) -> CrossHost {
         let (hosts, major, min) = (&self.at.ranks_per_host, self.at.host_major, self.at.min_bytes);
         match c.kind {
-            CudaKind::AllReduce => {
+            Kind::AllReduce => {
                 let ok = self.local.supports_reduce_scatter(c.dtype, c.op);
                 all_reduce_path(c.count, c.dtype.size(), c.op, ok, hosts, min).0
             }
-            CudaKind::AllGather => all_gather_path(c.count, hosts, major, min).0,
-            CudaKind::ReduceScatter => {
+            Kind::AllGather => all_gather_path(c.count, hosts, major, min).0,
+            Kind::ReduceScatter => {
                 let ok = self.local.supports_reduce_scatter(c.dtype, c.op);
                 reduce_scatter_path(c.count, c.dtype.size(), c.op, ok, hosts, major, min, self.at.scratch_bytes).0
             }
@@ -70,9 +71,9 @@ impl<'a> Hierarchical<'a> {
     /// Enqueue `c`, which `path` chose hierarchical for, on `stream`.
     pub(super) fn enqueue(&self, c: &CudaCall, stream: u64) -> Result<()> {
         match c.kind {
-            CudaKind::AllReduce => self.all_reduce(c, stream),
-            CudaKind::AllGather => self.all_gather(c, stream),
-            CudaKind::ReduceScatter => self.reduce_scatter(c, stream),
+            Kind::AllReduce => self.all_reduce(c, stream),
+            Kind::AllGather => self.all_gather(c, stream),
+            Kind::ReduceScatter => self.reduce_scatter(c, stream),
             k => Err(Error::Internal(format!("no hierarchical {}", k.name()))),
         }
     }
@@ -116,7 +117,7 @@ impl<'a> Hierarchical<'a> {
         cross.check(r, "NCCL broadcast (cross-host phase of a hierarchical all_gather)").map_err(fatal)?;
         for h in 0..hosts {
             let call = CudaCall {
-                kind: CudaKind::AllGather,
+                kind: Kind::AllGather,
                 dtype: DType::U8,
                 op: c.op,
                 root: 0,
@@ -162,7 +163,7 @@ impl<'a> Hierarchical<'a> {
         };
         for h in 0..hosts {
             let call = CudaCall {
-                kind: CudaKind::ReduceScatter,
+                kind: Kind::ReduceScatter,
                 dtype: c.dtype,
                 op: c.op,
                 root: 0,
@@ -209,7 +210,7 @@ impl<'a> Hierarchical<'a> {
         // waiting: it makes the group unusable (the caller aborts it).
         let fatal =
             |e: Error| if e.keeps_group_usable() { Error::Aborted(format!("a hierarchical all_reduce failed part-way: {e}")) } else { e };
-        local.launch(&call(CudaKind::ReduceScatter, c.dtype, c.inp, mine, shard)).map_err(fatal)?;
+        local.launch(&call(Kind::ReduceScatter, c.dtype, c.inp, mine, shard)).map_err(fatal)?;
         let raw = cross.live()?;
         let dt = nccl_dtype(c.dtype).ok_or_else(|| Error::Internal("checked dtype".into()))?;
         let op = nccl_op(c.op).ok_or_else(|| Error::Internal("checked op".into()))?;
@@ -219,7 +220,7 @@ impl<'a> Hierarchical<'a> {
             (cross.fns().all_reduce)(mine as *const c_void, mine as *mut c_void, shard as usize, dt, op, raw, stream as nc::cudaStream_t)
         };
         cross.check(r, "NCCL all_reduce (cross-host phase of a hierarchical all_reduce)")?;
-        local.launch(&call(CudaKind::AllGather, DType::U8, mine, c.out, shard_bytes)).map_err(fatal)?;
+        local.launch(&call(Kind::AllGather, DType::U8, mine, c.out, shard_bytes)).map_err(fatal)?;
         Ok(())
     }
 }

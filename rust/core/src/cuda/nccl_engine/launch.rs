@@ -11,11 +11,12 @@ use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
 use super::{NcclEngine, Order, Shared, Tracked};
+use crate::collective::Kind;
 use crate::cuda::decide::{can_run, nccl_call, DeviceEngine, NcclCall};
 use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::EventHome;
-use crate::cuda::{AllToAll, CudaCall, CudaEvent, CudaKind};
+use crate::cuda::{AllToAll, CudaCall, CudaEvent};
 use crate::error::{Error, Result};
 
 pub(super) fn new_event() -> Result<CUevent> {
@@ -166,7 +167,7 @@ impl NcclEngine {
         }
         let u8_ = nc::ncclDataType_t::ncclUint8;
         let (me, root, size) = (comm.rank, c.root, comm.nranks);
-        let gather = c.kind == CudaKind::Gather;
+        let gather = c.kind == Kind::Gather;
         // SAFETY (both blocks): as in enqueue_flat; the root's buffer holds `size` blocks
         // of `n` bytes (the Python layer allocated it so), block r at r * n.
         let r = f.group(|first| unsafe {

@@ -73,8 +73,9 @@ use parking_lot::{Mutex, RwLock};
 
 use super::driver::{CUevent, CUstream, Device};
 use super::nccl::NcclComm;
-use super::{AllToAll, CudaCall, CudaEngine, CudaEvent, CudaKind};
+use super::{AllToAll, CudaCall, CudaEngine, CudaEvent};
 use crate::collective::validate;
+use crate::collective::Kind;
 use crate::error::{Error, Result};
 use hier::{HierLayout, Hierarchical};
 use launch::new_event;
@@ -125,7 +126,7 @@ struct Tracked {
     /// When `start` was first seen complete (by the watchdog or a health check); the
     /// launch's age counts from there, so waiting behind long compute is not a timeout.
     started: Option<Instant>,
-    kind: CudaKind,
+    kind: Kind,
     count: u64,
     /// The other rank of a send/recv.
     peer: Option<usize>,
@@ -277,7 +278,7 @@ impl NcclEngine {
             ))));
         }
         let total: u64 = x.send_bytes.iter().sum();
-        let c = CudaCall::bare(CudaKind::AllToAll, total, stream, asynchronous);
+        let c = CudaCall::bare(Kind::AllToAll, total, stream, asynchronous);
         self.failing_group(self.launch_inner(&c, Some(x)))
     }
 

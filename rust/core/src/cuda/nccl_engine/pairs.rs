@@ -14,11 +14,12 @@ use super::launch::{join, new_event, record};
 use super::pair_rounds::p2p_split_rounds;
 use super::{NcclEngine, PairComm, Shared, Tracked, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
 use crate::bootstrap::Topology;
+use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::driver::{check, is_capturing, CUstream, Device};
 use crate::cuda::nccl::NcclComm;
+use crate::cuda::CudaEvent;
 use crate::cuda::EventHome;
-use crate::cuda::{CudaEvent, CudaKind};
 use crate::error::{Error, Result};
 
 /// Create this rank's pair communicators (see PairComm): every rank of the group runs
@@ -244,7 +245,7 @@ impl NcclEngine {
             pair.comm.check(r, &what)?;
         }
         self.p2p_messages.fetch_add(1, Ordering::Relaxed);
-        let kind = if pair.sending { CudaKind::Send } else { CudaKind::Recv };
+        let kind = if pair.sending { Kind::Send } else { Kind::Recv };
         if let Some(start) = start {
             let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
             sh.pending.lock().push_back(Tracked { start, ev, started: None, kind, count: bytes, peer: Some(pair.peer) });

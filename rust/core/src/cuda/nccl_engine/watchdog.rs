@@ -10,14 +10,14 @@ use cudarc::driver::sys as cu;
 
 use super::choice::launch_timed_out;
 use super::{Shared, ABORT_GRACE};
+use crate::collective::Kind;
 use crate::cuda::driver::CUevent;
 use crate::cuda::nccl::NcclComm;
-use crate::cuda::CudaKind;
 use crate::cuda::EventHome;
 use crate::error::Error;
 
 /// The unit of a CudaCall's count, for messages.
-fn count_unit(kind: CudaKind) -> &'static str {
+fn count_unit(kind: Kind) -> &'static str {
     if kind.has_op() {
         "elements"
     } else {
@@ -77,14 +77,14 @@ impl Shared {
         });
         if let Some((kind, count, peer)) = late {
             if let Some(peer) = peer {
-                let (what, dir) = if kind == CudaKind::Send { ("send", "to") } else { ("recv", "from") };
+                let (what, dir) = if kind == Kind::Send { ("send", "to") } else { ("recv", "from") };
                 return Some(Error::Timeout(format!(
                     "rank {}: a CUDA {what} of {count} bytes {dir} rank {peer} (NCCL) did not finish within the group \
                      timeout ({:.1} s) of starting on the GPU: rank {peer} did not post the matching {}, posted it \
                      with another size (NCCL cannot tell), or died; the group was aborted",
                     self.rank,
                     self.timeout.as_secs_f64(),
-                    if kind == CudaKind::Send { "recv" } else { "send" },
+                    if kind == Kind::Send { "recv" } else { "send" },
                 )));
             }
             return Some(Error::Timeout(format!(
