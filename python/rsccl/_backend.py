@@ -60,7 +60,8 @@ from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
-# (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce.
+# (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce: the
+# blocking fast paths of all_reduce and reduce_scatter take these (others take the plan).
 _FAST_ALLREDUCE = {
     (dt, OP_CODES[name]): DTYPE_CODES[dt] for dt in REDUCE_DTYPES for name in REDUCE_OPS if name != "AVG" or dt.is_floating_point
 }
@@ -311,7 +312,29 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         prepare = lambda s: plans.reduce(s, tensors, op, root)  # noqa: E731
         return self._call(REDUCE, _first(tensors), prepare, opts, gloo=lambda g: g.reduce(tensors, opts), args=(tensors,))
 
+    def _fast_stream(self, out: Any, inp: Any, opts: Any) -> tuple[int | None] | None:
+        """The blocking fast path of the calls on one input and one output tensor (all_gather
+        and reduce_scatter into a tensor), as all_reduce has one: `(stream,)` when the call
+        needs no plan (blocking; both tensors dense, contiguous, of one dtype, on the group's
+        GPU, or on the CPU of a group within one host), else None. The core checks the sizes,
+        on this path as on the plan's (and joins a bad call as invalid), so messages agree."""
+        if opts is None or opts.asyncOp is not False or not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
+            return None
+        if out.dtype != inp.dtype or out.layout != torch.strided or inp.layout != torch.strided:
+            return None
+        if not (out.is_contiguous() and inp.is_contiguous()):
+            return None
+        if inp.is_cuda:
+            ok = out.is_cuda and self._on_cuda(inp) and inp.get_device() == self._cuda_device == out.get_device()
+            return (raw_stream(self._cuda_device),) if ok else None
+        return (None,) if self._gloo is None and inp.device.type == "cpu" and out.device.type == "cpu" else None
+
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        fast = self._fast_stream(output, input, opts)
+        dt = DTYPE_CODES.get(input.dtype) if fast is not None else None
+        if dt is not None:
+            self._comm.run(ALL_GATHER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, SUM, 0, fast[0], True)
+            return self._done
         prepare = lambda s: plans.all_gather_into(s, output, input, [output])  # noqa: E731
         gloo = lambda g: g._allgather_base(output, input, opts)  # noqa: E731
         return self._call(ALL_GATHER, input, prepare, opts, gloo=gloo, args=(output, input))
@@ -335,6 +358,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = _reduce_op(opts)
+        fast = self._fast_stream(output, input, opts)
+        dt = _FAST_ALLREDUCE.get((input.dtype, op)) if fast is not None else None
+        if dt is not None:
+            self._comm.run(REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, op, 0, fast[0], True)
+            return self._done
         prepare = lambda s: plans.reduce_scatter_into(s, output, input, op, [output])  # noqa: E731
         gloo = lambda g: g._reduce_scatter_base(output, input, opts)  # noqa: E731
         return self._call(REDUCE_SCATTER, input, prepare, opts, gloo=gloo, args=(output, input))
