@@ -109,6 +109,9 @@ struct Args {
 #define DESC0_DTYPE_SHIFT 8
 #define DESC0_OP_SHIFT 16
 #define DESC0_ROOT_SHIFT 32
+// Set in desc0 by the barriers of a copy-engine collective (NOTE [Copy engines], rust/core/
+// src/cuda/engine/copy.rs): a rank whose call took the other path is a mismatch.
+#define DESC0_COPY_ENGINE_BIT 48
 
 // Reduce op codes in desc0: rust/core's ReduceOp discriminants (const assertions in
 // rust/core/src/cuda/kernels/mod.rs hold the two equal). The kernels reduce these five; AVG

@@ -207,6 +207,11 @@ def test_rsccl_ctas_come_from_the_engines_stats():
     assert ctas.rsccl_cell([st, st], "reduce_scatter_tensor") == "24"
     assert ctas.rsccl_cell([st, {"cuda_blocks": 16}], "all_reduce") == "24 / 16 (per rank)"
     assert ctas.rsccl_cell([], "all_reduce").startswith("n/a")
+    ce = {**st, "cuda_copy_engine_min_bytes": 4 << 20}
+    assert ctas.rsccl_cell([ce, ce], "all_gather_into_tensor") == "24; from 4 MiB: 0 (copy engines; 1-CTA barrier kernels)"
+    assert ctas.rsccl_cell([ce, ce], "reduce_scatter_tensor") == "24"
+    off = {**st, "cuda_copy_engine_min_bytes": 0}
+    assert ctas.rsccl_cell([off, off], "all_gather_into_tensor") == "24"
 
 
 def test_nccls_ctas_are_only_what_the_environment_bounds():

@@ -146,6 +146,48 @@ def async_then_replay(rank: int, world: int, seed: int) -> None:
             return
 
 
+def checked_all_gather(name: str, x: torch.Tensor, xs: list[torch.Tensor]) -> None:
+    """A blocking all_gather_into_tensor of `x` (on the copy engines in the ce_ scenarios),
+    its result compared with every rank's input (RESULT) or its error said (RAISED)."""
+    try:
+        out = torch.full((len(xs) * x.numel(),), float("nan"), device=x.device)
+        dist.all_gather_into_tensor(out, x)
+        torch.cuda.synchronize()
+        want = torch.cat(xs)
+        if torch.isnan(out).all():
+            say(f"RESULT {name} untouched")
+        elif torch.equal(out.cpu(), want):
+            say(f"RESULT {name} ok")
+        else:
+            say(f"RESULT {name} WRONG {(out.cpu() != want).sum().item()} elements differ")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        say(f"RAISED {name} {type(e).__name__}: {e}")
+
+
+def ce_late_peer(rank: int, world: int, seed: int) -> None:
+    """late_peer on the copy engines: rank world-1 calls all_gather LATE_S late."""
+    xs = inputs(seed, world, 1 << 18, 7)
+    if rank == world - 1:
+        time.sleep(LATE_S)
+    checked_all_gather("late_all_gather", xs[rank].cuda(), xs)
+    checked_all_gather("next_all_gather", xs[rank].cuda(), xs)
+
+
+def ce_mismatch(rank: int, world: int, seed: int) -> None:
+    """Rank 1 gathers one element more than the others, on the copy engines."""
+    xs = inputs(seed, world, 1 << 18, 8)
+    x = torch.cat([xs[rank], torch.ones(1)]).cuda() if rank == 1 else xs[rank].cuda()
+    try:
+        out = torch.empty(world * x.numel(), device=x.device)
+        dist.all_gather_into_tensor(out, x)
+        torch.cuda.synchronize()
+        say("RESULT mismatched_all_gather returned")
+        dist.barrier()
+        say("RESULT barrier_after_mismatch returned")
+    except Exception as e:  # noqa: BLE001
+        say(f"RAISED mismatched_all_gather {type(e).__name__}: {e}")
+
+
 def mismatch(rank: int, world: int, seed: int) -> None:
     """Rank 1 passes one element more than the others."""
     xs = inputs(seed, world, 1000, 5)
@@ -182,7 +224,9 @@ def replay_after_destroy(rank: int, world: int, seed: int) -> None:
     os._exit(0)  # the CUDA context is gone: skip the interpreter's CUDA teardown
 
 
-SCENARIOS = {f.__name__: f for f in (late_peer, graph_after_failure, async_then_replay, mismatch, replay_after_destroy)}
+SCENARIOS = {
+    f.__name__: f for f in (late_peer, graph_after_failure, async_then_replay, mismatch, replay_after_destroy, ce_late_peer, ce_mismatch)
+}
 
 
 def main() -> None:
@@ -192,7 +236,9 @@ def main() -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     shared = world > torch.cuda.device_count()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    opts = rsccl.Options(cuda_error_teardown=teardown, allow_shared_gpu=shared)
+    # ce_ scenarios: every all_gather on the copy engines (issue 28).
+    ce = {"cuda_copy_engine_min_bytes": 1} if scenario.startswith("ce_") else {}
+    opts = rsccl.Options(cuda_error_teardown=teardown, allow_shared_gpu=shared, **ce)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S), pg_options=opts)
     say("READY")
     SCENARIOS[scenario](rank, world, seed)

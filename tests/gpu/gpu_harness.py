@@ -37,6 +37,11 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     "small-buffer": {"cuda_buffer_bytes": "4MiB"},  # multi-MiB messages take the pipelined (multi-chunk) path
     "two-shot": {"cuda_allreduce_one_shot_max_bytes": 0},  # every all_reduce reduce-scatters then all-gathers
     "one-shot": {"cuda_allreduce_one_shot_max_bytes": "1GiB"},  # every all_reduce is one-shot
+    # all_gather of every size on the copy engines (issue 28), and in many rounds through a
+    # small staging; and never, so that the kernel keeps its tests at every size.
+    "copy-engines": {"cuda_copy_engine_min_bytes": 1},
+    "copy-engines-small-buffer": {"cuda_copy_engine_min_bytes": 1, "cuda_buffer_bytes": "4MiB"},
+    "no-copy-engines": {"cuda_copy_engine_min_bytes": 0},
 }
 
 

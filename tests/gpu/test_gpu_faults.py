@@ -190,3 +190,47 @@ def test_graph_replayed_after_destroy_fails_loudly(world, seed):
         assert "RESULT replay_before ok" in o and "DESTROYED" in o, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
         assert "RAISED replay_after_destroy" in o, f"rank {r}: the replay after destroy did not fail:\n{o}\n{e[-3000:]}"
         assert "process group that was destroyed" in o, f"rank {r}: no message from the replayed kernel:\n{o}"
+
+
+# The copy-engine path (issue 28): its waits are one-CTA barrier kernels, so a late peer
+# and a mismatched call end as the kernels' do: named, within the timeout, nothing left
+# running on the GPU.
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_late_peer_teardown(world, seed):
+    res = run_ranks("ce_late_peer", world, seed, 1)
+    never_wrong("ce_late_peer", res)
+    for r, (_, o, _) in enumerate(res):
+        assert not lines(o, "RESULT "), f"rank {r} was handed a result of a failed all_gather: {o}"
+    for r in range(world - 1):
+        torn_down("ce_late_peer", res, "waited longer than the group timeout", [r])
+        assert f"for rank {world - 1}" in res[r][2], res[r][2][-2000:]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_late_peer_raise(world, seed):
+    """Without teardown: raised at the next call on every rank. The failed call's output is
+    not a result (its pulls copied whatever the peers' staging held): it is the call whose
+    error the next call raises."""
+    res = run_ranks("ce_late_peer", world, seed, 0)
+    never_wrong("ce_late_peer", res, raised_later=("late_all_gather",))
+    for r, (rc, o, e) in enumerate(res):
+        assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
+        raised = lines(o, "RAISED next_all_gather")
+        assert raised, f"rank {r}: the all_gather after a failed one did not raise:\n{o}"
+        if r < world - 1:
+            assert "TimeoutError" in raised[0] and f"rank {world - 1}" in raised[0], raised
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_mismatch_teardown(world, seed):
+    """Rank 1 gathers one element more: the barrier kernels see the descriptors differ."""
+    res = run_ranks("ce_mismatch", world, seed, 1)
+    never_wrong("ce_mismatch", res)
+    for r, (_, o, _) in enumerate(res):
+        assert "RESULT barrier_after_mismatch" not in o, f"rank {r} went on after a mismatched all_gather:\n{o}"
+    ended = [r for r in range(world) if res[r][0] != 0]
+    assert ended, "no rank was ended after a mismatched all_gather"
+    torn_down("ce_mismatch", res, "ranks called different CUDA collectives", ended)
+    assert any("on the copy engines" in res[r][2] for r in ended), "the mismatch does not say the call ran on the copy engines"

@@ -282,6 +282,7 @@ impl Communicator {
             d.set_item("cuda_staged_bytes", c.staged_bytes)?;
             d.set_item("cuda_p2p_blocks", c.p2p_blocks)?;
             d.set_item("cuda_blocks", c.blocks)?;
+            d.set_item("cuda_copy_engine_min_bytes", c.copy_engine_min_bytes)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
         }
         if let Some(n) = &all.nccl {

@@ -130,6 +130,23 @@ pub const SETTINGS: &[Setting] = &[
                for 3-4, 256 KiB for more)",
     },
     Setting {
+        field: "cuda_copy_engine_min_bytes",
+        env: "RSCCL_CUDA_COPY_ENGINE_MIN_BYTES",
+        // Off: on 4 H100s the copy engines moved 185-195 GB/s into each GPU (all_gather
+        // 16 MiB-1 GiB) against 320 for rsccl's kernels and NCCL, and on 2 H100s 233-247
+        // against 304 and 263; with them the bench's overlap loop was not faster either
+        // (2 H100s, 2026-11-26, docs/performance.md "Copy engines"). An opt-in for code that
+        // needs the SMs more than the bandwidth.
+        default: 0,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "CUDA all_gather messages (the gathered output) from this size on move on the \
+               GPU's copy engines, with no SM, between one-CTA barrier kernels; smaller ones \
+               run rsccl's kernels. 0 (default): never; 1: at every size. Slower than the \
+               kernels where nothing else runs (docs/performance.md)",
+    },
+    Setting {
         field: "max_cuda_va_bytes",
         env: "RSCCL_MAX_CUDA_VA_BYTES",
         // Room for a pool of ~3.9 GiB per rank at 4 ranks (or ~1.9 GiB at 8) with the
@@ -401,6 +418,8 @@ pub struct Config {
     pub cuda_buffer_bytes: usize,
     pub cuda_blocks: u32,
     pub cuda_allreduce_one_shot_max_bytes: usize,
+    /// 0: never (decide::copy_engine).
+    pub cuda_copy_engine_min_bytes: u64,
     pub max_cuda_va_bytes: usize,
     pub cuda_warmup: bool,
     pub cuda_sync_stream: bool,
@@ -500,6 +519,7 @@ impl Config {
             cuda_buffer_bytes: v("cuda_buffer_bytes") as usize,
             cuda_blocks: v("cuda_blocks") as u32,
             cuda_allreduce_one_shot_max_bytes: v("cuda_allreduce_one_shot_max_bytes") as usize,
+            cuda_copy_engine_min_bytes: v("cuda_copy_engine_min_bytes"),
             max_cuda_va_bytes: v("max_cuda_va_bytes") as usize,
             cuda_warmup: v("cuda_warmup") != 0,
             cuda_sync_stream: v("cuda_sync_stream") != 0,
@@ -534,6 +554,8 @@ impl Config {
             ("cuda_buffer_bytes", self.cuda_buffer_bytes as u64),
             ("cuda_blocks", self.cuda_blocks as u64),
             ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
+            // Every rank must take the same path (kernel or copy engines) for the same call.
+            ("cuda_copy_engine_min_bytes", self.cuda_copy_engine_min_bytes),
             // The warm-up launches kernels on every rank: a collective.
             ("cuda_warmup", self.cuda_warmup as u64),
             // Every rank must accept (or refuse) the same sharing of GPUs.

@@ -67,15 +67,30 @@ def rsccl_ctas(stats: Mapping[str, object], collective: str) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor",)  # rust/core/src/cuda/decide.rs copy_engine
+
+
+def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None:
+    """The message size from which rsccl moves `collective` on the copy engines (no SM; its
+    barriers are kernels of one CTA), or None (never, or not reported)."""
+    v = stats.get("cuda_copy_engine_min_bytes")
+    if collective not in COPY_ENGINE_COLLECTIVES or not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        return None
+    return v
+
+
 def rsccl_cell(per_rank: list[Mapping[str, object]], collective: str) -> str:
     """rsccl's grid for `collective` on every rank ("n/a" if not reported); the ranks agree on
-    it at group creation, so one figure, else each rank's."""
+    it at group creation, so one figure, else each rank's. From the copy-engine size on: 0
+    CTAs move the data, with barrier kernels of 1 CTA."""
     got = [rsccl_ctas(s, collective) for s in per_rank]
     if not got or all(g is None for g in got):
         return "n/a (not in memory_stats)"
-    if len(set(got)) == 1:
-        return str(got[0])
-    return " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
+    cell = str(got[0]) if len(set(got)) == 1 else " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
+    ce = {copy_engine_from(s, collective) for s in per_rank}
+    if len(ce) == 1 and (at := ce.pop()) is not None:
+        cell += f"; from {human(at)}: 0 (copy engines; 1-CTA barrier kernels)"
+    return cell
 
 
 PROFILED_CALLS = 3  # calls per profiled (collective, size, backend)

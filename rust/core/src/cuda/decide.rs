@@ -349,6 +349,24 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize)
     }
 }
 
+/// Whether a collective moves its data on the GPU's copy engines (cuda/engine/copy.rs)
+/// rather than in rsccl's kernels: all_gather whose gathered output is at least
+/// `min_bytes` (the setting cuda_copy_engine_min_bytes; 0: never), with peers to gather
+/// from. Every rank decides alike: the call and the setting are the same on every rank
+/// (the setting is one of Config::layout_settings), and the barrier kernels compare the
+/// descriptors, which say which path a rank took (DESC0_COPY_ENGINE_BIT).
+pub fn copy_engine(kind: Kind, bytes: u64, local_ranks: usize, min_bytes: u64) -> bool {
+    kind == Kind::AllGather && local_ranks > 1 && min_bytes > 0 && bytes >= min_bytes
+}
+
+/// A copy-engine collective's rounds: `half` bytes of staging per round and rank (one half
+/// of the double-buffered staging), `per_rank` bytes to move from each rank: the bytes of
+/// each round, at most `half`, the last one what remains. None when there is nothing to move.
+pub fn copy_rounds(per_rank: u64, half: u64) -> impl Iterator<Item = (u64, u64)> {
+    let step = half.max(1);
+    (0..per_rank.div_ceil(step)).map(move |k| (k * step, step.min(per_rank - k * step)))
+}
+
 /// Which NCCL call runs a kind in a group across hosts (cuda/nccl_engine/launch.rs makes
 /// it, on the flat communicator unless the hierarchical path takes the call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,6 +464,27 @@ mod tests {
         assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
         assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
         assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
+    }
+
+    /// The copy engines take all_gather from the setting's size on, never at 0, never
+    /// without peers; rounds cover every byte once, in order, none larger than a half.
+    #[test]
+    fn copy_engine_choice_and_rounds() {
+        assert!(copy_engine(Kind::AllGather, 4 << 20, 4, 4 << 20));
+        assert!(!copy_engine(Kind::AllGather, (4 << 20) - 1, 4, 4 << 20));
+        assert!(!copy_engine(Kind::AllGather, 1 << 30, 4, 0));
+        assert!(!copy_engine(Kind::AllGather, 1 << 30, 1, 1));
+        assert!(copy_engine(Kind::AllGather, 1, 2, 1));
+        for k in Kind::ALL.into_iter().filter(|&k| k != Kind::AllGather) {
+            assert!(!copy_engine(k, 1 << 30, 4, 1), "{k:?}");
+        }
+        for (per_rank, half) in [(0u64, 16u64), (1, 16), (16, 16), (17, 16), (100, 7), (1 << 28, 32 << 20)] {
+            let r: Vec<_> = copy_rounds(per_rank, half).collect();
+            assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), per_rank);
+            assert!(r.iter().all(|&(_, n)| n > 0 && n <= half));
+            assert!(r.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+            assert_eq!(r.len() as u64, per_rank.div_ceil(half));
+        }
     }
 
     /// Each engine answers for what it runs: NCCL reduces float64, int8 and uint8, which

@@ -256,6 +256,7 @@ impl CudaEngine {
         let p2p_streams = (0..2 * n)
             .map(|k| (k / 2 != mesh.local_index()).then(|| Stream::non_blocking(&dev, "cuStreamCreate (send/recv)")).transpose())
             .collect::<Result<Vec<Option<Stream>>>>()?;
+        let copy_streams = (0..n).map(|_| Stream::non_blocking(&dev, "cuStreamCreate (copy engines)")).collect::<Result<Vec<Stream>>>()?;
         let mut peer = [0u64; MAX_RANKS];
         for (j, p) in peer.iter_mut().enumerate().take(n) {
             *p = pool.block_addr(j);
@@ -346,6 +347,8 @@ impl CudaEngine {
             watchdog: Mutex::new(None),
             timeout,
             p2p_streams,
+            copy_streams,
+            copy_engine_min: cfg.cuda_copy_engine_min_bytes,
             inbox_off: inbox_off as u64,
             chunk: chunk as u64,
             p2p_blocks,
@@ -398,6 +401,7 @@ impl CudaEngine {
             self.launch_p2p(false, 0, 0, peer, stream, false)?;
         }
         let _ctx = self.sh.dev.bind()?;
+        self.warm_copy_engines()?;
         check(self.internal.synchronize(), "cuStreamSynchronize (warm-up)")?;
         self.health()
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
-use super::events::{CudaEvent, EventHome};
+use super::events::{CudaEvent, EventHome, Ordering_};
 use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
 use crate::cuda::decide::{kernel, placement, Kernel};
@@ -63,6 +63,9 @@ impl CudaEngine {
     }
 
     pub(super) fn launch_inner(self: &Arc<Self>, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
+        if a2a.is_none() && self.on_copy_engines(c) {
+            return self.launch_copy_all_gather(c);
+        }
         let bytes = c.count as usize * c.dtype.size();
         let kernel = kernel(c.kind, bytes, self.pool.nranks, self.one_shot_max);
         let family = match kernel {
@@ -113,27 +116,8 @@ impl CudaEngine {
             (a.place_in, a.place_out) = placement(c, family, self.pool.nranks, self.inplace_min, &in_pool);
         }
         let _ctx = self.sh.dev.bind()?;
-        let caller = c.stream;
-        let internal = self.internal.raw() as u64;
-        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
         let mut o = self.order.lock();
-        // Shutdown sets `stop` under this lock: no launch starts after it.
-        if self.sh.stop.load(Ordering::Acquire) {
-            return Err(Error::destroyed());
-        }
-        if target != caller {
-            // The internal stream waits for everything the caller queued before the call
-            // (and joins the caller's graph capture, if any).
-            self.join(&mut o, caller, target)?;
-        }
-        // The previous rsccl kernel ran on another stream: order this one after it. (Under
-        // graph capture only streams of the same capture can be joined, which the caller's
-        // stream tells; torch synchronizes the device before capture begins.)
-        if let Some(last) = o.last_stream {
-            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
-                self.join(&mut o, last, target)?;
-            }
-        }
+        let target = self.begin(&mut o, c)?;
         let mut arg_ptr = match tail.as_mut() {
             Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
             None => &mut a as *mut Args as *mut std::ffi::c_void,
@@ -147,6 +131,46 @@ impl CudaEngine {
             },
             &format!("launching rsccl's CUDA {}", c.kind.name()),
         )?;
+        self.end(o, c, target)
+    }
+
+    /// Before a launch, under the ordering lock: the stream it goes to (the caller's, or
+    /// the internal one after it), ordered after the caller's queued work and after the
+    /// group's previous launch.
+    pub(super) fn begin(&self, o: &mut Ordering_, c: &CudaCall) -> Result<u64> {
+        let caller = c.stream;
+        let internal = self.internal.raw() as u64;
+        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        // Shutdown sets `stop` under this lock: no launch starts after it.
+        if self.sh.stop.load(Ordering::Acquire) {
+            return Err(Error::destroyed());
+        }
+        if target != caller {
+            // The internal stream waits for everything the caller queued before the call
+            // (and joins the caller's graph capture, if any).
+            self.join(o, caller, target)?;
+        }
+        // The previous rsccl kernel ran on another stream: order this one after it. (Under
+        // graph capture only streams of the same capture can be joined, which the caller's
+        // stream tells; torch synchronizes the device before capture begins.)
+        if let Some(last) = o.last_stream {
+            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
+                self.join(o, last, target)?;
+            }
+        }
+        Ok(target)
+    }
+
+    /// After the launch (or the copies and barriers of a copy-engine collective) on
+    /// `target`: the group's end-of-collectives mark, and the caller's ordering: the
+    /// Work's event for an asynchronous call, the caller's stream made to wait otherwise.
+    pub(super) fn end(
+        self: &Arc<Self>,
+        mut o: parking_lot::MutexGuard<'_, Ordering_>,
+        c: &CudaCall,
+        target: u64,
+    ) -> Result<Option<CudaEvent>> {
+        let caller = c.stream;
         o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
         // Mark the end of the collectives queued so far (health waits on it). Not while

@@ -23,12 +23,14 @@
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
 //! the group's failure state and its reports), `events` (the event pool and stream
-//! ordering), `launch` (collectives and all_to_all), `p2p` (send/recv), `run` (the `Engine` trait), `stats`,
+//! ordering), `launch` (collectives and all_to_all), `copy` (collectives on the copy
+//! engines), `p2p` (send/recv), `run` (the `Engine` trait), `stats`,
 //! `shutdown` (drain and teardown) and `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`. `DeviceCall`, what both device engines run, is
 //! here: its all_to_all carries this engine's `AllToAll`.
 
 mod abi;
+mod copy;
 mod create;
 mod events;
 mod graphs;
@@ -120,6 +122,11 @@ pub struct CudaEngine {
     /// send/recv: a stream per (peer, direction), index 2 * peer + (1 for recv); None for
     /// this rank itself.
     p2p_streams: Vec<Option<Stream>>,
+    /// Copy-engine collectives: a stream per local rank p, for the pulls from p (this
+    /// rank's own: its local copy), NOTE [Copy engines].
+    copy_streams: Vec<Stream>,
+    /// cuda_copy_engine_min_bytes (0: never), `decide::copy_engine`.
+    copy_engine_min: u64,
     inbox_off: u64,
     chunk: u64,
     p2p_blocks: u32,

@@ -14,7 +14,7 @@ use crate::bootstrap::LocalMesh;
 use crate::collective::Kind;
 use crate::cuda::decide::call_in_words;
 use crate::cuda::driver::{check, is_capturing, Device, PinnedPage, Stream};
-use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, POISON_DESTROYED};
+use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, POISON_DESTROYED};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -367,7 +367,11 @@ fn describe(d0: u64, d1: u64) -> String {
     };
     let dtype = DType::from_code(((d0 >> DESC0_DTYPE_SHIFT) & 0xff) as u8).map(|d| d.name()).unwrap_or("?");
     let op = ReduceOp::from_code(((d0 >> DESC0_OP_SHIFT) & 0xff) as u8).map(|o| o.name()).unwrap_or("?");
-    call_in_words(k, dtype, op, (d0 >> DESC0_ROOT_SHIFT) as u32, d1)
+    let call = call_in_words(k, dtype, op, ((d0 >> DESC0_ROOT_SHIFT) & 0xffff) as u32, d1);
+    if d0 >> DESC0_COPY_ENGINE_BIT & 1 == 1 {
+        return format!("{call} on the copy engines");
+    }
+    call
 }
 
 impl CudaEngine {
@@ -480,7 +484,7 @@ impl CudaEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::{describe, fatal_fields, ERR_CONCURRENT, ERR_PEER, ERR_TIMEOUT};
+    use super::{describe, fatal_fields, DESC0_COPY_ENGINE_BIT, ERR_CONCURRENT, ERR_PEER, ERR_TIMEOUT};
     use crate::collective::Kind;
     use crate::cuda::decide::message_bytes;
     use crate::dtype::{DType, ReduceOp};
@@ -508,6 +512,8 @@ mod tests {
         let r = Kind::Reduce.code() | ((DType::F32 as u64) << 8) | ((ReduceOp::Sum as u64) << 16) | (2u64 << 32);
         assert_eq!(describe(r, 7), "reduce float32[7] SUM to local rank 2");
         assert_eq!(describe(Kind::Gather.code() | (1u64 << 32), 64), "gather of 64 bytes per rank to local rank 1");
+        let ce = Kind::AllGather.code() | (1u64 << DESC0_COPY_ENGINE_BIT);
+        assert_eq!(describe(ce, 64), "all_gather of 64 bytes per rank on the copy engines");
         assert_eq!(message_bytes(Kind::Scatter, 64, 1, 4), 256);
     }
 }

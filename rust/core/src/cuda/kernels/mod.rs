@@ -80,6 +80,8 @@ pub const MAX_BLOCKS: u32 = abi::MAX_BLOCKS as u32;
 pub const DESC0_DTYPE_SHIFT: u32 = abi::DESC0_DTYPE_SHIFT as u32;
 pub const DESC0_OP_SHIFT: u32 = abi::DESC0_OP_SHIFT as u32;
 pub const DESC0_ROOT_SHIFT: u32 = abi::DESC0_ROOT_SHIFT as u32;
+/// desc0's bit that says the call runs on the copy engines (NOTE [Copy engines]).
+pub const DESC0_COPY_ENGINE_BIT: u32 = abi::DESC0_COPY_ENGINE_BIT as u32;
 
 /// The kernel families with an entry point per reduced dtype (the op comes with the call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,0 +1,209 @@
+//! Collectives on the copy engines (issue 28): all_gather's data moves with cuMemcpyAsync
+//! between the symmetric mappings, on one stream per peer so that several copy engines
+//! work at once, and no SM touches it. The ranks agree and synchronize with the group's
+//! barrier kernel launched with one CTA (`decide::copy_engine` picks the path).
+//!
+//! NOTE [Copy engines]
+//! Protocol (all_gather, `B` bytes per rank): each staging half (h = 0, 1) holds one slot
+//! per peer, `S` bytes each (`staging_slot`); round k moves bytes [k S, (k+1) S) of every
+//! rank's block (`decide::copy_rounds`). Streams: the collective's stream T, a stream P_p
+//! per peer p (pushes to p) and a local stream L (this rank's own copies).
+//!   L: after T's queued work, this rank's own block, input -> output.
+//!   T: barrier E.
+//!   P_p, after E (round 0) or B_{k-1} (round k): push this rank's bytes of round k into
+//!     p's staging half k % 2, slot of this rank (the copy engine writes over NVLink).
+//!   T, round k: wait for every P_p (this rank's pushes of round k) and for L (its
+//!     copy-out of round k-1); barrier B_k.
+//!   L, after B_k: copy-out: every peer's slot of this rank's half k % 2 into the output.
+//!   T: wait for L; barrier X.
+//! Pushing or pulling made no difference on 4 H100s (both about 185 GB/s into each GPU at
+//! 256 MiB-1 GiB, docs/performance.md, issue 28): pushes keep every peer's bytes of a round
+//! in one place, so a rank sends its input once per peer and needs no staging copy first.
+//! The barriers are rs_barrier with one CTA (block 0's flags and counters: the kernels'
+//! NOTE [Barrier protocol], NOTE [Lockstep blocks]: every rank launches the same sequence,
+//! so block 0's epochs stay in step and the other blocks' are untouched).
+//! Ordering: a barrier kernel starts after the work queued before it on T completed (the
+//! pushes, joined by events), and its st.release.sys / the peer barrier's ld.acquire.sys
+//! order those completed writes before everything the peer queues after its barrier
+//! kernel ended (the copy-out reads only its own memory, written by the peers' pushes).
+//! Buffer reuse: (1) E: no rank still uses its staging for an earlier call (its kernels,
+//! or a graph replayed in between: the engine cannot know what ran before, so E is never
+//! skipped) when the first push lands. (2) Half h is pushed again in round k+2, after the
+//! pusher passed B_{k+1}, which the receiver reached only after its copy-out of round k
+//! (joined into its T before B_{k+1}). (3) X, after every rank's last copy-out: the next
+//! kernel may push into a peer's staging before its own first barrier (reduce_scatter's
+//! push(0): its step parity says that half is free, which holds only if nobody reads it
+//! after the last barrier of the call before), so no copy-out may outlive the call's last
+//! barrier. (Without X, all_gather on the copy engines then reduce_scatter came out wrong
+//! in the bench's overlap check on 4 H100s.)
+//! Agreement and failures: every barrier carries the call's descriptor with
+//! DESC0_COPY_ENGINE_BIT, so a rank that called another collective, or the same one on
+//! the other path, is a mismatch at the next barrier (NOTE [Agreement]). A push writes only
+//! into the slot of its own rank in a peer's staging, never outside it, so a mismatched
+//! call can spoil only the output of a call that raises. Every wait is a barrier's bounded
+//! wait (NOTE [Bounded waits]): a dead, stopped or failed peer makes the barrier kernel
+//! fail within the timeout, naming the rank, and a copy always finishes on its own, so
+//! nothing stays blocked on the GPU. (Stream memory operations, cuStreamWaitValue32,
+//! cannot compare descriptors nor time out, and the watchdog would have to release them;
+//! the barrier kernel does both and runs under CUDA graphs as the other kernels do.)
+//! SMs: the data moves with none; each barrier holds one CTA of one SM for microseconds.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+
+use super::abi::Args;
+use super::events::{CudaEvent, Ordering_};
+use super::{CudaCall, CudaEngine};
+use crate::cuda::decide::copy_rounds;
+use crate::cuda::driver::{check, CUstream};
+use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, STAGE_OFF, THREADS};
+use crate::error::{Error, Result};
+
+impl CudaEngine {
+    /// Whether `c` runs on the copy engines (`decide::copy_engine` with this group's setting).
+    pub(super) fn on_copy_engines(&self, c: &CudaCall) -> bool {
+        let bytes = crate::cuda::decide::message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks);
+        crate::cuda::decide::copy_engine(c.kind, bytes, self.pool.nranks, self.copy_engine_min)
+    }
+
+    /// Bytes of one staging half: the staging of every CUDA block and one parity, taken as
+    /// one contiguous range (NOTE [Block layout]; the copy-engine path owns all of it between
+    /// its barriers).
+    fn staging_half(&self) -> u64 {
+        self.blocks as u64 * self.base.stage_per_block
+    }
+
+    /// Bytes a rank receives from each peer per round: one of the world - 1 slots of a
+    /// staging half, in 256-byte units.
+    fn staging_slot(&self) -> u64 {
+        (self.staging_half() / (self.pool.nranks as u64 - 1).max(1)) & !255
+    }
+
+    /// The all_gather of `c` on the copy engines (NOTE [Copy engines]).
+    pub(super) fn launch_copy_all_gather(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        if self.staging_slot() == 0 {
+            return Err(Error::Internal("the copy-engine path found no staging".into()));
+        }
+        let mut a = self.base;
+        a.count = 0;
+        a.flags = self.sh.launch_flags();
+        a.desc0 = c.kind.code() | ((c.dtype as u64) << DESC0_DTYPE_SHIFT) | (1u64 << DESC0_COPY_ENGINE_BIT);
+        a.desc1 = c.count;
+        let _ctx = self.sh.dev.bind()?;
+        let mut o = self.order.lock();
+        let t = self.begin(&mut o, c)?;
+        // Queued in part, the call would leave copies and barriers that no peer matches:
+        // the group stops (a CUDA error here means the context is failing anyway).
+        if let Err(e) = self.queue_copy_all_gather(&mut o, c, &a, t) {
+            return Err(self.poison(e));
+        }
+        self.end(o, c, t)
+    }
+
+    fn queue_copy_all_gather(&self, o: &mut Ordering_, c: &CudaCall, a: &Args, t: u64) -> Result<()> {
+        let (n, me) = (self.pool.nranks, self.pool.me);
+        let per_rank = c.count;
+        let slot = self.staging_slot();
+        // Rank `to`'s staging half h, the slot that holds rank `from`'s bytes.
+        let slot_at = |to: usize, h: u64, from: usize| {
+            let index = (from - usize::from(from > to)) as u64;
+            self.base.peer[to] + STAGE_OFF as u64 + h * self.staging_half() + index * slot
+        };
+        let s = |p: usize| self.copy_streams[p].raw() as u64;
+        let local = s(me);
+        let peers = || (0..n).filter(move |&p| p != me);
+        // This rank's own block: a local copy beside the rest (none when the input is that
+        // block already, as FSDP2's all-gather passes it).
+        let own = c.out + me as u64 * per_rank;
+        if per_rank > 0 && c.inp != own {
+            self.join(o, t, local)?;
+            copy(own, c.inp, per_rank, local)?;
+        }
+        self.copy_barrier(a, t)?;
+        let rounds: Vec<(u64, u64)> = copy_rounds(per_rank, slot).collect();
+        let push = |o: &mut Ordering_, k: usize| -> Result<()> {
+            let (off, len) = rounds[k];
+            for p in peers() {
+                self.join(o, t, s(p))?;
+                copy(slot_at(p, (k % 2) as u64, me), c.inp + off, len, s(p))?;
+            }
+            Ok(())
+        };
+        if !rounds.is_empty() {
+            push(o, 0)?;
+        }
+        for (k, &(off, len)) in rounds.iter().enumerate() {
+            for p in peers() {
+                self.join(o, s(p), t)?;
+            }
+            if k > 0 {
+                self.join(o, local, t)?;
+            }
+            self.copy_barrier(a, t)?;
+            if k + 1 < rounds.len() {
+                push(o, k + 1)?;
+            }
+            self.join(o, t, local)?;
+            for p in peers() {
+                copy(c.out + p as u64 * per_rank + off, slot_at(me, (k % 2) as u64, p), len, local)?;
+            }
+        }
+        self.join(o, local, t)?;
+        self.copy_barrier(a, t)
+    }
+
+    /// At group creation: one small copy from every peer's staging into this rank's on each
+    /// copy stream, so that the first collective on the copy engines finds the peer
+    /// mappings in use. No kernel reads staging during the warm-up (its calls are empty).
+    pub(super) fn warm_copy_engines(&self) -> Result<()> {
+        let half = self.staging_half();
+        let bytes = half.min(4096);
+        for p in 0..self.pool.nranks {
+            let from = self.base.peer[p] + STAGE_OFF as u64;
+            copy(self.base.peer[self.pool.me] + STAGE_OFF as u64 + half, from, bytes, self.copy_streams[p].raw() as u64)?;
+        }
+        for s in &self.copy_streams {
+            check(s.synchronize(), "cuStreamSynchronize (copy-engine warm-up)")?;
+        }
+        Ok(())
+    }
+
+    /// One barrier of a copy-engine collective: rs_barrier with one CTA on `stream`,
+    /// carrying the call's descriptor (NOTE [Copy engines]).
+    fn copy_barrier(&self, a: &Args, stream: u64) -> Result<()> {
+        let mut a = *a;
+        let mut arg = &mut a as *mut Args as *mut std::ffi::c_void;
+        // SAFETY: rs_barrier takes one `Args` by value, the source's layout; `arg` points at
+        // it for the call; one block of THREADS threads is within its launch bounds, and
+        // block 0's flags and counters are the ones a one-block kernel uses.
+        check(
+            unsafe {
+                cu::cuLaunchKernel(
+                    self.kernels.barrier.raw(),
+                    1,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    stream as CUstream,
+                    &mut arg,
+                    std::ptr::null_mut(),
+                )
+            },
+            "launching rsccl's copy-engine barrier",
+        )
+    }
+}
+
+/// `bytes` from `src` to `dst` on `stream`: device addresses of this context (own memory or
+/// a peer's mapping, NOTE [Block layout]).
+fn copy(dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+    // SAFETY: both ranges lie in memory mapped in this context for as long as the stream
+    // can run the copy: the caller's tensors (kept by the Work until the stream is ordered
+    // after the call) and the group's symmetric blocks (kept while work of the group can
+    // run, shutdown.rs, graphs.rs); the stream is a live stream of this context.
+    check(unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream as CUstream) }, "cuMemcpyDtoDAsync (copy engines)")
+}

@@ -1,0 +1,66 @@
+"""What the GPUs' copy engines move, without rsccl (issue 28, docs/performance.md "Copy
+engines"): torch copies between the GPUs of this host in one process (cudaMemcpyPeerAsync on
+the source GPU's streams), 5 repeats each:
+- one pair, one direction; GPU 0 to its peers at once; the peers into GPU 0 at once;
+- every GPU to every other at once (all_gather's pattern), each copy whole or split over
+  2, 4 and 8 streams.
+
+    NCCL_NVLS_ENABLE=0 python scripts/copy_engine_bandwidth.py [MiB per copy, default 256]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+def rate(jobs: list, reps: int = 5) -> float:
+    """GB/s of `jobs` ((src, dst, stream) copies) issued together, after one untimed round."""
+    n = torch.cuda.device_count()
+
+    def once() -> None:
+        for s, d, st in jobs:
+            with torch.cuda.stream(st):
+                d.copy_(s, non_blocking=True)
+
+    once()
+    for i in range(n):
+        torch.cuda.synchronize(i)
+    t = time.perf_counter()
+    for _ in range(reps):
+        once()
+    for i in range(n):
+        torch.cuda.synchronize(i)
+    return sum(s.numel() for s, _, _ in jobs) / ((time.perf_counter() - t) / reps) / 1e9
+
+
+def main() -> None:
+    n = torch.cuda.device_count()
+    if n < 2:
+        sys.exit("needs 2 GPUs or more")
+    size = (int(sys.argv[1]) if len(sys.argv) > 1 else 256) << 20
+    src = {i: torch.empty(size, dtype=torch.uint8, device=i) for i in range(n)}
+    dst = {(i, j): torch.empty(size, dtype=torch.uint8, device=j) for i in range(n) for j in range(n) if i != j}
+    st = {(i, j): torch.cuda.Stream(device=i) for i in range(n) for j in range(n)}
+    print(f"{n} GPUs, {size >> 20} MiB per copy")
+    print(f"  0 -> 1: {rate([(src[0], dst[(0, 1)], st[(0, 1)])]):.0f} GB/s")
+    print(f"  0 -> every peer at once: {rate([(src[0], dst[(0, j)], st[(0, j)]) for j in range(1, n)]):.0f} GB/s")
+    print(f"  every peer -> 0 at once: {rate([(src[j], dst[(j, 0)], st[(j, 0)]) for j in range(1, n)]):.0f} GB/s")
+    for k in (1, 2, 4, 8):
+        part = size // k
+        streams = {(i, j, c): torch.cuda.Stream(device=i) for i in range(n) for j in range(n) for c in range(k) if i != j}
+        jobs = [
+            (src[i][c * part : (c + 1) * part], dst[(i, j)][c * part : (c + 1) * part], streams[(i, j, c)])
+            for i in range(n)
+            for j in range(n)
+            if i != j
+            for c in range(k)
+        ]
+        total = rate(jobs)
+        print(f"  every GPU -> every other at once, {k} stream(s) per copy: {total:.0f} GB/s in all, {total / n:.0f} per GPU")
+
+
+if __name__ == "__main__":
+    main()
