@@ -4,17 +4,19 @@
 //! barrier kernel launched with one CTA (`decide::copy_engine` picks the path).
 //!
 //! NOTE [Copy engines]
-//! Protocol (all_gather, `B` bytes per rank): each staging half (h = 0, 1) holds one slot
-//! per peer, `S` bytes each (`staging_slot`); round k moves bytes [k S, (k+1) S) of every
-//! rank's block (`decide::copy_rounds`). Streams: the collective's stream T, a stream P_p
+//! Protocol (all_gather, `B` bytes per rank): the staging is cut into BUFFERS (3) buffers
+//! of one slot per peer, `S` bytes each (`staging_slot`); round k moves bytes
+//! [k S, (k+1) S) of every rank's block through buffer k % BUFFERS (`decide::copy_rounds`). Streams: the collective's stream T, a stream P_p
 //! per peer p (pushes to p) and a local stream L (this rank's own copies).
 //!   L: after T's queued work, this rank's own block, input -> output.
 //!   T: barrier E.
-//!   P_p, after E (round 0) or B_{k-1} (round k): push this rank's bytes of round k into
-//!     p's staging half k % 2, slot of this rank (the copy engine writes over NVLink).
+//!   P_p, after E (rounds 0 and 1) or B_{k-2} (round k): push this rank's bytes of round
+//!     k into p's buffer k % 3, slot of this rank (the copy engine writes over NVLink). A
+//!     push waits on a barrier two rounds back, so the peer's stream pushes round after
+//!     round while each barrier runs beside the next round's push.
 //!   T, round k: wait for every P_p (this rank's pushes of round k) and for L (its
 //!     copy-out of round k-1); barrier B_k.
-//!   L, after B_k: copy-out: every peer's slot of this rank's half k % 2 into the output.
+//!   L, after B_k: copy-out: every peer's slot of this rank's buffer k % 3 into the output.
 //!   T: wait for L; barrier X.
 //! Pushing or pulling made no difference on 4 H100s (both about 185 GB/s into each GPU at
 //! 256 MiB-1 GiB, docs/performance.md, issue 28): pushes keep every peer's bytes of a round
@@ -28,9 +30,9 @@
 //! kernel ended (the copy-out reads only its own memory, written by the peers' pushes).
 //! Buffer reuse: (1) E: no rank still uses its staging for an earlier call (its kernels,
 //! or a graph replayed in between: the engine cannot know what ran before, so E is never
-//! skipped) when the first push lands. (2) Half h is pushed again in round k+2, after the
-//! pusher passed B_{k+1}, which the receiver reached only after its copy-out of round k
-//! (joined into its T before B_{k+1}). (3) X, after every rank's last copy-out: the next
+//! skipped) when the first push lands. (2) Buffer k % 3 is pushed again in round k+3,
+//! queued after the pusher passed B_{k+1}, which the receiver reached only after its
+//! copy-out of round k (joined into its T before B_{k+1}). (3) X, after every rank's last copy-out: the next
 //! kernel may push into a peer's staging before its own first barrier (reduce_scatter's
 //! push(0): its step parity says that half is free, which holds only if nobody reads it
 //! after the last barrier of the call before), so no copy-out may outlive the call's last
@@ -56,9 +58,15 @@ use super::abi::Args;
 use super::events::{CudaEvent, Ordering_};
 use super::{CudaCall, CudaEngine};
 use crate::cuda::decide::copy_rounds;
+use crate::cuda::driver::Event;
 use crate::cuda::driver::{check, CUstream};
 use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, STAGE_OFF, THREADS};
 use crate::error::{Error, Result};
+
+/// Staging buffers a copy-engine collective cycles through: round j's pushes are queued
+/// after barrier B_{j - (BUFFERS - 1)}, so a peer's stream pushes round after round while
+/// the barriers run beside it (NOTE [Copy engines]).
+const BUFFERS: usize = 3;
 
 impl CudaEngine {
     /// Whether `c` runs on the copy engines (`decide::copy_engine` with this group's setting).
@@ -67,17 +75,17 @@ impl CudaEngine {
         crate::cuda::decide::copy_engine(c.kind, bytes, self.pool.nranks, self.copy_engine_min)
     }
 
-    /// Bytes of one staging half: the staging of every CUDA block and one parity, taken as
-    /// one contiguous range (NOTE [Block layout]; the copy-engine path owns all of it between
+    /// Bytes of staging: that of every CUDA block and both parities, taken as one
+    /// contiguous range (NOTE [Block layout]; the copy-engine path owns all of it between
     /// its barriers).
-    fn staging_half(&self) -> u64 {
-        self.blocks as u64 * self.base.stage_per_block
+    fn staging_bytes(&self) -> u64 {
+        2 * self.blocks as u64 * self.base.stage_per_block
     }
 
-    /// Bytes a rank receives from each peer per round: one of the world - 1 slots of a
-    /// staging half, in 256-byte units.
+    /// Bytes a rank receives from each peer per round: the staging cut into BUFFERS
+    /// buffers of world - 1 slots, in 256-byte units.
     fn staging_slot(&self) -> u64 {
-        (self.staging_half() / (self.pool.nranks as u64 - 1).max(1)) & !255
+        (self.staging_bytes() / (BUFFERS as u64 * (self.pool.nranks as u64 - 1).max(1))) & !255
     }
 
     /// The all_gather of `c` on the copy engines (NOTE [Copy engines]).
@@ -105,10 +113,10 @@ impl CudaEngine {
         let (n, me) = (self.pool.nranks, self.pool.me);
         let per_rank = c.count;
         let slot = self.staging_slot();
-        // Rank `to`'s staging half h, the slot that holds rank `from`'s bytes.
-        let slot_at = |to: usize, h: u64, from: usize| {
+        // Rank `to`'s staging buffer b, the slot that holds rank `from`'s bytes.
+        let slot_at = |to: usize, b: usize, from: usize| {
             let index = (from - usize::from(from > to)) as u64;
-            self.base.peer[to] + STAGE_OFF as u64 + h * self.staging_half() + index * slot
+            self.base.peer[to] + STAGE_OFF as u64 + ((b % BUFFERS) as u64 * (n as u64 - 1) + index) * slot
         };
         let s = |p: usize| self.copy_streams[p].raw() as u64;
         let local = s(me);
@@ -122,31 +130,37 @@ impl CudaEngine {
         }
         self.copy_barrier(a, t)?;
         let rounds: Vec<(u64, u64)> = copy_rounds(per_rank, slot).collect();
-        let push = |o: &mut Ordering_, k: usize| -> Result<()> {
-            let (off, len) = rounds[k];
+        // Round j's pushes, queued after the barrier last queued on T; the events that mark
+        // their end on each peer's stream (T waits on them before B_j, when later pushes
+        // may already be queued behind them).
+        let push = |o: &mut Ordering_, j: usize| -> Result<Vec<Event>> {
+            let (off, len) = rounds[j];
+            let mut ends = Vec::with_capacity(n - 1);
             for p in peers() {
                 self.join(o, t, s(p))?;
-                copy(slot_at(p, (k % 2) as u64, me), c.inp + off, len, s(p))?;
+                copy(slot_at(p, j, me), c.inp + off, len, s(p))?;
+                ends.push(self.record(o, s(p))?);
             }
-            Ok(())
+            Ok(ends)
         };
-        if !rounds.is_empty() {
-            push(o, 0)?;
+        let mut pushed: std::collections::VecDeque<Vec<Event>> = Default::default();
+        for j in 0..rounds.len().min(BUFFERS - 1) {
+            pushed.push_back(push(o, j)?);
         }
         for (k, &(off, len)) in rounds.iter().enumerate() {
-            for p in peers() {
-                self.join(o, s(p), t)?;
+            for ev in pushed.pop_front().unwrap_or_default() {
+                self.wait_then_free(o, ev, t)?;
             }
             if k > 0 {
                 self.join(o, local, t)?;
             }
             self.copy_barrier(a, t)?;
-            if k + 1 < rounds.len() {
-                push(o, k + 1)?;
+            if k + BUFFERS - 1 < rounds.len() {
+                pushed.push_back(push(o, k + BUFFERS - 1)?);
             }
             self.join(o, t, local)?;
             for p in peers() {
-                copy(c.out + p as u64 * per_rank + off, slot_at(me, (k % 2) as u64, p), len, local)?;
+                copy(c.out + p as u64 * per_rank + off, slot_at(me, k, p), len, local)?;
             }
         }
         self.join(o, local, t)?;
@@ -157,7 +171,7 @@ impl CudaEngine {
     /// copy stream, so that the first collective on the copy engines finds the peer
     /// mappings in use. No kernel reads staging during the warm-up (its calls are empty).
     pub(super) fn warm_copy_engines(&self) -> Result<()> {
-        let half = self.staging_half();
+        let half = self.staging_bytes() / 2;
         let bytes = half.min(4096);
         for p in 0..self.pool.nranks {
             let from = self.base.peer[p] + STAGE_OFF as u64;
@@ -167,6 +181,29 @@ impl CudaEngine {
             check(s.synchronize(), "cuStreamSynchronize (copy-engine warm-up)")?;
         }
         Ok(())
+    }
+
+    /// An event recorded now on `stream` (from the pool): `wait_then_free` makes a stream
+    /// wait on it later, then gives it back.
+    fn record(&self, o: &mut Ordering_, stream: u64) -> Result<Event> {
+        let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
+        // SAFETY: our own event and a live stream of this context.
+        let r = check(unsafe { cu::cuEventRecord(ev.raw(), stream as CUstream) }, "cuEventRecord (copy engines)");
+        match r {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                o.free_events.push(ev);
+                Err(e)
+            }
+        }
+    }
+
+    fn wait_then_free(&self, o: &mut Ordering_, ev: Event, stream: u64) -> Result<()> {
+        // SAFETY: a recorded event of ours and a live stream; the wait captures the record,
+        // so the event can go back to the pool at once.
+        let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent (copy engines)");
+        o.free_events.push(ev);
+        r
     }
 
     /// One barrier of a copy-engine collective: rs_barrier with one CTA on `stream`,
