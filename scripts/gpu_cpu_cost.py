@@ -1,6 +1,6 @@
 """Where an eager CUDA all_reduce and all_to_all_single spend their CPU time: wall time per
 call of each layer (torch.distributed, the ProcessGroup method, the Rust launch), 2 ranks,
-1 KiB bf16.
+1 KiB bf16; and all_gather_into_tensor and reduce_scatter_tensor through torch.distributed.
 
     python3 scripts/gpu_cpu_cost.py
 
@@ -53,6 +53,14 @@ def rank_main(rank, world, port, q):
         "x.add_(0) (torch launch)": lambda: x.add_(0),
     }
     o = torch.empty_like(x)
+    gathered = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    shard = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+    cases.update(
+        {
+            "dist.all_gather_into_tensor(g, x)": lambda: dist.all_gather_into_tensor(gathered, x),
+            "dist.reduce_scatter_tensor(s, x)": lambda: dist.reduce_scatter_tensor(shard, x),
+        }
+    )
     a2a_opts = dist.AllToAllOptions()
     a2a_opts.asyncOp = False
     half = x.nbytes // world
