@@ -8,7 +8,8 @@ use crate::error::{Error, Result};
 /// headers and from Python), torch's name (`torch.float32` prints as `float32`), bytes,
 /// whether it is a floating type, the tag of rsccl's CUDA reduction entry points
 /// (`rs_<family>_<tag>`; `-`: the kernels do not reduce it), NCCL's `ncclDataType_t` (`-`:
-/// NCCL has none) and tch's `Kind` (rsccl-tch). `DType` and its facts are made from it
+/// NCCL has none; in parentheses: NCCL moves it as that type but does not reduce it, as a
+/// sum of bools is not a bool) and tch's `Kind` (rsccl-tch). `DType` and its facts are made from it
 /// here; `cuda::nccl::nccl_dtype`, `cuda::kernels::REDUCE_DTYPES` and rsccl-tch's
 /// `dtype_of_kind` read the columns they need (`dtype_rows!(their_macro)`), so a new dtype
 /// is one row here, its host reduction (collective/reduce.rs) and, to reduce it on CUDA,
@@ -27,7 +28,7 @@ macro_rules! dtype_rows {
             U8   = 5, "uint8",    1, false, -,    ncclUint8,    Uint8;
             I32  = 6, "int32",    4, false, i32,  ncclInt32,    Int;
             I64  = 7, "int64",    8, false, i64,  ncclInt64,    Int64;
-            Bool = 8, "bool",     1, false, -,    ncclUint8,    Bool;
+            Bool = 8, "bool",     1, false, -,  (ncclUint8),  Bool;
         }
     };
 }
@@ -42,9 +43,13 @@ macro_rules! cell_str {
     };
 }
 
-/// Whether a table cell is set (not `-`).
+/// Whether a table cell is set (not `-`, nor in parentheses: a type NCCL moves but does
+/// not reduce).
 macro_rules! cell_set {
     (-) => {
+        false
+    };
+    (($x:ident)) => {
         false
     };
     ($x:ident) => {
@@ -88,6 +93,14 @@ macro_rules! define_dtypes {
             pub const fn kernel_tag(self) -> Option<&'static str> {
                 match self {
                     $(DType::$v => cell_str!($tag),)*
+                }
+            }
+
+            /// Whether NCCL reduces this dtype (the NCCL column is a type, not `-` nor
+            /// parenthesized).
+            pub const fn nccl_reduces(self) -> bool {
+                match self {
+                    $(DType::$v => cell_set!($nccl),)*
                 }
             }
         }
@@ -204,6 +217,13 @@ macro_rules! define_reduce_ops {
             pub const fn in_kernels(self) -> bool {
                 match self {
                     $(ReduceOp::$v => cell_set!($kernel),)*
+                }
+            }
+
+            /// Whether NCCL reduces with it (the table's NCCL op is set).
+            pub const fn in_nccl(self) -> bool {
+                match self {
+                    $(ReduceOp::$v => cell_set!($nccl),)*
                 }
             }
         }

@@ -95,13 +95,6 @@ pub enum DeviceEngine {
     Nccl,
 }
 
-/// The dtypes NCCL reduces: its ncclDataType_t, less bool (NCCL has none; a bool tensor
-/// moves as uint8 but a sum of bools is not a bool) and the fp8 types (rsccl has no such
-/// dtype).
-pub const NCCL_REDUCE_DTYPES: [DType; 8] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64];
-/// The ops NCCL reduces with (ncclRedOp_t; no bitwise ops).
-pub const NCCL_REDUCE_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
-
 /// Whether `engine` can run a `kind` call on `dtype` with `op`, or the `InvalidType` error
 /// that says what it takes (naming `rank`, the caller). Kinds that move bytes run on any
 /// dtype; reductions need the engine's kernels (rsccl: its table, `kernels::check_reduces`;
@@ -119,17 +112,18 @@ pub fn can_run(engine: DeviceEngine, kind: Kind, dtype: DType, op: ReduceOp, ran
     let named = |e: Error| Error::InvalidType(format!("{}: rank {rank} {e}", kind.name()));
     match engine {
         DeviceEngine::Rsccl => kernels::check_reduces(dtype, op).map_err(named),
+        // What NCCL reduces: the NCCL columns of the dtype and reduce-op tables (dtype.rs).
         DeviceEngine::Nccl => {
             let list = |l: &mut dyn Iterator<Item = &'static str>| l.collect::<Vec<_>>().join(", ");
-            if !NCCL_REDUCE_DTYPES.contains(&dtype) {
-                let take = list(&mut NCCL_REDUCE_DTYPES.iter().map(|d| d.name()));
+            if !dtype.nccl_reduces() {
+                let take = list(&mut DType::ALL.iter().filter(|d| d.nccl_reduces()).map(|d| d.name()));
                 return Err(named(Error::InvalidType(format!(
                     "passed {}; NCCL, which runs the CUDA collectives of a group that spans hosts, reduces {take}",
                     dtype.name()
                 ))));
             }
-            if !NCCL_REDUCE_OPS.contains(&op) {
-                let take = list(&mut NCCL_REDUCE_OPS.iter().map(|o| o.name()));
+            if !op.in_nccl() {
+                let take = list(&mut ReduceOp::ALL.iter().filter(|o| o.in_nccl()).map(|o| o.name()));
                 return Err(named(Error::InvalidType(format!(
                     "passed ReduceOp.{} on {}; NCCL, which runs the CUDA collectives of a group that spans hosts, reduces with {take}",
                     op.name(),
@@ -493,6 +487,12 @@ mod tests {
     /// with rsccl's kernel table and aborted the group.)
     #[test]
     fn each_device_engine_answers_for_what_it_reduces() {
+        // NCCL's ncclDataType_t less bool (moved as uint8, never reduced) and the fp8 types
+        // (rsccl has none); its ncclRedOp_t (no bitwise ops). The tables must say so.
+        const NCCL_DTYPES: [DType; 8] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64];
+        const NCCL_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+        assert_eq!(DType::ALL.into_iter().filter(|d| d.nccl_reduces()).collect::<Vec<_>>(), NCCL_DTYPES);
+        assert_eq!(ReduceOp::ALL.into_iter().filter(|o| o.in_nccl()).collect::<Vec<_>>(), NCCL_OPS);
         use DeviceEngine::{Nccl, Rsccl};
         for k in Kind::ALL {
             for d in DType::ALL {
@@ -503,7 +503,7 @@ mod tests {
                         continue;
                     }
                     assert_eq!(r.is_ok(), kernels::REDUCE_DTYPES.contains(&d) && kernels::REDUCE_OPS.contains(&o) && o.check(d).is_ok());
-                    let nccl = NCCL_REDUCE_DTYPES.contains(&d) && NCCL_REDUCE_OPS.contains(&o) && o.check(d).is_ok();
+                    let nccl = NCCL_DTYPES.contains(&d) && NCCL_OPS.contains(&o) && o.check(d).is_ok();
                     assert_eq!(n.is_ok(), nccl, "{k:?} {d:?} {o:?}");
                     for e in [r, n].into_iter().filter_map(|x| x.err()) {
                         assert!(matches!(&e, Error::InvalidType(m) if m.starts_with(&format!("{}: rank 2 ", k.name()))), "{e}");

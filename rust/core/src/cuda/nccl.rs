@@ -259,6 +259,9 @@ macro_rules! nccl_cell {
     ($n:ident, -) => {
         None
     };
+    ($n:ident, ($x:ident)) => {
+        Some(nc::$n::$x)
+    };
     ($n:ident, $x:ident) => {
         Some(nc::$n::$x)
     };
