@@ -133,10 +133,11 @@ pub const SETTINGS: &[Setting] = &[
         field: "cuda_copy_engine_min_bytes",
         env: "RSCCL_CUDA_COPY_ENGINE_MIN_BYTES",
         // Off: on 4 H100s the copy engines moved 185-195 GB/s into each GPU (all_gather
-        // 16 MiB-1 GiB) against 320 for rsccl's kernels and NCCL, and on 2 H100s 233-247
-        // against 304 and 263; with them the bench's overlap loop was not faster either
-        // (2 H100s, 2026-11-26, docs/performance.md "Copy engines"). An opt-in for code that
-        // needs the SMs more than the bandwidth.
+        // 256 MiB-1 GiB) against 320 for rsccl's kernels and NCCL (the engines themselves
+        // stop near 222 with every GPU sending); on 2 H100s 246-275 against 275-309 for the
+        // kernels and 231-269 for NCCL; the bench's overlap loop was not faster with them
+        // and FSDP2 was 30% slower (2026-11-26, docs/performance.md "Copy engines"). An
+        // opt-in for code that needs the SMs more than the bandwidth.
         default: 0,
         min: 0,
         max: 1 << 40,
