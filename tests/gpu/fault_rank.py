@@ -186,6 +186,7 @@ def ce_mismatch(rank: int, world: int, seed: int) -> None:
         say("RESULT barrier_after_mismatch returned")
     except Exception as e:  # noqa: BLE001
         say(f"RAISED mismatched_all_gather {type(e).__name__}: {e}")
+    checked_all_gather("after_mismatch", xs[rank].cuda(), xs)
 
 
 def mismatch(rank: int, world: int, seed: int) -> None:

@@ -234,3 +234,16 @@ def test_copy_engine_mismatch_teardown(world, seed):
     assert ended, "no rank was ended after a mismatched all_gather"
     torn_down("ce_mismatch", res, "ranks called different CUDA collectives", ended)
     assert any("on the copy engines" in res[r][2] for r in ended), "the mismatch does not say the call ran on the copy engines"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_mismatch_raise(world, seed):
+    """Without teardown every rank raises the mismatch, and the call after it is right or
+    raises (docs/errors.md: the group may stop at the timeout), never wrong."""
+    res = run_ranks("ce_mismatch", world, seed, 0)
+    never_wrong("ce_mismatch", res)
+    for r, (rc, o, e) in enumerate(res):
+        assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
+        raised = lines(o, "RAISED mismatched_all_gather")
+        assert raised and "ranks called different CUDA collectives" in raised[0], f"rank {r}:\n{o}"
+        assert lines(o, "RESULT after_mismatch ok") or lines(o, "RAISED after_mismatch"), f"rank {r}:\n{o}"
