@@ -100,17 +100,33 @@ def test_copy_engines_under_cuda_graphs(gpus, seed):
     gpus.run(body_graph, seed, timeout=300)
 
 
-def body_stats(ctx) -> tuple[int, int]:
+def body_stats(ctx) -> tuple[int, int, int, int]:
+    """The setting as memory_stats reports it, and the staged collectives and bytes that 3
+    all_gathers on the copy engines add (counted by their last barrier, on the GPU)."""
     import rsccl
 
-    return rsccl.memory_stats()["cuda_copy_engine_min_bytes"], rsccl.memory_stats(rsccl_group(ctx, "copy-engines"))[
-        "cuda_copy_engine_min_bytes"
-    ]
+    g = rsccl_group(ctx, "copy-engines")
+    x = torch.ones(1000, dtype=torch.float16, device=ctx.device)
+    out = torch.empty(ctx.world * x.numel(), dtype=x.dtype, device=ctx.device)
+    dist.all_gather_into_tensor(out, x, group=g)  # the group exists and is warm
+    torch.cuda.synchronize()
+    before = rsccl.memory_stats(g)
+    for _ in range(3):
+        dist.all_gather_into_tensor(out, x, group=g)
+    torch.cuda.synchronize()
+    after = rsccl.memory_stats(g)
+    return (
+        rsccl.memory_stats()["cuda_copy_engine_min_bytes"],
+        after["cuda_copy_engine_min_bytes"],
+        after["cuda_staged_collectives"] - before["cuda_staged_collectives"],
+        after["cuda_staged_bytes"] - before["cuda_staged_bytes"],
+    )
 
 
-def test_memory_stats_report_the_copy_engine_setting(gpus):
-    for default, forced in gpus.run(body_stats, timeout=120):
+def test_memory_stats_report_the_copy_engine_setting_and_calls(gpus):
+    for default, forced, calls, nbytes in gpus.run(body_stats, timeout=120):
         assert default == 0 and forced == 1, (default, forced)  # off by default (config.rs)
+        assert (calls, nbytes) == (3, 3 * gpus.world * 2000), (calls, nbytes)
 
 
 def body_warm(ctx) -> None:

@@ -17,7 +17,8 @@
 //!   T, round k: wait for every P_p (this rank's pushes of round k) and for L (its
 //!     copy-out of round k-1); barrier B_k.
 //!   L, after B_k: copy-out: every peer's slot of this rank's buffer k % 3 into the output.
-//!   T: wait for L; barrier X.
+//!   T: wait for L; barrier X (which counts the call in memory_stats, as kernels count
+//!     theirs: on the GPU, so that graph replays count).
 //! Pushing or pulling made no difference on 4 H100s (both about 185 GB/s into each GPU at
 //! 256 MiB-1 GiB, docs/performance.md, issue 28): pushes keep every peer's bytes of a round
 //! in one place, so a rank sends its input once per peer and needs no staging copy first.
@@ -170,7 +171,10 @@ impl CudaEngine {
             }
         }
         self.join(o, local, t)?;
-        self.copy_barrier(a, t)
+        // X counts the call (memory_stats: a staged collective of the gathered bytes).
+        let mut x = *a;
+        x.count = per_rank * n as u64;
+        self.copy_barrier(&x, t)
     }
 
     /// At group creation: one small copy from every peer's staging into this rank's on each
