@@ -238,12 +238,15 @@ def test_copy_engine_mismatch_teardown(world, seed):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_mismatch_raise(world, seed):
-    """Without teardown every rank raises the mismatch, and the call after it is right or
-    raises (docs/errors.md: the group may stop at the timeout), never wrong."""
+    """Without teardown every rank raises: the mismatch, or the timeout that stopped the
+    group when its next call, queued before it heard of the mismatch, took another path
+    than a peer's (seen at world 2: rank 0's barrier waited for rank 1, which had raised
+    and gone on to the next all_gather). The call after it is right or raises, never
+    wrong (docs/errors.md)."""
     res = run_ranks("ce_mismatch", world, seed, 0)
     never_wrong("ce_mismatch", res)
     for r, (rc, o, e) in enumerate(res):
         assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
         raised = lines(o, "RAISED mismatched_all_gather")
-        assert raised and "ranks called different CUDA collectives" in raised[0], f"rank {r}:\n{o}"
+        assert raised and ("ranks called different CUDA collectives" in raised[0] or "TimeoutError" in raised[0]), f"rank {r}:\n{o}"
         assert lines(o, "RESULT after_mismatch ok") or lines(o, "RAISED after_mismatch"), f"rank {r}:\n{o}"

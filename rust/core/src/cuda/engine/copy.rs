@@ -43,12 +43,13 @@
 //! DESC0_COPY_ENGINE_BIT, so a rank that called another collective, or the same one on
 //! the other path, is a mismatch at the next barrier (NOTE [Agreement]). A push writes only
 //! into the slot of its own rank in a peer's staging, never outside it, so a mismatched
-//! call can spoil only the output of a call that raises. After a mismatch the group does
-//! not stay usable, as it does with the kernels: the later barriers of this path (block 0
-//! only) wait for peers that left the call, and a peer's kernel (every block), or an
-//! invalid call's barrier, waits in its other blocks for CTAs this path never runs; both
-//! stop at the timeout and poison the group, so every rank's next call raises and nothing
-//! runs on the stale staging in between (docs/errors.md). With cuda_error_teardown, the
+//! call can spoil only the output of a call that raises. After a mismatch the group may
+//! not stay usable, as it does with the kernels: when the ranks' calls took different
+//! paths, or a rank's next call (queued before it heard of the mismatch) takes another
+//! path than a peer's, a kernel's blocks other than 0, or this path's one-CTA barriers,
+//! wait for CTAs the peer never runs; they stop at the timeout and poison the group, so
+//! every rank's next call raises and nothing runs on the stale staging in between
+//! (docs/errors.md; seen at 2 H100s, tests/gpu/test_gpu_faults.py). With cuda_error_teardown, the
 //! default, the mismatch ends the process first, as with the kernels. Every wait is a barrier's bounded
 //! wait (NOTE [Bounded waits]): a dead, stopped or failed peer makes the barrier kernel
 //! fail within the timeout, naming the rank, and a copy always finishes on its own, so
