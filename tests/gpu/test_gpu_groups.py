@@ -54,3 +54,43 @@ def body_subgroups(ctx, seed: int) -> list[list[int]]:
 def test_subgroups(gpus, seed):
     specs = gpus.run(body_subgroups, seed, timeout=120)
     assert len(specs[0]) == (3 if gpus.world >= 4 else 1)
+
+
+def body_concurrent_groups(ctx, seed: int, iterations: int) -> int:
+    """Three groups of every rank (the world and two more, as a mesh's dimensions would be
+    on a small host), each all_reduce on its own stream, all three queued at once, for
+    `iterations` rounds, every 100th checked against a float64 reference: their kernels
+    (up to cuda_blocks CTAs each) run at the same time on every GPU and must never wait on
+    each other's peers (issue 25, place 4: spin-waiting CTAs that cannot all be resident
+    would hold each other until the timeout)."""
+    groups = [dist.group.WORLD] + [dist.new_group(list(range(ctx.world)), backend="rsccl") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in groups]
+    n = 4 << 20  # float32, 16 MiB: long enough to overlap
+    bufs = [torch.empty(n, device=ctx.device) for _ in groups]
+    inputs = [rand(seed, ctx.rank, n, torch.float32, salt=f"concurrent group {i}") for i in range(len(groups))]
+    refs = [gather_inputs(ctx, x).double().sum(0).float() for x in inputs]
+    torch.cuda.synchronize()
+    checked = 0
+    for it in range(iterations):
+        for b, x in zip(bufs, inputs):
+            b.copy_(x)
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        for g, s, b in zip(groups, streams, bufs):
+            with torch.cuda.stream(s):
+                dist.all_reduce(b, group=g)
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        if it % 100 == 99:
+            torch.cuda.synchronize()
+            for i, (b, want) in enumerate(zip(bufs, refs)):
+                torch.testing.assert_close(b, want, rtol=1e-4, atol=1e-4, msg=f"iteration {it}, group {i}")
+            checked += 1
+    torch.cuda.synchronize()
+    for g in groups[1:]:
+        dist.destroy_process_group(g)
+    return checked
+
+
+def test_three_groups_at_once_on_every_gpu(gpus, seed):
+    assert all(c == 10 for c in gpus.run(body_concurrent_groups, seed, 1000, timeout=400))
