@@ -58,17 +58,14 @@
 //! the barrier kernel does both and runs under CUDA graphs as the other kernels do.)
 //! SMs: the data moves with none; each barrier holds one CTA of one SM for microseconds.
 
-use std::sync::Arc;
-
 use cudarc::driver::sys as cu;
 
 use super::abi::Args;
-use super::events::{CudaEvent, Ordering_};
 use super::{CudaCall, CudaEngine};
 use crate::cuda::decide::copy_rounds;
-use crate::cuda::driver::Event;
-use crate::cuda::driver::{check, CUstream};
+use crate::cuda::driver::{check, CUstream, Event};
 use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, STAGE_OFF, THREADS};
+use crate::cuda::order::{CudaEvent, EndMark, Order};
 use crate::error::{Error, Result};
 
 /// Staging buffers a copy-engine collective cycles through: round j's pushes are queued
@@ -97,7 +94,7 @@ impl CudaEngine {
     }
 
     /// The all_gather of `c` on the copy engines (NOTE [Copy engines]).
-    pub(super) fn launch_copy_all_gather(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+    pub(super) fn launch_copy_all_gather(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
         if self.staging_slot() == 0 {
             return Err(Error::Internal("the copy-engine path found no staging".into()));
         }
@@ -108,16 +105,16 @@ impl CudaEngine {
         a.desc1 = c.count;
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
-        let t = self.begin(&mut o, c)?;
+        let l = self.begin(&mut o, c)?;
         // Queued in part, the call would leave copies and barriers that no peer matches:
         // the group stops (a CUDA error here means the context is failing anyway).
-        if let Err(e) = self.queue_copy_all_gather(&mut o, c, &a, t) {
+        if let Err(e) = self.queue_copy_all_gather(&mut o, c, &a, l.target) {
             return Err(self.poison(e));
         }
-        self.end(o, c, t)
+        self.end(&mut o, &l)
     }
 
-    fn queue_copy_all_gather(&self, o: &mut Ordering_, c: &CudaCall, a: &Args, t: u64) -> Result<()> {
+    fn queue_copy_all_gather(&self, o: &mut Order<EndMark>, c: &CudaCall, a: &Args, t: u64) -> Result<()> {
         let (n, me) = (self.pool.nranks, self.pool.me);
         let per_rank = c.count;
         let slot = self.staging_slot();
@@ -133,7 +130,7 @@ impl CudaEngine {
         // block already, as FSDP2's all-gather passes it).
         let own = c.out + me as u64 * per_rank;
         if per_rank > 0 && c.inp != own {
-            self.join(o, t, local)?;
+            o.join(t, local)?;
             copy(own, c.inp, per_rank, local)?;
         }
         self.copy_barrier(a, t)?;
@@ -141,13 +138,13 @@ impl CudaEngine {
         // Round j's pushes, queued after the barrier last queued on T; the events that mark
         // their end on each peer's stream (T waits on them before B_j, when later pushes
         // may already be queued behind them).
-        let push = |o: &mut Ordering_, j: usize| -> Result<Vec<Event>> {
+        let push = |o: &mut Order<EndMark>, j: usize| -> Result<Vec<Event>> {
             let (off, len) = rounds[j];
             let mut ends = Vec::with_capacity(n - 1);
             for p in peers() {
-                self.join(o, t, s(p))?;
+                o.join(t, s(p))?;
                 copy(slot_at(p, j, me), c.inp + off, len, s(p))?;
-                ends.push(self.record(o, s(p))?);
+                ends.push(o.record(s(p))?);
             }
             Ok(ends)
         };
@@ -157,21 +154,21 @@ impl CudaEngine {
         }
         for (k, &(off, len)) in rounds.iter().enumerate() {
             for ev in pushed.pop_front().unwrap_or_default() {
-                self.wait_then_free(o, ev, t)?;
+                o.wait_then_free(ev, t)?;
             }
             if k > 0 {
-                self.join(o, local, t)?;
+                o.join(local, t)?;
             }
             self.copy_barrier(a, t)?;
             if k + BUFFERS - 1 < rounds.len() {
                 pushed.push_back(push(o, k + BUFFERS - 1)?);
             }
-            self.join(o, t, local)?;
+            o.join(t, local)?;
             for p in peers() {
                 copy(c.out + p as u64 * per_rank + off, slot_at(me, k, p), len, local)?;
             }
         }
-        self.join(o, local, t)?;
+        o.join(local, t)?;
         // X counts the call (memory_stats: a staged collective of the gathered bytes).
         let mut x = *a;
         x.count = per_rank * n as u64;
@@ -192,29 +189,6 @@ impl CudaEngine {
             check(s.synchronize(), "cuStreamSynchronize (copy-engine warm-up)")?;
         }
         Ok(())
-    }
-
-    /// An event recorded now on `stream` (from the pool): `wait_then_free` makes a stream
-    /// wait on it later, then gives it back.
-    fn record(&self, o: &mut Ordering_, stream: u64) -> Result<Event> {
-        let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
-        // SAFETY: our own event and a live stream of this context.
-        let r = check(unsafe { cu::cuEventRecord(ev.raw(), stream as CUstream) }, "cuEventRecord (copy engines)");
-        match r {
-            Ok(()) => Ok(ev),
-            Err(e) => {
-                o.free_events.push(ev);
-                Err(e)
-            }
-        }
-    }
-
-    fn wait_then_free(&self, o: &mut Ordering_, ev: Event, stream: u64) -> Result<()> {
-        // SAFETY: a recorded event of ours and a live stream; the wait captures the record,
-        // so the event can go back to the pool at once.
-        let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent (copy engines)");
-        o.free_events.push(ev);
-        r
     }
 
     /// One barrier of a copy-engine collective: rs_barrier with one CTA on `stream`,

@@ -9,7 +9,6 @@ use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
 use super::abi::Args;
-use super::events::Ordering_;
 use super::launch::AllToAll;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
@@ -20,6 +19,7 @@ use crate::config::Config;
 use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
+use crate::cuda::order::{EndMark, EventHome, Order};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
@@ -248,8 +248,9 @@ impl CudaEngine {
         let _ctx = dev.bind()?;
         let words = HostWords::new(&dev)?;
         // Each of these owns its handle: a failure on the way drops (releases) what was made.
-        // One more than the pool of 8: the last becomes `Ordering_::end_event`.
-        let mut free_events = (0..9).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
+        // The launch order's pool of 8, and the end-of-collectives mark's event.
+        let free_events = (0..8).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
+        let end_event = Event::new(&dev)?;
         let internal = Stream::non_blocking(&dev, "cuStreamCreate")?;
         let poison_stream = Stream::non_blocking(&dev, "cuStreamCreate (abort)")?;
         // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
@@ -326,8 +327,8 @@ impl CudaEngine {
             teardown: cfg.cuda_error_teardown,
             armed: AtomicBool::new(false),
         });
-        let end_event = free_events.pop().ok_or_else(|| Error::Internal("no event made".into()))?;
-        let engine = Arc::new(CudaEngine {
+        // Cyclic: the order hands out events that come back to the engine (`EventHome`).
+        let engine = Arc::new_cyclic(|me: &std::sync::Weak<CudaEngine>| CudaEngine {
             sh: sh.clone(),
             pool: std::mem::ManuallyDrop::new(pool),
             heap,
@@ -336,7 +337,13 @@ impl CudaEngine {
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
-            order: Mutex::new(Ordering_ { last_stream: None, free_events, collectives_end: false, end_event }),
+            order: Mutex::new(Order::new(
+                dev.clone(),
+                free_events,
+                timeout,
+                me.clone() as std::sync::Weak<dyn EventHome>,
+                EndMark::new(end_event),
+            )),
             base,
             blocks,
             gpu_sharers: sharers,

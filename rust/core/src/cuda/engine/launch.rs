@@ -1,18 +1,18 @@
-//! Launching a collective or an all_to_all: the kernel, its arguments, the stream it runs
-//! on and the order after the previous launch.
+//! Launching a collective or an all_to_all: the kernel, its arguments, and its place in
+//! the launch order (cuda/order.rs) with this engine's marks; where the Work's events come
+//! home.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
-use super::events::{CudaEvent, EventHome, Ordering_};
 use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
 use crate::cuda::decide::{kernel, placement, Kernel};
-use crate::cuda::driver::{check, is_capturing, CUstream, Event};
+use crate::cuda::driver::{check, is_capturing, CUevent, CUstream, Event};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
+use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
 use crate::error::{Error, Result};
 
 /// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
@@ -28,7 +28,7 @@ pub struct AllToAll {
 impl CudaEngine {
     /// Launch one collective. Returns the end event for an asynchronous call (the Work
     /// waits on it); a blocking call is ordered before the caller's later work already.
-    pub fn launch(self: &Arc<Self>, c: &CudaCall) -> Result<Option<CudaEvent>> {
+    pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
         // A group that failed (timeout, dead peer) runs nothing more. A mismatch that a
         // kernel reported is raised after this launch: ranks notice it at different calls
         // (the GPU reports it asynchronously), so every rank must still launch the same
@@ -39,7 +39,7 @@ impl CudaEngine {
     }
 
     /// Launch one all_to_all (see `AllToAll`; every list has one entry per local rank).
-    pub fn launch_all_to_all(self: &Arc<Self>, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+    pub fn launch_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
         let n = self.pool.nranks;
         if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
             return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
@@ -62,7 +62,7 @@ impl CudaEngine {
         Ok(ev)
     }
 
-    pub(super) fn launch_inner(self: &Arc<Self>, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
+    pub(super) fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
         if a2a.is_none() && self.on_copy_engines(c) {
             return self.launch_copy_all_gather(c);
         }
@@ -117,7 +117,7 @@ impl CudaEngine {
         }
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
-        let target = self.begin(&mut o, c)?;
+        let l = self.begin(&mut o, c)?;
         let mut arg_ptr = match tail.as_mut() {
             Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
             None => &mut a as *mut Args as *mut std::ffi::c_void,
@@ -127,81 +127,69 @@ impl CudaEngine {
         // matches every kernel's launch bounds.
         check(
             unsafe {
-                cu::cuLaunchKernel(func.raw(), self.blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut arg_ptr, std::ptr::null_mut())
+                cu::cuLaunchKernel(
+                    func.raw(),
+                    self.blocks,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    l.target as CUstream,
+                    &mut arg_ptr,
+                    std::ptr::null_mut(),
+                )
             },
             &format!("launching rsccl's CUDA {}", c.kind.name()),
         )?;
-        self.end(o, c, target)
+        self.end(&mut o, &l)
     }
 
     /// Before a launch, under the ordering lock: the stream it goes to (the caller's, or
     /// the internal one after it), ordered after the caller's queued work and after the
     /// group's previous launch.
-    pub(super) fn begin(&self, o: &mut Ordering_, c: &CudaCall) -> Result<u64> {
-        let caller = c.stream;
-        let internal = self.internal.raw() as u64;
-        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
-        // Shutdown sets `stop` under this lock: no launch starts after it.
-        if self.sh.stop.load(Ordering::Acquire) {
-            return Err(Error::destroyed());
-        }
-        if target != caller {
-            // The internal stream waits for everything the caller queued before the call
-            // (and joins the caller's graph capture, if any).
-            self.join(o, caller, target)?;
-        }
-        // The previous rsccl kernel ran on another stream: order this one after it. (Under
-        // graph capture only streams of the same capture can be joined, which the caller's
-        // stream tells; torch synchronizes the device before capture begins.)
-        if let Some(last) = o.last_stream {
-            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
-                self.join(o, last, target)?;
-            }
-        }
-        Ok(target)
+    pub(super) fn begin(&self, o: &mut Order<EndMark>, c: &CudaCall) -> Result<Launch> {
+        let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal.raw() as u64);
+        o.begin(&l, &self.sh.stop)?;
+        Ok(l)
     }
 
     /// After the launch (or the copies and barriers of a copy-engine collective) on
-    /// `target`: the group's end-of-collectives mark, and the caller's ordering: the
-    /// Work's event for an asynchronous call, the caller's stream made to wait otherwise.
-    pub(super) fn end(
-        self: &Arc<Self>,
-        mut o: parking_lot::MutexGuard<'_, Ordering_>,
-        c: &CudaCall,
-        target: u64,
-    ) -> Result<Option<CudaEvent>> {
-        let caller = c.stream;
-        o.last_stream = Some(target);
+    /// `l.target`: this engine's marks, then the caller's ordering (`Order::end`).
+    pub(super) fn end(&self, o: &mut Order<EndMark>, l: &Launch) -> Result<Option<CudaEvent>> {
         self.collectives.fetch_add(1, Ordering::Relaxed);
-        // Mark the end of the collectives queued so far (health waits on it). Not while
-        // capturing: a captured record cannot be queried, and a captured kernel runs only
-        // at replay; the event then keeps marking the last launch that really ran (torch
-        // synchronizes the device before a capture begins). An error here (the legacy
-        // stream during a global-mode capture) counts as capturing.
-        match is_capturing(target) {
-            Ok(false) => {
-                // SAFETY: our own event and a live stream of this context.
-                check(unsafe { cu::cuEventRecord(o.end_event.raw(), target as CUstream) }, "cuEventRecord (end of collectives)")?;
-                o.collectives_end = true;
+        o.end(l, |o| {
+            // Mark the end of the collectives queued so far (health waits on it). Not while
+            // capturing: a captured record cannot be queried, and a captured kernel runs
+            // only at replay; the event then keeps marking the last launch that really ran
+            // (torch synchronizes the device before a capture begins). An error here (the
+            // legacy stream during a global-mode capture) counts as capturing.
+            match is_capturing(l.target) {
+                Ok(false) => o.marks.record(l.target),
+                // The graph keeps what the kernel uses alive (graphs.rs).
+                Ok(true) => self.keep_for_graph(l.target),
+                Err(_) => Ok(()),
             }
-            // The graph keeps what the kernel uses alive (graphs.rs).
-            Ok(true) => self.keep_for_graph(target)?,
-            Err(_) => {}
-        }
-        if target == caller {
-            return Ok(None);
-        }
-        let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
-        // SAFETY: valid event and stream.
-        check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
-        if c.asynchronous {
-            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<CudaEngine>;
-            return Ok(Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout)));
-        }
-        // SAFETY: valid event and caller stream; the wait captures the event's current
-        // state, so the event can be reused right away.
-        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
-        o.free_events.push(ev);
-        r.map(|_| None)
+        })
+    }
+}
+
+impl EventHome for CudaEngine {
+    // The trait takes the raw handle because the NCCL engine's pool keeps raw handles too;
+    // its contract (an event of this home, handed back once) is on `EventHome::recycle`.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
+    fn recycle(&self, ev: CUevent) {
+        // SAFETY: only this engine's CudaEvents name it as their home, and each hands back,
+        // once, the event this engine made on its device (from its pool, `Order::end`).
+        let ev = unsafe { Event::from_raw(ev, self.sh.dev.clone()) };
+        self.order.lock().give_back(ev);
+    }
+
+    fn wait_timed_out(&self) -> Error {
+        // rsccl's kernels time out by themselves and say so (health); the CPU wait also
+        // covers work of others queued before the collective, so this alone does not
+        // make the group unusable.
+        Error::Timeout(format!("a CUDA collective did not finish within the group timeout ({:.1} s)", self.timeout.as_secs_f64()))
     }
 }

@@ -1,13 +1,13 @@
 //! The CUDA engine of a group on one host: the symmetric pool, the loaded kernels, an
-//! internal stream, and the ordering rules between them and the caller's streams.
+//! internal stream, and its launches on them in the order cuda/order.rs keeps.
 //!
-//! Streams: every kernel of a group must run after the previous one (the kernels' per-block
-//! counters assume it, NOTE [Lockstep blocks] in csrc_kernels/protocol.cuh). A launch goes to the caller's
-//! current stream (blocking calls, `cuda_sync_stream = 1`) or to the internal stream (after
-//! an event makes it wait for the caller's stream). When a launch goes to a different
-//! stream than the previous launch, the new stream first waits on an event recorded on the
-//! old one. No tensor is marked on a stream: the Python Work keeps its tensors until the
-//! consumer stream is ordered after the collective.
+//! Streams: the launch order both CUDA engines share (cuda/order.rs): a launch's target
+//! stream (the caller's for blocking calls with `cuda_sync_stream = 1`, else the internal
+//! one), the chain that orders every collective after the previous one (the kernels'
+//! per-block counters assume it, NOTE [Lockstep blocks] in csrc_kernels/protocol.cuh),
+//! and the caller's ordering after it. This engine adds, after each collective, its
+//! end-of-collectives mark (`EndMark`, which `health` waits on), or while capturing, the
+//! references a graph takes (graphs.rs).
 //!
 //! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
 //! finds that a peer called another collective writes a code into host-mapped memory; a
@@ -22,17 +22,16 @@
 //!
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
-//! the group's failure state and its reports), `events` (the event pool and stream
-//! ordering), `launch` (collectives and all_to_all), `copy` (collectives on the copy
-//! engines), `p2p` (send/recv), `run` (the `Engine` trait), `stats`,
-//! `shutdown` (drain and teardown) and `watchdog`. The pure choices (algorithm, placement,
+//! the group's failure state and its reports), `launch` (collectives and all_to_all, and
+//! where the Work's events come home), `copy` (collectives on the copy engines), `p2p`
+//! (send/recv), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
+//! `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`. `DeviceCall`, what both device engines run, is
 //! here: its all_to_all carries this engine's `AllToAll`.
 
 mod abi;
 mod copy;
 mod create;
-mod events;
 mod graphs;
 mod launch;
 mod p2p;
@@ -55,12 +54,11 @@ pub use super::decide::{
 };
 use super::driver::Stream;
 use super::kernels::{Family, Kernels};
+use super::order::{EndMark, Order};
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
-use events::Ordering_;
-pub use events::{CudaEvent, EventHome};
 pub use launch::AllToAll;
 pub use stats::CudaStats;
 use status::Shared;
@@ -106,7 +104,7 @@ pub struct CudaEngine {
     kernels: std::mem::ManuallyDrop<Arc<Kernels>>,
     undrained: AtomicBool,
     internal: Stream,
-    order: Mutex<Ordering_>,
+    order: Mutex<Order<EndMark>>,
     base: Args,
     /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
     /// (`grids_that_fit`).

@@ -1,33 +1,21 @@
 //! send/recv: one kernel per call, on the (peer, direction)'s own stream.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
 use cudarc::driver::sys as cu;
 
 use super::abi::P2pArgs;
-use super::events::{CudaEvent, EventHome};
 use super::CudaEngine;
 use crate::collective::validate;
 use crate::collective::Kind;
-use crate::cuda::driver::{check, is_capturing, CUstream, Event};
+use crate::cuda::driver::{check, is_capturing, CUstream};
 use crate::cuda::kernels::THREADS;
+use crate::cuda::order::{CudaEvent, Launch};
 use crate::error::{Error, Result};
 
 impl CudaEngine {
     /// Launch one send (`send`) or recv of `bytes` at `ptr` with local rank `peer`, on that
     /// (peer, direction)'s own stream, after the work queued on the caller's `stream`.
     /// Returns the end event of an asynchronous call; a blocking one makes `stream` wait.
-    #[allow(clippy::too_many_arguments)]
-    pub fn launch_p2p(
-        self: &Arc<Self>,
-        send: bool,
-        ptr: u64,
-        bytes: u64,
-        peer: usize,
-        stream: u64,
-        asynchronous: bool,
-    ) -> Result<Option<CudaEvent>> {
+    pub fn launch_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
         let (n, me) = (self.pool.nranks, self.pool.me);
         // Local ranks: the NCCL engine passes this host's share of its group.
         validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
@@ -48,13 +36,11 @@ impl CudaEngine {
             .as_ref()
             .map(|s| s.raw() as u64)
             .ok_or_else(|| Error::Internal(format!("no send/recv stream for local rank {peer}")))?;
+        let l = Launch::send_recv(stream, target, asynchronous);
         let ev = {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
-            if self.sh.stop.load(Ordering::Acquire) {
-                return Err(Error::destroyed());
-            }
-            self.join(&mut o, stream, target)?;
+            o.begin(&l, &self.sh.stop)?;
             let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
             // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
             // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
@@ -69,7 +55,7 @@ impl CudaEngine {
                         1,
                         1,
                         0,
-                        target as CUstream,
+                        l.target as CUstream,
                         &mut arg_ptr,
                         std::ptr::null_mut(),
                     )
@@ -78,24 +64,7 @@ impl CudaEngine {
             )?;
             // A capture of the send/recv (joined to the caller's captured stream): the graph
             // keeps what the kernel uses alive (graphs.rs).
-            if is_capturing(target).unwrap_or(false) {
-                self.keep_for_graph(target)?;
-            }
-            let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
-            // SAFETY: valid event and stream.
-            check(unsafe { cu::cuEventRecord(ev.raw(), target as CUstream) }, "cuEventRecord")?;
-            if asynchronous {
-                {
-                    let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(self) as std::sync::Weak<dyn EventHome>;
-                    Some(CudaEvent::from_event(ev, home, self.sh.dev.clone(), self.timeout))
-                }
-            } else {
-                // SAFETY: valid event and caller stream; the wait captures the record.
-                let r = check(unsafe { cu::cuStreamWaitEvent(stream as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent");
-                o.free_events.push(ev);
-                r?;
-                None
-            }
+            o.end(&l, |_| if is_capturing(l.target).unwrap_or(false) { self.keep_for_graph(l.target) } else { Ok(()) })?
         };
         // Only a fatal error stops a send/recv: a collectives' mismatch is reported by the
         // collective's own launch or Work, never by a send that is already queued (the

@@ -27,7 +27,7 @@ impl CudaEngine {
         let mut pending = vec![self.internal.raw() as u64];
         pending.extend(self.p2p_streams.iter().flatten().map(|s| s.raw() as u64));
         pending.extend(self.copy_streams.iter().map(|s| s.raw() as u64));
-        if let Some(last) = o.last_stream.filter(|&l| l != self.internal.raw() as u64) {
+        if let Some(last) = o.last_stream().filter(|&l| l != self.internal.raw() as u64) {
             pending.push(last);
         }
         // Queued kernels get the group timeout to finish, then the abort word stops their

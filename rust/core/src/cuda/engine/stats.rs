@@ -8,7 +8,7 @@ use cudarc::driver::sys as cu;
 
 use super::status::HostWords;
 use super::CudaEngine;
-use crate::cuda::driver::{check, is_capturing, Event};
+use crate::cuda::driver::{check, is_capturing};
 use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
@@ -60,28 +60,22 @@ impl CudaEngine {
                 if capturing(internal) {
                     return Err(Error::Internal("capturing".into()));
                 }
-                if let Some(last) = o.last_stream.filter(|&l| l != internal) {
+                if let Some(last) = o.last_stream().filter(|&l| l != internal) {
                     if capturing(last) {
                         return Err(Error::Internal("capturing".into()));
                     }
-                    self.join(&mut o, last, internal)?;
+                    o.join(last, internal)?;
                 }
-                let ev = o.free_events.pop().map(Ok).unwrap_or_else(|| Event::new(&self.sh.dev))?;
                 let dst = self.sh.words.counts_ptr();
                 // SAFETY: copies 32 bytes of our own block (mapped for this device) into the
-                // pinned page (32 free bytes at COUNTS), on our live stream; the event is ours.
-                let r = unsafe {
-                    check(
-                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal.raw()),
-                        "cuMemcpyDtoHAsync (collective counters)",
-                    )
-                    .and_then(|_| check(cu::cuEventRecord(ev.raw(), self.internal.raw()), "cuEventRecord"))
-                };
-                if let Err(e) = r {
-                    o.free_events.push(ev);
-                    return Err(e);
-                }
-                ev
+                // pinned page (32 free bytes at COUNTS), on our live stream.
+                check(
+                    unsafe {
+                        cu::cuMemcpyDtoHAsync_v2(dst, self.pool.block_addr(self.pool.me) + STATS_OFF as u64, 32, self.internal.raw())
+                    },
+                    "cuMemcpyDtoHAsync (collective counters)",
+                )?;
+                o.record(internal)?
             };
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             let done = loop {
@@ -93,7 +87,7 @@ impl CudaEngine {
                     e => break check(e, "cuEventQuery"),
                 }
             };
-            self.order.lock().free_events.push(ev);
+            self.order.lock().give_back(ev);
             done?;
             Ok(std::array::from_fn(|i| self.sh.words.read64(HostWords::COUNTS + i)))
         };

@@ -459,10 +459,10 @@ impl CudaEngine {
             // The last launch is being captured (so the mismatch came from a kernel that ran
             // before the capture began, and torch synchronized the device then): nothing to
             // wait for, and querying an event is not allowed during a global-mode capture.
-            if o.last_stream.is_some_and(|l| is_capturing(l).unwrap_or(true)) {
+            if o.last_stream().is_some_and(|l| is_capturing(l).unwrap_or(true)) {
                 return Ok(());
             }
-            o.collectives_end.then(|| o.end_event.raw())
+            o.marks.recorded()
         };
         let Some(ev) = ev else { return Ok(()) };
         let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
