@@ -230,22 +230,6 @@ impl Event {
         Ok(Event { raw, dev: dev.clone() })
     }
 
-    /// Take ownership of `raw`, an event made on `dev` that nothing else destroys.
-    ///
-    /// # Safety
-    /// `raw` is a live event of `dev`'s context, and from here only this `Event` (or
-    /// whoever `into_raw` hands it to) destroys it.
-    pub unsafe fn from_raw(raw: CUevent, dev: Arc<Device>) -> Event {
-        Event { raw, dev }
-    }
-
-    /// Give up ownership: the caller destroys the handle (or wraps it again, `from_raw`).
-    pub fn into_raw(self) -> CUevent {
-        let raw = self.raw;
-        std::mem::forget(self);
-        raw
-    }
-
     pub fn raw(&self) -> CUevent {
         self.raw
     }
@@ -254,8 +238,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_ctx) = self.dev.bind() {
-            // SAFETY: an event this struct owns (made in `new` or handed over to
-            // `from_raw`), destroyed exactly once.
+            // SAFETY: an event this struct made in `new` and owns, destroyed exactly once.
             unsafe { cu::cuEventDestroy_v2(self.raw) };
         }
     }

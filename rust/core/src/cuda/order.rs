@@ -70,9 +70,9 @@ impl Launch {
 /// The engine an event came from: where it goes back when dropped, and what a wait on it
 /// that ran past the group timeout means for the group.
 pub trait EventHome: Send + Sync {
-    /// Take back `ev`: an event this home made on its device and handed to a `CudaEvent`,
-    /// returned once, when that `CudaEvent` drops.
-    fn recycle(&self, ev: CUevent);
+    /// Take back `ev`, an event of this home's `Order` that a `CudaEvent` held; called once,
+    /// when that `CudaEvent` drops.
+    fn recycle(&self, ev: Event);
     /// A CPU wait for this engine's collective gave up after the group timeout: the error
     /// to raise (the engine may abort the group, as the NCCL engine does).
     fn wait_timed_out(&self) -> Error;
@@ -236,15 +236,6 @@ pub struct CudaEvent {
 }
 
 impl CudaEvent {
-    /// `ev`: an event the caller made on `dev` and hands over (the NCCL engine's; it comes
-    /// back to `home` through `EventHome::recycle`, or is destroyed here if `home` is gone).
-    pub(crate) fn new(ev: CUevent, home: Weak<dyn EventHome>, dev: Arc<Device>, timeout: Duration) -> CudaEvent {
-        // SAFETY: the contract of this crate-internal constructor: `ev` is a live event of
-        // `dev`'s context that the caller no longer uses or destroys.
-        let ev = unsafe { Event::from_raw(ev, dev.clone()) };
-        CudaEvent { ev: Some(ev), home, dev, timeout }
-    }
-
     fn raw(&self) -> CUevent {
         self.ev.as_ref().map_or(std::ptr::null_mut(), Event::raw)
     }
@@ -302,7 +293,7 @@ impl Drop for CudaEvent {
         let Some(ev) = self.ev.take() else { return };
         // The engine is gone: the event is ours alone, and `ev`'s Drop destroys it.
         if let Some(e) = self.home.upgrade() {
-            e.recycle(ev.into_raw());
+            e.recycle(ev);
         }
     }
 }

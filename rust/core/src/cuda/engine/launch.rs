@@ -10,7 +10,7 @@ use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
 use crate::cuda::decide::{kernel, placement, Kernel};
-use crate::cuda::driver::{check, is_capturing, CUevent, CUstream, Event};
+use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
 use crate::error::{Error, Result};
@@ -176,13 +176,7 @@ impl CudaEngine {
 }
 
 impl EventHome for CudaEngine {
-    // The trait takes the raw handle because the NCCL engine's pool keeps raw handles too;
-    // its contract (an event of this home, handed back once) is on `EventHome::recycle`.
-    #[allow(clippy::not_unsafe_ptr_arg_deref)]
-    fn recycle(&self, ev: CUevent) {
-        // SAFETY: only this engine's CudaEvents name it as their home, and each hands back,
-        // once, the event this engine made on its device (from its pool, `Order::end`).
-        let ev = unsafe { Event::from_raw(ev, self.sh.dev.clone()) };
+    fn recycle(&self, ev: Event) {
         self.order.lock().give_back(ev);
     }
 

@@ -14,16 +14,16 @@ use parking_lot::{Mutex, RwLock};
 use super::bound::{free_bytes, Bound};
 use super::choice::{hierarchical_layout, host_major};
 use super::hier::HierLayout;
-use super::launch::new_event;
 use super::pairs::make_pairs;
 use super::warm::warm_up;
 use super::watchdog::watchdog;
-use super::{NcclEngine, Order, Shared, SCRATCH_BYTES, WARM_BYTES};
+use super::{NcclEngine, Shared, SCRATCH_BYTES, WARM_BYTES};
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{LocalMesh, SetupWatch, Store, Topology};
 use crate::config::Config;
-use crate::cuda::driver::{check, CUstream, Device};
+use crate::cuda::driver::{check, CUstream, Device, Event};
 use crate::cuda::nccl::{Nccl, NcclComm};
+use crate::cuda::order::{EventHome, Order};
 use crate::cuda::CudaEngine;
 use crate::error::{Error, Result};
 
@@ -387,7 +387,11 @@ impl NcclEngine {
                 }
             }
         }
-        let sh = Arc::new(Shared {
+        // Events for the launches' tracking, made now rather than at the first collective.
+        let events = (0..16).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
+        let order_dev = dev.clone();
+        // Cyclic: the order hands out events that come back to `Shared` (`EventHome`).
+        let sh = Arc::new_cyclic(|me: &std::sync::Weak<Shared>| Shared {
             dev,
             flat,
             cross,
@@ -396,20 +400,12 @@ impl NcclEngine {
             rank: topo.rank,
             timeout,
             gate: RwLock::new(()),
-            order: Mutex::new(Order { last_stream: None, free_events: Vec::new() }),
+            order: Mutex::new(Order::new(order_dev, events, timeout, me.clone() as std::sync::Weak<dyn EventHome>, ())),
             pending: Mutex::new(VecDeque::new()),
             poisoned: Mutex::new(None),
             abort_requested: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         });
-        // Events for the launches' tracking, made now rather than at the first collective.
-        {
-            let _ctx = sh.dev.bind()?;
-            let mut o = sh.order.lock();
-            for _ in 0..16 {
-                o.free_events.push(new_event()?);
-            }
-        }
         Ok(Built { sh, nccl_bytes: flat_bytes + cross_bytes + p2p_bytes, p2p_bytes, pair_names })
     }
 }

@@ -1,21 +1,20 @@
-//! The launch path of the NCCL engine: stream order, the watchdog's tracking events, and
-//! the flat NCCL calls (collectives, gather/scatter and all_to_all as groups of sends and
-//! receives).
+//! The launch path of the NCCL engine: its place in the launch order (cuda/order.rs), the
+//! watchdog's tracking events, and the flat NCCL calls (collectives, gather/scatter and
+//! all_to_all as groups of sends and receives).
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
-use super::{NcclEngine, Order, Shared, Tracked};
+use super::{NcclEngine, Shared, Tracked};
 use crate::collective::Kind;
 use crate::cuda::decide::{can_run, nccl_call, DeviceEngine, NcclCall};
-use crate::cuda::driver::{check, is_capturing, CUevent, CUstream};
+use crate::cuda::driver::{check, is_capturing, CUevent, Event};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
-use crate::cuda::EventHome;
+use crate::cuda::order::{Launch, Order};
 use crate::cuda::{AllToAll, CudaCall, CudaEvent};
 use crate::error::{Error, Result};
 
@@ -48,36 +47,19 @@ impl NcclEngine {
         let path = if a2a.is_some() { CrossHost::Flat } else { self.path(c)? };
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
-        let caller = c.stream;
-        let internal = self.internal as u64;
-        let target = if c.asynchronous || !self.sync_on_caller { internal } else { caller };
+        let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal as u64);
         // Every communicator handle used below is read (`live()`, `raw()`) under this, so
         // no abort or close frees it meanwhile (Shared::abort_comms).
         let _gate = sh.gate.read();
         let mut o = sh.order.lock();
-        // Shutdown sets `stop` under this lock: no launch starts after it.
-        if sh.stop.load(Ordering::Acquire) {
-            return Err(Error::destroyed());
-        }
-        if target != caller {
-            join(&mut o, caller, target)?;
-        }
-        if let Some(last) = o.last_stream {
-            if last != target && last != caller && is_capturing(last)? == is_capturing(caller)? {
-                join(&mut o, last, target)?;
-            }
-        }
-        // The watchdog follows every launch it can query (not one being captured into a
-        // graph: it runs when the graph is replayed), from an event recorded right before
-        // it (its start on the GPU) to one right after (its end).
-        let tracked = !is_capturing(target)?;
-        let start = if tracked { Some(record(&mut o, target)?) } else { None };
+        o.begin(&l, &sh.stop)?;
+        let start = sh.track_start(&mut o, l.target)?;
         let enqueued = match (a2a, path) {
-            (Some(x), _) => self.enqueue_all_to_all(x, target),
-            (None, CrossHost::Flat) => self.enqueue_flat(c, target),
+            (Some(x), _) => self.enqueue_all_to_all(x, l.target),
+            (None, CrossHost::Flat) => self.enqueue_flat(c, l.target),
             (None, CrossHost::Hierarchical) => {
                 let r = match self.hierarchical() {
-                    Some(h) => h.enqueue(c, target),
+                    Some(h) => h.enqueue(c, l.target),
                     None => Err(Error::Internal("hierarchical path without its engines".into())),
                 };
                 if r.is_ok() {
@@ -88,28 +70,13 @@ impl NcclEngine {
         };
         if let Err(e) = enqueued {
             // Recorded on the stream already: harmless to reuse (a later record replaces it).
-            o.free_events.extend(start);
+            if let Some(start) = start {
+                o.give_back(start);
+            }
             return Err(e);
         }
-        o.last_stream = Some(target);
         self.collectives.fetch_add(1, Ordering::Relaxed);
-        if let Some(start) = start {
-            let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
-            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind: c.kind, count: c.count, peer: None });
-        }
-        if target == caller {
-            return Ok(None);
-        }
-        let ev = record(&mut o, target)?;
-        if c.asynchronous {
-            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
-            return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
-        }
-        // SAFETY: valid event and caller stream; the wait captures the record, so the
-        // event can be reused right away.
-        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
-        o.free_events.push(ev);
-        r.map(|_| None)
+        o.end(&l, |o| sh.track_end(o, start, l.target, (c.kind, c.count, None)))
     }
 
     /// One NCCL collective over every rank, on `stream`.
@@ -223,27 +190,31 @@ impl NcclEngine {
     }
 }
 
-/// An event from the free list (or a new one), recorded on `stream`; it goes back to the
-/// list if the record fails.
-pub(super) fn record(o: &mut Order, stream: u64) -> Result<CUevent> {
-    let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-    // SAFETY: a valid event of ours and a live stream (the caller's, or one of ours).
-    if let Err(e) = check(unsafe { cu::cuEventRecord(ev, stream as CUstream) }, "cuEventRecord") {
-        o.free_events.push(ev);
-        return Err(e);
+impl Shared {
+    /// Before a launch on `target`: the event the watchdog ages it from, recorded now (its
+    /// start on the GPU, once the work queued ahead of it is done). None while `target` is
+    /// being captured into a graph: the launch runs when the graph is replayed, and a
+    /// captured record cannot be queried.
+    pub(super) fn track_start(&self, o: &mut Order, target: u64) -> Result<Option<Event>> {
+        if is_capturing(target)? {
+            return Ok(None);
+        }
+        o.record(target).map(Some)
     }
-    Ok(ev)
-}
 
-/// Make `to` wait for the work queued on `from` so far.
-pub(super) fn join(o: &mut Order, from: u64, to: u64) -> Result<()> {
-    let ev = o.free_events.pop().map(Ok).unwrap_or_else(new_event)?;
-    // SAFETY: valid event and streams; reusing the event after the wait is enqueued is
-    // allowed (the wait captured the record).
-    let r = unsafe {
-        check(cu::cuEventRecord(ev, from as CUstream), "cuEventRecord")
-            .and_then(|_| check(cu::cuStreamWaitEvent(to as CUstream, ev, 0), "cuStreamWaitEvent"))
-    };
-    o.free_events.push(ev);
-    r
+    /// After the launch on `target` (`start` from `track_start`): its end event, and the
+    /// launch, `(kind, count, peer)`, handed to the watchdog.
+    pub(super) fn track_end(&self, o: &mut Order, start: Option<Event>, target: u64, what: (Kind, u64, Option<usize>)) -> Result<()> {
+        let Some(start) = start else { return Ok(()) };
+        let ev = match o.record(target) {
+            Ok(ev) => ev,
+            Err(e) => {
+                o.give_back(start);
+                return Err(e);
+            }
+        };
+        let (kind, count, peer) = what;
+        self.pending.lock().push_back(Tracked { start, ev, started: None, kind, count, peer });
+        Ok(())
+    }
 }

@@ -20,12 +20,12 @@
 //! communicator and one stream per direction, a send to j never waits behind a receive
 //! from j (docs/multihost.md).
 //!
-//! Streams, as in rsccl's CUDA engine (engine/): a blocking call runs on the caller's
-//! stream (`cuda_sync_stream = 1`), an asynchronous one on the internal stream after an
-//! event makes it wait for the caller's; a call on another stream than the previous one
-//! is ordered after it; an asynchronous call returns its end event. The three phases of a
-//! hierarchical collective run on one stream, so they are ordered. No tensor is marked on
-//! a stream.
+//! Streams: the launch order rsccl's CUDA engine uses too (cuda/order.rs): a blocking call
+//! runs on the caller's stream (`cuda_sync_stream = 1`), an asynchronous one on the
+//! internal stream after an event makes it wait for the caller's; a collective on another
+//! stream than the previous one is ordered after it; an asynchronous call returns its end
+//! event. The three phases of a hierarchical collective run on one stream, so they are
+//! ordered. No tensor is marked on a stream.
 //!
 //! Errors: NCCL kernels wait without bound, so the engine bounds them. Every launch is
 //! tracked by events before and after it; a watchdog thread polls every communicator's
@@ -71,8 +71,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
-use super::driver::{CUevent, CUstream, Device};
+use super::driver::{CUstream, Device, Event};
 use super::nccl::NcclComm;
+use super::order::Order;
 use super::{AllToAll, CudaCall, CudaEngine, CudaEvent};
 use crate::collective::validate;
 use crate::collective::Kind;
@@ -121,8 +122,8 @@ pub struct NcclStats {
 struct Tracked {
     /// Recorded on the launch's stream right before the launch: complete once the work
     /// queued ahead of it (the caller's compute, earlier collectives) is done.
-    start: CUevent,
-    ev: CUevent,
+    start: Event,
+    ev: Event,
     /// When `start` was first seen complete (by the watchdog or a health check); the
     /// launch's age counts from there, so waiting behind long compute is not a timeout.
     started: Option<Instant>,
@@ -142,11 +143,6 @@ struct PairComm {
     sending: bool,
     comm: NcclComm,
     stream: CUstream,
-}
-
-struct Order {
-    last_stream: Option<u64>,
-    free_events: Vec<CUevent>,
 }
 
 /// What the engine shares with its watchdog thread.
@@ -349,7 +345,7 @@ impl NcclEngine {
         let ctx = sh.dev.bind();
         let mut healthy = ctx.is_ok() && sh.poisoned.lock().is_none() && sh.find_failure().is_none();
         if ctx.is_ok() {
-            let last = sh.order.lock().last_stream;
+            let last = sh.order.lock().last_stream();
             let mut streams = vec![self.internal as u64];
             streams.extend(last.filter(|&l| l != self.internal as u64));
             // Queued sends and receives.
@@ -400,10 +396,9 @@ impl Drop for NcclEngine {
         self.shutdown();
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         // SAFETY: shutdown drained or aborted the work on the stream; the buffer and
-        // stream are ours. Pending tracked events go back to the free list first.
+        // stream are ours.
         unsafe {
             cu::cuStreamSynchronize(self.internal);
-            self.sh.recycle_finished();
             cu::cuMemFree_v2(self.scratch);
             if self.hier.scratch != 0 {
                 cu::cuMemFree_v2(self.hier.scratch);

@@ -3,23 +3,22 @@
 
 use std::ffi::{c_void, CString};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::bound::{free_bytes, Bound};
-use super::launch::{join, new_event, record};
+use super::launch::new_event;
 use super::pair_rounds::p2p_split_rounds;
-use super::{NcclEngine, PairComm, Shared, Tracked, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
+use super::{NcclEngine, PairComm, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
 use crate::bootstrap::Topology;
 use crate::collective::Kind;
 use crate::config::Config;
-use crate::cuda::driver::{check, is_capturing, CUstream, Device};
+use crate::cuda::driver::{check, CUstream, Device};
 use crate::cuda::nccl::NcclComm;
+use crate::cuda::order::Launch;
 use crate::cuda::CudaEvent;
-use crate::cuda::EventHome;
 use crate::error::{Error, Result};
 
 /// Create this rank's pair communicators (see PairComm): every rank of the group runs
@@ -213,23 +212,18 @@ impl NcclEngine {
     pub(super) fn launch_pair(&self, pair: &PairComm, ptr: u64, bytes: u64, caller: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
-        let target = pair.stream as u64;
+        let l = Launch::send_recv(caller, pair.stream as u64, asynchronous);
         // The pair's handle is read (`live()`) under this, so no abort or close frees it
         // meanwhile (Shared::abort_comms).
         let _gate = sh.gate.read();
         let mut o = sh.order.lock();
-        // Shutdown sets `stop` under this lock: no launch starts after it.
-        if sh.stop.load(Ordering::Acquire) {
-            return Err(Error::destroyed());
-        }
-        join(&mut o, caller, target)?;
+        o.begin(&l, &sh.stop)?;
         // As in launch_inner: the watchdog ages a send/recv from its start on the GPU.
-        let tracked = !is_capturing(target)?;
-        let start = if tracked { Some(record(&mut o, target)?) } else { None };
+        let start = sh.track_start(&mut o, l.target)?;
         if bytes > 0 {
             let raw = pair.comm.live()?;
             let f = pair.comm.fns();
-            let (u8_, s) = (nc::ncclDataType_t::ncclUint8, target as nc::cudaStream_t);
+            let (u8_, s) = (nc::ncclDataType_t::ncclUint8, l.target as nc::cudaStream_t);
             // SAFETY: `raw` is a live communicator (aborts wait for the gate held shared
             // here, see Shared::abort_comms); `ptr` is a device buffer of `bytes` bytes that
             // the Python layer checked and keeps alive until the end event; `s` is the
@@ -246,19 +240,6 @@ impl NcclEngine {
         }
         self.p2p_messages.fetch_add(1, Ordering::Relaxed);
         let kind = if pair.sending { Kind::Send } else { Kind::Recv };
-        if let Some(start) = start {
-            let ev = record(&mut o, target).inspect_err(|_| o.free_events.push(start))?;
-            sh.pending.lock().push_back(Tracked { start, ev, started: None, kind, count: bytes, peer: Some(pair.peer) });
-        }
-        let ev = record(&mut o, target)?;
-        if asynchronous {
-            let home: std::sync::Weak<dyn EventHome> = Arc::downgrade(&self.sh) as std::sync::Weak<Shared>;
-            return Ok(Some(CudaEvent::new(ev, home, sh.dev.clone(), sh.timeout)));
-        }
-        // SAFETY: valid event and caller stream; the wait captures the record, so the
-        // event can be reused right away.
-        let r = check(unsafe { cu::cuStreamWaitEvent(caller as CUstream, ev, 0) }, "cuStreamWaitEvent");
-        o.free_events.push(ev);
-        r.map(|_| None)
+        o.end(&l, |o| sh.track_end(o, start, l.target, (kind, bytes, Some(pair.peer))))
     }
 }

@@ -11,7 +11,7 @@ use cudarc::driver::sys as cu;
 use super::choice::launch_timed_out;
 use super::{Shared, ABORT_GRACE};
 use crate::collective::Kind;
-use crate::cuda::driver::CUevent;
+use crate::cuda::driver::Event;
 use crate::cuda::nccl::NcclComm;
 use crate::cuda::EventHome;
 use crate::error::Error;
@@ -66,11 +66,11 @@ impl Shared {
         // any order), aged from its start.
         let late = p.iter_mut().find_map(|t| {
             // SAFETY: valid events of ours (recycled only after they left `pending`).
-            if unsafe { cu::cuEventQuery(t.ev) } != cu::CUresult::CUDA_ERROR_NOT_READY {
+            if unsafe { cu::cuEventQuery(t.ev.raw()) } != cu::CUresult::CUDA_ERROR_NOT_READY {
                 return None;
             }
             // SAFETY: as above.
-            if t.started.is_none() && unsafe { cu::cuEventQuery(t.start) } == cu::CUresult::CUDA_SUCCESS {
+            if t.started.is_none() && unsafe { cu::cuEventQuery(t.start.raw()) } == cu::CUresult::CUDA_SUCCESS {
                 t.started = Some(now);
             }
             launch_timed_out(t.started, now, self.timeout).then_some((t.kind, t.count, t.peer))
@@ -108,14 +108,18 @@ impl Shared {
             let mut p = self.pending.lock();
             while let Some(t) = p.front() {
                 // SAFETY: a valid event of ours.
-                if unsafe { cu::cuEventQuery(t.ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
+                if unsafe { cu::cuEventQuery(t.ev.raw()) } == cu::CUresult::CUDA_ERROR_NOT_READY {
                     break;
                 }
-                done.extend(p.pop_front().into_iter().flat_map(|t| [t.start, t.ev]));
+                done.extend(p.pop_front());
             }
         }
         if !done.is_empty() {
-            self.order.lock().free_events.extend(done);
+            let mut o = self.order.lock();
+            for t in done {
+                o.give_back(t.start);
+                o.give_back(t.ev);
+            }
         }
     }
 
@@ -158,8 +162,8 @@ impl Shared {
 }
 
 impl EventHome for Shared {
-    fn recycle(&self, ev: CUevent) {
-        self.order.lock().free_events.push(ev);
+    fn recycle(&self, ev: Event) {
+        self.order.lock().give_back(ev);
     }
 
     fn wait_timed_out(&self) -> Error {
@@ -176,23 +180,6 @@ fn with_context(e: Error, what: &str) -> Error {
         Error::PeerFailure(m) => Error::PeerFailure(format!("{what}: {m} (a peer died or the network failed)")),
         Error::Aborted(m) => Error::Aborted(format!("{what}: {m}")),
         other => Error::Cuda(format!("{what}: {other}")),
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        let Ok(_ctx) = self.dev.bind() else { return };
-        // SAFETY: no launch and no event wait refers to these any more (the engine and
-        // every CudaEvent of it hold this Shared).
-        unsafe {
-            for t in self.pending.get_mut().drain(..) {
-                cu::cuEventDestroy_v2(t.start);
-                cu::cuEventDestroy_v2(t.ev);
-            }
-            for ev in self.order.get_mut().free_events.drain(..) {
-                cu::cuEventDestroy_v2(ev);
-            }
-        }
     }
 }
 
