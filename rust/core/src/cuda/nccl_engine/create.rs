@@ -21,7 +21,7 @@ use super::{NcclEngine, Shared, SCRATCH_BYTES, WARM_BYTES};
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{LocalMesh, SetupWatch, Store, Topology};
 use crate::config::Config;
-use crate::cuda::driver::{check, CUstream, Device, Event};
+use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::nccl::{Nccl, NcclComm};
 use crate::cuda::order::{EventHome, Order};
 use crate::cuda::CudaEngine;
@@ -198,9 +198,7 @@ impl NcclEngine {
                 .map_err(|_| Error::Internal("NUL in a name".into()))?,
         ];
         let ctx = dev.bind()?;
-        let mut internal: CUstream = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
-        check(unsafe { cu::cuStreamCreate(&mut internal, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        let internal = Stream::non_blocking(&dev, "cuStreamCreate")?;
         let major = hierarchical && host_major(&topo.hosts);
         // Only a group that can take the hierarchical reduce_scatter holds its buffer.
         let hier_scratch_bytes = if major { cfg.nccl_hierarchical_scratch_bytes as usize } else { 0 };
@@ -217,7 +215,6 @@ impl NcclEngine {
                     bufs.iter().filter(|&&p| p != 0).for_each(|&p| {
                         let _ = cu::cuMemFree_v2(p);
                     });
-                    cu::cuStreamDestroy_v2(internal);
                 }
                 return Err(e);
             }
@@ -241,7 +238,7 @@ impl NcclEngine {
             timeout,
             bound,
             hierarchical,
-            internal,
+            &internal,
             scratch,
             warm,
             &names,
@@ -250,11 +247,12 @@ impl NcclEngine {
             report_local_death(store, nonce, watch, topo.rank);
         }
         let _ctx = dev.bind()?;
-        // SAFETY: the warm-up finished (build waited for it), or failed before launching,
-        // or aborted its communicators, which ends their kernels: the stream drains, then
-        // the buffer (ours) is free of users.
+        // The warm-up finished (build waited for it), or failed before launching, or
+        // aborted its communicators, which ends their kernels: the stream drains, then the
+        // buffer is free of users.
+        internal.synchronize();
+        // SAFETY: ours, and unused (above).
         unsafe {
-            cu::cuStreamSynchronize(internal);
             cu::cuMemFree_v2(warm);
         }
         match result {
@@ -307,13 +305,13 @@ impl NcclEngine {
                 Ok(engine)
             }
             Err(e) => {
-                // SAFETY: nothing runs on them any more (see above).
+                // SAFETY: nothing runs on them any more (see above); the stream goes with
+                // `internal`.
                 unsafe {
                     cu::cuMemFree_v2(scratch);
                     if hier_scratch != 0 {
                         cu::cuMemFree_v2(hier_scratch);
                     }
-                    cu::cuStreamDestroy_v2(internal);
                 }
                 Err(e)
             }
@@ -332,7 +330,7 @@ impl NcclEngine {
         timeout: Duration,
         bound: Bound,
         hierarchical: bool,
-        internal: CUstream,
+        internal: &Stream,
         scratch: u64,
         warm: u64,
         names: &[CString],
@@ -345,7 +343,7 @@ impl NcclEngine {
             let _ctx = dev.bind()?;
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, topo.rank, topo.size, cfg.nccl_max_ctas, &names[0])?;
-            warm_up(&comm, internal, warm, scratch, true, bound)?;
+            warm_up(&comm, &dev, internal, warm, scratch, true, bound)?;
             (comm, before.saturating_sub(free_bytes()?))
         };
         let hier = || -> Result<(Arc<CudaEngine>, NcclComm, u64)> {
@@ -358,7 +356,7 @@ impl NcclEngine {
             let before = free_bytes()?;
             let comm = NcclComm::init(nccl, &id, host, hosts, cfg.nccl_max_ctas, &names[1])?;
             // The cross communicators run collectives only (no send/recv).
-            warm_up(&comm, internal, warm, scratch, false, bound)?;
+            warm_up(&comm, &dev, internal, warm, scratch, false, bound)?;
             let bytes = before.saturating_sub(free_bytes()?);
             Ok((local, comm, bytes))
         };

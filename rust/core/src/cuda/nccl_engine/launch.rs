@@ -5,25 +5,17 @@
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::choice::CrossHost;
 use super::{NcclEngine, Shared, Tracked};
 use crate::collective::Kind;
 use crate::cuda::decide::{can_run, nccl_call, DeviceEngine, NcclCall};
-use crate::cuda::driver::{check, is_capturing, CUevent, Event};
+use crate::cuda::driver::{is_capturing, Event};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::order::{Launch, Order};
 use crate::cuda::{AllToAll, CudaCall, CudaEvent};
 use crate::error::{Error, Result};
-
-pub(super) fn new_event() -> Result<CUevent> {
-    let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: out-pointer to a local.
-    check(unsafe { cu::cuEventCreate(&mut e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
-    Ok(e)
-}
 
 impl NcclEngine {
     fn path(&self, c: &CudaCall) -> Result<CrossHost> {
@@ -47,7 +39,7 @@ impl NcclEngine {
         let path = if a2a.is_some() { CrossHost::Flat } else { self.path(c)? };
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
-        let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal as u64);
+        let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal.raw() as u64);
         // Every communicator handle used below is read (`live()`, `raw()`) under this, so
         // no abort or close frees it meanwhile (Shared::abort_comms).
         let _gate = sh.gate.read();

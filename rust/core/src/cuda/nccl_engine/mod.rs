@@ -71,7 +71,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
-use super::driver::{CUstream, Device, Event};
+use super::driver::{CUstream, Device, Event, Stream};
 use super::nccl::NcclComm;
 use super::order::Order;
 use super::{AllToAll, CudaCall, CudaEngine, CudaEvent};
@@ -79,7 +79,6 @@ use crate::collective::validate;
 use crate::collective::Kind;
 use crate::error::{Error, Result};
 use hier::{HierLayout, Hierarchical};
-use launch::new_event;
 
 /// Bytes of the temporary buffer the warm-up collectives run on: large enough that NCCL
 /// picks the protocols of large messages too (and connects their buffers now, not at the
@@ -142,7 +141,7 @@ struct PairComm {
     /// This rank sends on it (NCCL rank 0), or receives (NCCL rank 1).
     sending: bool,
     comm: NcclComm,
-    stream: CUstream,
+    stream: Stream,
 }
 
 /// What the engine shares with its watchdog thread.
@@ -169,15 +168,9 @@ struct Shared {
     stop: AtomicBool,
 }
 
-// SAFETY: the event handles are driver objects usable from any thread; every mutable
-// state is behind a mutex or atomic; NcclComm is Send + Sync.
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
-
 pub struct NcclEngine {
     sh: Arc<Shared>,
-    internal: CUstream,
+    internal: Stream,
     scratch: u64,
     /// The hierarchical path's layout and scratch (freed in Drop); its engines are in `sh`.
     hier: HierLayout,
@@ -195,12 +188,6 @@ pub struct NcclEngine {
     /// Names given to NCCL (kept alive: ncclConfig_t points at them).
     _names: Vec<CString>,
 }
-
-// SAFETY: the stream and device pointer are driver handles usable from any thread; the
-// rest is Sync.
-unsafe impl Send for NcclEngine {}
-// SAFETY: as above.
-unsafe impl Sync for NcclEngine {}
 
 impl NcclEngine {
     /// The hierarchical path, where the group has one (same number >= 2 of GPUs per host).
@@ -346,20 +333,21 @@ impl NcclEngine {
         let mut healthy = ctx.is_ok() && sh.poisoned.lock().is_none() && sh.find_failure().is_none();
         if ctx.is_ok() {
             let last = sh.order.lock().last_stream();
-            let mut streams = vec![self.internal as u64];
-            streams.extend(last.filter(|&l| l != self.internal as u64));
+            let internal = self.internal.raw() as u64;
+            let mut streams = vec![internal];
+            streams.extend(last.filter(|&l| l != internal));
             // Queued sends and receives.
-            streams.extend(sh.pairs.iter().map(|p| p.stream as u64));
+            streams.extend(sh.pairs.iter().map(|p| p.stream.raw() as u64));
             let deadline = Instant::now() + sh.timeout;
             for s in streams {
                 if !healthy {
                     break;
                 }
-                let Ok(ev) = new_event() else { continue };
+                let Ok(ev) = Event::new(&sh.dev) else { continue };
                 // SAFETY: valid event and stream (torch never destroys its pool streams).
-                if unsafe { cu::cuEventRecord(ev, s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
+                if unsafe { cu::cuEventRecord(ev.raw(), s as CUstream) } == cu::CUresult::CUDA_SUCCESS {
                     // SAFETY: valid event.
-                    while unsafe { cu::cuEventQuery(ev) } == cu::CUresult::CUDA_ERROR_NOT_READY {
+                    while unsafe { cu::cuEventQuery(ev.raw()) } == cu::CUresult::CUDA_ERROR_NOT_READY {
                         if Instant::now() > deadline || sh.find_failure().is_some() {
                             healthy = false;
                             break;
@@ -367,8 +355,7 @@ impl NcclEngine {
                         std::thread::sleep(Duration::from_micros(200));
                     }
                 }
-                // SAFETY: ours; a pending record on it is harmless.
-                unsafe { cu::cuEventDestroy_v2(ev) };
+                // Dropping `ev` destroys it; a pending record on it is harmless.
             }
         }
         if healthy {
@@ -395,19 +382,18 @@ impl Drop for NcclEngine {
     fn drop(&mut self) {
         self.shutdown();
         let Ok(_ctx) = self.sh.dev.bind() else { return };
-        // SAFETY: shutdown drained or aborted the work on the stream; the buffer and
-        // stream are ours.
+        // Shutdown drained or aborted the work on the internal stream; the pair
+        // communicators were closed or aborted by it too: their streams drain. The streams
+        // go with their owners (Stream), after this.
+        self.internal.synchronize();
+        for p in &self.sh.pairs {
+            p.stream.synchronize();
+        }
+        // SAFETY: the buffers are ours, and nothing runs on them any more (above).
         unsafe {
-            cu::cuStreamSynchronize(self.internal);
             cu::cuMemFree_v2(self.scratch);
             if self.hier.scratch != 0 {
                 cu::cuMemFree_v2(self.hier.scratch);
-            }
-            cu::cuStreamDestroy_v2(self.internal);
-            // The pair communicators were closed or aborted by shutdown: their streams drain.
-            for p in &self.sh.pairs {
-                cu::cuStreamSynchronize(p.stream);
-                cu::cuStreamDestroy_v2(p.stream);
             }
         }
     }

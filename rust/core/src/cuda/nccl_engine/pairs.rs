@@ -3,19 +3,19 @@
 
 use std::ffi::{c_void, CString};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::bound::{free_bytes, Bound};
-use super::launch::new_event;
 use super::pair_rounds::p2p_split_rounds;
 use super::{NcclEngine, PairComm, PAIR_WARM_BYTES, PAIR_WARM_RECV_AT};
 use crate::bootstrap::Topology;
 use crate::collective::Kind;
 use crate::config::Config;
-use crate::cuda::driver::{check, CUstream, Device};
+use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::nccl::NcclComm;
 use crate::cuda::order::Launch;
 use crate::cuda::CudaEvent;
@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 /// during creation leaves its peers there.
 pub(super) fn make_pairs(
     flat: &NcclComm,
-    dev: &Device,
+    dev: &Arc<Device>,
     topo: &Topology,
     cfg: &Config,
     same_host: bool,
@@ -46,22 +46,7 @@ pub(super) fn make_pairs(
     let before = free_bytes()?;
     // The streams first: once the splits have started, a rank must not fail alone.
     let mine = rounds.iter().filter(|r| r.iter().any(|&(s, d)| s == me || d == me)).count();
-    let mut streams = Vec::with_capacity(mine);
-    let free_streams = |streams: &[CUstream]| {
-        for &st in streams {
-            // SAFETY: ours, with nothing queued that is not ended (see the callers).
-            unsafe { cu::cuStreamDestroy_v2(st) };
-        }
-    };
-    for _ in 0..mine {
-        let mut st: CUstream = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local; a non-blocking stream does not sync with stream 0.
-        if let Err(e) = check(unsafe { cu::cuStreamCreate(&mut st, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate") {
-            free_streams(&streams);
-            return Err(e);
-        }
-        streams.push(st);
-    }
+    let mut streams = (0..mine).map(|_| Stream::non_blocking(dev, "cuStreamCreate")).collect::<Result<Vec<Stream>>>()?.into_iter();
     let mut pairs: Vec<PairComm> = Vec::with_capacity(mine);
     let mut names = Vec::with_capacity(mine);
     let mut made = || -> Result<()> {
@@ -80,7 +65,11 @@ pub(super) fn make_pairs(
             let comm = flat.split(slot, if sending { 0 } else { 1 }, 2, cfg.nccl_p2p_max_ctas, &name)?;
             match (comm, slot) {
                 (Some(comm), Some(_)) => {
-                    let stream = streams[pairs.len()];
+                    // One stream was made per round with a slot for this rank.
+                    let Some(stream) = streams.next() else {
+                        comm.abort();
+                        return Err(Error::Internal("a pair communicator without its stream".into()));
+                    };
                     pairs.push(PairComm { peer, sending, comm, stream });
                     names.push(name);
                 }
@@ -94,20 +83,18 @@ pub(super) fn make_pairs(
                 }
             }
         }
-        warm_pairs(&pairs, warm, bound)
+        warm_pairs(dev, &pairs, warm, bound)
     };
     let result = made();
     if let Err(e) = result {
         for p in &pairs {
             p.comm.abort();
         }
-        // SAFETY: the aborts ended the pairs' kernels; the streams drain.
-        unsafe {
-            for &st in &streams {
-                cu::cuStreamSynchronize(st);
-            }
+        // The aborts ended the pairs' kernels: their streams drain, then go with `pairs`
+        // (the streams not handed to a pair have nothing queued).
+        for p in &pairs {
+            p.stream.synchronize();
         }
-        free_streams(&streams);
         return Err(e);
     }
     let bytes = before.saturating_sub(free_bytes()?);
@@ -122,14 +109,14 @@ pub(super) fn make_pairs(
 /// moves that to group creation. The sends read the start of `warm`, the receives all
 /// land at PAIR_WARM_RECV_AT (what they write is never read). On failure the caller
 /// aborts the pairs.
-fn warm_pairs(pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
+fn warm_pairs(dev: &Arc<Device>, pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
     let Some(first) = pairs.first() else { return Ok(()) };
     let f = first.comm.fns();
     let u8_ = nc::ncclDataType_t::ncclUint8;
     let r = f.group(|first_error| {
         for p in pairs {
             let raw = p.comm.raw();
-            let s = p.stream as nc::cudaStream_t;
+            let s = p.stream.raw() as nc::cudaStream_t;
             for n in PAIR_WARM_BYTES {
                 // SAFETY: live communicators and streams of this device; every message lies
                 // inside the warm buffer (WARM_BYTES: sends at its start, receives at
@@ -148,11 +135,12 @@ fn warm_pairs(pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
     let mut events = Vec::with_capacity(pairs.len());
     let mut result = Ok(());
     for p in pairs {
-        match new_event() {
+        match Event::new(dev) {
             Ok(ev) => {
-                events.push(ev);
                 // SAFETY: valid event and stream.
-                if let Err(e) = check(unsafe { cu::cuEventRecord(ev, p.stream) }, "cuEventRecord") {
+                let recorded = check(unsafe { cu::cuEventRecord(ev.raw(), p.stream.raw()) }, "cuEventRecord");
+                events.push(ev);
+                if let Err(e) = recorded {
                     result = Err(e);
                     break;
                 }
@@ -165,9 +153,9 @@ fn warm_pairs(pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
     }
     'wait: while result.is_ok() {
         let mut pending = false;
-        for &ev in &events {
+        for ev in &events {
             // SAFETY: valid event.
-            match unsafe { cu::cuEventQuery(ev) } {
+            match unsafe { cu::cuEventQuery(ev.raw()) } {
                 cu::CUresult::CUDA_SUCCESS => {}
                 cu::CUresult::CUDA_ERROR_NOT_READY => pending = true,
                 e => {
@@ -197,10 +185,8 @@ fn warm_pairs(pairs: &[PairComm], warm: u64, bound: Bound) -> Result<()> {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    for ev in events {
-        // SAFETY: ours; a pending record on it is harmless (the caller aborts the pairs).
-        unsafe { cu::cuEventDestroy_v2(ev) };
-    }
+    // Dropping `events` destroys them; a pending record is harmless (the caller aborts the
+    // pairs).
     result
 }
 
@@ -212,7 +198,7 @@ impl NcclEngine {
     pub(super) fn launch_pair(&self, pair: &PairComm, ptr: u64, bytes: u64, caller: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
-        let l = Launch::send_recv(caller, pair.stream as u64, asynchronous);
+        let l = Launch::send_recv(caller, pair.stream.raw() as u64, asynchronous);
         // The pair's handle is read (`live()`) under this, so no abort or close frees it
         // meanwhile (Shared::abort_comms).
         let _gate = sh.gate.read();

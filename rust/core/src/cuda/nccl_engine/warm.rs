@@ -3,15 +3,15 @@
 //! (and the flat one's sends and receives) runs once before the group is handed out.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
 use super::bound::Bound;
-use super::launch::new_event;
 use super::WARM_BYTES;
-use crate::cuda::driver::{check, CUstream};
+use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::nccl::NcclComm;
 use crate::error::{Error, Result};
 
@@ -19,11 +19,11 @@ use crate::error::{Error, Result};
 /// (`p2p`) sends and receives with every rank, on the internal stream, then wait (at most
 /// until the deadline, or until a local rank exits: `bound`): NCCL connects peers and allocates the buffers of each algorithm and
 /// protocol at their first use, so this moves that to group creation. `warm` holds
-/// WARM_BYTES, `scratch` SCRATCH_BYTES.
-pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64, p2p: bool, bound: Bound) -> Result<()> {
+/// WARM_BYTES, `scratch` SCRATCH_BYTES; `stream` is a stream of `dev`.
+pub(super) fn warm_up(comm: &NcclComm, dev: &Arc<Device>, stream: &Stream, warm: u64, scratch: u64, p2p: bool, bound: Bound) -> Result<()> {
     let f = comm.fns();
     let raw = comm.raw();
-    let s = stream as nc::cudaStream_t;
+    let s = stream.raw() as nc::cudaStream_t;
     let n = comm.nranks;
     let f32_ = nc::ncclDataType_t::ncclFloat32;
     let u8_ = nc::ncclDataType_t::ncclUint8;
@@ -57,14 +57,14 @@ pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64
     for per_peer in [1usize, p2p_warm_bytes(n)].into_iter().filter(|_| p2p) {
         comm.check(warm_p2p(comm, stream, warm, per_peer), "NCCL send/recv (warm-up at group creation)")?;
     }
-    let ev = new_event()?;
+    let ev = Event::new(dev)?;
     // SAFETY: valid event and stream.
-    let recorded = check(unsafe { cu::cuEventRecord(ev, stream) }, "cuEventRecord");
+    let recorded = check(unsafe { cu::cuEventRecord(ev.raw(), stream.raw()) }, "cuEventRecord");
     let mut result = recorded;
     if result.is_ok() {
         loop {
             // SAFETY: valid event.
-            match unsafe { cu::cuEventQuery(ev) } {
+            match unsafe { cu::cuEventQuery(ev.raw()) } {
                 cu::CUresult::CUDA_SUCCESS => break,
                 cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < bound.deadline => {
                     if let Err(e) = comm.async_error().and_then(|_| bound.peers_alive("the NCCL warm-up at group creation")) {
@@ -90,8 +90,7 @@ pub(super) fn warm_up(comm: &NcclComm, stream: CUstream, warm: u64, scratch: u64
         // Ends the warm-up kernels, so the buffers can be freed under them.
         comm.abort();
     }
-    // SAFETY: ours; the warm-up finished or was aborted.
-    unsafe { cu::cuEventDestroy_v2(ev) };
+    // Dropping `ev` destroys it: the warm-up finished or was aborted.
     result
 }
 
@@ -104,8 +103,8 @@ pub fn p2p_warm_bytes(n: usize) -> usize {
 
 /// One NCCL group of a `per_peer`-byte send to and receive from every rank of `comm` (self
 /// included), on `stream`: sends from the first half of `warm`, receives into the second.
-fn warm_p2p(comm: &NcclComm, stream: CUstream, warm: u64, per_peer: usize) -> nc::ncclResult_t {
-    let (f, raw, s) = (comm.fns(), comm.raw(), stream as nc::cudaStream_t);
+fn warm_p2p(comm: &NcclComm, stream: &Stream, warm: u64, per_peer: usize) -> nc::ncclResult_t {
+    let (f, raw, s) = (comm.fns(), comm.raw(), stream.raw() as nc::cudaStream_t);
     let u8_ = nc::ncclDataType_t::ncclUint8;
     let half = (WARM_BYTES / 2) as u64;
     f.group(|first| {
