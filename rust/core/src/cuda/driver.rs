@@ -302,6 +302,40 @@ impl Function {
     }
 }
 
+/// Device memory of one device (cuMemAlloc), freed on drop. Its owner makes sure that no
+/// queued work still uses it by then (the NCCL engine waits for its streams first). The
+/// address is a plain integer to the host, so nothing needs declaring Send or Sync here.
+pub struct DeviceBuffer {
+    ptr: CUdeviceptr,
+    dev: Arc<Device>,
+}
+
+impl DeviceBuffer {
+    /// `len` bytes (more than 0), not initialized; `what` names the call in the error.
+    pub fn new(dev: &Arc<Device>, len: usize, what: &str) -> Result<DeviceBuffer> {
+        let _ctx = dev.bind()?;
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuMemAlloc_v2(&mut ptr, len) }, what)?;
+        Ok(DeviceBuffer { ptr, dev: dev.clone() })
+    }
+
+    /// The buffer's device address.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Ok(_ctx) = self.dev.bind() {
+            // SAFETY: frees the allocation made in `new`, once; its owner made sure that
+            // nothing queued still uses it.
+            unsafe { cu::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
 /// Pinned host memory mapped into the device's address space (cuMemHostAlloc with
 /// DEVICEMAP | PORTABLE), zeroed, freed on drop. The host and the GPU both read and write
 /// it, so the host side only gets at it through atomics (`u32_at`, `u64_at`) or as the

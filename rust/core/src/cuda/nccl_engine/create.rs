@@ -21,7 +21,7 @@ use super::{NcclEngine, Shared, SCRATCH_BYTES, WARM_BYTES};
 use crate::bootstrap::unix::Listener;
 use crate::bootstrap::{LocalMesh, SetupWatch, Store, Topology};
 use crate::config::Config;
-use crate::cuda::driver::{check, Device, Event, Stream};
+use crate::cuda::driver::{check, Device, DeviceBuffer, Event, Stream};
 use crate::cuda::nccl::{Nccl, NcclComm};
 use crate::cuda::order::{EventHome, Order};
 use crate::cuda::CudaEngine;
@@ -202,28 +202,15 @@ impl NcclEngine {
         let major = hierarchical && host_major(&topo.hosts);
         // Only a group that can take the hierarchical reduce_scatter holds its buffer.
         let hier_scratch_bytes = if major { cfg.nccl_hierarchical_scratch_bytes as usize } else { 0 };
-        let mut bufs = [0u64; 3];
-        for (b, len) in bufs.iter_mut().zip([SCRATCH_BYTES, WARM_BYTES, hier_scratch_bytes]) {
-            if len == 0 {
-                continue;
-            }
-            // SAFETY: out-pointer to a local; freed below (warm) or in Drop (scratch).
-            let r = check(unsafe { cu::cuMemAlloc_v2(b, len) }, "cuMemAlloc (NCCL engine)");
-            if let Err(e) = r {
-                // SAFETY: what was allocated so far is ours and unused.
-                unsafe {
-                    bufs.iter().filter(|&&p| p != 0).for_each(|&p| {
-                        let _ = cu::cuMemFree_v2(p);
-                    });
-                }
-                return Err(e);
-            }
-        }
-        let [scratch, warm, hier_scratch] = bufs;
+        // Each owns its allocation: a failure on the way frees what was made.
+        let scratch = DeviceBuffer::new(&dev, SCRATCH_BYTES, "cuMemAlloc (NCCL engine)")?;
+        let warm = DeviceBuffer::new(&dev, WARM_BYTES, "cuMemAlloc (NCCL engine)")?;
+        let hier_scratch =
+            (hier_scratch_bytes > 0).then(|| DeviceBuffer::new(&dev, hier_scratch_bytes, "cuMemAlloc (NCCL engine)")).transpose()?;
         // SAFETY: both buffers are ours; zeroing makes the warm-up's reductions finite.
         unsafe {
-            check(cu::cuMemsetD8_v2(scratch, 0, SCRATCH_BYTES), "cuMemsetD8")?;
-            check(cu::cuMemsetD8_v2(warm, 0, WARM_BYTES), "cuMemsetD8")?;
+            check(cu::cuMemsetD8_v2(scratch.ptr(), 0, SCRATCH_BYTES), "cuMemsetD8")?;
+            check(cu::cuMemsetD8_v2(warm.ptr(), 0, WARM_BYTES), "cuMemsetD8")?;
             check(cu::cuCtxSynchronize(), "cuCtxSynchronize")?;
         }
         drop(ctx);
@@ -239,8 +226,8 @@ impl NcclEngine {
             bound,
             hierarchical,
             &internal,
-            scratch,
-            warm,
+            scratch.ptr(),
+            warm.ptr(),
             &names,
         );
         if let Err(Error::PeerFailure(_)) = &result {
@@ -251,71 +238,56 @@ impl NcclEngine {
         // aborted its communicators, which ends their kernels: the stream drains, then the
         // buffer is free of users.
         internal.synchronize();
-        // SAFETY: ours, and unused (above).
-        unsafe {
-            cu::cuMemFree_v2(warm);
-        }
-        match result {
-            Ok(Built { sh, nccl_bytes, p2p_bytes, pair_names }) => {
-                let mut names = names;
-                names.extend(pair_names);
-                let engine = Arc::new(NcclEngine {
-                    sh: sh.clone(),
-                    internal,
-                    scratch,
-                    hier: HierLayout {
-                        local_index: topo.local_index(),
-                        host_index: topo.host_of[topo.rank],
-                        host_major: major,
-                        ranks_per_host,
-                        min_bytes: cfg.nccl_hierarchical_min_bytes,
-                        scratch: hier_scratch,
-                        scratch_bytes: hier_scratch_bytes as u64,
-                    },
-                    host_of: topo.host_of.clone(),
-                    local_ranks: topo.local_ranks().to_vec(),
-                    sync_on_caller: cfg.cuda_sync_stream,
-                    nccl_bytes,
-                    collectives: AtomicU64::new(0),
-                    hierarchical: AtomicU64::new(0),
-                    p2p_bytes,
-                    p2p_messages: AtomicU64::new(0),
-                    watchdog: Mutex::new(None),
-                    _names: names,
-                });
-                let wd = std::thread::Builder::new()
-                    .name("rsccl-nccl-watchdog".into())
-                    .spawn(move || watchdog(sh))
-                    .map_err(|e| Error::os("starting the NCCL watchdog thread", e))?;
-                *engine.watchdog.lock() = Some(wd);
-                tracing::info!(
-                    rank = topo.rank,
-                    device,
-                    hosts = topo.hosts.len(),
-                    hierarchical,
-                    host_major = major,
-                    hier_scratch_bytes,
-                    nccl_bytes,
-                    p2p_bytes,
-                    "rsccl: NCCL engine ready: {} communicator(s) ({} for send/recv), {} MiB of device memory taken by NCCL",
-                    engine.stats().communicators,
-                    engine.sh.pairs.len(),
-                    nccl_bytes >> 20
-                );
-                Ok(engine)
-            }
-            Err(e) => {
-                // SAFETY: nothing runs on them any more (see above); the stream goes with
-                // `internal`.
-                unsafe {
-                    cu::cuMemFree_v2(scratch);
-                    if hier_scratch != 0 {
-                        cu::cuMemFree_v2(hier_scratch);
-                    }
-                }
-                Err(e)
-            }
-        }
+        drop(warm);
+        // On failure the buffers and the stream go with their owners: nothing runs on them
+        // any more (above).
+        let Built { sh, nccl_bytes, p2p_bytes, pair_names } = result?;
+        let mut names = names;
+        names.extend(pair_names);
+        let engine = Arc::new(NcclEngine {
+            sh: sh.clone(),
+            internal,
+            scratch,
+            hier: HierLayout {
+                local_index: topo.local_index(),
+                host_index: topo.host_of[topo.rank],
+                host_major: major,
+                ranks_per_host,
+                min_bytes: cfg.nccl_hierarchical_min_bytes,
+                scratch: hier_scratch,
+                scratch_bytes: hier_scratch_bytes as u64,
+            },
+            host_of: topo.host_of.clone(),
+            local_ranks: topo.local_ranks().to_vec(),
+            sync_on_caller: cfg.cuda_sync_stream,
+            nccl_bytes,
+            collectives: AtomicU64::new(0),
+            hierarchical: AtomicU64::new(0),
+            p2p_bytes,
+            p2p_messages: AtomicU64::new(0),
+            watchdog: Mutex::new(None),
+            _names: names,
+        });
+        let wd = std::thread::Builder::new()
+            .name("rsccl-nccl-watchdog".into())
+            .spawn(move || watchdog(sh))
+            .map_err(|e| Error::os("starting the NCCL watchdog thread", e))?;
+        *engine.watchdog.lock() = Some(wd);
+        tracing::info!(
+            rank = topo.rank,
+            device,
+            hosts = topo.hosts.len(),
+            hierarchical,
+            host_major = major,
+            hier_scratch_bytes,
+            nccl_bytes,
+            p2p_bytes,
+            "rsccl: NCCL engine ready: {} communicator(s) ({} for send/recv), {} MiB of device memory taken by NCCL",
+            engine.stats().communicators,
+            engine.sh.pairs.len(),
+            nccl_bytes >> 20
+        );
+        Ok(engine)
     }
 
     #[allow(clippy::too_many_arguments)]

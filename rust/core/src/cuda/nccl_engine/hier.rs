@@ -16,6 +16,7 @@ use cudarc::nccl::sys as nc;
 
 use super::choice::{all_gather_path, all_reduce_path, reduce_scatter_path, CrossHost};
 use crate::collective::Kind;
+use crate::cuda::driver::DeviceBuffer;
 use crate::cuda::nccl::{nccl_dtype, nccl_op, NcclComm};
 use crate::cuda::{CudaCall, CudaEngine};
 use crate::dtype::DType;
@@ -31,9 +32,8 @@ pub(super) struct HierLayout {
     pub(super) ranks_per_host: Vec<usize>,
     /// nccl_hierarchical_min_bytes.
     pub(super) min_bytes: u64,
-    /// The hierarchical reduce_scatter's buffer (0: none; owned and freed by the engine)
-    /// and its bytes.
-    pub(super) scratch: u64,
+    /// The hierarchical reduce_scatter's buffer (None: none) and its bytes.
+    pub(super) scratch: Option<DeviceBuffer>,
     pub(super) scratch_bytes: u64,
 }
 
@@ -151,9 +151,10 @@ impl<'a> Hierarchical<'a> {
         let l = local.local_size() as u64;
         let hosts = self.at.ranks_per_host.len() as u64;
         let mb = c.count * c.dtype.size() as u64;
-        if self.at.scratch == 0 || hosts * mb > self.at.scratch_bytes {
-            return Err(Error::Internal("hierarchical reduce_scatter without room in its scratch".into()));
-        }
+        let scratch = match &self.at.scratch {
+            Some(b) if hosts * mb <= self.at.scratch_bytes => b.ptr(),
+            _ => return Err(Error::Internal("hierarchical reduce_scatter without room in its scratch".into())),
+        };
         let fatal = |e: Error| {
             if e.keeps_group_usable() {
                 Error::Aborted(format!("a hierarchical reduce_scatter failed part-way: {e}"))
@@ -168,7 +169,7 @@ impl<'a> Hierarchical<'a> {
                 op: c.op,
                 root: 0,
                 inp: c.inp + h * l * mb,
-                out: self.at.scratch + h * mb,
+                out: scratch + h * mb,
                 count: c.count,
                 stream,
                 asynchronous: false,
@@ -182,7 +183,7 @@ impl<'a> Hierarchical<'a> {
         // stream.
         let r = unsafe {
             (cross.fns().reduce_scatter)(
-                self.at.scratch as *const c_void,
+                scratch as *const c_void,
                 c.out as *mut c_void,
                 c.count as usize,
                 dt,

@@ -96,7 +96,7 @@ impl NcclEngine {
                 NcclCall::Broadcast => (f.broadcast)(inp, out, n, u8_, root, raw, s),
                 NcclCall::Reduce => (f.reduce)(inp, out, n, dt, op, root, raw, s),
                 NcclCall::Barrier => {
-                    let p = self.scratch as *mut c_void;
+                    let p = self.scratch.ptr() as *mut c_void;
                     (f.all_reduce)(p, p, 1, nc::ncclDataType_t::ncclFloat32, nc::ncclRedOp_t::ncclSum, raw, s)
                 }
                 NcclCall::Rooted => return self.enqueue_rooted_p2p(c, stream),

@@ -71,7 +71,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
-use super::driver::{CUstream, Device, Event, Stream};
+use super::driver::{CUstream, Device, DeviceBuffer, Event, Stream};
 use super::nccl::NcclComm;
 use super::order::Order;
 use super::{AllToAll, CudaCall, CudaEngine, CudaEvent};
@@ -171,8 +171,9 @@ struct Shared {
 pub struct NcclEngine {
     sh: Arc<Shared>,
     internal: Stream,
-    scratch: u64,
-    /// The hierarchical path's layout and scratch (freed in Drop); its engines are in `sh`.
+    /// The barrier's float (SCRATCH_BYTES).
+    scratch: DeviceBuffer,
+    /// The hierarchical path's layout and scratch; its engines are in `sh`.
     hier: HierLayout,
     /// Host index of every group rank, and this host's ranks (send/recv to a rank of this
     /// host go to the local rsccl engine, when there is one).
@@ -383,18 +384,12 @@ impl Drop for NcclEngine {
         self.shutdown();
         let Ok(_ctx) = self.sh.dev.bind() else { return };
         // Shutdown drained or aborted the work on the internal stream; the pair
-        // communicators were closed or aborted by it too: their streams drain. The streams
-        // go with their owners (Stream), after this.
+        // communicators were closed or aborted by it too: their streams drain. The buffers
+        // and streams go with their owners (DeviceBuffer, Stream) after this, with nothing
+        // queued that uses them.
         self.internal.synchronize();
         for p in &self.sh.pairs {
             p.stream.synchronize();
-        }
-        // SAFETY: the buffers are ours, and nothing runs on them any more (above).
-        unsafe {
-            cu::cuMemFree_v2(self.scratch);
-            if self.hier.scratch != 0 {
-                cu::cuMemFree_v2(self.hier.scratch);
-            }
         }
     }
 }
