@@ -26,8 +26,9 @@
 //! `begin` refuses once it is set, so no launch starts after shutdown began. What the
 //! engines do differently stays with them, in the hook `end` runs after the launch:
 //! rsccl's engine marks the end of its collectives (`EndMark`, for its health check) or,
-//! while capturing, hands the graph what its kernels use; the NCCL engine records the event
-//! its watchdog ages the launch by (and one before the enqueue, its own step).
+//! while capturing, hands the graph what its kernels use; the NCCL engine records the end
+//! event its watchdog tracks the launch by (the start event, recorded between `begin` and
+//! the enqueue, is its own step).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
