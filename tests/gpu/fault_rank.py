@@ -173,34 +173,37 @@ def ce_late_peer(rank: int, world: int, seed: int) -> None:
     checked_all_gather("next_all_gather", xs[rank].cuda(), xs)
 
 
+def one_more_on_rank_1(xs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """This rank's input on the GPU, with one element more on rank 1 (the mismatch)."""
+    return torch.cat([xs[rank], torch.ones(1)]).cuda() if rank == 1 else xs[rank].cuda()
+
+
+def mismatched_then_barrier(name: str, call) -> None:
+    """`call()`, mismatched on rank 1, then a barrier: what each did (RESULT) or raised."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        say(f"RESULT {name} returned")
+        dist.barrier()
+        say("RESULT barrier_after_mismatch returned")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        say(f"RAISED {name} {type(e).__name__}: {e}")
+
+
 def ce_mismatch(rank: int, world: int, seed: int) -> None:
     """Rank 1 gathers one element more than the others, on the copy engines."""
     xs = inputs(seed, world, 1 << 18, 8)
-    x = torch.cat([xs[rank], torch.ones(1)]).cuda() if rank == 1 else xs[rank].cuda()
-    try:
-        out = torch.empty(world * x.numel(), device=x.device)
-        dist.all_gather_into_tensor(out, x)
-        torch.cuda.synchronize()
-        say("RESULT mismatched_all_gather returned")
-        dist.barrier()
-        say("RESULT barrier_after_mismatch returned")
-    except Exception as e:  # noqa: BLE001
-        say(f"RAISED mismatched_all_gather {type(e).__name__}: {e}")
+    x = one_more_on_rank_1(xs, rank)
+    out = torch.empty(world * x.numel(), device=x.device)
+    mismatched_then_barrier("mismatched_all_gather", lambda: dist.all_gather_into_tensor(out, x))
     checked_all_gather("after_mismatch", xs[rank].cuda(), xs)
 
 
 def mismatch(rank: int, world: int, seed: int) -> None:
     """Rank 1 passes one element more than the others."""
     xs = inputs(seed, world, 1000, 5)
-    x = torch.cat([xs[rank], torch.ones(1)]).cuda() if rank == 1 else xs[rank].cuda()
-    try:
-        dist.all_reduce(x)
-        torch.cuda.synchronize()
-        say("RESULT mismatched_all_reduce returned")
-        dist.barrier()
-        say("RESULT barrier_after_mismatch returned")
-    except Exception as e:  # noqa: BLE001
-        say(f"RAISED mismatched_all_reduce {type(e).__name__}: {e}")
+    x = one_more_on_rank_1(xs, rank)
+    mismatched_then_barrier("mismatched_all_reduce", lambda: dist.all_reduce(x))
     checked_all_reduce("after_mismatch", xs[rank].cuda(), xs)
 
 

@@ -79,20 +79,41 @@ def torn_down(scenario: str, res: list[tuple[int, str, str]], says: str, ranks: 
         )
 
 
+def late_peer_waiters_torn_down(scenario: str, call: str, world: int, seed: int) -> list[tuple[int, str, str]]:
+    """`scenario` with teardown: rank world-1 calls `call` past the timeout. The waiting
+    ranks end naming the timeout and the late rank (their own wait's, or the one of the
+    peer whose timeout stopped the group first: with 3 ranks waiting, any of them may time
+    out first and poison the others; the poison word carries the cause); nobody prints a
+    result."""
+    res = run_ranks(scenario, world, seed, 1)
+    never_wrong(scenario, res)
+    for r, (_, o, _) in enumerate(res):
+        assert not lines(o, "RESULT "), f"rank {r} was handed a result of a failed {call}: {o}"
+    for r in range(world - 1):
+        torn_down(scenario, res, "waited longer than the group timeout", [r])
+        assert f"for rank {world - 1}" in res[r][2], res[r][2][-2000:]
+    return res
+
+
+def late_peer_raised(scenario: str, call: str, world: int, seed: int) -> None:
+    """`scenario` without teardown: the timeout is raised at the next call on every rank
+    (the failed blocking call itself returned before its work ran: its output is not a
+    result)."""
+    res = run_ranks(scenario, world, seed, 0)
+    never_wrong(scenario, res, raised_later=(f"late_{call}",))
+    for r, (rc, o, e) in enumerate(res):
+        assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
+        raised = lines(o, f"RAISED next_{call}")
+        assert raised, f"rank {r}: the {call} after a failed one did not raise:\n{o}"
+        if r < world - 1:
+            assert "TimeoutError" in raised[0] and f"rank {world - 1}" in raised[0], raised
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_late_peer_teardown(world, seed):
     """A peer past the timeout: the waiting ranks end with the timeout named, the late one
     with the failed group named; nobody prints a result."""
-    res = run_ranks("late_peer", world, seed, 1)
-    never_wrong("late_peer", res)
-    for r, (_, o, _) in enumerate(res):
-        assert not lines(o, "RESULT "), f"rank {r} was handed a result of a failed all_reduce: {o}"
-    # Every waiting rank ends naming the timeout and the late rank: its own wait's, or the
-    # one of the peer whose timeout stopped the group first (with 3 ranks waiting, any of
-    # them may time out first and poison the others; the poison word carries the cause).
-    for r in range(world - 1):
-        torn_down("late_peer", res, "waited longer than the group timeout", [r])
-        assert f"for rank {world - 1}" in res[r][2], res[r][2][-2000:]
+    res = late_peer_waiters_torn_down("late_peer", "all_reduce", world, seed)
     # The late rank finds the group stopped: its kernel at entry (ended too, naming the
     # timeout that stopped the group), or, if the others were gone by then, its launch
     # raises naming them.
@@ -106,16 +127,7 @@ def test_late_peer_teardown(world, seed):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_late_peer_raise(world, seed):
-    """Without teardown the timeout is raised at the next call on every rank (the failed
-    blocking call itself returned before its kernel ran: its output is not a result)."""
-    res = run_ranks("late_peer", world, seed, 0)
-    never_wrong("late_peer", res, raised_later=("late_all_reduce",))
-    for r, (rc, o, e) in enumerate(res):
-        assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
-        raised = lines(o, "RAISED next_all_reduce")
-        assert raised, f"rank {r}: the all_reduce after a failed one did not raise:\n{o}"
-        if r < world - 1:
-            assert "TimeoutError" in raised[0] and f"rank {world - 1}" in raised[0], raised
+    late_peer_raised("late_peer", "all_reduce", world, seed)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -167,16 +179,22 @@ def test_async_collective_then_graph_replay(world, seed, teardown):
             assert said in ln or "stopped because of rank" in ln, ln
 
 
+def mismatch_torn_down(scenario: str, call: str, world: int, seed: int) -> list[str]:
+    """`scenario` with teardown: ranks that called different collectives (rank 1's count)
+    end with the mismatch named, and nobody goes on. Returns the stderr of those ended."""
+    res = run_ranks(scenario, world, seed, 1)
+    never_wrong(scenario, res)
+    for r, (_, o, _) in enumerate(res):
+        assert "RESULT barrier_after_mismatch" not in o, f"rank {r} went on after a mismatched {call}:\n{o}"
+    ended = [r for r in range(world) if res[r][0] != 0]
+    assert ended, f"no rank was ended after a mismatched {call}"
+    torn_down(scenario, res, "ranks called different CUDA collectives", ended)
+    return [res[r][2] for r in ended]
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_mismatch_teardown(world, seed):
-    """Ranks that called different collectives end with the mismatch named (rank 1's count)."""
-    res = run_ranks("mismatch", world, seed, 1)
-    never_wrong("mismatch", res)
-    for r, (_, o, _) in enumerate(res):
-        assert "RESULT barrier_after_mismatch" not in o, f"rank {r} went on after a mismatched collective:\n{o}"
-    ended = [r for r in range(world) if res[r][0] != 0]
-    assert ended, "no rank was ended after a mismatched all_reduce"
-    torn_down("mismatch", res, "ranks called different CUDA collectives", ended)
+    mismatch_torn_down("mismatch", "all_reduce", world, seed)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -199,41 +217,21 @@ def test_graph_replayed_after_destroy_fails_loudly(world, seed):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_late_peer_teardown(world, seed):
-    res = run_ranks("ce_late_peer", world, seed, 1)
-    never_wrong("ce_late_peer", res)
-    for r, (_, o, _) in enumerate(res):
-        assert not lines(o, "RESULT "), f"rank {r} was handed a result of a failed all_gather: {o}"
-    for r in range(world - 1):
-        torn_down("ce_late_peer", res, "waited longer than the group timeout", [r])
-        assert f"for rank {world - 1}" in res[r][2], res[r][2][-2000:]
+    late_peer_waiters_torn_down("ce_late_peer", "all_gather", world, seed)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_late_peer_raise(world, seed):
-    """Without teardown: raised at the next call on every rank. The failed call's output is
-    not a result (its pulls copied whatever the peers' staging held): it is the call whose
-    error the next call raises."""
-    res = run_ranks("ce_late_peer", world, seed, 0)
-    never_wrong("ce_late_peer", res, raised_later=("late_all_gather",))
-    for r, (rc, o, e) in enumerate(res):
-        assert "DONE" in o and rc == 0, f"rank {r} (rc {rc}):\n{o}\n{e[-3000:]}"
-        raised = lines(o, "RAISED next_all_gather")
-        assert raised, f"rank {r}: the all_gather after a failed one did not raise:\n{o}"
-        if r < world - 1:
-            assert "TimeoutError" in raised[0] and f"rank {world - 1}" in raised[0], raised
+    """The failed call's output is not a result (its copies moved whatever the peers'
+    staging held): it is the call whose error the next call raises."""
+    late_peer_raised("ce_late_peer", "all_gather", world, seed)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_mismatch_teardown(world, seed):
     """Rank 1 gathers one element more: the barrier kernels see the descriptors differ."""
-    res = run_ranks("ce_mismatch", world, seed, 1)
-    never_wrong("ce_mismatch", res)
-    for r, (_, o, _) in enumerate(res):
-        assert "RESULT barrier_after_mismatch" not in o, f"rank {r} went on after a mismatched all_gather:\n{o}"
-    ended = [r for r in range(world) if res[r][0] != 0]
-    assert ended, "no rank was ended after a mismatched all_gather"
-    torn_down("ce_mismatch", res, "ranks called different CUDA collectives", ended)
-    assert any("on the copy engines" in res[r][2] for r in ended), "the mismatch does not say the call ran on the copy engines"
+    said = mismatch_torn_down("ce_mismatch", "all_gather", world, seed)
+    assert any("on the copy engines" in e for e in said), "the mismatch does not say the call ran on the copy engines"
 
 
 @pytest.mark.parametrize("world", WORLDS)
