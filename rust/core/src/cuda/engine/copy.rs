@@ -62,7 +62,7 @@ use cudarc::driver::sys as cu;
 
 use super::abi::Args;
 use super::{CudaCall, CudaEngine};
-use crate::cuda::decide::copy_rounds;
+use crate::cuda::decide::{copy_engine, copy_rounds, message_bytes};
 use crate::cuda::driver::{check, CUstream, Event};
 use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, STAGE_OFF, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, Order};
@@ -76,8 +76,8 @@ const BUFFERS: usize = 3;
 impl CudaEngine {
     /// Whether `c` runs on the copy engines (`decide::copy_engine` with this group's setting).
     pub(super) fn on_copy_engines(&self, c: &CudaCall) -> bool {
-        let bytes = crate::cuda::decide::message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks);
-        crate::cuda::decide::copy_engine(c.kind, bytes, self.pool.nranks, self.copy_engine_min)
+        let bytes = message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks);
+        copy_engine(c.kind, bytes, self.pool.nranks, self.copy_engine_min)
     }
 
     /// Bytes of staging: that of every CUDA block and both parities, taken as one
