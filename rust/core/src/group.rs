@@ -12,10 +12,10 @@ use crate::bootstrap::{check_same_settings, host_identity, LocalMesh, Phase, Ran
 use crate::collective::op::{Op, Place};
 use crate::config::Config;
 use crate::cuda::nccl::Nccl;
-use crate::cuda::{CudaEngine, DeviceCall, NcclEngine};
+use crate::cuda::{CudaEngine, NcclEngine};
 use crate::engine::host::HostEngine;
 pub use crate::engine::Ran;
-use crate::engine::{Engine, GroupStats, MemoryStats};
+use crate::engine::{Engine, GroupStats, MemoryStats, NotRun};
 use crate::error::{Error, Result};
 use crate::memory::Layout;
 
@@ -89,7 +89,7 @@ pub struct Group {
     /// The engine of host memory (None where CPU tensors run on gloo). Taken out at
     /// shutdown, so the region and sockets are released then, not whenever Python drops
     /// the last reference to the group.
-    host: parking_lot::Mutex<Option<Arc<HostEngine>>>,
+    host: parking_lot::Mutex<Option<Arc<dyn Engine>>>,
     /// The engine of device memory, when the group was created with a device; taken out
     /// at shutdown too.
     device: parking_lot::Mutex<Option<Device>>,
@@ -99,7 +99,7 @@ pub struct Group {
 /// hosts, with rsccl's kernels inside each host where it runs hierarchically).
 #[derive(Clone)]
 struct Device {
-    engine: Arc<dyn Engine<Call = DeviceCall>>,
+    engine: Arc<dyn Engine>,
     route: CudaRoute,
     /// rsccl's CUDA engine of this host, which holds the pool: the device engine itself on
     /// one host; across hosts, the NCCL engine's host-local engine, if it has one.
@@ -157,7 +157,7 @@ impl Group {
         let deadline = Instant::now() + timeout;
         let (kind, why) = choose_engine(&topo);
         let mut cuda = None;
-        let host: Option<Arc<HostEngine>> = match kind {
+        let host: Option<Arc<dyn Engine>> = match kind {
             EngineKind::Gloo => {
                 if let Some(d) = cuda_device {
                     let nccl = Nccl::get().ok_or_else(|| {
@@ -188,7 +188,7 @@ impl Group {
                     cuda = Some(Device { local: Some(c.clone()), engine: c, route: CudaRoute::Rsccl });
                 }
                 let pids = ranks.iter().map(|&r| topo.pids[r]).collect();
-                Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids))?))
+                Some(Arc::new(watch.during(Phase::Engine, || HostEngine::start(region, layout, cfg.clone(), me, mesh, pids, timeout))?))
             }
         };
         let g = Group { topo, cfg, timeout, kind, host: parking_lot::Mutex::new(host), device: parking_lot::Mutex::new(cuda) };
@@ -222,24 +222,20 @@ impl Group {
     /// rsccl's kernels join as invalid, which their agreement step makes harmless when
     /// every rank refuses and safe when one rank's dtype differs.
     pub fn run(&self, mut op: Op) -> Result<Ran> {
+        let (rank, n) = (self.topo.rank, self.topo.size);
         match op.place {
-            Place::Host => {
-                let (rank, n) = (self.topo.rank, self.topo.size);
-                run_on(self.host_engine(), op, rank, self.timeout, |op| op.to_host(rank, n))
-            }
-            Place::Cuda { stream } => {
+            Place::Host => run_on(self.host_engine(), op, rank, n),
+            Place::Cuda { .. } => {
                 // On CUDA a bad rank raises its own error (its peers raise the disagreement,
-                // which names it): it names the rank too, as the host engine's agreed errors do.
-                let (rank, n) = (self.topo.rank, self.topo.size);
+                // which names it): it names the rank too, as the host engine's agreed errors
+                // do (the device engines' translation names it likewise).
                 op.invalid = op.invalid.map(|e| e.naming_rank(rank));
-                run_on(self.device().map(|d| d.engine), op, rank, self.timeout, |op| {
-                    op.to_device(rank, n, stream).map_err(|e| e.naming_rank(rank))
-                })
+                run_on(self.device().map(|d| d.engine), op, rank, n)
             }
         }
     }
 
-    fn host_engine(&self) -> Result<Arc<HostEngine>> {
+    fn host_engine(&self) -> Result<Arc<dyn Engine>> {
         match (&*self.host.lock(), self.kind) {
             (Some(e), _) => Ok(e.clone()),
             (None, EngineKind::Host) => Err(Error::destroyed()),
@@ -262,7 +258,11 @@ impl Group {
 
     /// What the host engine reserved, mapped and moved (zeros without one).
     pub fn host_stats(&self) -> MemoryStats {
-        self.host.lock().as_ref().map(|e| e.stats()).unwrap_or_default()
+        let mut s = GroupStats::default();
+        if let Some(e) = &*self.host.lock() {
+            e.add_stats(&mut s);
+        }
+        s.host
     }
 
     /// Every engine's part. Reading the CUDA counters waits for the group's queued kernels.
@@ -339,35 +339,34 @@ impl Group {
     }
 }
 
-/// `Group::run` on one engine (of this `rank`): refuse `op` if the engine cannot run it,
-/// else run it translated for the engine, or join its call as invalid.
-fn run_on<E: Engine + ?Sized>(
-    engine: Result<Arc<E>>,
-    mut op: Op,
-    rank: usize,
-    timeout: Duration,
-    translate: impl FnOnce(&mut Op) -> Result<E::Call>,
-) -> Result<Ran> {
+/// `Group::run` on one engine (of this `rank` of `n`): refuse `op` if the engine cannot
+/// run it, else run it (the engine translates it), or join its call as invalid when this
+/// rank's arguments were bad.
+fn run_on(engine: Result<Arc<dyn Engine>>, mut op: Op, rank: usize, n: usize) -> Result<Ran> {
     let invalid = op.invalid.take();
     let engine = match engine {
         Ok(e) => e,
         // No engine to join: this rank's own error, where it has one, says more.
         Err(none) => return Err(invalid.unwrap_or(none)),
     };
-    let call = match invalid {
-        Some(e) => Err(e),
+    let error = match invalid {
+        Some(e) => e,
         None => {
             // A fact of the engine, alike on every rank: each refuses (see `run`).
             if let Err(e) = engine.can_run(&op, rank) {
-                return engine.refuse(&op, e, timeout);
+                return engine.refuse(&op, e);
             }
-            translate(&mut op)
+            match engine.clone().run(&mut op, rank, n) {
+                Ok(ran) => return Ok(ran),
+                Err(NotRun::Failed(e)) => return Err(e),
+                Err(NotRun::Arguments(e)) => e,
+            }
         }
     };
-    match call {
-        Ok(c) => engine.run(c, timeout),
-        Err(e) if op.kind.is_p2p() => Err(e),
-        Err(e) => engine.join_invalid(&op, e, timeout),
+    if op.kind.is_p2p() {
+        Err(error)
+    } else {
+        engine.join_invalid(&op, error)
     }
 }
 
@@ -378,20 +377,26 @@ mod tests {
     use crate::collective::Kind;
 
     /// An engine that records what reached it; `.1`: it refuses what it cannot run by
-    /// joining as invalid (as rsccl's kernels), else alone (as NCCL).
+    /// joining as invalid (as rsccl's kernels), else alone (as NCCL). Its translation
+    /// refuses root 9 (this rank's bad argument) and fails a launch at root 8.
     #[derive(Default)]
     struct Recorder(parking_lot::Mutex<Vec<String>>, bool);
 
     impl Engine for Recorder {
-        type Call = u32;
         fn name(&self) -> &'static str {
             "recorder"
         }
-        fn run(self: Arc<Self>, call: u32, _: Duration) -> Result<Ran> {
-            self.0.lock().push(format!("run {call}"));
-            Ok(Ran::Done)
+        fn run(self: Arc<Self>, op: &mut Op, rank: usize, size: usize) -> std::result::Result<Ran, NotRun> {
+            match op.root {
+                9 => Err(NotRun::Arguments(Error::InvalidArgument("root 9 out of range".into()))),
+                8 => Err(NotRun::Failed(Error::Cuda("launch failed".into()))),
+                _ => {
+                    self.0.lock().push(format!("run {} on rank {rank} of {size}", op.kind.name()));
+                    Ok(Ran::Done)
+                }
+            }
         }
-        fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _: Duration) -> Result<Ran> {
+        fn join_invalid(self: Arc<Self>, op: &Op, error: Error) -> Result<Ran> {
             self.0.lock().push(format!("invalid {}: {error}", op.kind.name()));
             Err(error)
         }
@@ -402,9 +407,9 @@ mod tests {
             }
             Ok(())
         }
-        fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
+        fn refuse(self: Arc<Self>, op: &Op, error: Error) -> Result<Ran> {
             if self.1 {
-                return self.join_invalid(op, error, timeout);
+                return self.join_invalid(op, error);
             }
             Err(error)
         }
@@ -416,34 +421,39 @@ mod tests {
         Op { invalid: invalid.map(|m| Error::InvalidArgument(m.into())), ..Op::new(kind, Place::Host) }
     }
 
+    fn rooted(kind: Kind, root: i64) -> Op {
+        Op { root, ..op(kind, None) }
+    }
+
     /// The one owner of "join as invalid": a collective whose arguments were found bad
-    /// (by the front end or in translation) joins; a send/recv raises alone; a good op runs.
+    /// (by the front end or in the engine's translation) joins; a send/recv raises alone;
+    /// a good op runs; a call that fails once translated raises without joining.
     #[test]
     fn bad_collectives_join_and_bad_p2p_raise_alone() {
-        let t = Duration::from_secs(1);
         let e = Arc::new(Recorder::default());
-        let ok = |_: &mut Op| Ok(7u32);
-        assert!(run_on(Ok(e.clone()), op(Kind::AllReduce, None), 0, t, ok).is_ok());
-        let bad = |_: &mut Op| -> Result<u32> { Err(Error::InvalidArgument("root 9 out of range".into())) };
-        let r = run_on(Ok(e.clone()), op(Kind::Broadcast, None), 0, t, bad);
+        let dynamic = || -> Result<Arc<dyn Engine>> { Ok(e.clone()) };
+        assert!(run_on(dynamic(), op(Kind::AllReduce, None), 0, 4).is_ok());
+        let r = run_on(dynamic(), rooted(Kind::Broadcast, 9), 0, 4);
         assert!(r.err().unwrap().to_string().contains("root 9 out of range"));
-        let r = run_on(Ok(e.clone()), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), 0, t, ok);
+        let r = run_on(dynamic(), op(Kind::AllGather, Some("rank 1 passed 3 outputs")), 0, 4);
         assert!(r.err().unwrap().to_string().contains("rank 1 passed 3 outputs"));
-        let r = run_on(Ok(e.clone()), op(Kind::Send, Some("tag -1")), 0, t, ok);
+        let r = run_on(dynamic(), op(Kind::Send, Some("tag -1")), 0, 4);
         assert!(r.err().unwrap().to_string().contains("tag -1"));
-        let r = run_on(Ok(e.clone()), op(Kind::Recv, None), 0, t, bad);
+        let r = run_on(dynamic(), rooted(Kind::Recv, 9), 0, 4);
         assert!(r.is_err());
+        let r = run_on(dynamic(), rooted(Kind::AllReduce, 8), 0, 4);
+        assert!(r.err().unwrap().to_string().contains("launch failed"));
         assert_eq!(
             *e.0.lock(),
             vec![
-                "run 7".to_string(),
+                "run all_reduce on rank 0 of 4".to_string(),
                 "invalid broadcast: root 9 out of range".into(),
                 "invalid all_gather: rank 1 passed 3 outputs".into(),
             ]
         );
         // No engine of that place: the rank's own error says more than "no CUDA engine".
-        let none: Result<Arc<Recorder>> = Err(Error::InvalidArgument("this group has no CUDA engine".into()));
-        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), 0, t, ok);
+        let none: Result<Arc<dyn Engine>> = Err(Error::InvalidArgument("this group has no CUDA engine".into()));
+        let r = run_on(none, op(Kind::AllReduce, Some("float64 is not reduced on CUDA")), 0, 4);
         assert!(r.err().unwrap().to_string().contains("float64 is not reduced on CUDA"));
     }
 
@@ -456,29 +466,32 @@ mod tests {
     #[test]
     fn a_call_the_engine_cannot_run_is_refused_before_anything_is_exchanged() {
         use crate::dtype::DType;
-        let t = Duration::from_secs(1);
         let e = Arc::new(Recorder::default());
-        let ok = |_: &mut Op| Ok(7u32);
+        let dynamic = || -> Result<Arc<dyn Engine>> { Ok(e.clone()) };
         let mut f64_op = op(Kind::AllReduce, None);
         f64_op.dtype = DType::F64;
-        let r = run_on(Ok(e.clone()), f64_op, 3, t, ok);
+        let r = run_on(dynamic(), f64_op, 3, 4);
         let err = r.err().unwrap();
         assert!(matches!(&err, Error::InvalidType(m) if m == "all_reduce: rank 3 passed float64; this engine reduces float32"), "{err}");
         let mut f32_op = op(Kind::AllReduce, None);
         f32_op.dtype = DType::F32;
-        assert!(run_on(Ok(e.clone()), f32_op, 3, t, ok).is_ok());
+        assert!(run_on(dynamic(), f32_op, 3, 4).is_ok());
         let mut bad = op(Kind::AllReduce, Some("rank 3: input and output differ"));
         bad.dtype = DType::F64;
-        assert!(run_on(Ok(e.clone()), bad, 3, t, ok).is_err());
+        assert!(run_on(dynamic(), bad, 3, 4).is_err());
         assert_eq!(
             *e.0.lock(),
-            vec!["refused float64".to_string(), "run 7".into(), "invalid all_reduce: rank 3: input and output differ".into()]
+            vec![
+                "refused float64".to_string(),
+                "run all_reduce on rank 3 of 4".into(),
+                "invalid all_reduce: rank 3: input and output differ".into()
+            ]
         );
         // An engine that tells its peers by joining: the refusal joins, with the same error.
         let joins = Arc::new(Recorder(Default::default(), true));
         let mut f64_op = op(Kind::ReduceScatter, None);
         f64_op.dtype = DType::F64;
-        let r = run_on(Ok(joins.clone()), f64_op, 3, t, ok);
+        let r = run_on(Ok(joins.clone()), f64_op, 3, 4);
         assert!(r.err().unwrap().to_string().starts_with("all_reduce: rank 3 passed float64"));
         assert_eq!(
             *joins.0.lock(),

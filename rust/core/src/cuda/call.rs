@@ -1,5 +1,5 @@
-//! A collective as the device engines run it (`CudaCall`, inside `DeviceCall` of
-//! cuda/engine/mod.rs), made from the op record (collective/op.rs).
+//! A collective as the device engines run it (`CudaCall`, inside `DeviceCall`), made from
+//! the op record (collective/op.rs) by cuda/engine/translate.rs.
 
 use crate::dtype::{DType, ReduceOp};
 

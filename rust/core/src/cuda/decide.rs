@@ -285,8 +285,8 @@ pub fn cuda_count(kind: Kind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 
 }
 
 /// Which buffer of a call holds one block per rank, each the size of the other buffer:
-/// the sizes the kernels cannot check, which `Op::to_cuda` does (the host engine checks its
-/// own in `check_local`). None where no such relation holds on every rank (gather and
+/// the sizes the kernels cannot check, which `DeviceCall::from_op` does (the host engine
+/// checks its own in `check_local`). None where no such relation holds on every rank (gather and
 /// scatter have it at the root only, where the front end builds that buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Blocks {

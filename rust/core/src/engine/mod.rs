@@ -5,75 +5,11 @@
 
 pub mod host;
 
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::collective::op::Op;
-use crate::collective::{Buf, Collective};
 use crate::cuda::{CudaEvent, CudaStats, NcclStats};
-use crate::dtype::DType;
 use crate::work::WorkState;
-
-/// A point-to-point operation with one peer (a rank of the group).
-#[derive(Debug)]
-pub enum P2p {
-    Send {
-        buf: Buf,
-        dtype: DType,
-        peer: usize,
-        tag: i64,
-    },
-    Recv {
-        buf: Buf,
-        dtype: DType,
-        peer: usize,
-        tag: i64,
-    },
-    /// A recv from whichever rank's message with this tag comes first (dist.recv/irecv
-    /// without src, CPU tensors): `source` holds that rank once the Work completes.
-    RecvAny {
-        buf: Buf,
-        dtype: DType,
-        tag: i64,
-        source: Arc<AtomicUsize>,
-    },
-}
-
-/// What the host engine runs: a collective (on the calling thread, returning when done,
-/// when `blocking`) or a send/recv (always a Work).
-#[derive(Debug)]
-pub enum HostCall {
-    Collective { c: Collective, blocking: bool },
-    P2p(P2p),
-}
-
-/// Tags run from 0 to 2^31 - 1, as gloo's (a 32-bit slot) do: a tag outside is a bad
-/// argument, refused on both sides (see `P2p::check_tag`).
-pub const P2P_TAG_LIMIT: i64 = 1 << 31;
-
-impl P2p {
-    /// The peer of a send or recv; None for a recv from any source.
-    pub fn peer(&self) -> Option<usize> {
-        match self {
-            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => Some(*peer),
-            P2p::RecvAny { .. } => None,
-        }
-    }
-
-    /// This rank's (`me`) tag is in range, or the error that names both ranks.
-    pub fn check_tag(&self, me: usize) -> crate::Result<()> {
-        let (what, tag) = match self {
-            P2p::Send { peer, tag, .. } => (format!("send to rank {peer}"), *tag),
-            P2p::Recv { peer, tag, .. } => (format!("recv from rank {peer}"), *tag),
-            P2p::RecvAny { tag, .. } => ("recv from any rank".to_string(), *tag),
-        };
-        if (0..P2P_TAG_LIMIT).contains(&tag) {
-            return Ok(());
-        }
-        Err(crate::Error::InvalidArgument(format!("rank {me} posted a {what} with tag {tag}, out of range: tags run from 0 to 2^31 - 1")))
-    }
-}
 
 /// What an engine has reserved, mapped and uses, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -100,32 +36,36 @@ pub struct GroupStats {
 /// An engine runs the ops of one place: host memory (`HostEngine`), or this rank's GPU
 /// (`CudaEngine` on one host, `NcclEngine` across hosts). `Group::run` is its one caller:
 /// it asks the engine whether it can run the op at all (`can_run`; if not, `refuse`),
-/// translates it for the engine's place (`Call`, built in collective/op.rs), and owns the
-/// rules that a call the engine cannot run is refused by every rank and that a rank whose
-/// op fails to translate joins the call as invalid.
+/// then hands it the op, which the engine translates into its own description itself
+/// (`run`). The group owns the rules that a call the engine cannot run is refused by every
+/// rank and that a rank whose op fails to translate joins the call as invalid.
+///
+/// The trait is object safe: the group holds each engine as `Arc<dyn Engine>`. Each engine
+/// takes the group's timeout at creation, so no call passes one.
 pub trait Engine: Send + Sync {
-    /// What this engine runs: an op translated for its place (`HostCall`, `DeviceCall`).
-    type Call;
-
     /// "host", "rsccl" (rsccl's kernels) or "nccl".
     fn name(&self) -> &'static str;
 
-    /// Run one call whose arguments were valid on this rank. Returns a Work (host), the
-    /// end event of an asynchronous CUDA call, or Done (a blocking call that completed).
-    fn run(self: Arc<Self>, call: Self::Call, timeout: Duration) -> crate::Result<Ran>;
+    /// Translate `op` of `rank` (in a group of `size` ranks) for this engine, and run it.
+    /// Returns a Work (host), the end event of an asynchronous CUDA call, or Done (a
+    /// blocking call that completed). `NotRun::Arguments`: this rank's arguments do not
+    /// translate for the engine, and nothing ran (`Group::run` then joins the call as
+    /// invalid, with `op`, from which the engine may have taken what it moved into its
+    /// call); `NotRun::Failed`: the translated call failed.
+    fn run(self: Arc<Self>, op: &mut Op, rank: usize, size: usize) -> Result<Ran, NotRun>;
 
     /// This rank's `op` was invalid (`error`): take part in its call as invalid, so that
     /// every peer raises instead of waiting for it. Returns what this rank gets: the host
     /// engine's Work (or, blocking, the error) that all ranks agree on; on CUDA, `error`.
-    fn join_invalid(self: Arc<Self>, op: &Op, error: crate::Error, timeout: Duration) -> crate::Result<Ran>;
+    fn join_invalid(self: Arc<Self>, op: &Op, error: crate::Error) -> crate::Result<Ran>;
 
     /// Whether this engine can run `op` at all (its kind, dtype and reduce op), or the
     /// error that says what it takes, naming `rank` (the caller's group rank). The answer
     /// is a fact of the engine, the same on every rank that passed the same dtype and op,
     /// so `Group::run` asks before anything is exchanged, and every rank refuses the call
     /// (`refuse`) with the group left usable. The CUDA engines answer with
-    /// `cuda::decide::can_run`; the host engine runs what rsccl's dtypes and ops describe
-    /// (its agreed checks stay in its call).
+    /// `cuda::decide::can_run`, each for itself (NCCL with NCCL's types); the host engine
+    /// runs what rsccl's dtypes and ops describe (its agreed checks stay in its call).
     fn can_run(&self, _op: &Op, _rank: usize) -> crate::Result<()> {
         Ok(())
     }
@@ -137,7 +77,7 @@ pub trait Engine: Send + Sync {
     /// requires it). An engine that can tell its peers at no harm does (`join_invalid`,
     /// rsccl's kernels): a peer that did pass a dtype the engine runs then raises the
     /// disagreement, instead of running its call with this rank's next one.
-    fn refuse(self: Arc<Self>, _op: &Op, error: crate::Error, _timeout: Duration) -> crate::Result<Ran> {
+    fn refuse(self: Arc<Self>, _op: &Op, error: crate::Error) -> crate::Result<Ran> {
         Err(error)
     }
 
@@ -156,6 +96,22 @@ pub trait Engine: Send + Sync {
     /// Stop the engine's threads and release what it holds; pending operations fail with
     /// `Error::Aborted`. Idempotent.
     fn shutdown(&self);
+}
+
+/// Why `Engine::run` returned no result.
+#[derive(Debug)]
+pub enum NotRun {
+    /// This rank's arguments do not translate for the engine (the error says why): the
+    /// call did not start, and `Group::run` joins it as invalid.
+    Arguments(crate::Error),
+    /// The translated call failed.
+    Failed(crate::Error),
+}
+
+impl From<crate::Error> for NotRun {
+    fn from(e: crate::Error) -> NotRun {
+        NotRun::Failed(e)
+    }
 }
 
 /// What `Engine::run` returns: the Work of a host op, the end event of an asynchronous CUDA

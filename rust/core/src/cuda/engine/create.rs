@@ -9,9 +9,9 @@ use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
 use super::abi::Args;
-use super::launch::AllToAll;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
+use super::AllToAll;
 use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
 use crate::collective::Kind;

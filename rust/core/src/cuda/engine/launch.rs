@@ -8,22 +8,13 @@ use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
+use crate::collective::op::AllToAll;
 use crate::collective::Kind;
 use crate::cuda::decide::{kernel, placement, Kernel};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
 use crate::error::{Error, Result};
-
-/// One all_to_all: per peer (local index), the chunk this rank sends (address, bytes) and
-/// where the chunk from that peer lands (address, bytes).
-#[derive(Debug, Clone, Default)]
-pub struct AllToAll {
-    pub send: Vec<u64>,
-    pub send_bytes: Vec<u64>,
-    pub recv: Vec<u64>,
-    pub recv_bytes: Vec<u64>,
-}
 
 impl CudaEngine {
     /// Launch one collective. Returns the end event for an asynchronous call (the Work

@@ -26,8 +26,8 @@
 //! where the Work's events come home), `copy` (collectives on the copy engines), `p2p`
 //! (send/recv), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
 //! `watchdog`. The pure choices (algorithm, placement,
-//! grids, staging) live in `cuda::decide`. `DeviceCall`, what both device engines run, is
-//! here: its all_to_all carries this engine's `AllToAll`.
+//! grids, staging) live in `cuda::decide`. `translate` turns the op record into
+//! `DeviceCall`, what both device engines run.
 
 mod abi;
 mod copy;
@@ -39,6 +39,7 @@ mod run;
 mod shutdown;
 mod stats;
 mod status;
+mod translate;
 mod watchdog;
 
 use std::sync::atomic::AtomicBool;
@@ -55,39 +56,14 @@ pub use super::decide::{
 use super::driver::Stream;
 use super::kernels::{Family, Kernels};
 use super::order::{EndMark, Order};
+pub use crate::collective::op::AllToAll;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
-pub use launch::AllToAll;
 pub use stats::CudaStats;
 use status::Shared;
-
-/// One call to a device engine (`Engine::Call` of `CudaEngine` and `NcclEngine`), ordered
-/// after the caller's current stream.
-#[derive(Debug, Clone)]
-pub enum DeviceCall {
-    /// A collective, a barrier, or the invalid call (`Kind::Invalid`).
-    Collective(CudaCall),
-    /// An all_to_all: its chunks, one per group rank.
-    AllToAll { chunks: AllToAll, stream: u64, asynchronous: bool },
-    /// A send (`send`) or recv of `bytes` at `ptr` with group rank `peer`.
-    P2p { send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool },
-}
-
-impl DeviceCall {
-    /// The same call ordered after `stream`, asynchronous or not (a front end that builds
-    /// its calls before it knows the stream).
-    pub fn after(mut self, on: u64, is_async: bool) -> DeviceCall {
-        match &mut self {
-            DeviceCall::Collective(c) => (c.stream, c.asynchronous) = (on, is_async),
-            DeviceCall::AllToAll { stream, asynchronous, .. } | DeviceCall::P2p { stream, asynchronous, .. } => {
-                (*stream, *asynchronous) = (on, is_async)
-            }
-        }
-        self
-    }
-}
+pub use translate::DeviceCall;
 
 pub struct CudaEngine {
     sh: Arc<Shared>,

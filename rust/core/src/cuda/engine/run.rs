@@ -1,24 +1,25 @@
-//! The CUDA engine behind the `Engine` trait: a `DeviceCall` to its launch entry points.
+//! The CUDA engine behind the `Engine` trait: an op, translated (`DeviceCall::from_op`),
+//! to its launch entry points.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use super::{CudaCall, CudaEngine};
-use crate::collective::op::Op;
+use super::{CudaCall, CudaEngine, DeviceCall};
+use crate::collective::op::{Op, Place};
 use crate::collective::Kind;
 use crate::cuda::decide::{can_run, DeviceEngine};
-use crate::cuda::DeviceCall;
-use crate::engine::{Engine, GroupStats, Ran};
+use crate::engine::{Engine, GroupStats, NotRun, Ran};
 use crate::error::{Error, Result};
 
 impl Engine for CudaEngine {
-    type Call = DeviceCall;
-
     fn name(&self) -> &'static str {
         "rsccl"
     }
 
-    fn run(self: Arc<Self>, call: DeviceCall, _timeout: Duration) -> Result<Ran> {
+    fn run(self: Arc<Self>, op: &mut Op, rank: usize, size: usize) -> std::result::Result<Ran, NotRun> {
+        let Place::Cuda { stream } = op.place else {
+            return Err(NotRun::Failed(Error::Internal("a host op reached the CUDA engine".into())));
+        };
+        let call = DeviceCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
         let ev = match call {
             DeviceCall::Collective(c) => self.launch(&c)?,
             DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
@@ -48,17 +49,16 @@ impl Engine for CudaEngine {
     /// a peer that passed a dtype the kernels reduce sees the mismatch and raises it,
     /// where refusing alone would leave its kernel waiting for this rank's next call and
     /// pair the two.
-    fn refuse(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
-        self.join_invalid(op, error, timeout)
+    fn refuse(self: Arc<Self>, op: &Op, error: Error) -> Result<Ran> {
+        self.join_invalid(op, error)
     }
 
     /// Launches the invalid kernel (`Kind::Invalid`): it takes part in the first barrier
     /// only, where every peer sees its descriptor mismatch theirs and raises. This rank
     /// raises `error`, its own (a failure to tell the peers is logged).
-    fn join_invalid(self: Arc<Self>, op: &Op, error: Error, _timeout: Duration) -> Result<Ran> {
-        let stream = match op.place {
-            crate::collective::op::Place::Cuda { stream } => stream,
-            crate::collective::op::Place::Host => return Err(Error::Internal("a host op reached the CUDA engine".into())),
+    fn join_invalid(self: Arc<Self>, op: &Op, error: Error) -> Result<Ran> {
+        let Place::Cuda { stream } = op.place else {
+            return Err(Error::Internal("a host op reached the CUDA engine".into()));
         };
         if let Err(told) = self.launch(&CudaCall::bare(Kind::Invalid, 0, stream, false)) {
             tracing::warn!(error = %told, "could not report an invalid CUDA call to the peers");

@@ -1,23 +1,25 @@
-//! The NCCL engine behind the `Engine` trait: a `DeviceCall` to its launch entry points.
+//! The NCCL engine behind the `Engine` trait: an op, translated (`DeviceCall::from_op`,
+//! as rsccl's CUDA engine does), to its launch entry points.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::NcclEngine;
-use crate::collective::op::Op;
+use crate::collective::op::{Op, Place};
 use crate::cuda::decide::{can_run, DeviceEngine};
 use crate::cuda::DeviceCall;
-use crate::engine::{Engine, GroupStats, Ran};
+use crate::engine::{Engine, GroupStats, NotRun, Ran};
 use crate::error::{Error, Result};
 
 impl Engine for NcclEngine {
-    type Call = DeviceCall;
-
     fn name(&self) -> &'static str {
         "nccl"
     }
 
-    fn run(self: Arc<Self>, call: DeviceCall, _timeout: Duration) -> Result<Ran> {
+    fn run(self: Arc<Self>, op: &mut Op, rank: usize, size: usize) -> std::result::Result<Ran, NotRun> {
+        let Place::Cuda { stream } = op.place else {
+            return Err(NotRun::Failed(Error::Internal("a host op reached the NCCL engine".into())));
+        };
+        let call = DeviceCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
         let ev = match call {
             DeviceCall::Collective(c) => self.launch(&c)?,
             DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
@@ -36,7 +38,7 @@ impl Engine for NcclEngine {
 
     /// NCCL cannot tell the peers: the group is aborted (`NcclEngine::invalid`), and this
     /// rank raises `error`, its own.
-    fn join_invalid(self: Arc<Self>, _op: &Op, error: Error, _timeout: Duration) -> Result<Ran> {
+    fn join_invalid(self: Arc<Self>, _op: &Op, error: Error) -> Result<Ran> {
         self.invalid();
         Err(error)
     }

@@ -16,6 +16,7 @@
 
 mod coll;
 mod p2p;
+mod translate;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{Engine, GroupStats, HostCall, MemoryStats, P2p, Ran};
+use super::{Engine, GroupStats, MemoryStats, NotRun, Ran};
 use crate::bootstrap::LocalMesh;
 use crate::collective::op::Op;
 use crate::collective::validate;
@@ -39,6 +40,7 @@ use crate::work::WorkState;
 
 use coll::{collective_thread, execute, BusyToken, CollExec};
 use p2p::P2pExec;
+pub use translate::{HostCall, P2p};
 
 /// State shared by the group's threads.
 struct Shared {
@@ -240,11 +242,22 @@ pub struct HostEngine {
     exec: Arc<Mutex<CollExec>>,
     p2p: Arc<Mutex<P2pInbox>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The group's timeout: how long each op run through `Engine` may wait for its peers.
+    timeout: Duration,
 }
 
 impl HostEngine {
-    /// Start the engine of local rank `me` of `n` over a region already shared.
-    pub fn start(region: HostRegion, layout: Layout, cfg: Config, me: usize, mesh: Arc<LocalMesh>, pids: Vec<u32>) -> Result<HostEngine> {
+    /// Start the engine of local rank `me` of `n` over a region already shared; its ops
+    /// wait `timeout` for their peers.
+    pub fn start(
+        region: HostRegion,
+        layout: Layout,
+        cfg: Config,
+        me: usize,
+        mesh: Arc<LocalMesh>,
+        pids: Vec<u32>,
+        timeout: Duration,
+    ) -> Result<HostEngine> {
         let n = layout.nranks;
         let sh = Arc::new(Shared {
             region,
@@ -288,32 +301,25 @@ impl HostEngine {
                 .spawn(move || P2pExec::new(sh, p2p).run())
                 .map_err(|e| Error::os("starting the send/recv thread", e))?
         };
-        Ok(HostEngine { sh, coll, exec, p2p, threads: Mutex::new(vec![t1, t2]) })
+        Ok(HostEngine { sh, coll, exec, p2p, threads: Mutex::new(vec![t1, t2]), timeout })
     }
 }
 
 impl Engine for HostEngine {
-    type Call = HostCall;
-
     fn name(&self) -> &'static str {
         "host"
     }
 
-    fn run(self: Arc<Self>, call: HostCall, timeout: Duration) -> Result<Ran> {
-        Ok(match call {
-            HostCall::Collective { c, blocking: true } => {
-                self.run_now(c, timeout)?;
-                Ran::Done
-            }
-            HostCall::Collective { c, blocking: false } => Ran::Work(self.submit(c, timeout)),
-            HostCall::P2p(p) => Ran::Work(self.submit_p2p(p, timeout)),
-        })
+    /// `HostCall::from_op` (translate.rs), then queued or, blocking, run now.
+    fn run(self: Arc<Self>, op: &mut Op, rank: usize, size: usize) -> std::result::Result<Ran, NotRun> {
+        let call = HostCall::from_op(op, rank, size).map_err(NotRun::Arguments)?;
+        Ok(self.run_call(call)?)
     }
 
     /// `Collective::Invalid`: its Work fails with the error the ranks agree on (every
     /// invalid rank's message); blocking, that error is returned.
-    fn join_invalid(self: Arc<Self>, op: &Op, error: Error, timeout: Duration) -> Result<Ran> {
-        self.run(HostCall::Collective { c: Collective::Invalid { kind: op.kind, error }, blocking: op.blocking }, timeout)
+    fn join_invalid(self: Arc<Self>, op: &Op, error: Error) -> Result<Ran> {
+        self.run_call(HostCall::Collective { c: Collective::Invalid { kind: op.kind, error }, blocking: op.blocking })
     }
 
     fn add_stats(&self, stats: &mut GroupStats) {
@@ -342,6 +348,18 @@ impl Engine for HostEngine {
 }
 
 impl HostEngine {
+    /// Run a translated call with the group's timeout.
+    fn run_call(&self, call: HostCall) -> Result<Ran> {
+        Ok(match call {
+            HostCall::Collective { c, blocking: true } => {
+                self.run_now(c, self.timeout)?;
+                Ran::Done
+            }
+            HostCall::Collective { c, blocking: false } => Ran::Work(self.submit(c, self.timeout)),
+            HostCall::P2p(p) => Ran::Work(self.submit_p2p(p, self.timeout)),
+        })
+    }
+
     /// Queue collective `c`; its Work completes when it ran.
     pub fn submit(&self, c: Collective, timeout: Duration) -> Arc<WorkState> {
         let work = Arc::new(WorkState::new());

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use super::{poison, P2pInbox, P2pJob, Shared};
 use crate::collective::Buf;
-use crate::engine::P2p;
+use crate::engine::host::P2p;
 use crate::error::Error;
 use crate::sync::{futex_wait, SLICE};
 use crate::work::WorkState;

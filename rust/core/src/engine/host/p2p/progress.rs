@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 
 use super::{complete_all, Broken, P2pExec, Pending, Unexpected, UNEXPECTED_LIMIT};
 use crate::engine::host::coll::copy;
+use crate::engine::host::P2p;
 use crate::engine::host::POISON_WRITING;
-use crate::engine::P2p;
 use crate::error::Error;
 use crate::memory::layout::{ChannelCtrl, MsgHeader, ERROR_TEXT_BYTES};
 
