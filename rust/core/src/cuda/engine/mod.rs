@@ -63,7 +63,7 @@ use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
 pub use stats::CudaStats;
 use status::Shared;
-pub use translate::DeviceCall;
+pub(crate) use translate::DeviceCall;
 
 pub struct CudaEngine {
     sh: Arc<Shared>,

@@ -40,7 +40,7 @@ use crate::work::WorkState;
 
 use coll::{collective_thread, execute, BusyToken, CollExec};
 use p2p::P2pExec;
-pub use translate::{HostCall, P2p};
+pub(crate) use translate::{HostCall, P2p};
 
 /// State shared by the group's threads.
 struct Shared {
