@@ -86,9 +86,9 @@ def test_nvrtc_fallback_compiles_once_per_host_and_matches_nccl(seed, tmp_path):
     _, warm = _nvrtc_run(world, cache, seed + 1)
     assert sorted(glob.glob(os.path.join(cache, f"kernels-*-{arch}.cubin"))) == cubins, "the second cluster compiled again"
 
-    # A cached cubin the driver refuses (truncated: non-empty, so the cache's read takes it)
-    # is deleted and compiled again, once, and the group works (issue 25, place 9; before,
-    # every later group failed on it). The fresh file is a whole cubin again.
+    # A truncated cached cubin is compiled again, once, and the group works (issue 25,
+    # place 9; before, every later group failed on it, and before the files carried a
+    # checksum, the driver crashed a rank with SIGSEGV loading it). The file is whole again.
     victim = next(p for p in cubins if os.path.basename(p).split("-")[2] == "all_gather")
     with open(victim, "rb") as f:
         good = f.read()

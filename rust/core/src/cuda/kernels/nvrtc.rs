@@ -168,9 +168,33 @@ pub fn cache_paths(arch: &str) -> Result<Option<Vec<PathBuf>>> {
     Ok(cache_dir().map(|d| MODULES.iter().map(|(m, _)| cache_file(&d, key, m, arch)).collect()))
 }
 
-/// Every module's cubin from the cache, or None if any is missing.
+/// Every module's cubin from the cache, or None if any is missing or fails its seal.
 fn read_cached(dir: &Path, key: u64, arch: &str) -> Option<Vec<(&'static str, Vec<u8>)>> {
-    MODULES.iter().map(|(m, _)| std::fs::read(cache_file(dir, key, m, arch)).ok().filter(|b| !b.is_empty()).map(|b| (*m, b))).collect()
+    MODULES.iter().map(|(m, _)| std::fs::read(cache_file(dir, key, m, arch)).ok().and_then(unseal).map(|b| (*m, b))).collect()
+}
+
+/// The trailer of a cache file: SEAL, then the cubin's FNV-1a, little-endian.
+const SEAL: &[u8; 8] = b"rsccl-cb";
+
+/// A cubin as the cache stores it: its bytes, then SEAL and their hash. The driver does not
+/// always refuse a damaged image cleanly (a truncated cached cubin crashed a rank with SIGSEGV
+/// at start-up on H100s, tests/gpu/test_gpu_kernels.py, 2026-11-26), so no cached file reaches it unchecked.
+fn seal(cubin: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(cubin.len() + 16);
+    b.extend_from_slice(cubin);
+    b.extend_from_slice(SEAL);
+    b.extend_from_slice(&fnv1a(&[cubin]).to_le_bytes());
+    b
+}
+
+/// The cubin of a cache file, None when it is empty, truncated or changed since `seal`.
+fn unseal(mut file: Vec<u8>) -> Option<Vec<u8>> {
+    let body = file.len().checked_sub(16).filter(|&n| n > 0)?;
+    let (cubin, trailer) = file.split_at(body);
+    (trailer[..8] == SEAL[..] && trailer[8..] == fnv1a(&[cubin]).to_le_bytes()).then(|| {
+        file.truncate(body);
+        file
+    })
 }
 
 /// An exclusive flock on `path`, held until the file is dropped (and released by the
@@ -271,7 +295,7 @@ impl Cache<'_> {
         for (m, cubin) in &cubins {
             let p = self.file(dir, m);
             let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-            if std::fs::write(&tmp, cubin).and_then(|_| std::fs::rename(&tmp, &p)).is_err() {
+            if std::fs::write(&tmp, seal(cubin)).and_then(|_| std::fs::rename(&tmp, &p)).is_err() {
                 let _ = std::fs::remove_file(&tmp);
                 tracing::warn!(path = %p.display(), "rsccl: could not cache compiled kernels");
             }
@@ -415,8 +439,8 @@ mod tests {
         }
     }
 
-    /// A cached set that the driver refuses (here one truncated file) is compiled again
-    /// once, the bad files replaced on disk, and the fresh code loaded.
+    /// A cached set that the driver refuses (here one file sealed over bad code) is
+    /// compiled again once, the bad files replaced on disk, and the fresh code loaded.
     #[test]
     fn a_cached_image_that_does_not_load_is_compiled_again_once() {
         let dir = Scratch::new("cache-refused");
@@ -432,13 +456,13 @@ mod tests {
         assert_eq!(bytes, cubins("good").iter().map(|c| c.1.len()).sum::<usize>());
         let (_, _, cached) = cache.load(&compile, loader(&[])).unwrap();
         assert_eq!((cached, compiled.load(std::sync::atomic::Ordering::SeqCst)), (true, 1));
-        // One file is damaged (non-empty, so today's check passes it): the driver refuses it.
+        // One file holds code the driver refuses (another driver's, say), sealed as valid.
         let damaged = cache.file(&dir.0, MODULES[3].0);
-        std::fs::write(&damaged, b"bad truncated").unwrap();
+        std::fs::write(&damaged, seal(b"bad code")).unwrap();
         let (m, _, cached) = cache.load(&compile, loader(&["bad"])).unwrap();
         assert_eq!((cached, compiled.load(std::sync::atomic::Ordering::SeqCst)), (false, 2));
         assert_eq!(m, cubins("good").into_iter().map(|c| c.1).collect::<Vec<_>>(), "the fresh code is what was loaded");
-        assert_eq!(std::fs::read(&damaged).unwrap(), format!("good {}", MODULES[3].0).into_bytes(), "the damaged file is replaced");
+        assert_eq!(std::fs::read(&damaged).unwrap(), seal(format!("good {}", MODULES[3].0).as_bytes()), "the damaged file is replaced");
         // And the next group takes the repaired cache without compiling.
         let (_, _, cached) = cache.load(&compile, loader(&["bad"])).unwrap();
         assert_eq!((cached, compiled.load(std::sync::atomic::Ordering::SeqCst)), (true, 2));
@@ -452,7 +476,7 @@ mod tests {
         let dir = Scratch::new("cache-refused-twice");
         let cache = Cache { dir: Some(&dir.0), key: 0xbad, arch: "sm_90" };
         for (m, _) in MODULES {
-            std::fs::write(cache.file(&dir.0, m), b"bad old").unwrap();
+            std::fs::write(cache.file(&dir.0, m), seal(b"bad old")).unwrap();
         }
         let compiled = std::sync::atomic::AtomicUsize::new(0);
         let compile = || {
@@ -478,7 +502,7 @@ mod tests {
         let cache = Cache { dir: Some(&dir.0), key: 0xfeed, arch: "sm_90" };
         let never = || -> Result<Cubins> { panic!("compiled although the cache held usable code") };
         for (m, b) in cubins("other") {
-            std::fs::write(cache.file(&dir.0, m), b).unwrap();
+            std::fs::write(cache.file(&dir.0, m), seal(&b)).unwrap();
         }
         let (c, cached) = cache.cubins(&never, Some(&cubins("bad"))).unwrap();
         assert_eq!((c, cached), (cubins("other"), true));
@@ -486,5 +510,32 @@ mod tests {
         let (c, cached) = cache.cubins(&compile, Some(&cubins("other"))).unwrap();
         assert_eq!((c, cached), (cubins("new"), false));
         assert_eq!(read_cached(&dir.0, 0xfeed, "sm_90").unwrap(), cubins("new"));
+    }
+
+    /// A truncated, changed or unsealed cache file never reaches the loader: the set is
+    /// compiled again and the file replaced, without a load that failed first.
+    #[test]
+    fn a_damaged_cache_file_is_never_loaded() {
+        let good = seal(b"good code");
+        assert_eq!(unseal(good.clone()).as_deref(), Some(&b"good code"[..]));
+        let mut changed = good.clone();
+        changed[2] ^= 1;
+        for bad in [good[..good.len() - 1].to_vec(), good[..4].to_vec(), changed, b"good code".to_vec(), seal(b"")] {
+            assert_eq!(unseal(bad.clone()), None, "{bad:?}");
+        }
+        let dir = Scratch::new("cache-damaged");
+        let cache = Cache { dir: Some(&dir.0), key: 0xd00d, arch: "sm_90" };
+        let compile = || Ok(cubins("good"));
+        cache.load(&compile, loader(&[])).unwrap();
+        let victim = cache.file(&dir.0, MODULES[1].0);
+        let whole = std::fs::read(&victim).unwrap();
+        std::fs::write(&victim, &whole[..whole.len() / 2]).unwrap();
+        let never_bad = |images: &Images<'_>| -> Result<usize> {
+            assert!(images.iter().all(|(m, b)| *b == format!("good {m}").as_bytes()), "a damaged image reached the loader");
+            Ok(images.len())
+        };
+        let (_, _, cached) = cache.load(&compile, never_bad).unwrap();
+        assert!(!cached, "the damaged set was taken from the cache");
+        assert_eq!(std::fs::read(&victim).unwrap(), whole, "the truncated file is replaced by a whole one");
     }
 }
