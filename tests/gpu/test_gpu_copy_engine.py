@@ -1,8 +1,8 @@
-"""all_gather on the copy engines (issue 28): every size and dtype, the list form, in place
-(FSDP2's input: this rank's block of the output), asynchronous, on the internal stream,
-in many rounds through a small staging, under CUDA graph capture mixed with kernel
-collectives, and a killed rank; against NCCL's all_gather of the same random input
-(bitwise: the path moves bytes). The late, stopped-by-timeout and mismatched cases are in
+"""all_gather and broadcast on the copy engines (issue 28): every size and dtype, the list
+form, in place (FSDP2's input: this rank's block of the output), asynchronous, on the
+internal stream, every root, in many rounds through a small staging, under CUDA graph
+capture mixed with kernel collectives, and a killed rank; against NCCL's all_gather and
+broadcast of the same random input (bitwise: the path moves bytes). The late, stopped-by-timeout and mismatched cases are in
 test_gpu_faults.py (ce_* scenarios)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from gpu_harness import capture, check_killed_rank, die_or_repeat, needs_gpus, rsccl_group, warm_up_aside
 from gpu_refs import DTYPES, assert_equal, gather_inputs, rand
 from test_gpu_collectives import body_all_gather as body_gather_forms
+from test_gpu_collectives import body_broadcast
 
 pytestmark = needs_gpus
 
@@ -58,10 +59,17 @@ def test_all_gather_on_the_copy_engines(gpus, seed, config):
     assert all(c > 0 for c in checks), checks
 
 
+@pytest.mark.parametrize("config", CE_CONFIGS)
+def test_broadcast_on_the_copy_engines(gpus, seed, config):
+    """Every root, size and dtype against NCCL's broadcast (test_gpu_collectives' body)."""
+    gpus.run(body_broadcast, seed, config, SIZES, timeout=400)
+
+
 def body_graph(ctx, seed: int) -> None:
     """A graph of all_reduce (a kernel) then two all_gathers on the copy engines (one of
-    several rounds) then all_reduce again, replayed 3 times on fresh data: the barrier
-    kernels and the collective kernels keep their counters in step under replay."""
+    several rounds), a broadcast from the last rank on them, then all_reduce again,
+    replayed 3 times on fresh data: the barrier kernels and the collective kernels keep
+    their counters in step under replay."""
     g = rsccl_group(ctx, "copy-engines-small-buffer")
     w, me = ctx.world, ctx.rank
     a = torch.empty(4096, device=ctx.device)
@@ -69,11 +77,13 @@ def body_graph(ctx, seed: int) -> None:
     big = torch.empty(3_000_001, device=ctx.device)
     out_s = torch.empty(w * small.numel(), dtype=small.dtype, device=ctx.device)
     out_b = torch.empty(w * big.numel(), device=ctx.device)
+    bc = torch.empty(2_000_003, dtype=torch.float16, device=ctx.device)
 
     def calls():
         dist.all_reduce(a, group=g)
         dist.all_gather_into_tensor(out_s, small, group=g)
         dist.all_gather_into_tensor(out_b, big, group=g)
+        dist.broadcast(bc, src=w - 1, group=g)
         dist.all_reduce(a, group=g)
 
     warm_up_aside(calls)
@@ -84,11 +94,14 @@ def body_graph(ctx, seed: int) -> None:
         a.copy_(a_in)
         small.copy_(rand(seed, me, small.numel(), torch.bfloat16, salt=f"{what} s"))
         big.copy_(rand(seed, me, big.numel(), torch.float32, salt=f"{what} b"))
+        bc.copy_(rand(seed, me, bc.numel(), torch.float16, salt=f"{what} bc"))
         a_all, s_all, b_all = gather_inputs(ctx, a_in), gather_inputs(ctx, small), gather_inputs(ctx, big)
+        bc_root = gather_inputs(ctx, bc)[w - 1]
         graph.replay()
         torch.cuda.synchronize()
         assert_equal(out_s, s_all.reshape(-1), f"{what}: small all_gather")
         assert_equal(out_b, b_all.reshape(-1), f"{what}: all_gather of several rounds")
+        assert_equal(bc, bc_root, f"{what}: broadcast from rank {w - 1}")
         want = a_all.double().sum(0) * w  # reduced twice: the second sums w equal rows
         torch.testing.assert_close(a.double(), want, rtol=1e-4, atol=1e-3, msg=f"{what}: all_reduce around them")
 
@@ -134,20 +147,24 @@ def body_warm(ctx) -> None:
     assert out.sum().item() == ctx.world * x.numel()
 
 
-def body_die_or_keep_gathering(ctx, seed: int, victim: int, timeout: float):
+def body_die_or_keep_calling(ctx, seed: int, victim: int, collective: str, timeout: float):
     x = rand(seed, ctx.rank, 1 << 20, torch.float32)
     out = torch.empty(ctx.world * x.numel(), device=ctx.device)
     g = rsccl_group(ctx, "copy-engines")
-    return die_or_repeat(ctx, victim, timeout, lambda: dist.all_gather_into_tensor(out, x, group=g))
+    calls = {
+        "all_gather": lambda: dist.all_gather_into_tensor(out, x, group=g),
+        "broadcast": lambda: dist.broadcast(x, src=0, group=g),
+    }
+    return die_or_repeat(ctx, victim, timeout, calls[collective])
 
 
-def test_killed_rank_during_copy_engine_all_gather(seed):
-    """A rank killed while the others run all_gathers on the copy engines: every survivor
-    raises within the timeout, naming it, and its GPU is free."""
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+def test_killed_rank_during_copy_engine_collective(seed, collective):
+    """A rank killed while the others run the collective on the copy engines: every
+    survivor raises within the timeout, naming it, and its GPU is free."""
     timeout = 10.0
-    check_killed_rank(
-        (body_warm,), (body_die_or_keep_gathering, seed, 1, timeout), timeout, 20.0, "copy-engine all_gather", name_victim=True
-    )
+    body = (body_die_or_keep_calling, seed, 1, collective, timeout)
+    check_killed_rank((body_warm,), body, timeout, 20.0, f"copy-engine {collective}", name_victim=True)
 
 
 def body_mixed(ctx, seed: int, rounds: int) -> int:

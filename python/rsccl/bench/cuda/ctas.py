@@ -67,7 +67,7 @@ def rsccl_ctas(stats: Mapping[str, object], collective: str) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor",)  # rust/core/src/cuda/decide.rs copy_engine
+COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor", "broadcast")  # rust/core/src/cuda/decide.rs copy_engine
 
 
 def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None:

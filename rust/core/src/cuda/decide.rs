@@ -344,13 +344,13 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize)
 }
 
 /// Whether a collective moves its data on the GPU's copy engines (cuda/engine/copy.rs)
-/// rather than in rsccl's kernels: all_gather whose gathered output is at least
-/// `min_bytes` (the setting cuda_copy_engine_min_bytes; 0: never), with peers to gather
-/// from. Every rank decides alike: the call and the setting are the same on every rank
+/// rather than in rsccl's kernels: all_gather whose gathered output, or broadcast whose
+/// tensor, is at least `min_bytes` (the setting cuda_copy_engine_min_bytes; 0: never), with
+/// peers to move it to. Every rank decides alike: the call and the setting are the same on every rank
 /// (the setting is one of Config::layout_settings), and the barrier kernels compare the
 /// descriptors, which say which path a rank took (DESC0_COPY_ENGINE_BIT).
 pub fn copy_engine(kind: Kind, bytes: u64, local_ranks: usize, min_bytes: u64) -> bool {
-    kind == Kind::AllGather && local_ranks > 1 && min_bytes > 0 && bytes >= min_bytes
+    matches!(kind, Kind::AllGather | Kind::Broadcast) && local_ranks > 1 && min_bytes > 0 && bytes >= min_bytes
 }
 
 /// A copy-engine collective's rounds: `half` bytes of staging per round and rank (one half
@@ -469,7 +469,8 @@ mod tests {
         assert!(!copy_engine(Kind::AllGather, 1 << 30, 4, 0));
         assert!(!copy_engine(Kind::AllGather, 1 << 30, 1, 1));
         assert!(copy_engine(Kind::AllGather, 1, 2, 1));
-        for k in Kind::ALL.into_iter().filter(|&k| k != Kind::AllGather) {
+        assert!(copy_engine(Kind::Broadcast, 4 << 20, 2, 4 << 20));
+        for k in Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::Broadcast)) {
             assert!(!copy_engine(k, 1 << 30, 4, 1), "{k:?}");
         }
         for (per_rank, half) in [(0u64, 16u64), (1, 16), (16, 16), (17, 16), (100, 7), (1 << 28, 32 << 20)] {

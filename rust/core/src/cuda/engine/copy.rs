@@ -1,4 +1,4 @@
-//! Collectives on the copy engines (issue 28): all_gather's data moves with cuMemcpyAsync
+//! Collectives on the copy engines (issue 28): all_gather's and broadcast's data move with cuMemcpyAsync
 //! between the symmetric mappings, on one stream per peer so that several copy engines
 //! work at once, and no SM touches it. The ranks agree and synchronize with the group's
 //! barrier kernel launched with one CTA (`decide::copy_engine` picks the path).
@@ -19,6 +19,10 @@
 //!   L, after B_k: copy-out: every peer's slot of this rank's buffer k % 3 into the output.
 //!   T: wait for L; barrier X (which counts the call in memory_stats, as kernels count
 //!     theirs: on the GPU, so that graph replays count).
+//! Broadcast is the same protocol with one sender: only the root pushes (its tensor, in
+//! rounds, to every peer), each buffer has one slot, and only the other ranks copy out
+//! (`Shape`). The rounds, and so the barriers, are the same on every rank, as are the
+//! descriptors, which carry the root: ranks that name different roots are a mismatch.
 //! Pushing or pulling made no difference on 4 H100s (both about 185 GB/s into each GPU at
 //! 256 MiB-1 GiB, docs/performance.md, issue 28): pushes keep every peer's bytes of a round
 //! in one place, so a rank sends its input once per peer and needs no staging copy first.
@@ -62,9 +66,10 @@ use cudarc::driver::sys as cu;
 
 use super::abi::Args;
 use super::{CudaCall, CudaEngine};
+use crate::collective::Kind;
 use crate::cuda::decide::{copy_engine, copy_rounds, message_bytes};
 use crate::cuda::driver::{check, CUstream, Event};
-use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, STAGE_OFF, THREADS};
+use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, DESC0_ROOT_SHIFT, STAGE_OFF, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, Order};
 use crate::error::{Error, Result};
 
@@ -87,51 +92,61 @@ impl CudaEngine {
         2 * self.blocks as u64 * self.base.stage_per_block
     }
 
-    /// Bytes a rank receives from each peer per round: the staging cut into BUFFERS
-    /// buffers of world - 1 slots, in 256-byte units.
-    fn staging_slot(&self) -> u64 {
-        (self.staging_bytes() / (BUFFERS as u64 * (self.pool.nranks as u64 - 1).max(1))) & !255
+    /// Bytes a rank receives from each of `senders` peers per round: the staging cut into
+    /// BUFFERS buffers of `senders` slots, in 256-byte units.
+    fn staging_slot(&self, senders: usize) -> u64 {
+        (self.staging_bytes() / (BUFFERS as u64 * senders.max(1) as u64)) & !255
     }
 
-    /// The all_gather of `c` on the copy engines (NOTE [Copy engines]).
-    pub(super) fn launch_copy_all_gather(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        if self.staging_slot() == 0 {
+    /// The all_gather or broadcast of `c` on the copy engines (NOTE [Copy engines]).
+    pub(super) fn launch_copy(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        let shape = Shape::of(c, self.pool.nranks)?;
+        if self.staging_slot(shape.senders(self.pool.nranks)) == 0 {
             return Err(Error::Internal("the copy-engine path found no staging".into()));
         }
         let mut a = self.base;
         a.count = 0;
         a.flags = self.sh.launch_flags();
-        a.desc0 = c.kind.code() | ((c.dtype as u64) << DESC0_DTYPE_SHIFT) | (1u64 << DESC0_COPY_ENGINE_BIT);
+        a.desc0 = c.kind.code()
+            | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
+            | ((c.root as u64) << DESC0_ROOT_SHIFT)
+            | (1u64 << DESC0_COPY_ENGINE_BIT);
         a.desc1 = c.count;
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
         let l = self.begin(&mut o, c)?;
         // Queued in part, the call would leave copies and barriers that no peer matches:
         // the group stops (a CUDA error here means the context is failing anyway).
-        if let Err(e) = self.queue_copy_all_gather(&mut o, c, &a, l.target) {
+        if let Err(e) = self.queue_copy(&mut o, c, shape, &a, l.target) {
             return Err(self.poison(e));
         }
         self.end(&mut o, &l)
     }
 
-    fn queue_copy_all_gather(&self, o: &mut Order<EndMark>, c: &CudaCall, a: &Args, t: u64) -> Result<()> {
+    fn queue_copy(&self, o: &mut Order<EndMark>, c: &CudaCall, shape: Shape, a: &Args, t: u64) -> Result<()> {
         let (n, me) = (self.pool.nranks, self.pool.me);
+        // Bytes each sender moves to each receiver: every rank's block (all_gather), the
+        // root's tensor (broadcast).
         let per_rank = c.count;
-        let slot = self.staging_slot();
+        let senders = shape.senders(n);
+        let slot = self.staging_slot(senders);
         // Rank `to`'s staging buffer b, the slot that holds rank `from`'s bytes.
         let slot_at = |to: usize, b: usize, from: usize| {
-            let index = (from - usize::from(from > to)) as u64;
-            self.base.peer[to] + STAGE_OFF as u64 + ((b % BUFFERS) as u64 * (n as u64 - 1) + index) * slot
+            let index = shape.slot_index(to, from) as u64;
+            self.base.peer[to] + STAGE_OFF as u64 + ((b % BUFFERS) as u64 * senders as u64 + index) * slot
         };
         let s = |p: usize| self.copy_streams[p].raw() as u64;
         let local = s(me);
-        let peers = || (0..n).filter(move |&p| p != me);
-        // This rank's own block: a local copy beside the rest (none when the input is that
-        // block already, as FSDP2's all-gather passes it).
-        let own = c.out + me as u64 * per_rank;
-        if per_rank > 0 && c.inp != own {
+        // The peers this rank pushes to, and those it receives from (with where their
+        // bytes go).
+        let pushes: Vec<usize> = (0..n).filter(|&p| p != me && shape.sends(me, p)).collect();
+        let receives: Vec<(usize, u64)> =
+            (0..n).filter(|&q| q != me && shape.sends(q, me)).map(|q| (q, shape.receive_at(c, q, per_rank))).collect();
+        // This rank's own block of an all_gather: a local copy beside the rest (none when
+        // the input is that block already, as FSDP2's all-gather passes it).
+        if let Some((dst, src)) = shape.own_copy(c, me, per_rank) {
             o.join(t, local)?;
-            copy(own, c.inp, per_rank, local)?;
+            copy(dst, src, per_rank, local)?;
         }
         self.copy_barrier(a, t)?;
         let rounds: Vec<(u64, u64)> = copy_rounds(per_rank, slot).collect();
@@ -140,8 +155,8 @@ impl CudaEngine {
         // may already be queued behind them).
         let push = |o: &mut Order<EndMark>, j: usize| -> Result<Vec<Event>> {
             let (off, len) = rounds[j];
-            let mut ends = Vec::with_capacity(n - 1);
-            for p in peers() {
+            let mut ends = Vec::with_capacity(pushes.len());
+            for &p in &pushes {
                 o.join(t, s(p))?;
                 copy(slot_at(p, j, me), c.inp + off, len, s(p))?;
                 ends.push(o.record(s(p))?);
@@ -163,15 +178,17 @@ impl CudaEngine {
             if k + BUFFERS - 1 < rounds.len() {
                 pushed.push_back(push(o, k + BUFFERS - 1)?);
             }
-            o.join(t, local)?;
-            for p in peers() {
-                copy(c.out + p as u64 * per_rank + off, slot_at(me, k, p), len, local)?;
+            if !receives.is_empty() {
+                o.join(t, local)?;
+            }
+            for &(q, dst) in &receives {
+                copy(dst + off, slot_at(me, k, q), len, local)?;
             }
         }
         o.join(local, t)?;
-        // X counts the call (memory_stats: a staged collective of the gathered bytes).
+        // X counts the call (memory_stats: a staged collective of the bytes it delivers).
         let mut x = *a;
-        x.count = per_rank * n as u64;
+        x.count = message_bytes(c.kind, c.count, 1, n);
         self.copy_barrier(&x, t)
     }
 
@@ -228,4 +245,82 @@ fn copy(dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
     // after the call) and the group's symmetric blocks (kept while work of the group can
     // run, shutdown.rs, graphs.rs); the stream is a live stream of this context.
     check(unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream as CUstream) }, "cuMemcpyDtoDAsync (copy engines)")
+}
+
+/// Who moves what in a copy-engine collective: every rank to every peer (all_gather), or
+/// the root to every other rank (broadcast). Every rank derives the same rounds from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    AllGather,
+    Broadcast { root: usize },
+}
+
+impl Shape {
+    fn of(c: &CudaCall, n: usize) -> Result<Shape> {
+        match c.kind {
+            Kind::AllGather => Ok(Shape::AllGather),
+            Kind::Broadcast if c.root < n => Ok(Shape::Broadcast { root: c.root }),
+            k => Err(Error::Internal(format!("{} does not run on the copy engines", k.name()))),
+        }
+    }
+
+    /// Whether rank `from` pushes to rank `to`.
+    fn sends(self, from: usize, to: usize) -> bool {
+        match self {
+            Shape::AllGather => true,
+            Shape::Broadcast { root } => from == root && to != root,
+        }
+    }
+
+    /// How many ranks push into one rank's buffer: its slots per buffer.
+    fn senders(self, n: usize) -> usize {
+        match self {
+            Shape::AllGather => n - 1,
+            Shape::Broadcast { .. } => 1,
+        }
+    }
+
+    /// The slot of rank `to`'s buffers that rank `from` pushes into.
+    fn slot_index(self, to: usize, from: usize) -> usize {
+        match self {
+            Shape::AllGather => from - usize::from(from > to),
+            Shape::Broadcast { .. } => 0,
+        }
+    }
+
+    /// Where the bytes received from rank `q` go in this rank's output.
+    fn receive_at(self, c: &CudaCall, q: usize, per_rank: u64) -> u64 {
+        match self {
+            Shape::AllGather => c.out + q as u64 * per_rank,
+            Shape::Broadcast { .. } => c.out,
+        }
+    }
+
+    /// This rank's own copy, (to, from), when it has one to make.
+    fn own_copy(self, c: &CudaCall, me: usize, per_rank: u64) -> Option<(u64, u64)> {
+        let own = c.out + me as u64 * per_rank;
+        (self == Shape::AllGather && per_rank > 0 && c.inp != own).then_some((own, c.inp))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Shape;
+
+    /// Every rank pushes into a slot of its own in each receiver's buffer, and the slots
+    /// of a buffer are exactly those `senders` counts.
+    #[test]
+    fn shapes_give_each_sender_its_own_slot() {
+        for n in 2..=8 {
+            for shape in [Shape::AllGather, Shape::Broadcast { root: 0 }, Shape::Broadcast { root: n - 1 }] {
+                for to in 0..n {
+                    let mut slots: Vec<usize> =
+                        (0..n).filter(|&f| f != to && shape.sends(f, to)).map(|f| shape.slot_index(to, f)).collect();
+                    slots.sort();
+                    let want = if matches!(shape, Shape::Broadcast { root } if root == to) { 0 } else { shape.senders(n) };
+                    assert_eq!(slots, (0..want).collect::<Vec<_>>(), "{shape:?} n={n} to={to}");
+                }
+            }
+        }
+    }
 }

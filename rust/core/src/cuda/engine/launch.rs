@@ -55,7 +55,7 @@ impl CudaEngine {
 
     pub(super) fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
         if a2a.is_none() && self.on_copy_engines(c) {
-            return self.launch_copy_all_gather(c);
+            return self.launch_copy(c);
         }
         let bytes = c.count as usize * c.dtype.size();
         let kernel = kernel(c.kind, bytes, self.pool.nranks, self.one_shot_max);
