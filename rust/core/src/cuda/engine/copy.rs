@@ -5,18 +5,19 @@
 //!
 //! NOTE [Copy engines]
 //! Protocol (all_gather, `B` bytes per rank): the staging is cut into BUFFERS (3) buffers
-//! of one slot per peer, `S` bytes each (`staging_slot`); round k moves bytes
-//! [k S, (k+1) S) of every rank's block through buffer k % BUFFERS (`decide::copy_rounds`). Streams: the collective's stream T, a stream P_p
-//! per peer p (pushes to p) and a local stream L (this rank's own copies).
+//! of one slot per peer, `S` bytes each (`staging_slot`); round k moves bytes [o_k, o_k +
+//! n_k) of every rank's block (n_k <= S: `decide::copy_rounds`, at least 4 rounds for a
+//! large message) through buffer k % BUFFERS. Streams: the collective's stream T, a stream
+//! P_p per peer p (pushes to p) and a local stream L (this rank's own block).
 //!   L: after T's queued work, this rank's own block, input -> output.
 //!   T: barrier E.
 //!   P_p, after E (rounds 0 and 1) or B_{k-2} (round k): push this rank's bytes of round
 //!     k into p's buffer k % 3, slot of this rank (the copy engine writes over NVLink). A
 //!     push waits on a barrier two rounds back, so the peer's stream pushes round after
 //!     round while each barrier runs beside the next round's push.
-//!   T, round k: wait for every P_p (this rank's pushes of round k) and for L (its
-//!     copy-out of round k-1); barrier B_k.
-//!   L, after B_k: copy-out: every peer's slot of this rank's buffer k % 3 into the output.
+//!   T, round k: wait for every P_p (this rank's pushes of round k); barrier B_k; then the
+//!     copy-out: every peer's slot of this rank's buffer k % 3 into the output (on T, so
+//!     B_{k+1} follows it in stream order).
 //!   T: wait for L; barrier X (which counts the call in memory_stats, as kernels count
 //!     theirs: on the GPU, so that graph replays count).
 //! Broadcast is the same protocol with one sender: only the root pushes (its tensor, in
@@ -37,7 +38,7 @@
 //! or a graph replayed in between: the engine cannot know what ran before, so E is never
 //! skipped) when the first push lands. (2) Buffer k % 3 is pushed again in round k+3,
 //! queued after the pusher passed B_{k+1}, which the receiver reached only after its
-//! copy-out of round k (joined into its T before B_{k+1}). (3) X, after every rank's last copy-out: the next
+//! copy-out of round k (before B_{k+1} on its T). (3) X, after every rank's last copy-out: the next
 //! kernel may push into a peer's staging before its own first barrier (reduce_scatter's
 //! push(0): its step parity says that half is free, which holds only if nobody reads it
 //! after the last barrier of the call before), so no copy-out may outlive the call's last
@@ -171,18 +172,13 @@ impl CudaEngine {
             for ev in pushed.pop_front().unwrap_or_default() {
                 o.wait_then_free(ev, t)?;
             }
-            if k > 0 {
-                o.join(local, t)?;
-            }
             self.copy_barrier(a, t)?;
             if k + BUFFERS - 1 < rounds.len() {
                 pushed.push_back(push(o, k + BUFFERS - 1)?);
             }
-            if !receives.is_empty() {
-                o.join(t, local)?;
-            }
+            // The copy-out, on T itself: B_{k+1} follows it with no event between them.
             for &(q, dst) in &receives {
-                copy(dst + off, slot_at(me, k, q), len, local)?;
+                copy(dst + off, slot_at(me, k, q), len, t)?;
             }
         }
         o.join(local, t)?;
