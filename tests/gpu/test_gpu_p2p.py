@@ -254,24 +254,36 @@ def _settle(g, work) -> None:
     dist.barrier(group=g)
 
 
-def body_size_mismatch(ctx, seed: int) -> tuple[str, str]:
+def body_size_mismatch(ctx, seed: int) -> tuple[tuple[str, str], tuple[str, str]]:
     """Rank 0 sends 1000 float32, rank 1 posts a recv of 999: an error (the group is then
-    unusable) on both, within the timeout, and nothing hangs."""
+    unusable) on both, within the timeout, and nothing hangs. Then a correct send/recv of 8
+    float32 between the same two ranks (issue 25, place 5): it delivers, or it is refused
+    with an error that says an earlier failure stopped the group and names it (never the
+    mismatch's text as if this call had mismatched)."""
     g = _pair_group()
     if ctx.rank > 1:
-        return ("not in the group", "")
-    try:
-        if ctx.rank == 0:
-            work = dist.isend(rand_any(seed, 0, 1000, torch.float32, salt="mismatch"), dst=1, group=g)
-        else:
-            work = dist.irecv(torch.zeros(999, device=ctx.device), src=0, group=g)
-        _settle(g, work)
-        result = ("no error", "")
-    except Exception as e:  # noqa: BLE001 - the parent inspects it
-        result = (type(e).__name__, str(e))
+        return ("not in the group", ""), ("not in the group", "")
+
+    def attempt(n_send: int, n_recv: int, salt: str) -> tuple[str, str]:
+        x = rand_any(seed, 0, n_send, torch.float32, salt=salt)
+        try:
+            if ctx.rank == 0:
+                work = dist.isend(x, dst=1, group=g)
+            else:
+                y = torch.zeros(n_recv, device=ctx.device)
+                work = dist.irecv(y, src=0, group=g)
+            _settle(g, work)
+            if ctx.rank == 1:
+                assert_equal(y, x.to(y.device), f"the {salt} send/recv")
+            return ("no error", "")
+        except Exception as e:  # noqa: BLE001 - the parent inspects it
+            return (type(e).__name__, str(e))
+
+    first = attempt(1000, 999, "mismatch")
+    second = attempt(8, 8, "after the mismatch")
     torch.cuda.synchronize()  # the GPU is not left waiting
     dist.destroy_process_group(g)
-    return result
+    return first, second
 
 
 def body_unmatched(ctx, seed: int, nbytes: int) -> list[tuple[str, str, float]]:
@@ -310,12 +322,16 @@ def body_unmatched(ctx, seed: int, nbytes: int) -> list[tuple[str, str, float]]:
 
 
 def test_size_mismatch_raises(gpus, seed):
-    results = gpus.run(body_size_mismatch, seed, timeout=TIMEOUT_S * 4 + 2 * SLACK_S)
-    for rank, (kind, msg) in enumerate(results[:2]):
+    results = gpus.run(body_size_mismatch, seed, timeout=TIMEOUT_S * 6 + 2 * SLACK_S)
+    for rank, ((kind, msg), (kind2, msg2)) in enumerate(results[:2]):
         assert kind not in ("no error", "not in the group"), f"rank {rank}: a 1000-element send matched a 999-element recv without an error"
         assert kind in ("ValueError", "RuntimeError", "TimeoutError", "PeerFailureError", "GroupAbortedError"), (
             f"rank {rank} raised {kind}: {msg}"
         )
+        if kind2 != "no error":
+            assert "earlier failure stopped the group" in msg2 and (msg in msg2 or "bytes" in msg2), (
+                f"rank {rank}: the send/recv after the mismatch raised {kind2} without naming the earlier failure: {msg2}"
+            )
 
 
 def test_unmatched_send_or_recv_times_out(gpus, seed):

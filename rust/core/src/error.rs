@@ -80,6 +80,25 @@ impl Error {
         }
     }
 
+    /// The error a new call gets from a group that an earlier failure stopped: the same
+    /// class, saying that this call did not run and which failure stopped the group (the
+    /// earlier error itself went to the call, or the Work, it happened in). A destroyed
+    /// group says so as it is.
+    pub fn stopped_earlier(self) -> Error {
+        let say = |m: String| format!("this call did not run: an earlier failure stopped the group: {m}");
+        match self {
+            Error::Aborted(m) if m.starts_with("the group was destroyed") => Error::Aborted(m),
+            Error::InvalidArgument(m) => Error::InvalidArgument(say(m)),
+            Error::InvalidType(m) => Error::InvalidType(say(m)),
+            Error::Mismatch(m) => Error::Mismatch(say(m)),
+            Error::Config(m) => Error::Config(say(m)),
+            Error::Timeout(m) => Error::Timeout(say(m)),
+            Error::PeerFailure(m) => Error::PeerFailure(say(m)),
+            Error::Cuda(m) => Error::Cuda(say(m)),
+            other => Error::Aborted(say(other.to_string())),
+        }
+    }
+
     /// One byte that travels in collective headers, so every rank raises the same class.
     pub fn class_code(&self) -> u8 {
         match self {
@@ -130,6 +149,19 @@ mod tests {
         let e = Error::InvalidType("all_reduce: rank 3 passed float64".into()).naming_rank(3);
         assert_eq!(e.to_string(), "all_reduce: rank 3 passed float64");
         assert!(matches!(Error::Timeout("t".into()).naming_rank(0), Error::Timeout(m) if m == "t"), "only argument errors");
+    }
+
+    /// A call refused after an earlier failure keeps its class and names that failure.
+    #[test]
+    fn a_call_after_a_failure_names_it() {
+        let e = Error::Mismatch("recv on rank 1: rank 0 sent 4000 bytes, rank 1 expected 3996 bytes".into()).stopped_earlier();
+        assert!(
+            matches!(&e, Error::Mismatch(m) if m.starts_with("this call did not run: an earlier failure") && m.ends_with("expected 3996 bytes")),
+            "{e}"
+        );
+        assert!(matches!(Error::Timeout("t".into()).stopped_earlier(), Error::Timeout(m) if m.ends_with(": t")));
+        assert!(matches!(Error::destroyed().stopped_earlier(), Error::Aborted(m) if m == "the group was destroyed"));
+        assert!(matches!(Error::Internal("x".into()).stopped_earlier(), Error::Aborted(m) if m.contains("please report")));
     }
 
     /// Python's tests match these words (GroupAbortedError, "destroyed").

@@ -24,7 +24,7 @@ impl CudaEngine {
         // kernel reported is raised after this launch: ranks notice it at different calls
         // (the GPU reports it asynchronously), so every rank must still launch the same
         // kernels for the group to stay in step.
-        self.fatal()?;
+        self.refuse_if_stopped()?;
         let ev = self.launch_inner(c, None)?;
         self.checked(ev)
     }
@@ -35,7 +35,7 @@ impl CudaEngine {
         if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
             return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
         }
-        self.fatal()?;
+        self.refuse_if_stopped()?;
         let ev = self.launch_inner(&CudaCall::bare(Kind::AllToAll, 0, stream, asynchronous), Some(x))?;
         self.checked(ev)
     }

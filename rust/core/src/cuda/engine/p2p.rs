@@ -19,7 +19,7 @@ impl CudaEngine {
         let (n, me) = (self.pool.nranks, self.pool.me);
         // Local ranks: the NCCL engine passes this host's share of its group.
         validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
-        self.fatal()?;
+        self.refuse_if_stopped()?;
         let kind = if send { Kind::Send } else { Kind::Recv };
         let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
         if send {

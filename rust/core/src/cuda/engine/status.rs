@@ -407,6 +407,13 @@ impl CudaEngine {
         Err(self.poison(self.sh.kernel_failed(err)))
     }
 
+    /// At a new call's entry: refused, naming the failure, when an earlier one stopped the
+    /// group (`Error::stopped_earlier`: after a send/recv size mismatch, say, the next
+    /// send/recv says so instead of repeating the mismatch as if it were its own).
+    pub(super) fn refuse_if_stopped(&self) -> Result<()> {
+        self.fatal().map_err(Error::stopped_earlier)
+    }
+
     /// The error that made the group unusable, if any (a mismatch, which leaves the group
     /// usable, is not one; see `health`).
     pub fn check_fatal(&self) -> Result<()> {
