@@ -26,19 +26,22 @@
 //!    stream or the caller's (which the target joins, cuda/order.rs), those on the caller's
 //!    stream of a blocking call that made it wait, the earlier collectives of its own group
 //!    (the chain), and, through each entry's `after` bits, whatever those started after.
-//!    The rest may run beside it. If they and the launch hold more than the group's limit
-//!    (the GPU's SMs, or its share where ranks share the GPU), its target stream waits
-//!    (cuStreamWaitEvent) on entries of OTHER groups, oldest first, until what may still run
-//!    beside it fits; those, and what they started after, then count as started-after for
-//!    it and for every later launch that starts after it (its `after` bits). Entries of the
-//!    launch's own group are never waited on: its collectives are chained already, and one
-//!    collective with all its send/recv kernels fits by the group's own sizing, which also
-//!    lets a send complete before its recv is posted (eager capacity), so a wait on its own
-//!    send could close a cycle that rsccl allows today.
-//!    A waited entry stays in the ledger for the other streams: it may still run beside
-//!    their launches. Nothing is counted twice for one launch, and nothing leaves the
-//!    ledger before its event completed, so the count can only be too high (extra waits),
-//!    never too low.
+//!    The rest may run beside it, counted by chain: a group's collectives run one at a
+//!    time, and so do one stream's send/recv kernels, so each chain holds its largest
+//!    launch's SMs however deep its queue (`chain_of`). If that and the launch exceed the
+//!    group's limit (the GPU's SMs, or its share where ranks share the GPU), its target
+//!    stream waits (cuStreamWaitEvent) on the newest launch of another group's chain (which
+//!    every older one of it precedes), the chain with the oldest launch first, until what
+//!    may still run beside it fits; the chain, and what its newest started after, then
+//!    count as started-after for this launch and for every later launch that starts after
+//!    it (its `after` bits). Entries of the launch's own group are never waited on: its
+//!    collectives are chained already, and one collective with all its send/recv kernels
+//!    fits by the group's own sizing, which also lets a send complete before its recv is
+//!    posted (eager capacity), so a wait on its own send could close a cycle that rsccl
+//!    allows today. A waited entry stays in the ledger for the other streams: it may still
+//!    run beside their launches. Only what ends before the launch starts goes uncounted,
+//!    and nothing leaves the ledger before its event completed, so the count can be too
+//!    high (an extra wait), never too low.
 //!
 //! The invariant: for every set of rsccl kernels of this process that can be running on the
 //! device at once, the last one enqueued counted all the others beside it, so together they
@@ -182,50 +185,104 @@ pub fn sweep(held: &[Held], next: u64, mut query: impl FnMut(usize) -> bool, end
     asked
 }
 
+/// Launches that never run at once: a group's chain of collectives (`(true, group)`), or
+/// one stream's send/recv kernels (`(false, stream)`: a (peer, direction)'s own stream).
+fn chain_of(h: &Held) -> (bool, u64) {
+    if h.chained {
+        (true, h.group)
+    } else {
+        (false, h.streams[0])
+    }
+}
+
+/// One chain's launches that may run beside a claim: at most one of them runs at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    key: (bool, u64),
+    group: u64,
+    /// Its most SMs, its oldest and newest launch (indices into the held launches).
+    sms: u32,
+    oldest: usize,
+    newest: usize,
+}
+
+/// `decide`'s working space, kept by the ledger so that a launch allocates nothing.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    /// What each held launch is to the claim (`Mark::Wait`: its target waits on it).
+    pub marks: Vec<Mark>,
+    chains: Vec<Chain>,
+}
+
+impl Scratch {
+    /// The chains of the launches marked `Beside`, and the SMs they may hold at once (the
+    /// sum of each chain's most).
+    fn beside(&mut self, held: &[Held]) -> u64 {
+        self.chains.clear();
+        for (i, h) in held.iter().enumerate().filter(|(i, _)| self.marks[*i] == Mark::Beside) {
+            let key = chain_of(h);
+            match self.chains.iter_mut().find(|c| c.key == key) {
+                Some(c) => {
+                    c.sms = c.sms.max(h.sms);
+                    c.newest = i;
+                }
+                None => self.chains.push(Chain { key, group: h.group, sms: h.sms, oldest: i, newest: i }),
+            }
+        }
+        self.chains.iter().map(|c| c.sms as u64).sum()
+    }
+}
+
 /// What claim `c` must wait on, with `held` (oldest first, none of them known to have ended)
-/// and `next` its launch number: `marks[i]` for each held launch (NOTE [SM budget], step 2).
-pub fn decide(held: &[Held], next: u64, c: &Claim, marks: &mut Vec<Mark>) -> Decision {
-    marks.clear();
-    marks.resize(held.len(), Mark::Beside);
+/// and `next` its launch number: `s.marks[i]` for each held launch (NOTE [SM budget], step
+/// 2). What may run beside it is counted by chain (`chain_of`): the launches of one chain
+/// run one at a time, so a chain holds its largest launch's SMs, however deep its queue.
+/// To take a chain out, the claim waits on its newest launch (which every older one of it
+/// precedes); chains of other groups go, the one with the oldest launch first, until the
+/// rest fits.
+pub fn decide(held: &[Held], next: u64, c: &Claim, s: &mut Scratch) -> Decision {
+    s.marks.clear();
+    s.marks.resize(held.len(), Mark::Beside);
     let mut after = 0u64;
     // Newest first, so that what a followed launch starts after is known before it comes.
     for (i, h) in held.iter().enumerate().rev() {
-        let stream = h.streams.iter().any(|&s| s != PER_THREAD_STREAM && (s == c.target || s == c.caller));
+        let stream = h.streams.iter().any(|&x| x != PER_THREAD_STREAM && (x == c.target || x == c.caller));
         let chain = c.chained && h.chained && h.group == c.group;
         if stream || chain || after & bit(next, h.seq) != 0 {
-            marks[i] = Mark::Follows;
+            s.marks[i] = Mark::Follows;
             after |= bit(next, h.seq) | rebased(h, next);
         }
     }
     let limit = c.limit as u64;
-    let mut beside: u64 = held.iter().zip(marks.iter()).filter(|(_, m)| **m == Mark::Beside).map(|(h, _)| h.sms as u64).sum();
     let mut waits = 0;
-    for i in 0..held.len() {
-        if beside + c.sms as u64 <= limit {
-            break;
-        }
-        if marks[i] != Mark::Beside || held[i].group == c.group {
-            continue;
-        }
-        marks[i] = Mark::Wait;
-        waits += 1;
-        beside -= held[i].sms as u64;
-        let covered = rebased(&held[i], next);
-        after |= bit(next, held[i].seq) | covered;
-        // What it starts after (older, so already passed: its own group's) ends first too.
-        for j in 0..i {
-            if marks[j] == Mark::Beside && covered & bit(next, held[j].seq) != 0 {
-                marks[j] = Mark::Follows;
-                beside -= held[j].sms as u64;
+    let mut beside = s.beside(held);
+    while beside + c.sms as u64 > limit {
+        // `chains` is in the order of each one's oldest launch.
+        let Some(w) = s.chains.iter().find(|ch| ch.group != c.group).copied() else { break };
+        for (i, h) in held.iter().enumerate().take(w.newest + 1).skip(w.oldest) {
+            if s.marks[i] == Mark::Beside && chain_of(h) == w.key {
+                s.marks[i] = Mark::Follows;
+                after |= bit(next, h.seq);
             }
         }
+        s.marks[w.newest] = Mark::Wait;
+        waits += 1;
+        // What the waited launch starts after ends first too (its own group's, say).
+        let covered = rebased(&held[w.newest], next);
+        after |= covered;
+        for (i, h) in held.iter().enumerate() {
+            if s.marks[i] == Mark::Beside && covered & bit(next, h.seq) != 0 {
+                s.marks[i] = Mark::Follows;
+            }
+        }
+        beside = s.beside(held);
     }
-    // A wait on a launch that another waited one starts after is implied by that one's.
+    // A wait on a launch that a newer waited one starts after is implied by that one's.
     for j in 0..held.len() {
-        if marks[j] == Mark::Wait
-            && (j + 1..held.len()).any(|i| marks[i] == Mark::Wait && rebased(&held[i], next) & bit(next, held[j].seq) != 0)
+        if s.marks[j] == Mark::Wait
+            && (j + 1..held.len()).any(|i| s.marks[i] == Mark::Wait && rebased(&held[i], next) & bit(next, held[j].seq) != 0)
         {
-            marks[j] = Mark::Follows;
+            s.marks[j] = Mark::Follows;
             waits -= 1;
         }
     }
@@ -243,7 +300,7 @@ struct Ledger {
     parked: Vec<(u64, Event)>,
     /// Groups that hold a share (a released event of any other is destroyed).
     live: Vec<u64>,
-    marks: Vec<Mark>,
+    scratch: Scratch,
     ended: Vec<bool>,
 }
 
@@ -271,7 +328,7 @@ impl DeviceBudget {
             events: Vec::with_capacity(64),
             parked: Vec::with_capacity(64),
             live: Vec::new(),
-            marks: Vec::with_capacity(64),
+            scratch: Scratch { marks: Vec::with_capacity(64), chains: Vec::with_capacity(16) },
             ended: Vec::with_capacity(64),
         };
         let b = Arc::new(DeviceBudget { ordinal: dev.ordinal, sms, ledger: Mutex::new(ledger) });
@@ -320,7 +377,7 @@ impl SmShare {
     /// nothing.
     pub fn admit<M>(&self, o: &mut Order<M>, l: &Launch, sms: u32) -> Result<Admission<'_>> {
         let mut g = self.budget.ledger.lock();
-        let Ledger { next, held, events, parked, live, marks, ended } = &mut *g;
+        let Ledger { next, held, events, parked, live, scratch, ended } = &mut *g;
         let mut i = 0;
         while i < parked.len() {
             if parked[i].0 == self.group {
@@ -344,8 +401,8 @@ impl SmShare {
             }
         }
         let c = Claim { group: self.group, target: l.target, caller: l.caller, chained: l.chained(), sms, limit: self.limit };
-        let d = decide(held, *next, &c, marks);
-        for (ev, _) in events.iter().zip(marks.iter()).filter(|(_, m)| **m == Mark::Wait) {
+        let d = decide(held, *next, &c, scratch);
+        for (ev, _) in events.iter().zip(scratch.marks.iter()).filter(|(_, m)| **m == Mark::Wait) {
             // SAFETY: a live event of this device, recorded (the ledger holds only recorded
             // ones); `l.target` is a live stream of its context (`Order::begin` used it).
             check(unsafe { cu::cuStreamWaitEvent(l.target as CUstream, ev.raw(), 0) }, "cuStreamWaitEvent (SM budget)")?;
@@ -419,9 +476,9 @@ mod tests {
 
     /// Run `decide` and return (decision, indices marked Wait).
     fn run(h: &[Held], next: u64, c: &Claim) -> (Decision, Vec<usize>) {
-        let mut marks = Vec::new();
-        let d = decide(h, next, c, &mut marks);
-        let w = marks.iter().enumerate().filter(|(_, m)| **m == Mark::Wait).map(|(i, _)| i).collect();
+        let mut s = Scratch::default();
+        let d = decide(h, next, c, &mut s);
+        let w = s.marks.iter().enumerate().filter(|(_, m)| **m == Mark::Wait).map(|(i, _)| i).collect();
         (d, w)
     }
 
@@ -447,24 +504,43 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_that_waited_does_not_wait_again() {
-        // Round 2 of the three groups: group 1's next collective follows its first (the
-        // chain); group 3's first already waits on group 1's first, so it runs after it.
-        let c3 = held(2, 3, INTERNAL[2], 64, 1 << 1); // bit 1 of seq 2: launch 0
-        let h = [held(0, 1, INTERNAL[0], 64, 0), held(1, 2, INTERNAL[1], 64, 0), c3];
-        // Group 1, round 2: beside it may run 2's and 3's (128): wait on the oldest, 2's.
+    fn what_a_launch_starts_after_is_not_counted() {
+        // Round 2 of the three groups. Group 3's first waits on group 1's first (bit 1 of
+        // seq 2: launch 0).
+        let h = [held(0, 1, INTERNAL[0], 64, 0), held(1, 2, INTERNAL[1], 64, 0), held(2, 3, INTERNAL[2], 64, 1 << 1)];
+        // Group 1, round 2, follows its first (the chain); beside it may run 2's and 3's
+        // (128): it waits on the chain with the oldest launch, group 2's.
         let (d, w) = run(&h, 3, &claim(1, INTERNAL[0], 64));
-        assert_eq!((d.waits, w), (1, vec![1]));
+        assert_eq!((d.waits, d.beside, w), (1, 64, vec![1]));
         let a2 = Held { seq: 3, group: 1, streams: [INTERNAL[0]; 2], chained: true, sms: 64, after: d.after };
-        // Group 2, round 2, follows its first (the chain) and may run beside 1's first and
-        // second and 3's first (192): oldest first, it must not run beside 1's first nor 3's
-        // first, and 3's first ends after 1's first: one wait, on 3's first. Only 1's second
-        // runs beside it.
+        // Group 2, round 2, follows its first (the chain); beside it may run group 1's
+        // chain (its first and second: one at a time, 64) and 3's first (64): too many.
+        // Group 1's chain has the oldest launch: it waits on that chain's newest, 1's
+        // second, which also ends after its first. 3's first may run beside it.
         let h2 = [h[0], h[1], h[2], a2];
         let (d, w) = run(&h2, 4, &claim(2, INTERNAL[1], 64));
-        assert_eq!((d.waits, d.beside, d.fits, w), (1, 64, true, vec![2]));
-        // Everything it starts after is in its bits: 0 (through 2), 1 (chain), 2 (waited).
-        assert_eq!(d.after & 0b111 << 1, bit(4, 0) | bit(4, 1) | bit(4, 2));
+        assert_eq!((d.waits, d.beside, d.fits, w), (1, 64, true, vec![3]));
+        assert_eq!(d.after, bit(4, 0) | bit(4, 1) | bit(4, 3));
+        // Group 3, round 2, follows its first, and through it 1's first; beside it: 2's
+        // first and 1's second: it waits on the older chain's, 2's.
+        let (d, w) = run(&h2, 4, &claim(3, INTERNAL[2], 64));
+        assert_eq!((d.waits, d.beside, w), (1, 64, vec![1]));
+        // A wait on a launch that another waited one starts after is not made twice.
+        let (d, w) = run(&h2, 4, &Claim { limit: 64, ..claim(3, INTERNAL[2], 64) });
+        assert_eq!((d.waits, d.beside, d.fits, w), (1, 0, true, vec![3]));
+    }
+
+    #[test]
+    fn a_deep_queue_counts_once() {
+        // The CPU ran ten rounds ahead of the GPU: groups 1 and 2 have ten collectives
+        // queued each, of which one at a time runs.
+        let h: Vec<Held> = (0..20).map(|k| held(k, 1 + k % 2, INTERNAL[(k % 2) as usize], 32, 0)).collect();
+        let (d, w) = run(&h, 20, &claim(3, INTERNAL[2], 32));
+        assert_eq!((d.waits, d.beside, d.fits, w), (0, 64, true, vec![]));
+        // Of 64 SMs each: it waits on group 1's newest, the chain with the oldest launch.
+        let h: Vec<Held> = h.iter().map(|x| Held { sms: 64, ..*x }).collect();
+        let (d, w) = run(&h, 20, &claim(3, INTERNAL[2], 64));
+        assert_eq!((d.waits, d.beside, w), (1, 64, vec![18]));
     }
 
     #[test]
@@ -531,10 +607,10 @@ mod tests {
             &mut ended,
         );
         assert_eq!((n, asked, ended), (3, vec![0, 1, 2], vec![true, false, true, false]));
-        // What is left holds 128 SMs: a third group's 64 waits on the older, launch 1.
+        // What is left is one chain, one launch at a time: a third group's 64 fits beside.
         let left = [h[1], h[3]];
         let (d, w) = run(&left, 4, &claim(3, 3, 64));
-        assert_eq!((d.waits, w), (1, vec![0]));
+        assert_eq!((d.waits, d.beside, w), (0, 64, vec![]));
     }
 
     #[test]
