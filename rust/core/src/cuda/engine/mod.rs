@@ -49,6 +49,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::budget::SmShare;
 pub use super::call::CudaCall;
 pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
@@ -85,6 +86,9 @@ pub struct CudaEngine {
     /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
     /// (`grids_that_fit`).
     blocks: u32,
+    /// The group's share of its device's ledger of SMs (NOTE [SM budget]): every eager
+    /// launch is admitted there (`admit`).
+    sm: SmShare,
     /// Ranks of this group on this rank's GPU (itself included; 1 unless allow_shared_gpu).
     gpu_sharers: u32,
     one_shot_max: usize,

@@ -41,6 +41,7 @@ impl CudaEngine {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
             o.begin(&l, &self.sh.stop)?;
+            let admitted = self.admit(&mut o, &l, self.sm.p2p_sms)?;
             let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
             // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
             // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
@@ -62,6 +63,9 @@ impl CudaEngine {
                 },
                 &format!("launching rsccl's CUDA {}", kind.name()),
             )?;
+            if let Some(a) = admitted {
+                a.hold(&mut o)?;
+            }
             // A capture of the send/recv (joined to the caller's captured stream): the graph
             // keeps what the kernel uses alive (graphs.rs).
             o.end(&l, |_| if is_capturing(l.target).unwrap_or(false) { self.keep_for_graph(l.target) } else { Ok(()) })?
