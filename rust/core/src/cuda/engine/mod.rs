@@ -8,6 +8,9 @@
 //! and the caller's ordering after it. This engine adds, after each collective, its
 //! end-of-collectives mark (`EndMark`, which `health` waits on), or while capturing, the
 //! references a graph takes (graphs.rs).
+//! Each eager launch is also admitted to its device's ledger of SMs, shared by every group
+//! of the process (`admit`, cuda/budget.rs, NOTE [SM budget]): it may wait there on the GPU
+//! for other groups' kernels, so that the kernels in flight at once always fit.
 //!
 //! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
 //! finds that a peer called another collective writes a code into host-mapped memory; a
