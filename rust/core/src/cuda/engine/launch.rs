@@ -165,9 +165,14 @@ impl CudaEngine {
     /// `l.target`: its end in the device's ledger (`admitted`), this engine's marks, then
     /// the caller's ordering (`Order::end`).
     pub(super) fn end(&self, o: &mut Order<EndMark>, l: &Launch, admitted: Option<Admission<'_>>) -> Result<Option<CudaEvent>> {
-        if let Some(a) = admitted {
-            a.hold(o)?;
-        }
+        // Admitted: an eager launch (`admit` asked), so no second capture query.
+        let capturing = match admitted {
+            Some(a) => {
+                a.hold(o)?;
+                Ok(false)
+            }
+            None => is_capturing(l.target),
+        };
         self.collectives.fetch_add(1, Ordering::Relaxed);
         o.end(l, |o| {
             // Mark the end of the collectives queued so far (health waits on it). Not while
@@ -175,7 +180,7 @@ impl CudaEngine {
             // only at replay; the event then keeps marking the last launch that really ran
             // (torch synchronizes the device before a capture begins). An error here (the
             // legacy stream during a global-mode capture) counts as capturing.
-            match is_capturing(l.target) {
+            match capturing {
                 Ok(false) => o.marks.record(l.target),
                 // The graph keeps what the kernel uses alive (graphs.rs).
                 Ok(true) => self.keep_for_graph(l.target),
