@@ -132,7 +132,7 @@ pub enum Mark {
     Wait,
 }
 
-/// `decide`'s answer; `marks` (its argument) says which held launches to wait on.
+/// `decide`'s answer; its `Scratch::marks` say which held launches to wait on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
     /// The claim's `Held::after`.
