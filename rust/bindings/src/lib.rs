@@ -284,6 +284,11 @@ impl Communicator {
             d.set_item("cuda_blocks", c.blocks)?;
             d.set_item("cuda_copy_engine_min_bytes", c.copy_engine_min_bytes)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
+            d.set_item("cuda_sms", c.sms)?;
+            d.set_item("cuda_sm_budget", c.sm_budget)?;
+            d.set_item("cuda_collective_sms", c.collective_sms)?;
+            d.set_item("cuda_p2p_sms", c.p2p_sms)?;
+            d.set_item("cuda_sm_budget_waits", c.sm_budget_waits)?;
         }
         if let Some(n) = &all.nccl {
             d.set_item("cuda_device", n.device)?;

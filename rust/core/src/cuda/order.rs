@@ -66,6 +66,11 @@ impl Launch {
     pub fn send_recv(caller: u64, stream: u64, asynchronous: bool) -> Launch {
         Launch { caller, target: stream, asynchronous, chained: false }
     }
+
+    /// In the group's chain of collectives (false: a send/recv).
+    pub fn chained(&self) -> bool {
+        self.chained
+    }
 }
 
 /// The engine an event came from: where it goes back when dropped, and what a wait on it

@@ -115,13 +115,14 @@ impl CudaEngine {
         a.desc1 = c.count;
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
-        let l = self.begin(&mut o, c)?;
+        // Its SMs: the barriers' one CTA, one after another on the target (NOTE [SM budget]).
+        let (l, admitted) = self.begin(&mut o, c, 1)?;
         // Queued in part, the call would leave copies and barriers that no peer matches:
         // the group stops (a CUDA error here means the context is failing anyway).
         if let Err(e) = self.queue_copy(&mut o, c, shape, &a, l.target) {
             return Err(self.poison(e));
         }
-        self.end(&mut o, &l)
+        self.end(&mut o, &l, admitted)
     }
 
     fn queue_copy(&self, o: &mut Order<EndMark>, c: &CudaCall, shape: Shape, a: &Args, t: u64) -> Result<()> {

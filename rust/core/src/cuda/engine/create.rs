@@ -16,6 +16,7 @@ use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
 use crate::collective::Kind;
 use crate::config::Config;
+use crate::cuda::budget::{sms_of, SmShare};
 use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
@@ -24,6 +25,17 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
+
+/// The grids every local rank uses, and what this rank's GPU holds of them.
+pub(super) struct Grids {
+    /// Blocks of every collective kernel and of every send/recv kernel.
+    pub blocks: u32,
+    pub p2p_blocks: u32,
+    /// This rank's GPU: its SMs, and how many send/recv and collective blocks fit on one.
+    pub sms: u32,
+    pub p2p_per_sm: u32,
+    pub collective_per_sm: u32,
+}
 
 /// The grids every local rank uses, (collective blocks, send/recv blocks): `grids_that_fit`
 /// on each rank's GPU, the least of each (ranks pair their blocks one to one, and senders
@@ -38,7 +50,7 @@ pub(super) fn agree_grids(
     cfg: &Config,
     sharers: u32,
     deadline: Instant,
-) -> Result<(u32, u32)> {
+) -> Result<Grids> {
     let n = mesh.size();
     let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
@@ -103,7 +115,7 @@ pub(super) fn agree_grids(
             2 * (n - 1)
         );
     }
-    Ok((coll, p2p))
+    Ok(Grids { blocks: coll, p2p_blocks: p2p, sms, p2p_per_sm: per_sm, collective_per_sm: coll_per_sm })
 }
 
 /// The test-only hook of `check_reach`.
@@ -223,7 +235,18 @@ impl CudaEngine {
         check_reach(&dev, &mesh, &local_ranks, &got, deadline)?;
         let sharers = got.iter().filter(|(m, _)| m[4..44] == got[me].0[4..44]).count() as u32;
         let kernels = Kernels::shared(&dev)?;
-        let (blocks, p2p_blocks) = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;
+        let grids = agree_grids(&dev, &kernels, &mesh, &local_ranks, cfg, sharers, deadline)?;
+        let (blocks, p2p_blocks) = (grids.blocks, grids.p2p_blocks);
+        // The SMs its kernels hold, counted in the device's ledger with every other group's of
+        // this process (NOTE [SM budget]); where ranks share the GPU, within this rank's share,
+        // which `grids_that_fit` sized the grids for.
+        let sm = SmShare::join(
+            &dev,
+            grids.sms,
+            grids.sms / sharers.max(1),
+            sms_of(blocks, grids.collective_per_sm),
+            sms_of(p2p_blocks, grids.p2p_per_sm),
+        );
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
         // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
         // the pool.
@@ -346,6 +369,7 @@ impl CudaEngine {
             )),
             base,
             blocks,
+            sm,
             gpu_sharers: sharers,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
             sync_on_caller: cfg.cuda_sync_stream,

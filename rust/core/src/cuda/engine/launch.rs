@@ -10,6 +10,7 @@ use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
 use crate::collective::op::AllToAll;
 use crate::collective::Kind;
+use crate::cuda::budget::Admission;
 use crate::cuda::decide::{kernel, placement, Kernel};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
 use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
@@ -108,7 +109,7 @@ impl CudaEngine {
         }
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
-        let l = self.begin(&mut o, c)?;
+        let (l, admitted) = self.begin(&mut o, c, self.sm.collective_sms)?;
         let mut arg_ptr = match tail.as_mut() {
             Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
             None => &mut a as *mut Args as *mut std::ffi::c_void,
@@ -134,21 +135,44 @@ impl CudaEngine {
             },
             &format!("launching rsccl's CUDA {}", c.kind.name()),
         )?;
-        self.end(&mut o, &l)
+        self.end(&mut o, &l, admitted)
     }
 
     /// Before a launch, under the ordering lock: the stream it goes to (the caller's, or
     /// the internal one after it), ordered after the caller's queued work and after the
-    /// group's previous launch.
-    pub(super) fn begin(&self, o: &mut Order<EndMark>, c: &CudaCall) -> Result<Launch> {
+    /// group's previous launch, and after what must end first for its `sms` SMs to fit
+    /// beside the other groups' kernels (`admit`).
+    pub(super) fn begin(&self, o: &mut Order<EndMark>, c: &CudaCall, sms: u32) -> Result<(Launch, Option<Admission<'_>>)> {
         let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal.raw() as u64);
         o.begin(&l, &self.sh.stop)?;
-        Ok(l)
+        let admitted = self.admit(o, &l, sms)?;
+        Ok((l, admitted))
+    }
+
+    /// An eager launch of `sms` SMs on `l.target`, after `Order::begin`: admitted to the
+    /// device's ledger of SMs (NOTE [SM budget] in cuda/budget.rs). Not while capturing: a
+    /// captured kernel runs only at replay, ordered by the user's streams, and an eager
+    /// event cannot be waited on inside a capture. An error (the legacy stream during a
+    /// global-mode capture) counts as capturing, as in `end`.
+    pub(super) fn admit<M>(&self, o: &mut Order<M>, l: &Launch, sms: u32) -> Result<Option<Admission<'_>>> {
+        if is_capturing(l.target).unwrap_or(true) {
+            return Ok(None);
+        }
+        self.sm.admit(o, l, sms).map(Some)
     }
 
     /// After the launch (or the copies and barriers of a copy-engine collective) on
-    /// `l.target`: this engine's marks, then the caller's ordering (`Order::end`).
-    pub(super) fn end(&self, o: &mut Order<EndMark>, l: &Launch) -> Result<Option<CudaEvent>> {
+    /// `l.target`: its end in the device's ledger (`admitted`), this engine's marks, then
+    /// the caller's ordering (`Order::end`).
+    pub(super) fn end(&self, o: &mut Order<EndMark>, l: &Launch, admitted: Option<Admission<'_>>) -> Result<Option<CudaEvent>> {
+        // Admitted: an eager launch (`admit` asked), so no second capture query.
+        let capturing = match admitted {
+            Some(a) => {
+                a.hold(o)?;
+                Ok(false)
+            }
+            None => is_capturing(l.target),
+        };
         self.collectives.fetch_add(1, Ordering::Relaxed);
         o.end(l, |o| {
             // Mark the end of the collectives queued so far (health waits on it). Not while
@@ -156,7 +180,7 @@ impl CudaEngine {
             // only at replay; the event then keeps marking the last launch that really ran
             // (torch synchronizes the device before a capture begins). An error here (the
             // legacy stream during a global-mode capture) counts as capturing.
-            match is_capturing(l.target) {
+            match capturing {
                 Ok(false) => o.marks.record(l.target),
                 // The graph keeps what the kernel uses alive (graphs.rs).
                 Ok(true) => self.keep_for_graph(l.target),

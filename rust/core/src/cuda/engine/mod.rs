@@ -8,6 +8,9 @@
 //! and the caller's ordering after it. This engine adds, after each collective, its
 //! end-of-collectives mark (`EndMark`, which `health` waits on), or while capturing, the
 //! references a graph takes (graphs.rs).
+//! Each eager launch is also admitted to its device's ledger of SMs, shared by every group
+//! of the process (`admit`, cuda/budget.rs, NOTE [SM budget]): it may wait there on the GPU
+//! for other groups' kernels, so that the kernels in flight at once always fit.
 //!
 //! Errors: kernels never spin unbounded. A wait that times out, sees the abort word, or
 //! finds that a peer called another collective writes a code into host-mapped memory; a
@@ -49,6 +52,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::budget::SmShare;
 pub use super::call::CudaCall;
 pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
@@ -85,6 +89,9 @@ pub struct CudaEngine {
     /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
     /// (`grids_that_fit`).
     blocks: u32,
+    /// The group's share of its device's ledger of SMs (NOTE [SM budget]): every eager
+    /// launch is admitted there (`admit`).
+    sm: SmShare,
     /// Ranks of this group on this rank's GPU (itself included; 1 unless allow_shared_gpu).
     gpu_sharers: u32,
     one_shot_max: usize,

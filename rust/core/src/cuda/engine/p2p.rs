@@ -41,6 +41,7 @@ impl CudaEngine {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
             o.begin(&l, &self.sh.stop)?;
+            let admitted = self.admit(&mut o, &l, self.sm.p2p_sms)?;
             let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
             // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
             // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
@@ -62,9 +63,17 @@ impl CudaEngine {
                 },
                 &format!("launching rsccl's CUDA {}", kind.name()),
             )?;
+            // Admitted: an eager launch (`admit` asked), so no second capture query.
+            let capturing = match admitted {
+                Some(a) => {
+                    a.hold(&mut o)?;
+                    false
+                }
+                None => is_capturing(l.target).unwrap_or(false),
+            };
             // A capture of the send/recv (joined to the caller's captured stream): the graph
             // keeps what the kernel uses alive (graphs.rs).
-            o.end(&l, |_| if is_capturing(l.target).unwrap_or(false) { self.keep_for_graph(l.target) } else { Ok(()) })?
+            o.end(&l, |_| if capturing { self.keep_for_graph(l.target) } else { Ok(()) })?
         };
         // Only a fatal error stops a send/recv: a collectives' mismatch is reported by the
         // collective's own launch or Work, never by a send that is already queued (the

@@ -40,6 +40,17 @@ pub struct CudaStats {
     pub copy_engine_min_bytes: u64,
     /// Ranks of this group on this rank's GPU, itself included (1: a GPU of its own).
     pub gpu_sharers: u32,
+    /// The device's SMs, which rsccl's kernels of every group of the process draw from
+    /// (NOTE [SM budget] in cuda/budget.rs).
+    pub sms: u32,
+    /// The SMs this group's launches are held within, with every other group's kernels
+    /// beside them: the device's, or this rank's share where ranks share the GPU.
+    pub sm_budget: u32,
+    /// SMs each launch of this group holds: a collective kernel, a send/recv kernel.
+    pub collective_sms: u32,
+    pub p2p_sms: u32,
+    /// This group's launches that had to wait for another group's kernels to end first.
+    pub sm_budget_waits: u64,
 }
 
 impl CudaEngine {
@@ -122,6 +133,11 @@ impl CudaEngine {
             blocks: self.blocks,
             copy_engine_min_bytes: self.copy_engine_min,
             gpu_sharers: self.gpu_sharers,
+            sms: self.sm.device_sms(),
+            sm_budget: self.sm.limit,
+            collective_sms: self.sm.collective_sms,
+            p2p_sms: self.sm.p2p_sms,
+            sm_budget_waits: self.sm.waits(),
         }
     }
 
