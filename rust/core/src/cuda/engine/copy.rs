@@ -22,7 +22,7 @@
 //!     theirs: on the GPU, so that graph replays count).
 //! Broadcast is the same protocol with one sender: only the root pushes (its tensor, in
 //! rounds, to every peer), each buffer has one slot, and only the other ranks copy out
-//! (`Shape`). The rounds, and so the barriers, are the same on every rank, as are the
+//! (`CopyPlan`). The rounds, and so the barriers, are the same on every rank, as are the
 //! descriptors, which carry the root: ranks that name different roots are a mismatch.
 //! Pushing or pulling made no difference on 4 H100s (both about 185 GB/s into each GPU at
 //! 256 MiB-1 GiB, docs/performance.md, issue 28): pushes keep every peer's bytes of a round
@@ -101,8 +101,8 @@ impl CudaEngine {
 
     /// The all_gather or broadcast of `c` on the copy engines (NOTE [Copy engines]).
     pub(super) fn launch_copy(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        let shape = Shape::of(c, self.pool.nranks)?;
-        if self.staging_slot(shape.senders(self.pool.nranks)) == 0 {
+        let plan = CopyPlan::of(c, self.pool.nranks)?;
+        if self.staging_slot(plan.senders(self.pool.nranks)) == 0 {
             return Err(Error::Internal("the copy-engine path found no staging".into()));
         }
         let mut a = self.base;
@@ -119,34 +119,34 @@ impl CudaEngine {
         let (l, admitted) = self.begin(&mut o, c, 1)?;
         // Queued in part, the call would leave copies and barriers that no peer matches:
         // the group stops (a CUDA error here means the context is failing anyway).
-        if let Err(e) = self.queue_copy(&mut o, c, shape, &a, l.target) {
+        if let Err(e) = self.queue_copy(&mut o, c, plan, &a, l.target) {
             return Err(self.poison(e));
         }
         self.end(&mut o, &l, admitted)
     }
 
-    fn queue_copy(&self, o: &mut Order<EndMark>, c: &CudaCall, shape: Shape, a: &Args, t: u64) -> Result<()> {
+    fn queue_copy(&self, o: &mut Order<EndMark>, c: &CudaCall, plan: CopyPlan, a: &Args, t: u64) -> Result<()> {
         let (n, me) = (self.pool.nranks, self.pool.me);
         // Bytes each sender moves to each receiver: every rank's block (all_gather), the
         // root's tensor (broadcast).
         let per_rank = c.count;
-        let senders = shape.senders(n);
+        let senders = plan.senders(n);
         let slot = self.staging_slot(senders);
         // Rank `to`'s staging buffer b, the slot that holds rank `from`'s bytes.
         let slot_at = |to: usize, b: usize, from: usize| {
-            let index = shape.slot_index(to, from) as u64;
+            let index = plan.slot_index(to, from) as u64;
             self.base.peer[to] + STAGE_OFF as u64 + ((b % BUFFERS) as u64 * senders as u64 + index) * slot
         };
         let s = |p: usize| self.copy_streams[p].raw() as u64;
         let local = s(me);
         // The peers this rank pushes to, and those it receives from (with where their
         // bytes go).
-        let pushes: Vec<usize> = (0..n).filter(|&p| p != me && shape.sends(me, p)).collect();
+        let pushes: Vec<usize> = (0..n).filter(|&p| p != me && plan.sends(me, p)).collect();
         let receives: Vec<(usize, u64)> =
-            (0..n).filter(|&q| q != me && shape.sends(q, me)).map(|q| (q, shape.receive_at(c, q, per_rank))).collect();
+            (0..n).filter(|&q| q != me && plan.sends(q, me)).map(|q| (q, plan.receive_at(c, q, per_rank))).collect();
         // This rank's own block of an all_gather: a local copy beside the rest (none when
         // the input is that block already, as FSDP2's all-gather passes it).
-        if let Some((dst, src)) = shape.own_copy(c, me, per_rank) {
+        if let Some((dst, src)) = plan.own_copy(c, me, per_rank) {
             o.join(t, local)?;
             copy(dst, src, per_rank, local)?;
         }
@@ -247,16 +247,16 @@ fn copy(dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
 /// Who moves what in a copy-engine collective: every rank to every peer (all_gather), or
 /// the root to every other rank (broadcast). Every rank derives the same rounds from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shape {
+enum CopyPlan {
     AllGather,
     Broadcast { root: usize },
 }
 
-impl Shape {
-    fn of(c: &CudaCall, n: usize) -> Result<Shape> {
+impl CopyPlan {
+    fn of(c: &CudaCall, n: usize) -> Result<CopyPlan> {
         match c.kind {
-            Kind::AllGather => Ok(Shape::AllGather),
-            Kind::Broadcast if c.root < n => Ok(Shape::Broadcast { root: c.root }),
+            Kind::AllGather => Ok(CopyPlan::AllGather),
+            Kind::Broadcast if c.root < n => Ok(CopyPlan::Broadcast { root: c.root }),
             k => Err(Error::Internal(format!("{} does not run on the copy engines", k.name()))),
         }
     }
@@ -264,58 +264,57 @@ impl Shape {
     /// Whether rank `from` pushes to rank `to`.
     fn sends(self, from: usize, to: usize) -> bool {
         match self {
-            Shape::AllGather => true,
-            Shape::Broadcast { root } => from == root && to != root,
+            CopyPlan::AllGather => true,
+            CopyPlan::Broadcast { root } => from == root && to != root,
         }
     }
 
     /// How many ranks push into one rank's buffer: its slots per buffer.
     fn senders(self, n: usize) -> usize {
         match self {
-            Shape::AllGather => n - 1,
-            Shape::Broadcast { .. } => 1,
+            CopyPlan::AllGather => n - 1,
+            CopyPlan::Broadcast { .. } => 1,
         }
     }
 
     /// The slot of rank `to`'s buffers that rank `from` pushes into.
     fn slot_index(self, to: usize, from: usize) -> usize {
         match self {
-            Shape::AllGather => from - usize::from(from > to),
-            Shape::Broadcast { .. } => 0,
+            CopyPlan::AllGather => from - usize::from(from > to),
+            CopyPlan::Broadcast { .. } => 0,
         }
     }
 
     /// Where the bytes received from rank `q` go in this rank's output.
     fn receive_at(self, c: &CudaCall, q: usize, per_rank: u64) -> u64 {
         match self {
-            Shape::AllGather => c.out + q as u64 * per_rank,
-            Shape::Broadcast { .. } => c.out,
+            CopyPlan::AllGather => c.out + q as u64 * per_rank,
+            CopyPlan::Broadcast { .. } => c.out,
         }
     }
 
     /// This rank's own copy, (to, from), when it has one to make.
     fn own_copy(self, c: &CudaCall, me: usize, per_rank: u64) -> Option<(u64, u64)> {
         let own = c.out + me as u64 * per_rank;
-        (self == Shape::AllGather && per_rank > 0 && c.inp != own).then_some((own, c.inp))
+        (self == CopyPlan::AllGather && per_rank > 0 && c.inp != own).then_some((own, c.inp))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Shape;
+    use super::CopyPlan;
 
     /// Every rank pushes into a slot of its own in each receiver's buffer, and the slots
     /// of a buffer are exactly those `senders` counts.
     #[test]
     fn shapes_give_each_sender_its_own_slot() {
         for n in 2..=8 {
-            for shape in [Shape::AllGather, Shape::Broadcast { root: 0 }, Shape::Broadcast { root: n - 1 }] {
+            for plan in [CopyPlan::AllGather, CopyPlan::Broadcast { root: 0 }, CopyPlan::Broadcast { root: n - 1 }] {
                 for to in 0..n {
-                    let mut slots: Vec<usize> =
-                        (0..n).filter(|&f| f != to && shape.sends(f, to)).map(|f| shape.slot_index(to, f)).collect();
+                    let mut slots: Vec<usize> = (0..n).filter(|&f| f != to && plan.sends(f, to)).map(|f| plan.slot_index(to, f)).collect();
                     slots.sort();
-                    let want = if matches!(shape, Shape::Broadcast { root } if root == to) { 0 } else { shape.senders(n) };
-                    assert_eq!(slots, (0..want).collect::<Vec<_>>(), "{shape:?} n={n} to={to}");
+                    let want = if matches!(plan, CopyPlan::Broadcast { root } if root == to) { 0 } else { plan.senders(n) };
+                    assert_eq!(slots, (0..want).collect::<Vec<_>>(), "{plan:?} n={n} to={to}");
                 }
             }
         }
