@@ -16,9 +16,9 @@ use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
 use crate::collective::Kind;
 use crate::config::Config;
-use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
+use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
-use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
+use crate::cuda::kernels::{Kernel, Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::order::{EndMark, EventHome, Order};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -43,8 +43,8 @@ pub(super) fn agree_grids(
     let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
         let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
-        let p2p = Kernels::min_blocks_per_sm([kernels.send, kernels.recv])?;
-        let coll = Kernels::min_blocks_per_sm(kernels.collectives())?;
+        let p2p = Kernels::min_blocks_per_sm(kernels.of_shape(|s| s == Shape::Peer))?;
+        let coll = Kernels::min_blocks_per_sm(kernels.of_shape(|s| s != Shape::Peer))?;
         (sms, p2p, coll)
     };
     let (coll_fit, p2p_fit) = grids_that_fit(cfg.cuda_blocks, cfg.cuda_p2p_blocks, n, sms, per_sm, coll_per_sm, sharers);
@@ -389,7 +389,7 @@ impl CudaEngine {
         // the invalid call is the barrier's kernel), in `Kind::ALL` order on every rank: a
         // new kind is warmed up with no line here.
         for kind in Kind::ALL {
-            if kind == Kind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::P2p) {
+            if kind == Kind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::Send | Kernel::Recv) {
                 continue;
             }
             let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };

@@ -10,9 +10,9 @@ use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
 use crate::collective::op::AllToAll;
 use crate::collective::Kind;
-use crate::cuda::decide::{kernel, placement, Kernel};
+use crate::cuda::decide::{kernel, placement};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event};
-use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
+use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
 use crate::error::{Error, Result};
 
@@ -63,19 +63,11 @@ impl CudaEngine {
             Kernel::Reduce(f) if c.kind == Kind::AllReduce => Some(f),
             _ => None,
         };
-        let func = match kernel {
-            Kernel::Reduce(f) => self.kernels.reduce(f, c.dtype, c.op),
-            Kernel::AllGather => Some(self.kernels.all_gather),
-            Kernel::Broadcast => Some(self.kernels.broadcast),
-            Kernel::Gather => Some(self.kernels.gather),
-            Kernel::Scatter => Some(self.kernels.scatter),
-            Kernel::Barrier => Some(self.kernels.barrier),
-            Kernel::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
-            Kernel::AllToAll | Kernel::P2p => {
-                return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())))
-            }
+        let want = if a2a.is_some() { Shape::Chunks } else { Shape::Collective };
+        if kernel.shape() != want {
+            return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())));
         }
-        .ok_or_else(|| {
+        let func = self.kernels.get(kernel, c.dtype, c.op).ok_or_else(|| {
             Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))
         })?;
         let mut a = self.base;
@@ -84,15 +76,16 @@ impl CudaEngine {
         a.count = c.count;
         a.root = c.root as u32;
         a.flags = self.sh.launch_flags();
-        a.desc0 = c.kind.code()
-            | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
-            | ((c.op as u64) << DESC0_OP_SHIFT)
-            | ((c.root as u64) << DESC0_ROOT_SHIFT);
-        a.desc1 = c.count;
-        if matches!(c.kind, Kind::Barrier | Kind::Invalid | Kind::AllToAll) {
-            a.desc0 = c.kind.code();
-            a.desc1 = 0;
-        }
+        // What the peers compare (NOTE [Agreement] in csrc_kernels/protocol.cuh).
+        (a.desc0, a.desc1) = if kernel.describes_size() {
+            let desc0 = c.kind.code()
+                | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
+                | ((c.op as u64) << DESC0_OP_SHIFT)
+                | ((c.root as u64) << DESC0_ROOT_SHIFT);
+            (desc0, c.count)
+        } else {
+            (c.kind.code(), 0)
+        };
         let mut tail = a2a.map(|x| {
             let mut t = A2aArgs { a, send: [0; MAX_RANKS], send_n: [0; MAX_RANKS], recv: [0; MAX_RANKS], recv_n: [0; MAX_RANKS] };
             t.send[..x.send.len()].copy_from_slice(&x.send);

@@ -54,7 +54,7 @@ pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
 };
 use super::driver::Stream;
-use super::kernels::{Family, Kernels};
+use super::kernels::{Family, Kernel, Kernels};
 use super::order::{EndMark, Order};
 pub use crate::collective::op::AllToAll;
 use crate::dtype::{DType, ReduceOp};
@@ -110,7 +110,7 @@ pub struct CudaEngine {
 impl CudaEngine {
     /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
     pub fn supports_reduce_scatter(&self, dtype: DType, op: ReduceOp) -> bool {
-        self.kernels.reduce(Family::ReduceScatter, dtype, op).is_some()
+        self.kernels.get(Kernel::Reduce(Family::ReduceScatter), dtype, op).is_some()
     }
 
     /// The number of local ranks (GPUs of this host in the group).

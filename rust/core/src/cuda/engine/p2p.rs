@@ -7,8 +7,9 @@ use super::CudaEngine;
 use crate::collective::validate;
 use crate::collective::Kind;
 use crate::cuda::driver::{check, is_capturing, CUstream};
-use crate::cuda::kernels::THREADS;
+use crate::cuda::kernels::{Kernel, THREADS};
 use crate::cuda::order::{CudaEvent, Launch};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 impl CudaEngine {
@@ -31,7 +32,10 @@ impl CudaEngine {
         x.a.root = peer as u32;
         x.a.desc0 = kind.code();
         x.a.flags = self.sh.launch_flags();
-        let func = if send { self.kernels.send } else { self.kernels.recv };
+        let func = self
+            .kernels
+            .get(if send { Kernel::Send } else { Kernel::Recv }, DType::U8, ReduceOp::Sum)
+            .ok_or_else(|| Error::Internal("no send/recv kernel".into()))?;
         let target = self.p2p_streams[2 * peer + (!send) as usize]
             .as_ref()
             .map(|s| s.raw() as u64)
