@@ -164,7 +164,7 @@ impl Communicator {
         let place = stream.map_or(Place::Host, |stream| Place::Cuda { stream });
         let (dtype, op, invalid) = match (dtype.dtype(), op.op()) {
             (Ok(d), Ok(o)) => (d, o, None),
-            // The CUDA engines move bytes of any dtype, rsccl's or not (DeviceCall::from_op).
+            // The CUDA engines move bytes of any dtype, rsccl's or not (CudaCall::from_op).
             (Err(_), Ok(o)) if place != Place::Host && kind.moves_bytes() => (DType::U8, o, None),
             (Err(e), _) | (_, Err(e)) => (DType::U8, ReduceOp::Sum, Some(e)),
         };

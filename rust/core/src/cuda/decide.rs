@@ -285,7 +285,7 @@ pub fn cuda_count(kind: Kind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 
 }
 
 /// Which buffer of a call holds one block per rank, each the size of the other buffer:
-/// the sizes the kernels cannot check, which `DeviceCall::from_op` does (the host engine
+/// the sizes the kernels cannot check, which `CudaCall::from_op` does (the host engine
 /// checks its own in `check_local`). None where no such relation holds on every rank (gather and
 /// scatter have it at the root only, where the front end builds that buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -360,7 +360,8 @@ pub enum NcclCall {
     Barrier,
     /// One NCCL group of sends and receives between the root and every rank.
     Rooted,
-    /// One NCCL group of sends and receives with every peer (`launch_all_to_all`).
+    /// One NCCL group of sends and receives with every peer, a chunk each (a call with
+    /// chunks).
     AllToAll,
     /// The communicator of the ordered pair (`launch_p2p`).
     P2p,
@@ -578,6 +579,7 @@ mod tests {
             inp,
             out,
             count,
+            chunks: None,
             stream: 0,
             asynchronous: false,
         };

@@ -22,12 +22,13 @@
 //!
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
-//! the group's failure state and its reports), `launch` (collectives and all_to_all, and
-//! where the Work's events come home), `copy` (collectives on the copy engines), `p2p`
+//! the group's failure state and its reports), `launch` (the one launch entry, every
+//! kind: collectives and calls with chunks here, send/recv in `p2p`; and where the Work's
+//! events come home), `copy` (collectives on the copy engines), `p2p`
 //! (send/recv), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
 //! `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`. `translate` turns the op record into
-//! `DeviceCall`, what both device engines run.
+//! `CudaCall` (cuda/call.rs), the one call record both device engines launch.
 
 mod abi;
 mod copy;
@@ -63,7 +64,6 @@ use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
 pub use stats::CudaStats;
 use status::Shared;
-pub(crate) use translate::DeviceCall;
 
 pub struct CudaEngine {
     sh: Arc<Shared>,
