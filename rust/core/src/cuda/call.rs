@@ -5,7 +5,7 @@
 //! Each engine's one launch entry (`CudaEngine::launch`, `NcclEngine::launch`) takes them
 //! all.
 
-use crate::collective::op::AllToAll;
+use crate::collective::op::Chunks;
 use crate::collective::Kind;
 use crate::cuda::kernels::Shape;
 use crate::dtype::{DType, ReduceOp};
@@ -26,7 +26,7 @@ pub struct CudaCall {
     pub count: u64,
     /// Per peer, in group-rank order, the chunk sent and where the chunk received lands:
     /// the kinds whose sizes are per peer (`Kind::has_chunks`); None for the rest.
-    pub chunks: Option<AllToAll>,
+    pub chunks: Option<Chunks>,
     /// The caller's current stream (raw handle).
     pub stream: u64,
     pub asynchronous: bool,

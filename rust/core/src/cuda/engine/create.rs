@@ -11,9 +11,9 @@ use parking_lot::Mutex;
 use super::abi::Args;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
-use super::AllToAll;
 use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
+use crate::collective::op::Chunks;
 use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::decide::{check_peer_access, grids_that_fit, p2p_chunk, stage_per_block, LocalGpu, Reach};
@@ -390,8 +390,7 @@ impl CudaEngine {
         // A new kind is warmed up with no line here.
         for kind in Kind::ALL.into_iter().filter(|&k| k != Kind::Invalid && !k.is_p2p()) {
             let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };
-            let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
-            let chunks = kind.has_chunks().then_some(none);
+            let chunks = kind.has_chunks().then(|| Chunks::empty(n));
             self.launch(&CudaCall { dtype, chunks, ..CudaCall::bare(kind, 0, stream, false) })?;
         }
         // An empty send to every peer and recv from every peer: one step each, so the

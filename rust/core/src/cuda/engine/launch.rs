@@ -36,10 +36,8 @@ impl CudaEngine {
             return self.launch_p2p(c, kernel);
         }
         let n = self.pool.nranks;
-        if let Some(x) = &c.chunks {
-            if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
-                return Err(Error::InvalidArgument(format!("{} needs one chunk per rank of the group ({n})", c.kind.name())));
-            }
+        if c.chunks.as_ref().is_some_and(|x| !x.one_per_rank(n)) {
+            return Err(Error::InvalidArgument(format!("{} needs one chunk per rank of the group ({n})", c.kind.name())));
         }
         // A group that failed (timeout, dead peer) runs nothing more. A mismatch that a
         // kernel reported is raised after this launch: ranks notice it at different calls

@@ -57,7 +57,6 @@ pub use super::decide::{
 use super::driver::Stream;
 use super::kernels::{Family, Kernel, Kernels};
 use super::order::{EndMark, Order};
-pub use crate::collective::op::AllToAll;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;

@@ -85,7 +85,7 @@ fn cuda_call(op: &Op, rank: usize, n: usize, stream: u64) -> Result<CudaCall> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::op::{AllToAll, Place, Span};
+    use crate::collective::op::{Chunks, Place, Span};
     use crate::cuda::decide::NcclCall;
     use crate::cuda::kernels::Shape;
 
@@ -115,7 +115,7 @@ mod tests {
         for k in Kind::ALL {
             // A block per rank on the side that holds them.
             let mut o = if k == Kind::ReduceScatter { op(k, 64 * 4, 64, DType::F32) } else { op(k, 64, 64 * 4, DType::F32) };
-            o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
+            o.splits = Some(Chunks { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
             let device = CudaCall::from_op(&mut o, 0, 4, 7);
             assert_eq!(device.is_ok(), k != Kind::Invalid, "{k:?} on a device engine");
             if k == Kind::Invalid {
@@ -197,7 +197,7 @@ mod tests {
         let e = CudaCall::from_op(&mut op(Kind::ReduceScatter, 40, 16, DType::F32), 1, 2, 0).unwrap_err().to_string();
         assert!(e.starts_with("rank 1: reduce_scatter: input has 10 elements"), "{e}");
         let mut a2a = op(Kind::AllToAll, 0, 0, DType::U8);
-        a2a.splits = Some(AllToAll { send: vec![0, 0], send_bytes: vec![8, 4], recv: vec![0, 0], recv_bytes: vec![8, 12] });
+        a2a.splits = Some(Chunks { send: vec![0, 0], send_bytes: vec![8, 4], recv: vec![0, 0], recv_bytes: vec![8, 12] });
         let e = CudaCall::from_op(&mut a2a, 1, 2, 0).unwrap_err().to_string();
         assert!(e.contains("all_to_all: rank 1 sends itself 4 bytes but expects 12 bytes from itself"), "{e}");
     }

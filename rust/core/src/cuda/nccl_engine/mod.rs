@@ -250,7 +250,7 @@ impl NcclEngine {
         }
         self.health()?;
         let n = self.sh.flat.nranks;
-        if let Some(x) = c.chunks.as_ref().filter(|x| [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n)) {
+        if let Some(x) = c.chunks.as_ref().filter(|x| !x.one_per_rank(n)) {
             // The Python layer builds one entry per rank: this is a bug, and the peers
             // would wait for this rank, so it fails the group.
             return Err(self.sh.fail(Error::Internal(format!(
