@@ -113,7 +113,8 @@ impl CudaEngine {
         // SAFETY: `func` takes one `Args` by value, or one `A2aArgs` where the call has
         // chunks (its kernel's shape is the call's, checked in `launch`), same layout as the
         // source's struct; `arg_ptr` points at it for the call; the grid matches every
-        // kernel's launch bounds.
+        // kernel's launch bounds; `l.target` is the caller's stream or the internal one, in
+        // the context bound above.
         unsafe { Self::launch_kernel(func, self.blocks, l.target, arg_ptr, c.kind) }?;
         self.end(&mut o, &l)
     }

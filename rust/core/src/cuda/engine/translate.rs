@@ -87,7 +87,7 @@ mod tests {
     use super::*;
     use crate::collective::op::{Chunks, Place, Span};
     use crate::cuda::decide::NcclCall;
-    use crate::cuda::kernels::Shape;
+    use crate::cuda::kernels::{self, Shape};
 
     fn op(kind: Kind, inp: u64, out: u64, dtype: DType) -> Op {
         Op {
@@ -126,7 +126,10 @@ mod tests {
             // Each engine's one launch entry routes by what the kind is to it: rsccl's kernel
             // takes the call's shape, and NCCL's call is the pair communicators' for one
             // peer and a group of sends and receives for chunks.
-            assert_eq!(decide::kernel(k, 64, 4, 0).shape(), c.shape(), "{k:?}: rsccl's kernel takes the call's shape");
+            let kernel = decide::kernel(k, 64, 4, 0);
+            assert_eq!(kernel.shape(), c.shape(), "{k:?}: rsccl's kernel takes the call's shape");
+            let name = kernels::kernel_name(kernel, DType::BF16).unwrap();
+            assert!(kernels::required_kernels().iter().any(|e| e.1 == name), "{k:?}: its kernel {name} is in the table");
             let nccl = decide::nccl_call(k);
             assert_eq!(
                 (nccl == NcclCall::P2p, nccl == NcclCall::AllToAll),
