@@ -575,7 +575,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         is checked once, by the core: a dtype and op the engine reduces by the engine itself
         (`Engine::can_run`; refused by every rank alone, the group stays usable), a root in
         the group and sizes that fit by the device engines' translation
-        (`DeviceCall::from_op`; the call is joined as invalid)."""
+        (`CudaCall::from_op`; the call is joined as invalid)."""
         if self._cuda_device is None:
             self._comm.cuda_health()  # raises why there is no CUDA engine (below if not)
             raise ArgumentError(f"{what}: this group has no CUDA engine ({NO_CUDA_AT_CREATION})")

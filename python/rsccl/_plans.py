@@ -119,7 +119,7 @@ def reduce(side: Side, tensors: Any, op: int | str, root: int) -> _Plan:
 # -- all_gather ------------------------------------------------------------------------------
 def all_gather_into(side: Side, out: torch.Tensor, inp: torch.Tensor, result: Any) -> _Plan:
     """One all_gather of `inp` into `out` (group size inputs, rank-major); the core checks
-    the sizes (the host engine, and `DeviceCall::from_op` for the CUDA engines)."""
+    the sizes (the host engine, and `CudaCall::from_op` for the CUDA engines)."""
     side.check(out, "all_gather output")
     side.check(inp, "all_gather input")
     _check_same_dtype("all_gather", out, inp)
@@ -192,7 +192,7 @@ def all_gather_coalesced(side: Side, output_lists: Any, input_list: Any) -> _Pla
 # -- reduce_scatter --------------------------------------------------------------------------
 def reduce_scatter_into(side: Side, out: torch.Tensor, inp: torch.Tensor, op: int | str, result: Any) -> _Plan:
     """One reduce_scatter of `inp` (group size blocks) into `out`; the core checks the
-    sizes (the host engine, and `DeviceCall::from_op` for the CUDA engines)."""
+    sizes (the host engine, and `CudaCall::from_op` for the CUDA engines)."""
     side.check(out, "reduce_scatter output")
     side.check(inp, "reduce_scatter input")
     _check_same_dtype("reduce_scatter", out, inp)

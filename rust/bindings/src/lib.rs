@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rsccl_core::collective::op::Chunks;
 use rsccl_core::collective::op::{Op, Place, Span};
 use rsccl_core::collective::Kind;
 use rsccl_core::config::{Config, SETTINGS};
-use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::group::{Group, Ran};
 use rsccl_core::work::WorkState;
@@ -164,11 +164,11 @@ impl Communicator {
         let place = stream.map_or(Place::Host, |stream| Place::Cuda { stream });
         let (dtype, op, invalid) = match (dtype.dtype(), op.op()) {
             (Ok(d), Ok(o)) => (d, o, None),
-            // The CUDA engines move bytes of any dtype, rsccl's or not (DeviceCall::from_op).
+            // The CUDA engines move bytes of any dtype, rsccl's or not (CudaCall::from_op).
             (Err(_), Ok(o)) if place != Place::Host && kind.moves_bytes() => (DType::U8, o, None),
             (Err(e), _) | (_, Err(e)) => (DType::U8, ReduceOp::Sum, Some(e)),
         };
-        let splits = splits.map(|(send, send_bytes, recv, recv_bytes)| AllToAll { send, send_bytes, recv, recv_bytes });
+        let splits = splits.map(|(send, send_bytes, recv, recv_bytes)| Chunks { send, send_bytes, recv, recv_bytes });
         let op = Op {
             inp: Span { ptr: inp, bytes: inp_bytes },
             out: Span { ptr: out, bytes: out_bytes },

@@ -7,13 +7,14 @@
 /// its code (the discriminant: it travels in the host engine's headers and in the CUDA
 /// kernels' descriptors, which only compare it, and Python passes it to
 /// `Communicator.run`; codes are never reused), torch's name (as error messages and
-/// profiler events name it), and four facts: it takes a reduce op (`op`: peers must agree
+/// profiler events name it), and five facts: it takes a reduce op (`op`: peers must agree
 /// on it), it has a root (`root`: src/dst, peers must agree on it), it involves one peer
 /// only (`p2p`: a rank with bad arguments raises without joining, `Group::run`), the
 /// CUDA engines run it on bytes (`bytes`: any dtype, no op; the descriptor carries
-/// uint8/SUM, so ranks that pass different dtypes of the same bytes agree). `-`: no.
+/// uint8/SUM, so ranks that pass different dtypes of the same bytes agree), its sizes are
+/// per peer (`chunks`: the op carries a chunk per rank, `Op::splits`). `-`: no.
 macro_rules! kinds {
-    ($($(#[$doc:meta])* $v:ident = $code:literal, $name:literal, $op:tt, $root:tt, $p2p:tt, $bytes:tt;)*) => {
+    ($($(#[$doc:meta])* $v:ident = $code:literal, $name:literal, $op:tt, $root:tt, $p2p:tt, $bytes:tt, $chunks:tt;)*) => {
         /// One kind of operation (the table above).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         #[repr(u8)]
@@ -62,6 +63,15 @@ macro_rules! kinds {
                     $(Kind::$v => fact!($bytes),)*
                 }
             }
+
+            /// Whether its sizes are per peer: the op carries a chunk per rank of the group
+            /// (`Op::splits`: sent and received), which the device engines take as the
+            /// call's shape (`CudaCall::chunks`).
+            pub fn has_chunks(self) -> bool {
+                match self {
+                    $(Kind::$v => fact!($chunks),)*
+                }
+            }
         }
     };
 }
@@ -77,24 +87,24 @@ macro_rules! fact {
 }
 
 kinds! {
-    // variant = code, torch name, reduce op, root, p2p, bytes on CUDA
-    AllReduce = 1, "all_reduce", op, -, -, -;
-    ReduceScatter = 2, "reduce_scatter", op, -, -, -;
-    AllGather = 3, "all_gather", -, -, -, bytes;
-    Broadcast = 4, "broadcast", -, root, -, bytes;
-    Barrier = 5, "barrier", -, -, -, -;
+    // variant = code, torch name, reduce op, root, p2p, bytes on CUDA, chunks per peer
+    AllReduce = 1, "all_reduce", op, -, -, -, -;
+    ReduceScatter = 2, "reduce_scatter", op, -, -, -, -;
+    AllGather = 3, "all_gather", -, -, -, bytes, -;
+    Broadcast = 4, "broadcast", -, root, -, bytes, -;
+    Barrier = 5, "barrier", -, -, -, -, -;
     /// This rank's arguments were invalid: on CUDA it takes part in the first barrier only,
     /// so every peer learns of it (descriptor mismatch) instead of waiting.
-    Invalid = 6, "an invalid call", -, -, -, -;
+    Invalid = 6, "an invalid call", -, -, -, -, -;
     /// Rooted: bytes per rank (gather, scatter) or elements (reduce).
-    Gather = 7, "gather", -, root, -, bytes;
-    Scatter = 8, "scatter", -, root, -, bytes;
-    Reduce = 9, "reduce", op, root, -, -;
+    Gather = 7, "gather", -, root, -, bytes, -;
+    Scatter = 8, "scatter", -, root, -, bytes, -;
+    Reduce = 9, "reduce", op, root, -, -, -;
     /// Bytes per peer travel in the op's splits.
-    AllToAll = 10, "all_to_all", -, -, -, bytes;
+    AllToAll = 10, "all_to_all", -, -, -, bytes, chunks;
     /// Point to point with one peer.
-    Send = 11, "send", -, -, p2p, bytes;
-    Recv = 12, "recv", -, -, p2p, bytes;
+    Send = 11, "send", -, -, p2p, bytes, -;
+    Recv = 12, "recv", -, -, p2p, bytes, -;
 }
 
 impl Kind {
@@ -140,5 +150,6 @@ mod tests {
         assert_eq!(with(Kind::has_root), ["broadcast", "gather", "scatter", "reduce"]);
         assert_eq!(with(Kind::is_p2p), ["send", "recv"]);
         assert_eq!(with(Kind::moves_bytes), ["all_gather", "broadcast", "gather", "scatter", "all_to_all", "send", "recv"]);
+        assert_eq!(with(Kind::has_chunks), ["all_to_all"]);
     }
 }

@@ -340,14 +340,15 @@ pub fn agree(h: &[CollHeader]) -> Result<()> {
             return differ("root", a.root.to_string(), b.root.to_string());
         }
     }
-    if kind == Kind::AllToAll {
+    if kind.has_chunks() {
         let es = DType::from_code(h[0].dtype).map_or(1, |d| d.size()) as u64;
         for (i, hi) in h.iter().enumerate() {
             for (j, hj) in h.iter().enumerate() {
                 if hi.send_bytes[j] != hj.recv_bytes[i] {
                     return Err(Error::Mismatch(format!(
-                        "all_to_all split sizes disagree: rank {i} sends {} elements to rank {j}, \
+                        "{} split sizes disagree: rank {i} sends {} elements to rank {j}, \
                          but rank {j} expects {} from rank {i}",
+                        kind.name(),
                         hi.send_bytes[j] / es,
                         hj.recv_bytes[i] / es
                     )));

@@ -39,15 +39,28 @@ impl Span {
     }
 }
 
-/// One all_to_all: per peer, in rank order, the chunk this rank sends (address, bytes) and
-/// where the chunk from that peer lands (address, bytes). The host engine uses the byte
-/// counts only.
+/// The sizes of a call that are per peer (`Kind::has_chunks`: all_to_all): per peer, in
+/// rank order, the chunk this rank sends (address, bytes) and where the chunk from that peer
+/// lands (address, bytes). The host engine uses the byte counts only; the device engines
+/// take them as the call's shape (`CudaCall::chunks`).
 #[derive(Debug, Clone, Default)]
-pub struct AllToAll {
+pub struct Chunks {
     pub send: Vec<u64>,
     pub send_bytes: Vec<u64>,
     pub recv: Vec<u64>,
     pub recv_bytes: Vec<u64>,
+}
+
+impl Chunks {
+    /// An empty chunk to and from each of `n` ranks (a warm-up).
+    pub fn empty(n: usize) -> Chunks {
+        Chunks { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] }
+    }
+
+    /// Whether every list has one entry per rank of a group of `n`.
+    pub fn one_per_rank(&self, n: usize) -> bool {
+        [&self.send, &self.send_bytes, &self.recv, &self.recv_bytes].iter().all(|v| v.len() == n)
+    }
 }
 
 /// One operation as one rank called it.
@@ -69,9 +82,10 @@ pub struct Op {
     pub root: i64,
     /// Tag of a send/recv on host memory (CUDA ignores it, as NCCL does).
     pub tag: i64,
-    /// all_to_all: per peer, in group-rank order, the chunk sent (address, bytes) and where
-    /// the chunk from that peer lands. The host engine uses the byte counts only.
-    pub splits: Option<AllToAll>,
+    /// A kind whose sizes are per peer (`Kind::has_chunks`: all_to_all): per peer, in
+    /// group-rank order, the chunk sent (address, bytes) and where the chunk from that peer
+    /// lands. The host engine uses the byte counts only.
+    pub splits: Option<Chunks>,
     /// Run now and return when done (torch's asyncOp = False), instead of a Work/event.
     pub blocking: bool,
     /// This rank's arguments were found invalid (by Python or while building the op): it

@@ -15,7 +15,7 @@
 //! (`check_peer_access`).
 
 use super::call::CudaCall;
-use super::kernels::{self, Family, STAGE_OFF};
+use super::kernels::{self, Family, Kernel, STAGE_OFF};
 use crate::collective::Kind;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -285,7 +285,7 @@ pub fn cuda_count(kind: Kind, inp_bytes: u64, out_bytes: u64, elem: u64) -> u64 
 }
 
 /// Which buffer of a call holds one block per rank, each the size of the other buffer:
-/// the sizes the kernels cannot check, which `DeviceCall::from_op` does (the host engine
+/// the sizes the kernels cannot check, which `CudaCall::from_op` does (the host engine
 /// checks its own in `check_local`). None where no such relation holds on every rank (gather and
 /// scatter have it at the root only, where the front end builds that buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -311,23 +311,8 @@ pub fn blocks_per_rank(kind: Kind) -> Option<Blocks> {
     }
 }
 
-/// Which of rsccl's kernels runs a call on one host (cuda/engine/launch.rs maps each to its
-/// entry point). `bytes` is the all_reduce message, which picks one-shot or two-shot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernel {
-    /// A reduction family, instantiated per dtype and op.
-    Reduce(Family),
-    AllGather,
-    Broadcast,
-    Gather,
-    Scatter,
-    /// The barrier; the invalid call runs it too (its descriptor mismatches every peer's).
-    Barrier,
-    AllToAll,
-    /// Send and recv: the p2p kernels, launched per (peer, direction) (`launch_p2p`).
-    P2p,
-}
-
+/// Which of rsccl's kernels runs a call on one host (the index of the kernels' table,
+/// `Kernels::get`). `bytes` is the all_reduce message, which picks one-shot or two-shot.
 pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize) -> Kernel {
     match kind {
         Kind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max)),
@@ -339,7 +324,8 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize)
         Kind::Scatter => Kernel::Scatter,
         Kind::Barrier | Kind::Invalid => Kernel::Barrier,
         Kind::AllToAll => Kernel::AllToAll,
-        Kind::Send | Kind::Recv => Kernel::P2p,
+        Kind::Send => Kernel::Send,
+        Kind::Recv => Kernel::Recv,
     }
 }
 
@@ -386,7 +372,8 @@ pub enum NcclCall {
     Barrier,
     /// One NCCL group of sends and receives between the root and every rank.
     Rooted,
-    /// One NCCL group of sends and receives with every peer (`launch_all_to_all`).
+    /// One NCCL group of sends and receives with every peer, a chunk each (a call with
+    /// chunks).
     AllToAll,
     /// The communicator of the ordered pair (`launch_p2p`).
     P2p,
@@ -460,7 +447,7 @@ mod tests {
     fn every_kind_has_a_kernel_and_an_nccl_call() {
         for k in Kind::ALL {
             let kern = kernel(k, 64, 2, 0);
-            assert_eq!(kern == Kernel::P2p, k.is_p2p(), "{k:?}");
+            assert_eq!(kern.shape() == kernels::Shape::Peer, k.is_p2p(), "{k:?}");
             assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
             assert_eq!(matches!(kern, Kernel::Reduce(_)), k.has_op(), "{k:?}");
             assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
@@ -623,6 +610,7 @@ mod tests {
             inp,
             out,
             count,
+            chunks: None,
             stream: 0,
             asynchronous: false,
         };

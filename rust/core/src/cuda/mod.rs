@@ -20,7 +20,6 @@ pub mod order;
 // The device pool and heap live in memory/; their old paths stay.
 pub use crate::memory::device_heap as heap;
 pub use crate::memory::device_pool as pool;
-pub(crate) use engine::DeviceCall;
-pub use engine::{AllToAll, CudaCall, CudaEngine, CudaStats};
+pub use engine::{CudaCall, CudaEngine, CudaStats};
 pub use nccl_engine::{NcclEngine, NcclStats};
 pub use order::{CudaEvent, EventHome};

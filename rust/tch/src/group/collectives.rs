@@ -2,9 +2,8 @@
 //! tensors and builds one `Op` (a `Plan`), which the seam of group/mod.rs runs through
 //! `Group::run`. Sizes, roots, peers and what the engine reduces are checked by the core.
 
-use rsccl_core::collective::op::{Op, Place as OpPlace, Span};
+use rsccl_core::collective::op::{Chunks, Op, Place as OpPlace, Span};
 use rsccl_core::collective::Kind;
-use rsccl_core::cuda::AllToAll;
 use rsccl_core::dtype::{DType, ReduceOp};
 use rsccl_core::{Error, Result};
 use tch::Tensor;
@@ -207,7 +206,7 @@ impl ProcessGroup {
             let recv = tensor::split_bytes(output, dtype, out_splits, n, &format!("all_to_all: rank {me}'s output"))?;
             // Each peer's chunk where it lies (the host engine reads the byte counts only).
             let (inp, out) = (tensor::span(&i, a.dtype), tensor::span(&o, a.dtype));
-            let splits = AllToAll {
+            let splits = Chunks {
                 send: tensor::offsets(&send).iter().map(|x| inp.ptr + x).collect(),
                 send_bytes: send,
                 recv: tensor::offsets(&recv).iter().map(|x| out.ptr + x).collect(),

@@ -70,8 +70,9 @@ use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
 use crate::cuda::decide::{copy_engine, copy_rounds, message_bytes};
 use crate::cuda::driver::{check, CUstream, Event};
-use crate::cuda::kernels::{DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, DESC0_ROOT_SHIFT, STAGE_OFF, THREADS};
+use crate::cuda::kernels::{Kernel, DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, DESC0_ROOT_SHIFT, STAGE_OFF, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, Order};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Staging buffers a copy-engine collective cycles through: round j's pushes are queued
@@ -208,27 +209,15 @@ impl CudaEngine {
     /// One barrier of a copy-engine collective: rs_barrier with one CTA on `stream`,
     /// carrying the call's descriptor (NOTE [Copy engines]).
     fn copy_barrier(&self, a: &Args, stream: u64) -> Result<()> {
+        let barrier =
+            self.kernels.get(Kernel::Barrier, DType::U8, ReduceOp::Sum).ok_or_else(|| Error::Internal("no barrier kernel".into()))?;
         let mut a = *a;
         let mut arg = &mut a as *mut Args as *mut std::ffi::c_void;
         // SAFETY: rs_barrier takes one `Args` by value, the source's layout; `arg` points at
         // it for the call; one block of THREADS threads is within its launch bounds, and
         // block 0's flags and counters are the ones a one-block kernel uses.
         check(
-            unsafe {
-                cu::cuLaunchKernel(
-                    self.kernels.barrier.raw(),
-                    1,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream as CUstream,
-                    &mut arg,
-                    std::ptr::null_mut(),
-                )
-            },
+            unsafe { cu::cuLaunchKernel(barrier.raw(), 1, 1, 1, THREADS, 1, 1, 0, stream as CUstream, &mut arg, std::ptr::null_mut()) },
             "launching rsccl's copy-engine barrier",
         )
     }

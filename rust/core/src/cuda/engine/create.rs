@@ -11,17 +11,17 @@ use parking_lot::Mutex;
 use super::abi::Args;
 use super::status::{HostWords, Shared};
 use super::watchdog::watchdog;
-use super::AllToAll;
 use super::{CudaCall, CudaEngine};
 use crate::bootstrap::LocalMesh;
+use crate::collective::op::Chunks;
 use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::budget::{sms_of, SmShare};
-use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, p2p_chunk, stage_per_block, Kernel, LocalGpu, Reach};
+use crate::cuda::decide::{check_peer_access, grids_that_fit, p2p_chunk, stage_per_block, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
-use crate::cuda::kernels::{Kernels, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
+use crate::cuda::kernels::{Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::order::{EndMark, EventHome, Order};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
@@ -55,8 +55,8 @@ pub(super) fn agree_grids(
     let (sms, per_sm, coll_per_sm) = {
         let _ctx = dev.bind()?;
         let sms = dev.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32;
-        let p2p = Kernels::min_blocks_per_sm([kernels.send, kernels.recv])?;
-        let coll = Kernels::min_blocks_per_sm(kernels.collectives())?;
+        let p2p = Kernels::min_blocks_per_sm(kernels.of_shape(|s| s == Shape::Peer))?;
+        let coll = Kernels::min_blocks_per_sm(kernels.of_shape(|s| s != Shape::Peer))?;
         (sms, p2p, coll)
     };
     let (coll_fit, p2p_fit) = grids_that_fit(cfg.cuda_blocks, cfg.cuda_p2p_blocks, n, sms, per_sm, coll_per_sm, sharers);
@@ -407,29 +407,25 @@ impl CudaEngine {
     /// first real collective finds the kernels resident and the signal pads in use.
     pub(super) fn warm_up(self: &Arc<Self>) -> Result<()> {
         let stream = self.internal.raw() as u64;
-        let call = |kind, dtype, op, count| CudaCall { kind, dtype, op, root: 0, inp: 0, out: 0, count, stream, asynchronous: false };
-        // Zero-length calls run every barrier path without touching user memory. Every kind
-        // that `launch` takes (all_to_all and send/recv have their own entry points, below;
-        // the invalid call is the barrier's kernel), in `Kind::ALL` order on every rank: a
-        // new kind is warmed up with no line here.
-        for kind in Kind::ALL {
-            if kind == Kind::Invalid || matches!(kernel(kind, 0, self.pool.nranks, 0), Kernel::AllToAll | Kernel::P2p) {
-                continue;
-            }
-            let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };
-            self.launch(&call(kind, dtype, ReduceOp::Sum, 0))?;
-        }
         let n = self.pool.nranks;
-        let none = AllToAll { send: vec![0; n], send_bytes: vec![0; n], recv: vec![0; n], recv_bytes: vec![0; n] };
-        self.launch_all_to_all(&none, stream, false)?;
+        // Zero-length calls run every barrier path without touching user memory: every
+        // kind but send/recv (below) and the invalid call (the barrier's kernel), in
+        // `Kind::ALL` order on every rank, a kind with chunks with an empty chunk per rank.
+        // A new kind is warmed up with no line here.
+        for kind in Kind::ALL.into_iter().filter(|&k| k != Kind::Invalid && !k.is_p2p()) {
+            let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };
+            let chunks = kind.has_chunks().then(|| Chunks::empty(n));
+            self.launch(&CudaCall { dtype, chunks, ..CudaCall::bare(kind, 0, stream, false) })?;
+        }
         // An empty send to every peer and recv from every peer: one step each, so the
         // pairs' sequence numbers stay in step. Each is a blocking launch on the internal
         // stream, so the GPU runs them one after the other in this order on every rank;
         // that cannot deadlock because an empty send completes without its receiver (one
         // step, within the two a sender may run ahead), so every recv finds its send.
         for peer in (0..n).filter(|&p| p != self.pool.me) {
-            self.launch_p2p(true, 0, 0, peer, stream, false)?;
-            self.launch_p2p(false, 0, 0, peer, stream, false)?;
+            for kind in [Kind::Send, Kind::Recv] {
+                self.launch(&CudaCall { root: self.local_ranks[peer], ..CudaCall::bare(kind, 0, stream, false) })?;
+            }
         }
         let _ctx = self.sh.dev.bind()?;
         self.warm_copy_engines()?;

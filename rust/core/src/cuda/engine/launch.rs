@@ -1,43 +1,51 @@
-//! Launching a collective or an all_to_all: the kernel, its arguments, and its place in
-//! the launch order (cuda/order.rs) with this engine's marks; where the Work's events come
-//! home.
+//! The engine's one launch entry (`launch`, every kind), and the launch of a collective or
+//! a call with chunks: the kernel, its arguments, and its place in the launch order
+//! (cuda/order.rs) with this engine's marks; where the Work's events come home. (send/recv:
+//! p2p.rs.)
 
+use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys as cu;
 
 use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
-use crate::collective::op::AllToAll;
 use crate::collective::Kind;
 use crate::cuda::budget::Admission;
-use crate::cuda::decide::{kernel, placement, Kernel};
-use crate::cuda::driver::{check, is_capturing, CUstream, Event};
-use crate::cuda::kernels::{DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
+use crate::cuda::decide::{kernel, placement};
+use crate::cuda::driver::{check, is_capturing, CUstream, Event, Function};
+use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
 use crate::error::{Error, Result};
 
 impl CudaEngine {
-    /// Launch one collective. Returns the end event for an asynchronous call (the Work
-    /// waits on it); a blocking call is ordered before the caller's later work already.
+    /// Launch one call of any kind, by the shape of the kernel that runs it
+    /// (`decide::kernel`): send/recv on their (peer, direction)'s stream (`launch_p2p`),
+    /// the rest on the collective grid. Returns the end event for an asynchronous call (the
+    /// Work waits on it); a blocking call is ordered before the caller's later work already.
     pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        let kernel = kernel(c.kind, c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
+        if kernel.shape() != c.shape() {
+            return Err(Error::Internal(format!(
+                "a {} call of shape {:?} for a kernel of shape {:?}",
+                c.kind.name(),
+                c.shape(),
+                kernel.shape()
+            )));
+        }
+        if kernel.shape() == Shape::Peer {
+            return self.launch_p2p(c, kernel);
+        }
+        let n = self.pool.nranks;
+        if c.chunks.as_ref().is_some_and(|x| !x.one_per_rank(n)) {
+            return Err(Error::InvalidArgument(format!("{} needs one chunk per rank of the group ({n})", c.kind.name())));
+        }
         // A group that failed (timeout, dead peer) runs nothing more. A mismatch that a
         // kernel reported is raised after this launch: ranks notice it at different calls
         // (the GPU reports it asynchronously), so every rank must still launch the same
         // kernels for the group to stay in step.
         self.refuse_if_stopped()?;
-        let ev = self.launch_inner(c, None)?;
-        self.checked(ev)
-    }
-
-    /// Launch one all_to_all (see `AllToAll`; every list has one entry per local rank).
-    pub fn launch_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
-        let n = self.pool.nranks;
-        if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
-            return Err(Error::InvalidArgument(format!("all_to_all needs one chunk per rank of the group ({n})")));
-        }
-        self.refuse_if_stopped()?;
-        let ev = self.launch_inner(&CudaCall::bare(Kind::AllToAll, 0, stream, asynchronous), Some(x))?;
+        let ev = self.launch_inner(c, kernel)?;
         self.checked(ev)
     }
     /// After a launch: raise an error a kernel reported, once the launched work is done
@@ -54,29 +62,16 @@ impl CudaEngine {
         Ok(ev)
     }
 
-    pub(super) fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
-        if a2a.is_none() && self.on_copy_engines(c) {
+    /// A collective or a call with chunks on `kernel` (its shape is the call's: `launch`).
+    fn launch_inner(&self, c: &CudaCall, kernel: Kernel) -> Result<Option<CudaEvent>> {
+        if self.on_copy_engines(c) {
             return self.launch_copy(c);
         }
-        let bytes = c.count as usize * c.dtype.size();
-        let kernel = kernel(c.kind, bytes, self.pool.nranks, self.one_shot_max);
         let family = match kernel {
             Kernel::Reduce(f) if c.kind == Kind::AllReduce => Some(f),
             _ => None,
         };
-        let func = match kernel {
-            Kernel::Reduce(f) => self.kernels.reduce(f, c.dtype, c.op),
-            Kernel::AllGather => Some(self.kernels.all_gather),
-            Kernel::Broadcast => Some(self.kernels.broadcast),
-            Kernel::Gather => Some(self.kernels.gather),
-            Kernel::Scatter => Some(self.kernels.scatter),
-            Kernel::Barrier => Some(self.kernels.barrier),
-            Kernel::AllToAll if a2a.is_some() => Some(self.kernels.all_to_all),
-            Kernel::AllToAll | Kernel::P2p => {
-                return Err(Error::Internal(format!("{} is launched through its own entry point", c.kind.name())))
-            }
-        }
-        .ok_or_else(|| {
+        let func = self.kernels.get(kernel, c.dtype, c.op).ok_or_else(|| {
             Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))
         })?;
         let mut a = self.base;
@@ -85,16 +80,18 @@ impl CudaEngine {
         a.count = c.count;
         a.root = c.root as u32;
         a.flags = self.sh.launch_flags();
-        a.desc0 = c.kind.code()
-            | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
-            | ((c.op as u64) << DESC0_OP_SHIFT)
-            | ((c.root as u64) << DESC0_ROOT_SHIFT);
-        a.desc1 = c.count;
-        if matches!(c.kind, Kind::Barrier | Kind::Invalid | Kind::AllToAll) {
-            a.desc0 = c.kind.code();
-            a.desc1 = 0;
-        }
-        let mut tail = a2a.map(|x| {
+        // What the peers compare (NOTE [Agreement] in csrc_kernels/protocol.cuh).
+        (a.desc0, a.desc1) = if kernel.describes_size() {
+            let desc0 = c.kind.code()
+                | ((c.dtype as u64) << DESC0_DTYPE_SHIFT)
+                | ((c.op as u64) << DESC0_OP_SHIFT)
+                | ((c.root as u64) << DESC0_ROOT_SHIFT);
+            (desc0, c.count)
+        } else {
+            (c.kind.code(), 0)
+        };
+        // A call with chunks: its kernel takes them after `Args` (`A2aArgs`).
+        let mut tail = c.chunks.as_ref().map(|x| {
             let mut t = A2aArgs { a, send: [0; MAX_RANKS], send_n: [0; MAX_RANKS], recv: [0; MAX_RANKS], recv_n: [0; MAX_RANKS] };
             t.send[..x.send.len()].copy_from_slice(&x.send);
             t.send_n[..x.send_bytes.len()].copy_from_slice(&x.send_bytes);
@@ -110,32 +107,32 @@ impl CudaEngine {
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
         let (l, admitted) = self.begin(&mut o, c, self.sm.collective_sms)?;
-        let mut arg_ptr = match tail.as_mut() {
-            Some(t) => t as *mut A2aArgs as *mut std::ffi::c_void,
-            None => &mut a as *mut Args as *mut std::ffi::c_void,
+        let arg_ptr = match tail.as_mut() {
+            Some(t) => t as *mut A2aArgs as *mut c_void,
+            None => &mut a as *mut Args as *mut c_void,
         };
-        // SAFETY: `func` takes one `Args` (or, for all_to_all, one `A2aArgs`) by value, same
-        // layout as the source's struct; `arg_ptr` points at it for the call; the grid
-        // matches every kernel's launch bounds.
-        check(
-            unsafe {
-                cu::cuLaunchKernel(
-                    func.raw(),
-                    self.blocks,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    l.target as CUstream,
-                    &mut arg_ptr,
-                    std::ptr::null_mut(),
-                )
-            },
-            &format!("launching rsccl's CUDA {}", c.kind.name()),
-        )?;
+        // SAFETY: `func` takes one `Args` by value, or one `A2aArgs` where the call has
+        // chunks (its kernel's shape is the call's, checked in `launch`), same layout as the
+        // source's struct; `arg_ptr` points at it for the call; the grid matches every
+        // kernel's launch bounds; `l.target` is the caller's stream or the internal one, in
+        // the context bound above.
+        unsafe { Self::launch_kernel(func, self.blocks, l.target, arg_ptr, c.kind) }?;
         self.end(&mut o, &l, admitted)
+    }
+
+    /// Launch `func` on `target` with `blocks` blocks of THREADS threads, its argument
+    /// block at `args` (a `kind` call, as the error names it).
+    ///
+    /// # Safety
+    /// `func` takes one argument block by value with the layout of the one `args` points
+    /// at, which stays alive for the call; `blocks` and THREADS are within the kernel's
+    /// launch bounds; `target` is a live stream of the kernel's context, made current.
+    pub(super) unsafe fn launch_kernel(func: Function, blocks: u32, target: u64, mut args: *mut c_void, kind: Kind) -> Result<()> {
+        // SAFETY: the caller's contract (above); the driver copies the argument block at
+        // the call, from the one-entry parameter array `&mut args` (alive for the call).
+        let r =
+            unsafe { cu::cuLaunchKernel(func.raw(), blocks, 1, 1, THREADS, 1, 1, 0, target as CUstream, &mut args, std::ptr::null_mut()) };
+        check(r, &format!("launching rsccl's CUDA {}", kind.name()))
     }
 
     /// Before a launch, under the ordering lock: the stream it goes to (the caller's, or

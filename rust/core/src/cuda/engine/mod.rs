@@ -25,12 +25,13 @@
 //!
 //! The parts, by concern: `abi` (the kernels' argument blocks and error codes), `create`
 //! (building the engine and agreeing on the grids), `status` (the host-mapped status page,
-//! the group's failure state and its reports), `launch` (collectives and all_to_all, and
-//! where the Work's events come home), `copy` (collectives on the copy engines), `p2p`
+//! the group's failure state and its reports), `launch` (the one launch entry, every
+//! kind: collectives and calls with chunks here, send/recv in `p2p`; and where the Work's
+//! events come home), `copy` (collectives on the copy engines), `p2p`
 //! (send/recv), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
 //! `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`. `translate` turns the op record into
-//! `DeviceCall`, what both device engines run.
+//! `CudaCall` (cuda/call.rs), the one call record both device engines launch.
 
 mod abi;
 mod copy;
@@ -58,16 +59,14 @@ pub use super::decide::{
     auto_one_shot_max, choose_allreduce, grids_that_fit, message_bytes, p2p_blocks_that_fit, p2p_chunk, placement, stage_per_block,
 };
 use super::driver::Stream;
-use super::kernels::{Family, Kernels};
+use super::kernels::{Family, Kernel, Kernels};
 use super::order::{EndMark, Order};
-pub use crate::collective::op::AllToAll;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
 use abi::Args;
 pub use stats::CudaStats;
 use status::Shared;
-pub(crate) use translate::DeviceCall;
 
 pub struct CudaEngine {
     sh: Arc<Shared>,
@@ -117,7 +116,7 @@ pub struct CudaEngine {
 impl CudaEngine {
     /// Whether rsccl's reduce-scatter kernel reduces `dtype` with `op`.
     pub fn supports_reduce_scatter(&self, dtype: DType, op: ReduceOp) -> bool {
-        self.kernels.reduce(Family::ReduceScatter, dtype, op).is_some()
+        self.kernels.get(Kernel::Reduce(Family::ReduceScatter), dtype, op).is_some()
     }
 
     /// The number of local ranks (GPUs of this host in the group).

@@ -1,68 +1,61 @@
 //! send/recv: one kernel per call, on the (peer, direction)'s own stream.
 
-use cudarc::driver::sys as cu;
-
 use super::abi::P2pArgs;
-use super::CudaEngine;
+use super::{CudaCall, CudaEngine};
 use crate::collective::validate;
 use crate::collective::Kind;
-use crate::cuda::driver::{check, is_capturing, CUstream};
-use crate::cuda::kernels::THREADS;
+use crate::cuda::driver::is_capturing;
+use crate::cuda::kernels::Kernel;
 use crate::cuda::order::{CudaEvent, Launch};
 use crate::error::{Error, Result};
 
 impl CudaEngine {
-    /// Launch one send (`send`) or recv of `bytes` at `ptr` with local rank `peer`, on that
-    /// (peer, direction)'s own stream, after the work queued on the caller's `stream`.
-    /// Returns the end event of an asynchronous call; a blocking one makes `stream` wait.
-    pub fn launch_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+    /// Launch one send or recv (`c`, on `kernel`: `c.count` bytes at `c.inp` or `c.out`
+    /// with group rank `c.root`) on that (peer, direction)'s own stream, after the work
+    /// queued on the caller's `c.stream`. Returns the end event of an asynchronous call; a
+    /// blocking one makes the caller's stream wait.
+    pub(super) fn launch_p2p(&self, c: &CudaCall, kernel: Kernel) -> Result<Option<CudaEvent>> {
         let (n, me) = (self.pool.nranks, self.pool.me);
-        // Local ranks: the NCCL engine passes this host's share of its group.
+        let send = c.kind == Kind::Send;
+        // Peers are group ranks (the NCCL engine passes its group's, of this host); the
+        // kernels know local indices.
+        let peer = self.local_ranks.iter().position(|&r| r == c.root).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "rank {}: CUDA {} rank {}: not a rank of this host in this group",
+                self.local_ranks[me],
+                if send { "send to" } else { "recv from" },
+                c.root
+            ))
+        })?;
         validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
         self.refuse_if_stopped()?;
-        let kind = if send { Kind::Send } else { Kind::Recv };
         let mut x = P2pArgs { a: self.base, inbox_off: self.inbox_off, chunk: self.chunk };
         if send {
-            x.a.inp = ptr;
+            x.a.inp = c.inp;
         } else {
-            x.a.out = ptr;
+            x.a.out = c.out;
         }
-        x.a.count = bytes;
+        x.a.count = c.count;
         x.a.root = peer as u32;
-        x.a.desc0 = kind.code();
+        x.a.desc0 = c.kind.code();
         x.a.flags = self.sh.launch_flags();
-        let func = if send { self.kernels.send } else { self.kernels.recv };
+        let func = self.kernels.get(kernel, c.dtype, c.op).ok_or_else(|| Error::Internal(format!("no {} kernel", c.kind.name())))?;
         let target = self.p2p_streams[2 * peer + (!send) as usize]
             .as_ref()
             .map(|s| s.raw() as u64)
             .ok_or_else(|| Error::Internal(format!("no send/recv stream for local rank {peer}")))?;
-        let l = Launch::send_recv(stream, target, asynchronous);
+        let l = Launch::send_recv(c.stream, target, c.asynchronous);
         let ev = {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
             o.begin(&l, &self.sh.stop)?;
             let admitted = self.admit(&mut o, &l, self.sm.p2p_sms)?;
-            let mut arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
-            // SAFETY: `func` takes one `P2pArgs` by value (same layout as the source's
-            // struct); `arg_ptr` points at it for the call; 512 threads match the bounds.
-            check(
-                unsafe {
-                    cu::cuLaunchKernel(
-                        func.raw(),
-                        self.p2p_blocks,
-                        1,
-                        1,
-                        THREADS,
-                        1,
-                        1,
-                        0,
-                        l.target as CUstream,
-                        &mut arg_ptr,
-                        std::ptr::null_mut(),
-                    )
-                },
-                &format!("launching rsccl's CUDA {}", kind.name()),
-            )?;
+            let arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
+            // SAFETY: `func` takes one `P2pArgs` by value (a kernel of shape `Peer`, checked in
+            // `launch`; same layout as the source's struct); `arg_ptr` points at it for the
+            // call; 512 threads match the bounds; `l.target` is this engine's stream of the
+            // (peer, direction), in the context bound above.
+            unsafe { Self::launch_kernel(func, self.p2p_blocks, l.target, arg_ptr, c.kind) }?;
             // Admitted: an eager launch (`admit` asked), so no second capture query.
             let capturing = match admitted {
                 Some(a) => {

@@ -1,9 +1,9 @@
-//! The CUDA engine behind the `Engine` trait: an op, translated (`DeviceCall::from_op`),
-//! to its launch entry points.
+//! The CUDA engine behind the `Engine` trait: an op, translated (`CudaCall::from_op`), to
+//! its one launch entry (`CudaEngine::launch`).
 
 use std::sync::Arc;
 
-use super::{CudaCall, CudaEngine, DeviceCall};
+use super::{CudaCall, CudaEngine};
 use crate::collective::op::{Op, Place};
 use crate::collective::Kind;
 use crate::cuda::decide::{can_run, DeviceEngine};
@@ -19,23 +19,8 @@ impl Engine for CudaEngine {
         let Place::Cuda { stream } = op.place else {
             return Err(NotRun::Failed(Error::Internal("a host op reached the CUDA engine".into())));
         };
-        let call = DeviceCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
-        let ev = match call {
-            DeviceCall::Collective(c) => self.launch(&c)?,
-            DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
-            DeviceCall::P2p { send, ptr, bytes, peer, stream, asynchronous } => {
-                // Peers are group ranks; the kernels know local indices.
-                let local = self.local_ranks.iter().position(|&r| r == peer).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "rank {}: CUDA {} rank {peer}: not a rank of this host in this group",
-                        self.local_ranks[self.pool.me],
-                        if send { "send to" } else { "recv from" }
-                    ))
-                })?;
-                self.launch_p2p(send, ptr, bytes, local, stream, asynchronous)?
-            }
-        };
-        Ok(Ran::from_event(ev))
+        let call = CudaCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
+        Ok(Ran::from_event(self.launch(&call)?))
     }
 
     /// rsccl's kernel table (`decide::can_run`).

@@ -95,23 +95,86 @@ pub enum Family {
 
 pub const FAMILIES: [Family; 4] = [Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce];
 
-impl Family {
-    fn prefix(self) -> &'static str {
+/// An entry point of rsccl's kernels as the launch path picks it (`cuda::decide::kernel`):
+/// the index of the kernels' table (`Kernels::get`). A reduction family has an entry point
+/// per dtype (`rs_<family>_<tag>`), every other kernel one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// A reduction family, instantiated per dtype (the op comes with the call).
+    Reduce(Family),
+    AllGather,
+    Broadcast,
+    Gather,
+    Scatter,
+    /// A chunk per peer (all_to_all).
+    AllToAll,
+    Send,
+    Recv,
+    /// The barrier; the invalid call runs it too (its descriptor mismatches every peer's).
+    Barrier,
+}
+
+/// The shape of a call as a kernel takes it: its argument block (csrc_kernels/abi.cuh's
+/// structs), and so how the launch path runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// `Args`: every local rank, the sizes in the descriptor, on the collective grid.
+    Collective,
+    /// `A2aArgs`: every local rank, a chunk per peer (sent and received), on the collective
+    /// grid.
+    Chunks,
+    /// `P2pArgs`: one peer, on that (peer, direction)'s own stream and the send/recv grid.
+    Peer,
+}
+
+impl Kernel {
+    /// The kernels with one entry point, in the loader's order (the families follow).
+    pub const PLAIN: [Kernel; 8] = [
+        Kernel::AllGather,
+        Kernel::Broadcast,
+        Kernel::Gather,
+        Kernel::Scatter,
+        Kernel::AllToAll,
+        Kernel::Send,
+        Kernel::Recv,
+        Kernel::Barrier,
+    ];
+
+    /// The module (csrc_kernels/<module>.cu) and the entry point (a family's: its prefix).
+    fn entry(self) -> (&'static str, &'static str) {
         match self {
-            Family::OneShot => "rs_ar_oneshot",
-            Family::TwoShot => "rs_ar_twoshot",
-            Family::ReduceScatter => "rs_reduce_scatter",
-            Family::Reduce => "rs_reduce_root",
+            Kernel::Reduce(Family::OneShot) => ("all_reduce", "rs_ar_oneshot"),
+            Kernel::Reduce(Family::TwoShot) => ("all_reduce", "rs_ar_twoshot"),
+            Kernel::Reduce(Family::ReduceScatter) => ("reduce_scatter", "rs_reduce_scatter"),
+            Kernel::Reduce(Family::Reduce) => ("rooted", "rs_reduce_root"),
+            Kernel::AllGather => ("all_gather", "rs_all_gather"),
+            Kernel::Broadcast => ("rooted", "rs_broadcast"),
+            Kernel::Gather => ("rooted", "rs_gather"),
+            Kernel::Scatter => ("rooted", "rs_scatter"),
+            Kernel::AllToAll => ("all_to_all", "rs_all_to_all"),
+            Kernel::Send => ("send_recv", "rs_send"),
+            Kernel::Recv => ("send_recv", "rs_recv"),
+            Kernel::Barrier => ("barrier", "rs_barrier"),
         }
     }
 
-    /// The module (csrc_kernels/<module>.cu) that holds the family's entry points.
-    fn module(self) -> &'static str {
+    /// The argument block it takes.
+    pub fn shape(self) -> Shape {
         match self {
-            Family::OneShot | Family::TwoShot => "all_reduce",
-            Family::ReduceScatter => "reduce_scatter",
-            Family::Reduce => "rooted",
+            Kernel::AllToAll => Shape::Chunks,
+            Kernel::Send | Kernel::Recv => Shape::Peer,
+            Kernel::Reduce(_) | Kernel::AllGather | Kernel::Broadcast | Kernel::Gather | Kernel::Scatter | Kernel::Barrier => {
+                Shape::Collective
+            }
         }
+    }
+
+    /// Whether a call's descriptor carries its dtype, op, root and count besides its kind,
+    /// for the peers to compare (NOTE [Agreement] in protocol.cuh). Not for the barrier's
+    /// calls (the barrier, the invalid call: no size of their own) nor a call with a chunk
+    /// per peer (its sizes differ between ranks; the kernel compares them chunk by chunk).
+    pub fn describes_size(self) -> bool {
+        !matches!(self, Kernel::Barrier | Kernel::AllToAll)
     }
 }
 
@@ -143,23 +206,16 @@ pub fn check_reduces(d: DType, o: ReduceOp) -> Result<()> {
     Ok(())
 }
 
-/// The kernels without an entry point per dtype: (module, entry point).
-pub const PLAIN_KERNELS: [(&str, &str); 8] = [
-    ("all_gather", "rs_all_gather"),
-    ("rooted", "rs_broadcast"),
-    ("rooted", "rs_gather"),
-    ("rooted", "rs_scatter"),
-    ("all_to_all", "rs_all_to_all"),
-    ("send_recv", "rs_send"),
-    ("send_recv", "rs_recv"),
-    ("barrier", "rs_barrier"),
-];
-
-/// The entry point of family `f` for dtype `d` (`rs_ar_twoshot_bf16`), or None if rsccl's
-/// CUDA kernels do not reduce `d`. One entry point serves every op, read from the call's
-/// descriptor (csrc_kernels/common.cuh, NOTE [Reduce op at run time]).
-pub fn kernel_name(f: Family, d: DType) -> Option<String> {
-    Some(format!("{}_{}", f.prefix(), d.kernel_tag()?))
+/// The entry point of `k` (`rs_all_gather`); of a family, for dtype `d`
+/// (`rs_ar_twoshot_bf16`), or None if rsccl's CUDA kernels do not reduce `d`. One entry
+/// point serves every op, read from the call's descriptor (csrc_kernels/common.cuh, NOTE
+/// [Reduce op at run time]).
+pub fn kernel_name(k: Kernel, d: DType) -> Option<String> {
+    let (_, name) = k.entry();
+    match k {
+        Kernel::Reduce(_) => Some(format!("{name}_{}", d.kernel_tag()?)),
+        _ => Some(name.to_string()),
+    }
 }
 
 /// Whether the reducing kernels take `d` with `o` (no allocation: it runs on every CUDA
@@ -170,17 +226,19 @@ fn reduces(d: DType, o: ReduceOp) -> bool {
     d.kernel_tag().is_some() && REDUCE_OPS.contains(&o) && (o != ReduceOp::Avg || d.is_float())
 }
 
+/// Every entry point the loader looks up: (module, name), with the table's index.
+fn entry_points() -> Vec<(Kernel, Option<DType>, &'static str, String)> {
+    let plain = Kernel::PLAIN.into_iter().map(|k| (k, None, k.entry().0, k.entry().1.to_string()));
+    let families = FAMILIES
+        .into_iter()
+        .map(Kernel::Reduce)
+        .flat_map(|k| REDUCE_DTYPES.into_iter().filter_map(move |d| Some((k, Some(d), k.entry().0, kernel_name(k, d)?))));
+    plain.chain(families).collect()
+}
+
 /// Every entry point the loader looks up, with its module.
 pub fn required_kernels() -> Vec<(&'static str, String)> {
-    let mut out: Vec<(&'static str, String)> = PLAIN_KERNELS.iter().map(|(m, k)| (*m, k.to_string())).collect();
-    for f in FAMILIES {
-        for d in REDUCE_DTYPES {
-            if let Some(name) = kernel_name(f, d) {
-                out.push((f.module(), name));
-            }
-        }
-    }
-    out
+    entry_points().into_iter().map(|(_, _, module, name)| (module, name)).collect()
 }
 
 // -- Loading ----------------------------------------------------------------------------------
@@ -245,15 +303,8 @@ pub struct Kernels {
     /// The device whose context the modules live in (bound when they are unloaded).
     dev: Arc<Device>,
     modules: Modules,
-    reduce: HashMap<(Family, DType), Function>,
-    pub all_gather: Function,
-    pub broadcast: Function,
-    pub gather: Function,
-    pub scatter: Function,
-    pub all_to_all: Function,
-    pub send: Function,
-    pub recv: Function,
-    pub barrier: Function,
+    /// Every entry point, by kernel and (a family's) dtype.
+    table: HashMap<(Kernel, Option<DType>), Function>,
     /// Bytes of device code loaded: the picked SASS (or PTX) of every prebuilt module, or
     /// the NVRTC cubins.
     pub cubin_bytes: usize,
@@ -314,47 +365,28 @@ impl Kernels {
                 (modules, Origin::Nvrtc { arch: arch.clone(), cached }, bytes)
             }
         };
-        let mut reduce = HashMap::new();
-        for fam in FAMILIES {
-            for d in REDUCE_DTYPES {
-                if let Some(name) = kernel_name(fam, d) {
-                    reduce.insert((fam, d), modules.get(fam.module(), &name)?);
-                }
-            }
+        let mut table = HashMap::new();
+        for (k, d, module, name) in entry_points() {
+            table.insert((k, d), modules.get(module, &name)?);
         }
-        let get = |i: usize| modules.get(PLAIN_KERNELS[i].0, PLAIN_KERNELS[i].1);
-        let (all_gather, broadcast, gather, scatter) = (get(0)?, get(1)?, get(2)?, get(3)?);
-        let (all_to_all, send, recv, barrier) = (get(4)?, get(5)?, get(6)?, get(7)?);
         tracing::info!(arch = %arch, origin = %origin, bytes = cubin_bytes, ms = t.elapsed().as_millis() as u64, "rsccl: kernels loaded");
-        Ok(Kernels {
-            dev: dev.clone(),
-            modules,
-            reduce,
-            all_gather,
-            broadcast,
-            gather,
-            scatter,
-            all_to_all,
-            send,
-            recv,
-            barrier,
-            cubin_bytes,
-            origin,
-        })
+        Ok(Kernels { dev: dev.clone(), modules, table, cubin_bytes, origin })
     }
 
-    /// Family `f`'s kernel for `d` reduced with `o`, None if the kernels do not reduce that.
-    pub fn reduce(&self, f: Family, d: DType, o: ReduceOp) -> Option<Function> {
-        if !reduces(d, o) {
-            return None;
+    /// Kernel `k`'s entry point for a call on `d` with `o`: None where `k` reduces and the
+    /// kernels do not reduce `d` with `o` (the other kernels move bytes of any dtype).
+    pub fn get(&self, k: Kernel, d: DType, o: ReduceOp) -> Option<Function> {
+        match k {
+            Kernel::Reduce(_) if !reduces(d, o) => None,
+            Kernel::Reduce(_) => self.table.get(&(k, Some(d))).copied(),
+            _ => self.table.get(&(k, None)).copied(),
         }
-        self.reduce.get(&(f, d)).copied()
     }
 
-    /// Every collective entry point (not send/recv): what runs on a group's collective grid.
-    pub fn collectives(&self) -> impl Iterator<Item = Function> + '_ {
-        let plain = [self.all_gather, self.broadcast, self.gather, self.scatter, self.all_to_all, self.barrier];
-        self.reduce.values().copied().chain(plain)
+    /// Every entry point whose shape `keep` takes: what runs on one grid (the send/recv
+    /// kernels' or the collectives').
+    pub fn of_shape(&self, keep: impl Fn(Shape) -> bool + 'static) -> impl Iterator<Item = Function> + '_ {
+        self.table.iter().filter(move |((k, _), _)| keep(k.shape())).map(|(_, f)| *f)
     }
 
     /// The fewest blocks of THREADS threads that any of `funcs` can have resident on one
@@ -401,9 +433,13 @@ mod tests {
             let family = name.rsplit_once('_').map(|f| f.0).unwrap_or("").trim_start_matches("rs_").to_string();
             assert!(src.contains(&plain) || src.contains(&format!("RS_TYPES({family})")), "{name} in {module}.cu");
         }
-        assert!(kernel_name(Family::OneShot, DType::F64).is_none());
-        assert_eq!(kernel_name(Family::TwoShot, DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
-        assert_eq!(kernel_name(Family::Reduce, DType::I64).unwrap(), "rs_reduce_root_i64");
+        assert!(kernel_name(Kernel::Reduce(Family::OneShot), DType::F64).is_none());
+        assert_eq!(kernel_name(Kernel::Reduce(Family::TwoShot), DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
+        assert_eq!(kernel_name(Kernel::Reduce(Family::Reduce), DType::I64).unwrap(), "rs_reduce_root_i64");
+        assert_eq!(kernel_name(Kernel::Send, DType::F64).unwrap(), "rs_send");
+        // The table's index: every kernel once, every family per reduced dtype.
+        let index: std::collections::HashSet<_> = entry_points().into_iter().map(|e| (e.0, e.1)).collect();
+        assert_eq!(index.len(), required.len());
         // What one entry point serves: the five ops, AVG on floating types only.
         assert!(reduces(DType::BF16, ReduceOp::Avg) && reduces(DType::I32, ReduceOp::Max));
         assert!(!reduces(DType::I64, ReduceOp::Avg) && !reduces(DType::F32, ReduceOp::BAnd));

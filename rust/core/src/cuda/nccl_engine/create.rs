@@ -258,7 +258,6 @@ impl NcclEngine {
                 scratch_bytes: hier_scratch_bytes as u64,
             },
             host_of: topo.host_of.clone(),
-            local_ranks: topo.local_ranks().to_vec(),
             sync_on_caller: cfg.cuda_sync_stream,
             nccl_bytes,
             collectives: AtomicU64::new(0),

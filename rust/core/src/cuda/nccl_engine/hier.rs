@@ -124,6 +124,7 @@ impl<'a> Hierarchical<'a> {
                 inp: piece(h),
                 out: c.out + h * l * n,
                 count: n,
+                chunks: None,
                 stream,
                 asynchronous: false,
             };
@@ -171,6 +172,7 @@ impl<'a> Hierarchical<'a> {
                 inp: c.inp + h * l * mb,
                 out: scratch + h * mb,
                 count: c.count,
+                chunks: None,
                 stream,
                 asynchronous: false,
             };
@@ -206,7 +208,18 @@ impl<'a> Hierarchical<'a> {
         let shard = c.count / l;
         let shard_bytes = shard * c.dtype.size() as u64;
         let mine = c.out + self.at.local_index as u64 * shard_bytes;
-        let call = |kind, dtype, inp, out, count| CudaCall { kind, dtype, op: c.op, root: 0, inp, out, count, stream, asynchronous: false };
+        let call = |kind, dtype, inp, out, count| CudaCall {
+            kind,
+            dtype,
+            op: c.op,
+            root: 0,
+            inp,
+            out,
+            count,
+            chunks: None,
+            stream,
+            asynchronous: false,
+        };
         // Any error once a phase may have started leaves the peers of the other phases
         // waiting: it makes the group unusable (the caller aborts it).
         let fatal =

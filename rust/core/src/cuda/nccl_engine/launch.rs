@@ -14,7 +14,7 @@ use crate::cuda::decide::{can_run, nccl_call, DeviceEngine, NcclCall};
 use crate::cuda::driver::{is_capturing, Event};
 use crate::cuda::nccl::{nccl_dtype, nccl_op};
 use crate::cuda::order::{Launch, Order};
-use crate::cuda::{AllToAll, CudaCall, CudaEvent};
+use crate::cuda::{CudaCall, CudaEvent};
 use crate::error::{Error, Result};
 
 impl NcclEngine {
@@ -35,8 +35,9 @@ impl NcclEngine {
         }
     }
 
-    pub(super) fn launch_inner(&self, c: &CudaCall, a2a: Option<&AllToAll>) -> Result<Option<CudaEvent>> {
-        let path = if a2a.is_some() { CrossHost::Flat } else { self.path(c)? };
+    /// A collective or a call with chunks (send/recv: `launch_p2p`).
+    pub(super) fn launch_inner(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        let path = self.path(c)?;
         let sh = &self.sh;
         let _ctx = sh.dev.bind()?;
         let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal.raw() as u64);
@@ -46,10 +47,9 @@ impl NcclEngine {
         let mut o = sh.order.lock();
         o.begin(&l, &sh.stop)?;
         let start = sh.track_start(&mut o, l.target)?;
-        let enqueued = match (a2a, path) {
-            (Some(x), _) => self.enqueue_all_to_all(x, l.target),
-            (None, CrossHost::Flat) => self.enqueue_flat(c, l.target),
-            (None, CrossHost::Hierarchical) => {
+        let enqueued = match path {
+            CrossHost::Flat => self.enqueue_flat(c, l.target),
+            CrossHost::Hierarchical => {
                 let r = match self.hierarchical() {
                     Some(h) => h.enqueue(c, l.target),
                     None => Err(Error::Internal("hierarchical path without its engines".into())),
@@ -68,7 +68,9 @@ impl NcclEngine {
             return Err(e);
         }
         self.collectives.fetch_add(1, Ordering::Relaxed);
-        o.end(&l, |o| sh.track_end(o, start, l.target, (c.kind, c.count, None)))
+        // The watchdog names a call with chunks by the bytes this rank sends.
+        let count = c.chunks.as_ref().map_or(c.count, |x| x.send_bytes.iter().sum());
+        o.end(&l, |o| sh.track_end(o, start, l.target, (c.kind, count, None)))
     }
 
     /// One NCCL collective over every rank, on `stream`.
@@ -100,7 +102,7 @@ impl NcclEngine {
                     (f.all_reduce)(p, p, 1, nc::ncclDataType_t::ncclFloat32, nc::ncclRedOp_t::ncclSum, raw, s)
                 }
                 NcclCall::Rooted => return self.enqueue_rooted_p2p(c, stream),
-                NcclCall::AllToAll => return Err(Error::Internal("all_to_all is launched through launch_all_to_all".into())),
+                NcclCall::AllToAll => return self.enqueue_all_to_all(c, stream),
                 NcclCall::P2p => {
                     return Err(Error::InvalidType(format!(
                         "CUDA {} in a group that spans hosts is not supported (NCCL engine)",
@@ -149,17 +151,15 @@ impl NcclEngine {
         comm.check(r, &format!("NCCL {} (send/recv)", c.kind.name()))
     }
 
-    /// all_to_all as one NCCL group on the flat communicator: a send of every non-empty
-    /// chunk to its peer and a receive of every non-empty chunk from its peer, this rank's
-    /// own chunk included (NCCL matches a send to self with the receive from self in the
-    /// same group, as torch's NCCL all_to_all does). Empty chunks are skipped on both
-    /// sides, which agree when the splits do.
-    fn enqueue_all_to_all(&self, x: &AllToAll, stream: u64) -> Result<()> {
+    /// A call with chunks (all_to_all) as one NCCL group on the flat communicator: a send
+    /// of every non-empty chunk to its peer and a receive of every non-empty chunk from its
+    /// peer, this rank's own chunk included (NCCL matches a send to self with the receive
+    /// from self in the same group, as torch's NCCL all_to_all does). Empty chunks are
+    /// skipped on both sides, which agree when the splits do.
+    fn enqueue_all_to_all(&self, c: &CudaCall, stream: u64) -> Result<()> {
+        let x = c.chunks.as_ref().ok_or_else(|| Error::Internal(format!("{} without its chunks", c.kind.name())))?;
         let comm = &self.sh.flat;
-        let raw = comm.raw();
-        if raw.is_null() {
-            return Err(Error::Aborted("the NCCL communicator was aborted".into()));
-        }
+        let raw = comm.live()?;
         let f = comm.fns();
         let s = stream as nc::cudaStream_t;
         let u8_ = nc::ncclDataType_t::ncclUint8;
@@ -178,7 +178,7 @@ impl NcclEngine {
                 }
             }
         });
-        comm.check(r, "NCCL all_to_all (send/recv)")
+        comm.check(r, &format!("NCCL {} (send/recv)", c.kind.name()))
     }
 }
 

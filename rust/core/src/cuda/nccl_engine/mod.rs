@@ -71,10 +71,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, RwLock};
 
+use super::decide::{nccl_call, NcclCall};
 use super::driver::{CUstream, Device, DeviceBuffer, Event, Stream};
 use super::nccl::NcclComm;
 use super::order::Order;
-use super::{AllToAll, CudaCall, CudaEngine, CudaEvent};
+use super::{CudaCall, CudaEngine, CudaEvent};
 use crate::collective::validate;
 use crate::collective::Kind;
 use crate::error::{Error, Result};
@@ -175,10 +176,9 @@ pub struct NcclEngine {
     scratch: DeviceBuffer,
     /// The hierarchical path's layout and scratch; its engines are in `sh`.
     hier: HierLayout,
-    /// Host index of every group rank, and this host's ranks (send/recv to a rank of this
-    /// host go to the local rsccl engine, when there is one).
+    /// Host index of every group rank (send/recv to a rank of this host go to the local
+    /// rsccl engine, when there is one).
     host_of: Vec<usize>,
-    local_ranks: Vec<usize>,
     sync_on_caller: bool,
     nccl_bytes: u64,
     collectives: AtomicU64,
@@ -234,62 +234,58 @@ impl NcclEngine {
         )));
     }
 
-    /// Launch one collective. Returns the end event for an asynchronous call (the Work
-    /// waits on it); a blocking call is ordered before the caller's later work already.
+    /// Launch one call of any kind, by the NCCL call that runs it (`decide::nccl_call`):
+    /// send/recv on their own communicators (`launch_p2p`), the rest on the flat
+    /// communicator or the hierarchical path. Returns the end event for an asynchronous
+    /// call (the Work waits on it); a blocking call is ordered before the caller's later
+    /// work already.
+    ///
+    /// A call with chunks (all_to_all: every list has one entry per rank, in group-rank
+    /// order) is one NCCL group of sends and receives on the flat communicator. NCCL cannot
+    /// check that the ranks' chunks agree: a rank that expects other sizes than its peer
+    /// sends hangs the call until the watchdog's timeout aborts the group.
     pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        self.health()?;
-        self.failing_group(self.launch_inner(c, None))
-    }
-
-    /// Launch one all_to_all over every rank of the group (see `AllToAll`; every list has
-    /// one entry per rank, in group-rank order): one NCCL group of sends and receives on
-    /// the flat communicator. NCCL cannot check that the ranks' splits agree: a rank that
-    /// expects other sizes than its peer sends hangs the call until the watchdog's timeout
-    /// aborts the group.
-    pub fn launch_all_to_all(&self, x: &AllToAll, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
+        if nccl_call(c.kind) == NcclCall::P2p {
+            return self.launch_p2p(c);
+        }
         self.health()?;
         let n = self.sh.flat.nranks;
-        if [&x.send, &x.send_bytes, &x.recv, &x.recv_bytes].iter().any(|v| v.len() != n) {
+        if let Some(x) = c.chunks.as_ref().filter(|x| !x.one_per_rank(n)) {
             // The Python layer builds one entry per rank: this is a bug, and the peers
             // would wait for this rank, so it fails the group.
             return Err(self.sh.fail(Error::Internal(format!(
-                "rank {}: an all_to_all with {}/{}/{}/{} chunk entries for a group of {n}",
+                "rank {}: an {} with {}/{}/{}/{} chunk entries for a group of {n}",
                 self.sh.rank,
+                c.kind.name(),
                 x.send.len(),
                 x.send_bytes.len(),
                 x.recv.len(),
                 x.recv_bytes.len()
             ))));
         }
-        let total: u64 = x.send_bytes.iter().sum();
-        let c = CudaCall::bare(Kind::AllToAll, total, stream, asynchronous);
-        self.failing_group(self.launch_inner(&c, Some(x)))
+        self.failing_group(self.launch_inner(c))
     }
 
-    /// Launch one CUDA send (`send`) or recv of `bytes` at `ptr` with group rank `peer`,
-    /// after the work queued so far on the caller's `stream`. A rank of this host goes to
-    /// the local rsccl engine where there is one (its kernels run each (peer, direction)
-    /// on its own stream too); any other rank to the pair communicator of this direction,
-    /// on its own stream. Not ordered after the group's collectives, nor they after it:
-    /// only the caller's stream orders them (as torch's NCCL backend, whose send/recv run
-    /// on communicators of their own). Returns the end event of an asynchronous call; a
-    /// blocking one makes the caller's stream wait for it.
+    /// Launch one CUDA send or recv (`c`: `c.count` bytes at `c.inp` or `c.out` with group
+    /// rank `c.root`), after the work queued so far on the caller's `c.stream`. A rank of
+    /// this host goes to the local rsccl engine where there is one (its kernels run each
+    /// (peer, direction) on its own stream too); any other rank to the pair communicator of
+    /// this direction, on its own stream. Not ordered after the group's collectives, nor
+    /// they after it: only the caller's stream orders them (as torch's NCCL backend, whose
+    /// send/recv run on communicators of their own). Returns the end event of an
+    /// asynchronous call; a blocking one makes the caller's stream wait for it.
     ///
     /// NCCL cannot check that the sizes agree: a recv of more bytes than its peer sends (or
     /// fewer) waits until the watchdog's timeout aborts the group.
-    pub fn launch_p2p(&self, send: bool, ptr: u64, bytes: u64, peer: usize, stream: u64, asynchronous: bool) -> Result<Option<CudaEvent>> {
-        let (me, n) = (self.sh.rank, self.sh.flat.nranks);
+    fn launch_p2p(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
+        let (me, n, peer, send) = (self.sh.rank, self.sh.flat.nranks, c.root, c.kind == Kind::Send);
         validate::peer(if send { "CUDA send" } else { "CUDA recv" }, me, peer as i64, n)?;
         let what = if send { "send to" } else { "recv from" };
         self.health()?;
         if self.host_of[peer] == self.host_of[me] {
             if let Some(local) = &self.sh.local {
-                let li = self
-                    .local_ranks
-                    .iter()
-                    .position(|&r| r == peer)
-                    .ok_or_else(|| Error::Internal(format!("rank {peer} is not among this host's ranks")))?;
-                return local.launch_p2p(send, ptr, bytes, li, stream, asynchronous);
+                // The same call: the local engine finds the peer among this host's ranks.
+                return local.launch(c);
             }
         }
         let Some(pair) = self.sh.pairs.iter().find(|p| p.peer == peer && p.sending == send) else {
@@ -299,7 +295,8 @@ impl NcclEngine {
                  RSCCL_NCCL_P2P). Create it with nccl_p2p = 1 (the default), or use all_to_all or CPU tensors"
             )));
         };
-        self.failing_group(self.launch_pair(pair, ptr, bytes, stream, asynchronous))
+        let ptr = if send { c.inp } else { c.out };
+        self.failing_group(self.launch_pair(pair, ptr, c.count, c.stream, c.asynchronous))
     }
 
     pub fn stats(&self) -> NcclStats {

@@ -1,12 +1,12 @@
-//! The NCCL engine behind the `Engine` trait: an op, translated (`DeviceCall::from_op`,
-//! as rsccl's CUDA engine does), to its launch entry points.
+//! The NCCL engine behind the `Engine` trait: an op, translated (`CudaCall::from_op`, as
+//! rsccl's CUDA engine does), to its one launch entry (`NcclEngine::launch`).
 
 use std::sync::Arc;
 
 use super::NcclEngine;
 use crate::collective::op::{Op, Place};
 use crate::cuda::decide::{can_run, DeviceEngine};
-use crate::cuda::DeviceCall;
+use crate::cuda::CudaCall;
 use crate::engine::{Engine, GroupStats, NotRun, Ran};
 use crate::error::{Error, Result};
 
@@ -19,15 +19,8 @@ impl Engine for NcclEngine {
         let Place::Cuda { stream } = op.place else {
             return Err(NotRun::Failed(Error::Internal("a host op reached the NCCL engine".into())));
         };
-        let call = DeviceCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
-        let ev = match call {
-            DeviceCall::Collective(c) => self.launch(&c)?,
-            DeviceCall::AllToAll { chunks, stream, asynchronous } => self.launch_all_to_all(&chunks, stream, asynchronous)?,
-            DeviceCall::P2p { send, ptr, bytes, peer, stream, asynchronous } => {
-                self.launch_p2p(send, ptr, bytes, peer, stream, asynchronous)?
-            }
-        };
-        Ok(Ran::from_event(ev))
+        let call = CudaCall::from_op(op, rank, size, stream).map_err(NotRun::Arguments)?;
+        Ok(Ran::from_event(self.launch(&call)?))
     }
 
     /// NCCL's types and ops (`decide::can_run`): a float64 all_reduce runs here, although

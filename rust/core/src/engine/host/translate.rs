@@ -102,7 +102,7 @@ impl P2p {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::op::{AllToAll, Place, Span};
+    use crate::collective::op::{Chunks, Place, Span};
     use crate::dtype::ReduceOp;
 
     fn op(kind: Kind, inp: u64, out: u64) -> Op {
@@ -125,7 +125,7 @@ mod tests {
     fn every_kind_has_a_host_route() {
         for k in Kind::ALL {
             let mut o = if k == Kind::ReduceScatter { op(k, 64 * 4, 64) } else { op(k, 64, 64 * 4) };
-            o.splits = Some(AllToAll { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
+            o.splits = Some(Chunks { send: vec![], send_bytes: vec![32, 32], recv: vec![], recv_bytes: vec![32, 32] });
             let host = HostCall::from_op(&o, 0, 4);
             assert_eq!(host.is_ok(), k != Kind::Invalid, "{k:?} on the host engine");
             if k != Kind::Invalid {
