@@ -70,7 +70,11 @@
 //! across hosts) are not counted either; the hierarchical path's local kernels are.
 //!
 //! Cost on the eager fast path: one lock, a query per running stream, one cuEventRecord
-//! per launch; no allocation once the ledger's vectors and the pool have grown.
+//! per launch; no allocation once the ledger's vectors and the pool have grown. A group
+//! alone on its device (most jobs: one group per GPU) records nothing: with no other group
+//! nothing can run beside its launches but its own, which its sizing fits. When a second
+//! group joins, the device is synchronized under the ledger's lock first (`SmShare::join`),
+//! so no untracked launch of the first is still running once launches are counted again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -352,12 +356,21 @@ pub struct SmShare {
 }
 
 impl SmShare {
-    /// Join the ledger of `dev`, a GPU of `sms` SMs, as a new group.
-    pub fn join(dev: &Device, sms: u32, limit: u32, collective_sms: u32, p2p_sms: u32) -> SmShare {
+    /// Join the ledger of `dev`, a GPU of `sms` SMs, as a new group. A group that was alone
+    /// on the device counted none of its launches: the device is synchronized first, under
+    /// the ledger's lock, so that none of them still runs when counting starts again.
+    pub fn join(dev: &Device, sms: u32, limit: u32, collective_sms: u32, p2p_sms: u32) -> Result<SmShare> {
         let budget = DeviceBudget::shared(dev, sms);
         let group = GROUPS.fetch_add(1, Ordering::Relaxed);
-        budget.ledger.lock().live.push(group);
-        SmShare { budget, group, limit, collective_sms, p2p_sms, waited: AtomicU64::new(0) }
+        let mut g = budget.ledger.lock();
+        if g.live.len() == 1 {
+            let _ctx = dev.bind()?;
+            // SAFETY: a plain synchronize of the context `dev` just made current.
+            check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize (SM budget: a second group joins the device)")?;
+        }
+        g.live.push(group);
+        drop(g);
+        Ok(SmShare { budget, group, limit, collective_sms, p2p_sms, waited: AtomicU64::new(0) })
     }
 
     /// The device's SM count.
@@ -377,6 +390,11 @@ impl SmShare {
     /// nothing.
     pub fn admit<M>(&self, o: &mut Order<M>, l: &Launch, sms: u32) -> Result<Admission<'_>> {
         let mut g = self.budget.ledger.lock();
+        // Alone on the device: nothing to count (the module's note, "Cost").
+        if g.live.len() == 1 && g.held.is_empty() && g.parked.is_empty() {
+            let held = Held { seq: g.next, group: self.group, streams: [l.target; 2], chained: l.chained(), sms, after: 0 };
+            return Ok(Admission { ledger: g, held, alone: true });
+        }
         let Ledger { next, held, events, parked, live, scratch, ended } = &mut *g;
         let mut i = 0;
         while i < parked.len() {
@@ -421,7 +439,7 @@ impl SmShare {
         }
         let also = if !l.asynchronous && l.target != l.caller { l.caller } else { l.target };
         let h = Held { seq: *next, group: self.group, streams: [l.target, also], chained: l.chained(), sms, after: d.after };
-        Ok(Admission { ledger: g, held: h })
+        Ok(Admission { ledger: g, held: h, alone: false })
     }
 }
 
@@ -437,12 +455,17 @@ impl Drop for SmShare {
 pub struct Admission<'a> {
     ledger: MutexGuard<'a, Ledger>,
     held: Held,
+    /// Its group is alone on the device: nothing is recorded.
+    alone: bool,
 }
 
 impl Admission<'_> {
     /// After the launch was enqueued: record its end on its target, with an event of the
     /// group's pool `o`, and count it until that event completes.
     pub fn hold<M>(mut self, o: &mut Order<M>) -> Result<()> {
+        if self.alone {
+            return Ok(());
+        }
         let ev = o.record(self.held.streams[0])?;
         let g = &mut *self.ledger;
         g.held.push(self.held);

@@ -246,7 +246,7 @@ impl CudaEngine {
             grids.sms / sharers.max(1),
             sms_of(blocks, grids.collective_per_sm),
             sms_of(p2p_blocks, grids.p2p_per_sm),
-        );
+        )?;
         // A block: the collectives' part (control and staging, cuda_buffer_bytes), the
         // send/recv inbox (cuda_p2p_bytes, split by the effective send/recv grid), then
         // the pool.
