@@ -6,7 +6,7 @@ CUDA engine is created eagerly on that device) and a reference group over the sa
 which every result is compared with: NCCL where each rank has a GPU of its own; where ranks
 share GPUs (a world larger than the GPUs: rsccl's `allow_shared_gpu`, which NCCL refuses),
 gloo on CPU copies of the tensors (`gpu_refs.ref_call`), besides the float64 and exact
-references. Bodies are module-level functions `body(ctx, *args)` run on every rank, as in
+references of tests/refs.py. Bodies are module-level functions `body(ctx, *args)` run on every rank, as in
 tests/harness.py, whose Cluster (deadline per call, tracebacks of every failing rank)
 starts and drives these processes too.
 """
@@ -108,6 +108,12 @@ class GpuCtx:
     nccl: Any
     state: dict  # per-process scratch that survives between bodies
     shared: bool = False  # several ranks on this rank's GPU (rsccl's allow_shared_gpu)
+
+    def gather_rows(self, x: Any) -> Any:
+        """Every rank's `x` through the reference group (refs.assert_identical_across_ranks)."""
+        from gpu_refs import gather_inputs
+
+        return gather_inputs(self, x)
 
 
 def _gpu_worker(

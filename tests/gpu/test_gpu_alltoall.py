@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any, ref_call
+from gpu_refs import MOVE_DTYPES, Failures, rand, ref_call
+from refs import assert_equal
 
 pytestmark = needs_gpus
 
@@ -45,7 +46,7 @@ def split_matrix(seed: int, salt: str, world: int, kind: str, rows: int) -> list
 
 def inputs_of(seed: int, salt: str, s: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Every rank's input (rows x COLS), made here: rank i's row block j goes to rank j."""
-    return [rand_any(seed, i, sum(s[i]) * COLS, dtype, salt=salt).view(-1, COLS) for i in range(len(s))]
+    return [rand(seed, i, sum(s[i]) * COLS, dtype, salt=salt).view(-1, COLS) for i in range(len(s))]
 
 
 def expected(xs: list[torch.Tensor], s: list[list[int]], me: int) -> torch.Tensor:
@@ -214,7 +215,7 @@ def body_graph(ctx, seed: int) -> None:
             xs = inputs_of(seed, what, s, torch.float32)
             x.copy_(xs[me])
             for i in range(w):
-                lst_in[i].copy_(rand_any(seed, me, 100 + i, torch.int64, salt=f"{what} to {i}"))
+                lst_in[i].copy_(rand(seed, me, 100 + i, torch.int64, salt=f"{what} to {i}"))
             graph.replay()
             torch.cuda.synchronize()
             f.run(what, assert_equal, out, expected(xs, s, me), f"{what}: all_to_all_single")
@@ -223,7 +224,7 @@ def body_graph(ctx, seed: int) -> None:
                     what,
                     assert_equal,
                     lst_out[i],
-                    rand_any(seed, i, 100 + me, torch.int64, salt=f"{what} to {me}"),
+                    rand(seed, i, 100 + me, torch.int64, salt=f"{what} to {me}"),
                     f"{what}: all_to_all from rank {i}",
                 )
     torch.cuda.synchronize()
@@ -257,7 +258,7 @@ def body_errors(ctx, seed: int, case: str) -> tuple[str, str, str]:
     sizes do not add up to its rows. Every rank must raise; the group works after."""
     g = _own_group()
     w, me = ctx.world, ctx.rank
-    x = rand_any(seed, me, 2 * w, torch.float32, salt=case)
+    x = rand(seed, me, 2 * w, torch.float32, salt=case)
     in_splits, out_splits = [2] * w, [2] * w
     if me == 1 and case == "disagree":
         out_splits[0] = 3

@@ -11,20 +11,8 @@ import torch
 import torch.distributed as dist
 from cases import CASES, Call, barrier_held
 from gpu_harness import needs_gpus, rsccl_group, shares_gpus
-from gpu_refs import (
-    DTYPES,
-    OPS,
-    RED,
-    assert_equal,
-    assert_same_on_all_ranks,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    nccl_result,
-    ops_for,
-    rand,
-    ref_call,
-)
+from gpu_refs import DTYPES, OPS, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from refs import assert_equal, assert_identical_across_ranks, check_reduction
 
 pytestmark = needs_gpus
 
@@ -50,7 +38,7 @@ def body_all_reduce(ctx, seed: int, config: str, sizes: list[int]) -> int:
                 theirs = x.clone()
                 if nccl_result(dist.all_reduce, theirs, op=RED[op], group=ctx.nccl):
                     check_vs_nccl(ours, theirs, op, what, ctx.world)
-                assert_same_on_all_ranks(ctx, ours, what)
+                assert_identical_across_ranks(ctx, ours, what)
                 checks += 1
     torch.cuda.synchronize()
     return checks
@@ -161,7 +149,7 @@ def body_large(ctx, seed: int, config: str, elements: list[int]) -> None:
         check_reduction(ours, xs, op, what)
         ref_call(dist.all_reduce, x, group=ctx.nccl)  # x is NCCL's result from here on
         check_vs_nccl(ours, x, op, what, w)
-        assert_same_on_all_ranks(ctx, ours, what)
+        assert_identical_across_ranks(ctx, ours, what)
         del ours, x
 
         what = f"large all_gather_into_tensor bfloat16 {n // w}x{w} group={config}"

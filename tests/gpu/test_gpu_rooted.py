@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from gpu_refs import DTYPES, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 
