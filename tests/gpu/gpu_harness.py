@@ -194,6 +194,15 @@ def rsccl_group(ctx: GpuCtx, config: str) -> Any:
     return groups[config]
 
 
+def case_call(ctx: GpuCtx, config: str, what: str, dtype: Any, n: int, op: str = "SUM", root: int = 0, **more: Any) -> Any:
+    """A tests/cases.py call on this rank's GPU and the group of GROUP_CONFIGS[config], its
+    inputs salted by `what`; `more`: the other fields of cases.Call (rows, splits)."""
+    from cases import Call
+
+    group = rsccl_group(ctx, config)
+    return Call(dtype, n, op, root, salt=what, device=ctx.device, group=group, label=f"group={config}", **more)
+
+
 def die_or_repeat(ctx: GpuCtx, victim: int, timeout: float, step: Any) -> tuple[tuple[str, str, float] | None, float]:
     """In a rank body: the victim kills itself; every other rank calls `step()` and
     synchronizes the device until that raises or 3 x `timeout` pass. Returns the error
