@@ -1,7 +1,7 @@
 """The case registry: one entry per collective, each a function that runs the collective on
 this rank's random input and checks the result against the reference of tests/refs.py. The
 CPU suites (tests/test_collectives.py) and the GPU suite (tests/gpu/test_gpu_collectives.py,
-test_gpu_rooted.py) run these entries; rust/tch/tests/collectives.rs states the same
+test_gpu_rooted.py, test_gpu_alltoall.py) run these entries; rust/tch/tests/collectives.rs states the same
 arithmetic, entry by entry, in Rust.
 
 Every rank makes every rank's input from the test's seed (`inputs`), so each rank computes
