@@ -52,6 +52,17 @@ class Ctx:
     gloo: Any  # the gloo reference group over the same ranks
     state: dict  # per-process scratch that survives between bodies
 
+    def gather_rows(self, x: Any) -> Any:
+        """Every rank's `x` (same shape on every rank), through the gloo reference group:
+        shape (world, x.numel())."""
+        import torch
+        import torch.distributed as dist
+
+        flat = x.contiguous().view(-1)
+        outs = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(outs, flat, group=self.gloo)
+        return torch.stack(outs)
+
 
 def _worker(rank: int, world: int, port: int, conn: Any, env: dict, init_timeout: float, options: Any) -> None:
     os.environ.update(env)

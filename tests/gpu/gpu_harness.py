@@ -6,7 +6,7 @@ CUDA engine is created eagerly on that device) and a reference group over the sa
 which every result is compared with: NCCL where each rank has a GPU of its own; where ranks
 share GPUs (a world larger than the GPUs: rsccl's `allow_shared_gpu`, which NCCL refuses),
 gloo on CPU copies of the tensors (`gpu_refs.ref_call`), besides the float64 and exact
-references. Bodies are module-level functions `body(ctx, *args)` run on every rank, as in
+references of tests/refs.py. Bodies are module-level functions `body(ctx, *args)` run on every rank, as in
 tests/harness.py, whose Cluster (deadline per call, tracebacks of every failing rank)
 starts and drives these processes too.
 """
@@ -109,6 +109,12 @@ class GpuCtx:
     state: dict  # per-process scratch that survives between bodies
     shared: bool = False  # several ranks on this rank's GPU (rsccl's allow_shared_gpu)
 
+    def gather_rows(self, x: Any) -> Any:
+        """Every rank's `x` through the reference group (refs.assert_identical_across_ranks)."""
+        from gpu_refs import gather_inputs
+
+        return gather_inputs(self, x)
+
 
 def _gpu_worker(
     rank: int, world: int, port: int, conn: Any, env: dict, init_timeout: float, options: Any, *, nccl_ref: bool = True
@@ -186,6 +192,15 @@ def rsccl_group(ctx: GpuCtx, config: str) -> Any:
 
         groups[config] = dist.new_group(backend="rsccl", pg_options=rsccl.Options(**fields))
     return groups[config]
+
+
+def case_call(ctx: GpuCtx, config: str, what: str, dtype: Any, n: int, op: str = "SUM", root: int = 0, **more: Any) -> Any:
+    """A tests/cases.py call on this rank's GPU and the group of GROUP_CONFIGS[config], its
+    inputs salted by `what`; `more`: the other fields of cases.Call (rows, splits)."""
+    from cases import Call
+
+    group = rsccl_group(ctx, config)
+    return Call(dtype, n, op, root, salt=what, device=ctx.device, group=group, label=f"group={config}", **more)
 
 
 def die_or_repeat(ctx: GpuCtx, victim: int, timeout: float, step: Any) -> tuple[tuple[str, str, float] | None, float]:

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus
-from gpu_refs import check_reduction, gather_inputs, rand
+from gpu_refs import gather_inputs, rand
+from refs import check_reduction
 from test_arguments import CASES
 
 pytestmark = needs_gpus

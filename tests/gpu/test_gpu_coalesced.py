@@ -17,17 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, rsccl_group
-from gpu_refs import (
-    RED,
-    Failures,
-    assert_equal,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    rand,
-    rand_any,
-    ref_call,
-)
+from gpu_refs import RED, Failures, check_vs_nccl, gather_inputs, rand, ref_call
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 
@@ -109,7 +100,7 @@ def body_all_gather(ctx, seed: int, mode: str) -> None:
     g = dist.group.WORLD
     me, w, f = ctx.rank, ctx.world, Failures()
     what = f"coalesced all_gather_into_tensor {mode} world={w}"
-    ins = [rand_any(seed, me, n, dt, salt=f"{what} #{k}") for k, (n, dt) in enumerate(GATHER_SPEC)]
+    ins = [rand(seed, me, n, dt, salt=f"{what} #{k}") for k, (n, dt) in enumerate(GATHER_SPEC)]
     outs = [torch.zeros(w * n, dtype=dt, device=ctx.device) for n, dt in GATHER_SPEC]
     n_last, dt_last = GATHER_SPEC[-1]
     outs[-1] = torch.zeros(n_last, w, dtype=dt_last, device=ctx.device).t()  # (w, n), non-contiguous, rank-major
@@ -124,7 +115,7 @@ def body_all_gather(ctx, seed: int, mode: str) -> None:
         f.items.append(f"{what}: {type(e).__name__}: {e}")
     for k, (n, dt) in enumerate(GATHER_SPEC):
         # Output k is rank-major: rank r's input k at [r * n, (r + 1) * n).
-        want = torch.cat([rand_any(seed, r, n, dt, salt=f"{what} #{k}") for r in range(w)])
+        want = torch.cat([rand(seed, r, n, dt, salt=f"{what} #{k}") for r in range(w)])
         f.run(what, assert_equal, outs[k].reshape(-1), want, f"{what} #{k} {dt}[{n}]")
     torch.cuda.synchronize()
     f.done()
@@ -190,14 +181,14 @@ def body_deprecated_apis(ctx, seed: int) -> None:
 
     what = "all_gather_coalesced"
     spec = [(3, torch.bfloat16), (70_001, torch.bfloat16), (1, torch.bfloat16)]  # torch wants one dtype per list
-    ins = [rand_any(seed, me, n, dt, salt=f"{what} {k}") for k, (n, dt) in enumerate(spec)]
+    ins = [rand(seed, me, n, dt, salt=f"{what} {k}") for k, (n, dt) in enumerate(spec)]
     outs = [[torch.zeros(n, dtype=dt, device=ctx.device) for n, dt in spec] for _ in range(w)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         f.run(what, dist.all_gather_coalesced, outs, ins)
     for r in range(w):
         for k, (n, dt) in enumerate(spec):
-            f.run(what, assert_equal, outs[r][k], rand_any(seed, r, n, dt, salt=f"{what} {k}"), f"{what}: rank {r}'s #{k}")
+            f.run(what, assert_equal, outs[r][k], rand(seed, r, n, dt, salt=f"{what} {k}"), f"{what}: rank {r}'s #{k}")
     torch.cuda.synchronize()
     f.done()
 

@@ -9,22 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from cases import CASES, Call, barrier_held
-from gpu_harness import needs_gpus, rsccl_group, shares_gpus
-from gpu_refs import (
-    DTYPES,
-    OPS,
-    RED,
-    assert_equal,
-    assert_same_on_all_ranks,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    nccl_result,
-    ops_for,
-    rand,
-    ref_call,
-)
+from cases import CASES, Call, barrier_held, my_input
+from gpu_harness import case_call, needs_gpus, shares_gpus
+from gpu_refs import DTYPES, OPS, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 
@@ -36,21 +24,16 @@ OTHER_CONFIGS = ["default", "small-buffer"]  # the all_reduce algorithm choice d
 
 
 def body_all_reduce(ctx, seed: int, config: str, sizes: list[int]) -> int:
-    g = rsccl_group(ctx, config)
     checks = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
             for n in sizes:
                 what = f"all_reduce {op} {dtype} n={n} world={ctx.world} group={config}"
-                x = rand(seed, ctx.rank, n, dtype, op, salt=what)
-                xs = gather_inputs(ctx, x)
-                ours = x.clone()
-                dist.all_reduce(ours, op=RED[op], group=g)
-                check_reduction(ours, xs, op, what)
-                theirs = x.clone()
+                c = case_call(ctx, config, what, dtype, n, op)
+                ours = CASES["all_reduce"](ctx, seed, c)  # against the exact result, bitwise the same on every rank
+                theirs = my_input(seed, ctx.rank, c)
                 if nccl_result(dist.all_reduce, theirs, op=RED[op], group=ctx.nccl):
                     check_vs_nccl(ours, theirs, op, what, ctx.world)
-                assert_same_on_all_ranks(ctx, ours, what)
                 checks += 1
     torch.cuda.synchronize()
     return checks
@@ -63,28 +46,20 @@ def test_all_reduce(gpus, seed, config):
 
 
 def body_reduce_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
-    g = rsccl_group(ctx, config)
-    w, me = ctx.world, ctx.rank
+    w = ctx.world
     for dtype in DTYPES:
         for op in ops_for(dtype):
             for n in sizes:  # elements of each rank's output
                 what = f"reduce_scatter_tensor {op} {dtype} n={n}x{w} group={config}"
-                x = rand(seed, me, n * w, dtype, op, salt=what)
-                xs = gather_inputs(ctx, x)
-                ours = torch.empty(n, dtype=dtype, device=x.device)
-                dist.reduce_scatter_tensor(ours, x, op=RED[op], group=g)
-                check_reduction(ours, xs[:, me * n : (me + 1) * n], op, what)
+                c = case_call(ctx, config, what, dtype, n, op)
+                ours = CASES["reduce_scatter_tensor"](ctx, seed, c)
                 theirs = torch.empty_like(ours)
-                if nccl_result(dist.reduce_scatter_tensor, theirs, x, op=RED[op], group=ctx.nccl):
+                if nccl_result(dist.reduce_scatter_tensor, theirs, my_input(seed, ctx.rank, c, n * w), op=RED[op], group=ctx.nccl):
                     check_vs_nccl(ours, theirs, op, what, w)
         # The list form, once per dtype, each dtype with another op.
         n, op = 100_003, OPS[DTYPES.index(dtype)]
         what = f"reduce_scatter (list) {op} {dtype} n={n}x{w} group={config}"
-        x = rand(seed, me, n * w, dtype, op, salt=what)
-        xs = gather_inputs(ctx, x)
-        ours = torch.empty(n, dtype=dtype, device=x.device)
-        dist.reduce_scatter(ours, list(x.chunk(w)), op=RED[op], group=g)
-        check_reduction(ours, xs[:, me * n : (me + 1) * n], op, what)
+        CASES["reduce_scatter"](ctx, seed, case_call(ctx, config, what, dtype, n, op))
     torch.cuda.synchronize()
 
 
@@ -95,20 +70,15 @@ def test_reduce_scatter(gpus, seed, config):
 
 
 def body_all_gather(ctx, seed: int, config: str, sizes: list[int]) -> None:
-    g = rsccl_group(ctx, config)
-    w = ctx.world
     for dtype in DTYPES:
         for n in sizes:
             what = f"all_gather {dtype} n={n} group={config}"
-            x = rand(seed, ctx.rank, n, dtype, salt=what)
-            xs = gather_inputs(ctx, x)  # NCCL's all_gather_into_tensor: the reference
-            out = torch.empty(w * n, dtype=dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x, group=g)
-            assert_equal(out, xs.reshape(-1), f"{what}: all_gather_into_tensor")
-            outs = [torch.empty(n, dtype=dtype, device=x.device) for _ in range(w)]
-            dist.all_gather(outs, x, group=g)
-            for r in range(w):
-                assert_equal(outs[r], xs[r], f"{what}: all_gather (list), block of rank {r}")
+            c = case_call(ctx, config, what, dtype, n)
+            ours = CASES["all_gather_into_tensor"](ctx, seed, c)
+            theirs = torch.empty_like(ours)
+            ref_call(dist.all_gather_into_tensor, theirs, my_input(seed, ctx.rank, c), group=ctx.nccl)
+            assert_equal(ours, theirs, f"{what}: all_gather_into_tensor vs NCCL")
+            CASES["all_gather"](ctx, seed, c)
     torch.cuda.synchronize()
 
 
@@ -118,18 +88,15 @@ def test_all_gather(gpus, seed, config):
 
 
 def body_broadcast(ctx, seed: int, config: str, sizes: list[int]) -> None:
-    g = rsccl_group(ctx, config)
     for dtype in DTYPES:
         for n in sizes:
             for root in range(ctx.world):
                 what = f"broadcast {dtype} n={n} root={root} group={config}"
-                x = rand(seed, ctx.rank, n, dtype, salt=what)
-                ours, theirs = x.clone(), x.clone()
-                dist.broadcast(ours, src=root, group=g)
+                c = case_call(ctx, config, what, dtype, n, root=root)
+                ours = CASES["broadcast"](ctx, seed, c)  # x_root on every rank, the root's own unchanged
+                theirs = my_input(seed, ctx.rank, c)
                 ref_call(dist.broadcast, theirs, src=root, group=ctx.nccl)
-                assert_equal(ours, theirs, what)
-                if ctx.rank == root:
-                    assert_equal(ours, x, f"{what}: the root's own tensor changed")
+                assert_equal(ours, theirs, f"{what} vs NCCL")
     torch.cuda.synchronize()
 
 
@@ -150,40 +117,32 @@ def test_barrier_waits_for_the_last_rank(gpus):
 def body_large(ctx, seed: int, config: str, elements: list[int]) -> None:
     """bfloat16 messages of up to 1 GiB: all_reduce SUM, all_gather_into_tensor (that much
     output) and reduce_scatter_tensor (that much input)."""
-    g = rsccl_group(ctx, config)
-    w, me, op = ctx.world, ctx.rank, "SUM"
+    w, me, bf16 = ctx.world, ctx.rank, torch.bfloat16
     for n in elements:
         what = f"large all_reduce SUM bfloat16 n={n} group={config}"
-        x = rand(seed, me, n, torch.bfloat16, salt=what)
-        xs = gather_inputs(ctx, x)
-        ours = x.clone()
-        dist.all_reduce(ours, group=g)
-        check_reduction(ours, xs, op, what)
+        c = case_call(ctx, config, what, bf16, n)
+        ours = CASES["all_reduce"](ctx, seed, c)
+        x = my_input(seed, me, c)
         ref_call(dist.all_reduce, x, group=ctx.nccl)  # x is NCCL's result from here on
-        check_vs_nccl(ours, x, op, what, w)
-        assert_same_on_all_ranks(ctx, ours, what)
+        check_vs_nccl(ours, x, "SUM", what, w)
         del ours, x
 
         what = f"large all_gather_into_tensor bfloat16 {n // w}x{w} group={config}"
-        x = xs[me, : n // w].clone()  # fresh random data: this rank's row of the last case
-        out = torch.empty(w * (n // w), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=g)
+        c = case_call(ctx, config, what, bf16, n // w)
+        out = CASES["all_gather_into_tensor"](ctx, seed, c)
         ref = torch.empty_like(out)
-        ref_call(dist.all_gather_into_tensor, ref, x, group=ctx.nccl)
-        assert_equal(out, ref, what)
-        del out, ref, x, xs
+        ref_call(dist.all_gather_into_tensor, ref, my_input(seed, me, c), group=ctx.nccl)
+        assert_equal(out, ref, f"{what} vs NCCL")
+        del out, ref
 
         m = n // w
         what = f"large reduce_scatter_tensor SUM bfloat16 {m}x{w} group={config}"
-        x = rand(seed, me, m * w, torch.bfloat16, salt=what)
-        xs = gather_inputs(ctx, x)
-        ours = torch.empty(m, dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(ours, x, group=g)
-        check_reduction(ours, xs[:, me * m : (me + 1) * m], op, what)
+        c = case_call(ctx, config, what, bf16, m)
+        ours = CASES["reduce_scatter_tensor"](ctx, seed, c)
         theirs = torch.empty_like(ours)
-        ref_call(dist.reduce_scatter_tensor, theirs, x, group=ctx.nccl)
-        check_vs_nccl(ours, theirs, op, what, w)
-        del x, xs, ours, theirs
+        ref_call(dist.reduce_scatter_tensor, theirs, my_input(seed, me, c, m * w), group=ctx.nccl)
+        check_vs_nccl(ours, theirs, "SUM", what, w)
+        del ours, theirs
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # give the GiBs back to the tests that read device memory
 

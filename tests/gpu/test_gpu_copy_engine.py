@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, check_killed_rank, die_or_repeat, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import DTYPES, assert_equal, gather_inputs, rand
+from gpu_refs import DTYPES, gather_inputs, rand
+from refs import assert_equal
 from test_gpu_collectives import body_all_gather as body_gather_forms
 from test_gpu_collectives import body_broadcast
 

@@ -17,8 +17,9 @@ from gpu_harness import (
     needs_gpus,
     needs_own_gpus,
 )
-from gpu_refs import check_reduction, gather_inputs, rand
+from gpu_refs import gather_inputs, rand
 from harness import ClusterError
+from refs import check_reduction
 
 pytestmark = needs_gpus
 

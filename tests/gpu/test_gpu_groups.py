@@ -9,7 +9,8 @@ import rsccl
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, shares_gpus
-from gpu_refs import assert_equal, check_reduction, gather_inputs, rand
+from gpu_refs import gather_inputs, rand
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import gpu_cluster, needs_gpus, selected_worlds
-from gpu_refs import check_reduction, gather_inputs, rand
+from gpu_refs import gather_inputs, rand
+from refs import check_reduction
 
 pytestmark = needs_gpus
 

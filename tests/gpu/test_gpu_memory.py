@@ -17,7 +17,8 @@ import rsccl
 import torch
 import torch.distributed as dist
 from gpu_harness import needs_gpus, needs_own_gpus
-from gpu_refs import DTYPES, RED, check_reduction, gather_inputs, ops_for, rand
+from gpu_refs import DTYPES, RED, gather_inputs, ops_for, rand
+from refs import check_reduction
 from rsccl._cuda import mapped_va_bytes
 
 pytestmark = needs_gpus

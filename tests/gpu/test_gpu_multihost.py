@@ -36,19 +36,9 @@ from gpu_harness import (
     needs_own_gpus,
     selected_worlds,
 )
-from gpu_refs import (
-    DTYPES,
-    RED,
-    assert_equal,
-    assert_same_on_all_ranks,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    ops_for,
-    rand,
-    rand_any,
-)
+from gpu_refs import DTYPES, RED, check_vs_nccl, gather_inputs, ops_for, rand
 from harness import ClusterError
+from refs import assert_equal, assert_identical_across_ranks, check_reduction
 
 pytestmark = needs_gpus
 
@@ -211,7 +201,7 @@ def body_all_reduce(ctx, seed: int, config: str) -> dict:
                 dist.all_reduce(theirs, op=RED[op], group=ctx.nccl)
                 # Both are NCCL-rounded (or rsccl's inside a host): allow both sides' roundings.
                 f.check(what, check_vs_nccl, ours, theirs, op, what, 2 * ctx.world)
-                f.check(what + " (same bits on every rank)", assert_same_on_all_ranks, ctx, ours, what)
+                f.check(what + " (same bits on every rank)", assert_identical_across_ranks, ctx, ours, what)
     torch.cuda.synchronize()
     hier = pg.memory_stats().get("nccl_hierarchical_collectives", 0) - before
     f.raise_any()
@@ -572,7 +562,7 @@ def body_all_to_all(ctx, seed: int, config: str) -> int:
             what = f"all_to_all_single {kind} rows={rows} {dtype} world={W} config={config}"
             s = _splits(seed, what, W, kind, rows)
             in_splits, out_splits = s[me], [s[i][me] for i in range(W)]
-            x = rand_any(seed, me, sum(in_splits), dtype, salt=what)
+            x = rand(seed, me, sum(in_splits), dtype, salt=what)
             ours = torch.empty(sum(out_splits), dtype=dtype, device=ctx.device)
             theirs = torch.empty_like(ours)
             if kind == "even":
@@ -586,7 +576,7 @@ def body_all_to_all(ctx, seed: int, config: str) -> int:
         # the list form, uneven (empty tensors included)
         what = f"all_to_all list {dtype} world={W} config={config}"
         s = _splits(seed, what, W, "uneven", 5000)
-        ins = [rand_any(seed, me, s[me][j], dtype, salt=f"{what}/{j}") for j in range(W)]
+        ins = [rand(seed, me, s[me][j], dtype, salt=f"{what}/{j}") for j in range(W)]
         outs = [torch.empty(s[i][me], dtype=dtype, device=ctx.device) for i in range(W)]
         refs = [torch.empty_like(o) for o in outs]
         f.check(what, dist.all_to_all, outs, ins, g)
@@ -734,8 +724,8 @@ def body_p2p_ring(ctx, seed: int) -> dict:
         for nbytes in P2P_BYTES:
             n = _elems(nbytes, dtype)
             what = f"ring {dtype} n={n} world={W}"
-            mine_r = rand_any(seed, me, n, dtype, salt=what + " rightward")
-            mine_l = rand_any(seed, me, n, dtype, salt=what + " leftward")
+            mine_r = rand(seed, me, n, dtype, salt=what + " rightward")
+            mine_l = rand(seed, me, n, dtype, salt=what + " leftward")
             from_l = torch.empty(n, dtype=dtype, device=ctx.device)
             from_r = torch.empty(n, dtype=dtype, device=ctx.device)
             # With W = 2 both neighbours are one rank: messages between two ranks match
@@ -750,8 +740,8 @@ def body_p2p_ring(ctx, seed: int) -> dict:
             works = []
             f.check(what, _batch, works, ops)
             f.check(what + " wait", _wait_all, works)
-            f.check(what + " from the left", assert_equal, from_l, rand_any(seed, left, n, dtype, salt=what + " rightward"), what)
-            f.check(what + " from the right", assert_equal, from_r, rand_any(seed, right, n, dtype, salt=what + " leftward"), what)
+            f.check(what + " from the left", assert_equal, from_l, rand(seed, left, n, dtype, salt=what + " rightward"), what)
+            f.check(what + " from the right", assert_equal, from_r, rand(seed, right, n, dtype, salt=what + " leftward"), what)
             checks += 1
             del mine_r, mine_l, from_l, from_r
     torch.cuda.synchronize()
@@ -786,18 +776,18 @@ def body_both_send_first(ctx, seed: int) -> int:
         for nbytes in [4, MiB, 16 * MiB]:
             n = _elems(nbytes, dtype)
             what = f"both send first {dtype} n={n}"
-            x = rand_any(seed, me, n, dtype, salt=what)
+            x = rand(seed, me, n, dtype, salt=what)
             y = torch.empty(n, dtype=dtype, device=ctx.device)
             works = []
             f.check(what + " isend", _post, works, dist.isend, x, peer, g)
             f.check(what + " irecv", _post, works, dist.irecv, y, peer, g)
             f.check(what + " wait", _wait_all, works)
-            f.check(what, assert_equal, y, rand_any(seed, peer, n, dtype, salt=what), what)
+            f.check(what, assert_equal, y, rand(seed, peer, n, dtype, salt=what), what)
             checks += 1
     # Several messages to one peer, received late, waited for in reverse order.
     sizes = [7, 262_144, 4 * MiB + 5]
     side = torch.cuda.Stream(device=ctx.device)
-    xs = [rand_any(seed, me, n, torch.bfloat16, salt=f"in order {i}") for i, n in enumerate(sizes)]
+    xs = [rand(seed, me, n, torch.bfloat16, salt=f"in order {i}") for i, n in enumerate(sizes)]
     ys = [torch.empty(n, dtype=torch.bfloat16, device=ctx.device) for n in sizes]
     side.wait_stream(torch.cuda.current_stream())
     sends, recvs = [], []
@@ -810,12 +800,10 @@ def body_both_send_first(ctx, seed: int) -> int:
     for w in reversed(recvs + sends):
         f.check("wait in reverse order", w.wait)
     for i, (y, n) in enumerate(zip(ys, sizes)):
-        f.check(
-            f"in order {i}", assert_equal, y, rand_any(seed, peer, n, torch.bfloat16, salt=f"in order {i}"), f"message {i} of {len(sizes)}"
-        )
+        f.check(f"in order {i}", assert_equal, y, rand(seed, peer, n, torch.bfloat16, salt=f"in order {i}"), f"message {i} of {len(sizes)}")
         checks += 1
     # Completion seen from the CPU, and a blocking send/recv pair (the lower rank first).
-    x = rand_any(seed, me, 1000, torch.float32, salt="completed")
+    x = rand(seed, me, 1000, torch.float32, salt="completed")
     y = torch.empty(1000, device=ctx.device)
     w = [dist.isend(x, peer, group=g), dist.irecv(y, peer, group=g)]
     deadline = time.monotonic() + 30
@@ -823,15 +811,15 @@ def body_both_send_first(ctx, seed: int) -> int:
         time.sleep(0.01)
     f.check("is_completed", _assert_completed, w)
     f.check("wait after completion", _wait_all, w)
-    f.check("completed", assert_equal, y, rand_any(seed, peer, 1000, torch.float32, salt="completed"), "completed")
-    z = rand_any(seed, me, 5000, torch.float32, salt="blocking")
+    f.check("completed", assert_equal, y, rand(seed, peer, 1000, torch.float32, salt="completed"), "completed")
+    z = rand(seed, me, 5000, torch.float32, salt="blocking")
     got = torch.empty_like(z)
     for sender in sorted((me, peer)):
         if sender == me:
             f.check("blocking send", dist.send, z, peer, g)
         else:
             f.check("blocking recv", dist.recv, got, peer, g)
-    f.check("blocking", assert_equal, got, rand_any(seed, peer, 5000, torch.float32, salt="blocking"), "blocking send/recv")
+    f.check("blocking", assert_equal, got, rand(seed, peer, 5000, torch.float32, salt="blocking"), "blocking send/recv")
     torch.cuda.synchronize()
     f.raise_any()
     return checks + 2
@@ -859,9 +847,9 @@ def body_first_p2p_allocates_nothing(ctx, seed: int) -> dict:
     f = Failures(ctx.rank)
     me, peer = ctx.rank, _cross_peer(ctx)
     n = 16 * MiB // 4
-    x = rand_any(seed, me, n, torch.float32, salt="first p2p")
+    x = rand(seed, me, n, torch.float32, salt="first p2p")
     y = torch.empty(n, device=ctx.device)
-    x2 = rand_any(seed, me, 1000, torch.float32, salt="first p2p small")
+    x2 = rand(seed, me, 1000, torch.float32, salt="first p2p small")
     y2 = torch.empty(1000, device=ctx.device)
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info(ctx.device)[0]
@@ -871,10 +859,8 @@ def body_first_p2p_allocates_nothing(ctx, seed: int) -> dict:
     f.check("first wait", _wait_all, works)
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info(ctx.device)[0]
-    f.check("first p2p data", assert_equal, y, rand_any(seed, peer, n, torch.float32, salt="first p2p"), "first p2p")
-    f.check(
-        "first p2p data (small)", assert_equal, y2, rand_any(seed, peer, 1000, torch.float32, salt="first p2p small"), "first p2p small"
-    )
+    f.check("first p2p data", assert_equal, y, rand(seed, peer, n, torch.float32, salt="first p2p"), "first p2p")
+    f.check("first p2p data (small)", assert_equal, y2, rand(seed, peer, 1000, torch.float32, salt="first p2p small"), "first p2p small")
     stats = pg.memory_stats()
     f.raise_any()
     return {"grew": free_before - free_after, "nccl_bytes": stats.get("nccl_bytes", 0), "p2p_bytes": stats.get("nccl_p2p_bytes", 0)}

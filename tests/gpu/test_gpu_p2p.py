@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, needs_gpus, warm_up_aside
-from gpu_refs import MOVE_DTYPES, Failures, assert_equal, rand_any
+from gpu_refs import MOVE_DTYPES, Failures, rand
+from refs import assert_equal
 
 pytestmark = needs_gpus
 
@@ -49,13 +50,13 @@ def body_send_recv(ctx, seed: int, sizes: list[int | str]) -> int:
             for sender in sorted((me, peer)):
                 salt = f"{what} from {sender}"
                 if me == sender:
-                    f.run(f"{what}: send", dist.send, rand_any(seed, me, n, dtype, salt=salt), dst=peer)
+                    f.run(f"{what}: send", dist.send, rand(seed, me, n, dtype, salt=salt), dst=peer)
                     continue
                 y = torch.zeros(n, dtype=dtype, device=ctx.device)
                 failed = len(f.items)
                 f.run(f"{what}: recv", dist.recv, y, src=peer)
                 if len(f.items) == failed:
-                    f.run(what, assert_equal, y, rand_any(seed, peer, n, dtype, salt=salt), f"{what} from rank {peer}")
+                    f.run(what, assert_equal, y, rand(seed, peer, n, dtype, salt=salt), f"{what} from rank {peer}")
                     checks += 1
                 del y
     torch.cuda.synchronize()
@@ -83,29 +84,29 @@ def body_isend_irecv(ctx, seed: int) -> None:
     me, f = ctx.rank, Failures()
     what = "both directions at once, 64 MiB"
     n = 64 * MiB // 2
-    x = rand_any(seed, me, n, torch.bfloat16, salt=what)
+    x = rand(seed, me, n, torch.bfloat16, salt=what)
     y = torch.zeros(n, dtype=torch.bfloat16, device=ctx.device)
     works = [f.run(what, dist.isend, x, dst=peer), f.run(what, dist.irecv, y, src=peer)]
     for w in works:
         if w is not None:
             f.run(what, w.wait)
-    f.run(what, assert_equal, y, rand_any(seed, peer, n, torch.bfloat16, salt=what), what)
+    f.run(what, assert_equal, y, rand(seed, peer, n, torch.bfloat16, salt=what), what)
     del x, y
 
     what = "strided send and recv"
-    base = rand_any(seed, me, 2 * 50_001, torch.float32, salt=what)
+    base = rand(seed, me, 2 * 50_001, torch.float32, salt=what)
     y_home = torch.full((2 * 50_001,), -1.0, device=ctx.device)
     works = [f.run(what, dist.isend, base[::2], dst=peer), f.run(what, dist.irecv, y_home[1::2], src=peer)]
     for w in works:
         if w is not None:
             f.run(what, w.wait)
-    f.run(what, assert_equal, y_home[1::2], rand_any(seed, peer, 2 * 50_001, torch.float32, salt=what)[::2], what)
+    f.run(what, assert_equal, y_home[1::2], rand(seed, peer, 2 * 50_001, torch.float32, salt=what)[::2], what)
     f.run(what, assert_equal, y_home[::2], torch.full((50_001,), -1.0, device=ctx.device), f"{what}: elements between the view's changed")
 
     what = "several messages to one peer, in order"
     sizes = [3, 1 << 20, 0, 17, 4 << 20, 1]
     if me < peer:
-        works = [f.run(what, dist.isend, rand_any(seed, me, k, torch.int32, salt=f"{what} {i}"), dst=peer) for i, k in enumerate(sizes)]
+        works = [f.run(what, dist.isend, rand(seed, me, k, torch.int32, salt=f"{what} {i}"), dst=peer) for i, k in enumerate(sizes)]
     else:
         time.sleep(0.3)  # the sends are queued before any recv is posted
         ys = [torch.zeros(k, dtype=torch.int32, device=ctx.device) for k in sizes]
@@ -115,7 +116,7 @@ def body_isend_irecv(ctx, seed: int) -> None:
             f.run(what, w.wait)
     if me > peer:
         for i, (k, y) in enumerate(zip(sizes, ys)):
-            f.run(what, assert_equal, y, rand_any(seed, peer, k, torch.int32, salt=f"{what} {i}"), f"{what}: message {i}")
+            f.run(what, assert_equal, y, rand(seed, peer, k, torch.int32, salt=f"{what} {i}"), f"{what}: message {i}")
     torch.cuda.synchronize()
     f.done()
 
@@ -133,13 +134,13 @@ def body_ring(ctx, seed: int, nbytes: int) -> None:
     f = Failures()
     for rep in range(3):
         what = f"batch_isend_irecv ring {nbytes} bytes, round {rep}"
-        x = rand_any(seed, me, nbytes // 4, torch.float32, salt=what)
+        x = rand(seed, me, nbytes // 4, torch.float32, salt=what)
         y = torch.zeros_like(x)
         ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prev)]
         reqs = f.run(what, dist.batch_isend_irecv, ops) or []
         for r in reqs:
             f.run(what, r.wait)
-        f.run(what, assert_equal, y, rand_any(seed, prev, nbytes // 4, torch.float32, salt=what), f"{what}: from rank {prev}")
+        f.run(what, assert_equal, y, rand(seed, prev, nbytes // 4, torch.float32, salt=what), f"{what}: from rank {prev}")
     torch.cuda.synchronize()
     f.done()
 
@@ -167,7 +168,7 @@ def body_all_pairs(ctx, seed: int, nbytes: int, p2p_blocks: int) -> int:
     peers = [p for p in range(w) if p != me]
     for rep in range(3):
         what = f"all-pairs batch_isend_irecv of {nbytes} bytes, round {rep}"
-        xs = {p: rand_any(seed, me, nbytes // 4, torch.float32, salt=f"{what} to {p}") for p in peers}
+        xs = {p: rand(seed, me, nbytes // 4, torch.float32, salt=f"{what} to {p}") for p in peers}
         ys = {p: torch.zeros(nbytes // 4, dtype=torch.float32, device=ctx.device) for p in peers}
         ops = [op for p in peers for op in (dist.P2POp(dist.isend, xs[p], p, g), dist.P2POp(dist.irecv, ys[p], p, g))]
         reqs = f.run(what, dist.batch_isend_irecv, ops) or []
@@ -175,7 +176,7 @@ def body_all_pairs(ctx, seed: int, nbytes: int, p2p_blocks: int) -> int:
             f.run(what, r.wait)
         torch.cuda.synchronize()
         for p in peers:
-            want = rand_any(seed, p, nbytes // 4, torch.float32, salt=f"{what} to {me}")
+            want = rand(seed, p, nbytes // 4, torch.float32, salt=f"{what} to {me}")
             f.run(what, assert_equal, ys[p], want, f"{what}: from rank {p}")
     dist.destroy_process_group(g)
     torch.cuda.synchronize()
@@ -209,10 +210,10 @@ def body_graph(ctx, seed: int) -> None:
         graph = capture(exchange)
         for rep in range(4):
             what = f"graph replay {rep}"
-            x.copy_(rand_any(seed, me, n, torch.float16, salt=what))
+            x.copy_(rand(seed, me, n, torch.float16, salt=what))
             graph.replay()
             torch.cuda.synchronize()
-            f.run(what, assert_equal, y, rand_any(seed, peer, n, torch.float16, salt=what), what)
+            f.run(what, assert_equal, y, rand(seed, peer, n, torch.float16, salt=what), what)
     torch.cuda.synchronize()
     f.done()
 
@@ -265,7 +266,7 @@ def body_size_mismatch(ctx, seed: int) -> tuple[tuple[str, str], tuple[str, str]
         return ("not in the group", ""), ("not in the group", "")
 
     def attempt(n_send: int, n_recv: int, salt: str) -> tuple[str, str]:
-        x = rand_any(seed, 0, n_send, torch.float32, salt=salt)
+        x = rand(seed, 0, n_send, torch.float32, salt=salt)
         try:
             if ctx.rank == 0:
                 work = dist.isend(x, dst=1, group=g)
@@ -297,7 +298,7 @@ def body_unmatched(ctx, seed: int, nbytes: int) -> list[tuple[str, str, float]]:
         if ctx.rank == waiting:
             start = time.monotonic()
             try:
-                x = rand_any(seed, 0, nbytes // 4, torch.float32, salt=case)
+                x = rand(seed, 0, nbytes // 4, torch.float32, salt=case)
                 work = dist.isend(x, dst=1, group=g) if waiting == 0 else dist.irecv(x, src=0, group=g)
                 _settle(g, work)
                 out.append((case, "no error", time.monotonic() - start))
@@ -310,7 +311,7 @@ def body_unmatched(ctx, seed: int, nbytes: int) -> list[tuple[str, str, float]]:
         dist.destroy_process_group(g)
     # And carries a message between the two ranks.
     if ctx.rank in (0, 1):
-        t = rand_any(seed, 0, 1000, torch.float32, salt="after")
+        t = rand(seed, 0, 1000, torch.float32, salt="after")
         if ctx.rank == 0:
             dist.send(t, dst=1)
         else:

@@ -38,20 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from gpu_harness import capture, needs_gpus, needs_own_gpus, shares_gpus, warm_up_aside
-from gpu_refs import (
-    DTYPES,
-    RED,
-    assert_equal,
-    assert_same_on_all_ranks,
-    check_reduction,
-    check_vs_nccl,
-    gather_inputs,
-    nccl_result,
-    ops_for,
-    rand,
-    ref_call,
-    refill,
-)
+from gpu_refs import DTYPES, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call, refill
+from refs import assert_equal, assert_identical_across_ranks, check_reduction
 from torch import nn
 
 pytestmark = needs_gpus
@@ -240,7 +228,7 @@ def _run_case(ctx, seed: int, g, counter: _Counter, case: tuple, place, expect: 
         theirs = x.clone()
         if nccl_result(dist.all_reduce, theirs, op=red, group=ctx.nccl):
             check_vs_nccl(got, theirs, op, what, w)
-        assert_same_on_all_ranks(ctx, got, what)
+        assert_identical_across_ranks(ctx, got, what)
     elif kind == "broadcast":
         x = rand(seed, me, n_msg, dtype, salt=what)
         buf = place(n_msg, dtype)
@@ -947,8 +935,8 @@ def body_tp_mlp(ctx, seed: int, steps: int) -> dict:
     check_vs_nccl(gx_r, gx_n, "SUM", f"{what}: input gradient (backward all_reduce)", w)
     torch.testing.assert_close(w1.grad, gw1_n, msg=lambda m: f"{what}: column-parallel weight gradient: {m}")
     torch.testing.assert_close(w2.grad, gw2_n, msg=lambda m: f"{what}: row-parallel weight gradient: {m}")
-    assert_same_on_all_ranks(ctx, y_r, f"{what}: output")
-    assert_same_on_all_ranks(ctx, gx_r, f"{what}: input gradient")
+    assert_identical_across_ranks(ctx, y_r, f"{what}: output")
+    assert_identical_across_ranks(ctx, gx_r, f"{what}: input gradient")
     n_in, b_in, n_st, b_st = (a - b for a, b in zip(after, before, strict=True))
     msg = TP_TOKENS * TP_DIM * 2
     assert (n_in, b_in, n_st) == (2, 2 * msg, 0), (

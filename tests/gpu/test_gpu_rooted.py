@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import DTYPES, RED, assert_equal, check_reduction, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from cases import CASES, my_input
+from gpu_harness import capture, case_call, needs_gpus, warm_up_aside
+from gpu_refs import DTYPES, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 
@@ -21,21 +23,18 @@ CONFIGS = ["default", "small-buffer"]
 
 
 def body_reduce(ctx, seed: int, config: str, sizes: list[int]) -> int:
-    g = rsccl_group(ctx, config)
     checks = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
             for n in sizes if op == "SUM" else sizes[:3]:
                 for root in range(ctx.world):
                     what = f"reduce {op} {dtype} n={n} root={root} world={ctx.world} group={config}"
-                    x = rand(seed, ctx.rank, n, dtype, op, salt=what)
-                    xs = gather_inputs(ctx, x)
-                    ours = x.clone()
-                    dist.reduce(ours, dst=root, op=RED[op], group=g)
+                    c = case_call(ctx, config, what, dtype, n, op, root)
+                    ours = CASES["reduce"](ctx, seed, c)  # the root's result against the exact one
+                    x = my_input(seed, ctx.rank, c)
                     theirs = x.clone()
                     nccl_ok = nccl_result(dist.reduce, theirs, dst=root, op=RED[op], group=ctx.nccl)
                     if ctx.rank == root:
-                        check_reduction(ours, xs, op, what)
                         if nccl_ok:
                             check_vs_nccl(ours, theirs, op, what, ctx.world)
                     else:
@@ -53,29 +52,26 @@ def test_reduce(gpus, seed, config):
 
 
 def body_gather_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
-    g = rsccl_group(ctx, config)
     w, me = ctx.world, ctx.rank
     for dtype in DTYPES:
         for n in sizes:
             for root in range(w):
                 what = f"gather {dtype} n={n} root={root} world={w} group={config}"
-                x = rand(seed, me, n, dtype, salt=what)
-                ours = [torch.full_like(x, 3) for _ in range(w)] if me == root else None
-                theirs = [torch.empty_like(x) for _ in range(w)] if me == root else None
-                dist.gather(x, ours, dst=root, group=g)
-                ref_call(dist.gather, x, theirs, dst=root, group=ctx.nccl)
+                c = case_call(ctx, config, what, dtype, n, root=root)
+                ours = CASES["gather"](ctx, seed, c)  # the root's slot j: rank j's input
+                theirs = [torch.empty(n, dtype=dtype, device=ctx.device) for _ in range(w)] if me == root else None
+                ref_call(dist.gather, my_input(seed, me, c), theirs, dst=root, group=ctx.nccl)
                 if me == root:
                     for j in range(w):
-                        assert_equal(ours[j], theirs[j], f"{what}: slot {j}")
+                        assert_equal(ours[j], theirs[j], f"{what}: slot {j} vs NCCL")
 
                 what = f"scatter {dtype} n={n} root={root} world={w} group={config}"
-                chunks = [rand(seed, j, n, dtype, salt=what) for j in range(w)] if me == root else None
-                ours = torch.full((n,), 3, dtype=dtype, device=ctx.device)
+                c = case_call(ctx, config, what, dtype, n, root=root)
+                ours = CASES["scatter"](ctx, seed, c)  # this rank's chunk
+                chunks = [my_input(seed, j, c) for j in range(w)] if me == root else None
                 theirs = torch.empty_like(ours)
-                dist.scatter(ours, chunks, src=root, group=g)
                 ref_call(dist.scatter, theirs, chunks, src=root, group=ctx.nccl)
-                assert_equal(ours, theirs, what)
-                assert_equal(ours, rand(seed, me, n, dtype, salt=what), f"{what}: not this rank's chunk")
+                assert_equal(ours, theirs, f"{what} vs NCCL")
     torch.cuda.synchronize()
 
 

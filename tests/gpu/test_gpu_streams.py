@@ -14,7 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, needs_gpus, warm_up_aside
-from gpu_refs import assert_equal, check_reduction, check_vs_nccl, gather_inputs, rand, ref_call, refill
+from gpu_refs import check_vs_nccl, gather_inputs, rand, ref_call, refill
+from refs import assert_equal, check_reduction
 
 pytestmark = needs_gpus
 

@@ -2,7 +2,8 @@
 //! joined through a c10d TCPStore served by Python's torch (the proof that the Rust client
 //! speaks torch's protocol) or hosted by rank 0 (the Rust server). Every collective runs on
 //! random data (the seed is printed) and is compared with a float64 / exact reference that
-//! each worker computes from every rank's inputs.
+//! each worker computes from every rank's inputs: the `case_*` functions below are the
+//! entries of the Python suites' registry, tests/cases.py, with the same arithmetic.
 //!
 //! RSCCL_TCH_TEST_DEVICE=cuda runs the collectives scenario on CUDA tensors (see
 //! scripts/tch_gpu.sh); CI runs it on CPU tensors.
@@ -196,7 +197,8 @@ fn device(pg: &ProcessGroup) -> Device {
     }
 }
 
-/// Rank `r`'s input of test `tag`: the same on every rank (seeded by seed, tag, r).
+/// Rank `r`'s input of test `tag`: the same on every rank (seeded by seed, tag, r). Floats
+/// near 1 (PRODUCT stays finite), integers in -3..=3, uint8 any byte, bool 0/1.
 fn input(seed: u64, tag: u64, r: usize, shape: &[i64], kind: Kind) -> Tensor {
     tch::manual_seed((seed * 1000 + tag * 17 + r as u64) as i64);
     match kind {
@@ -209,21 +211,31 @@ fn input(seed: u64, tag: u64, r: usize, shape: &[i64], kind: Kind) -> Tensor {
     }
 }
 
-fn reference(xs: &[Tensor], op: ReduceOp, kind: Kind) -> Tensor {
+/// Every rank's input of test `tag` (tests/cases.py `inputs`): x_0 .. x_{w-1}.
+fn inputs(seed: u64, tag: u64, w: usize, shape: &[i64], kind: Kind) -> Vec<Tensor> {
+    (0..w).map(|r| input(seed, tag, r, shape, kind)).collect()
+}
+
+/// tests/refs.py `reduce_ref`: every rank's `xs[rank]` reduced elementwise by `op`, in
+/// float64 (floats) or int64 (integers), then rounded (wrapped) once to `kind`; AVG is the
+/// SUM over w, the bitwise ops fold in rank order.
+fn reduce_ref(xs: &[Tensor], op: ReduceOp, kind: Kind) -> Tensor {
     let float = matches!(kind, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
     let wide: Vec<Tensor> = xs.iter().map(|x| x.to_kind(if float { Kind::Double } else { Kind::Int64 })).collect();
     let s = Tensor::stack(&wide, 0);
     let k = s.kind();
-    match op {
+    let fold = |f: fn(&Tensor, &Tensor) -> Tensor| wide[1..].iter().fold(wide[0].shallow_clone(), |a, b| f(&a, b));
+    let exact = match op {
         ReduceOp::Sum => s.sum_dim_intlist(0, false, k),
-        ReduceOp::Avg => s.mean_dim(0, false, k),
+        ReduceOp::Avg => s.sum_dim_intlist(0, false, k) / xs.len() as f64,
         ReduceOp::Product => s.prod_dim_int(0, false, k),
         ReduceOp::Min => s.amin(0, false),
         ReduceOp::Max => s.amax(0, false),
-        ReduceOp::BAnd => wide[1..].iter().fold(wide[0].shallow_clone(), |a, b| a.bitwise_and_tensor(b)),
-        ReduceOp::BOr => wide[1..].iter().fold(wide[0].shallow_clone(), |a, b| a.bitwise_or_tensor(b)),
-        ReduceOp::BXor => wide[1..].iter().fold(wide[0].shallow_clone(), |a, b| a.bitwise_xor_tensor(b)),
-    }
+        ReduceOp::BAnd => fold(Tensor::bitwise_and_tensor),
+        ReduceOp::BOr => fold(Tensor::bitwise_or_tensor),
+        ReduceOp::BXor => fold(Tensor::bitwise_xor_tensor),
+    };
+    exact.to_kind(kind)
 }
 
 /// `got` (any device) against the reference: exact for integers, a relative tolerance of
@@ -249,17 +261,140 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
     }
 }
 
+// -- the cases: one function per entry of tests/cases.py (the CPU and GPU suites' registry),
+// each with that entry's arithmetic, for w ranks whose inputs are x_0 .. x_{w-1} (made by
+// `inputs` from the test's tag), rank `me` and root `root`. Python's reduce, gather and
+// scatter have no rsccl-tch method, so no case here; barrier is called between steps.
+
+/// One worker's view of the group: the group, the tensors' device, the seed, and the tag of
+/// the next test (each test's inputs are salted by its own tag).
+struct Cx {
+    pg: ProcessGroup,
+    dev: Device,
+    seed: u64,
+    me: usize,
+    w: usize,
+    tag: u64,
+}
+
+impl Cx {
+    fn next(&mut self) -> u64 {
+        self.tag += 1;
+        self.tag
+    }
+
+    fn inputs(&mut self, shape: &[i64], kind: Kind) -> Vec<Tensor> {
+        let t = self.next();
+        inputs(self.seed, t, self.w, shape, kind)
+    }
+}
+
+/// tests/cases.py `all_reduce`: every rank: out = op(x_0, ..., x_{w-1}), elementwise (AVG:
+/// the SUM over w).
+fn case_all_reduce(cx: &mut Cx, shape: &[i64], kind: Kind, op: ReduceOp) {
+    let xs = cx.inputs(shape, kind);
+    let mine = on(&xs[cx.me], cx.dev);
+    cx.pg.all_reduce(&mine, op).unwrap_or_else(|e| panic!("all_reduce {kind:?} {op:?}: {e}"));
+    assert_close(&format!("all_reduce {kind:?} {op:?} {shape:?}"), &mine, &reduce_ref(&xs, op, kind));
+}
+
+/// tests/cases.py `broadcast`: every rank: out = x_root (here into a non-contiguous view).
+fn case_broadcast(cx: &mut Cx, shape: &[i64], kind: Kind, root: usize) {
+    let xs = cx.inputs(shape, kind);
+    let base = on(&xs[cx.me], cx.dev);
+    cx.pg.broadcast(&base.transpose(0, 1), root).unwrap();
+    assert_close(&format!("broadcast from {root}"), &base, &xs[root]);
+}
+
+/// tests/cases.py `all_gather_into_tensor`: every rank: out = concat(x_0, ..., x_{w-1}),
+/// w x n elements; and `all_gather` (the list form): outs[r] = x_r.
+fn case_all_gather(cx: &mut Cx, shape: &[i64], kind: Kind) {
+    let xs = cx.inputs(shape, kind);
+    let mut cat_shape = shape.to_vec();
+    cat_shape[0] *= cx.w as i64;
+    let out = Tensor::zeros(cat_shape.as_slice(), (kind, cx.dev));
+    cx.pg.all_gather_into_tensor(&out, &on(&xs[cx.me], cx.dev)).unwrap();
+    assert_close("all_gather_into_tensor", &out, &Tensor::cat(&xs, 0));
+    let outs: Vec<Tensor> = (0..cx.w).map(|_| Tensor::zeros(shape, (kind, cx.dev))).collect();
+    cx.pg.all_gather(&outs, &on(&xs[cx.me], cx.dev)).unwrap();
+    for (r, o) in outs.iter().enumerate() {
+        assert_close(&format!("all_gather[{r}]"), o, &xs[r]);
+    }
+}
+
+/// tests/cases.py `reduce_scatter_tensor`: inputs of w x n elements; rank me:
+/// out = op(x_0, ..., x_{w-1})[me*n : (me+1)*n].
+fn case_reduce_scatter_tensor(cx: &mut Cx, n: i64, kind: Kind, op: ReduceOp) {
+    let xs = cx.inputs(&[cx.w as i64 * n], kind);
+    let out = Tensor::zeros([n], (kind, cx.dev));
+    cx.pg.reduce_scatter_tensor(&out, &on(&xs[cx.me], cx.dev), op).unwrap();
+    assert_close("reduce_scatter_tensor", &out, &reduce_ref(&xs, op, kind).narrow(0, cx.me as i64 * n, n));
+}
+
+/// tests/cases.py `reduce_scatter` (the list form): each rank's input cut into w chunks;
+/// rank me: out = op over ranks of chunk me.
+fn case_reduce_scatter(cx: &mut Cx, n: i64, kind: Kind, op: ReduceOp) {
+    let xs = cx.inputs(&[cx.w as i64 * n], kind);
+    let out = Tensor::zeros([n], (kind, cx.dev));
+    let mine: Vec<Tensor> = on(&xs[cx.me], cx.dev).chunk(cx.w as i64, 0);
+    cx.pg.reduce_scatter(&out, &mine, op).unwrap();
+    assert_close("reduce_scatter", &out, &reduce_ref(&xs, op, kind).narrow(0, cx.me as i64 * n, n));
+}
+
+/// tests/cases.py `all_to_all_single`, its uneven splits (`split_matrix`: here a random
+/// matrix below `rows`, zeros included): rank i sends send[i][j] rows to rank j, its rows for
+/// rank 0 first; rank me: out = concat over i of the send[i][me] rows of x_i that follow its
+/// rows for ranks < me (`a2a_expected`).
+fn case_all_to_all_single(cx: &mut Cx, rows: i64, cols: i64, kind: Kind) {
+    let t = cx.next();
+    let (w, me) = (cx.w, cx.me);
+    tch::manual_seed((cx.seed * 1000 + t * 17 + 999) as i64);
+    let m = Vec::<i64>::try_from(&Tensor::randint(rows, [w as i64 * w as i64], (Kind::Int64, Device::Cpu))).unwrap();
+    let send = |i: usize, j: usize| m[i * w + j];
+    let xs: Vec<Tensor> = (0..w).map(|i| input(cx.seed, t, i, &[(0..w).map(|j| send(i, j)).sum(), cols], kind)).collect();
+    let in_splits: Vec<i64> = (0..w).map(|j| send(me, j)).collect();
+    let out_splits: Vec<i64> = (0..w).map(|i| send(i, me)).collect();
+    let out = Tensor::zeros([out_splits.iter().sum::<i64>(), cols], (kind, cx.dev));
+    cx.pg.all_to_all_single(&out, &on(&xs[me], cx.dev), &out_splits, &in_splits).unwrap();
+    let want: Vec<Tensor> = (0..w).map(|i| xs[i].narrow(0, (0..me).map(|j| send(i, j)).sum(), send(i, me))).collect();
+    assert_close(&format!("all_to_all_single splits {m:?}"), &out, &Tensor::cat(&want, 0));
+}
+
+/// tests/cases.py `all_to_all` (the list form, sizes that differ per source and per
+/// destination): rank i sends n + 2i + j elements to rank j (x_i^j); rank me: outs[i] = x_i^me.
+fn case_all_to_all(cx: &mut Cx, n: i64, kind: Kind) {
+    let t = cx.next();
+    let (w, me, seed) = (cx.w, cx.me, cx.seed);
+    let piece = |i: usize, j: usize| input(seed, t, i * 100 + j, &[n + 2 * i as i64 + j as i64], kind);
+    let ins: Vec<Tensor> = (0..w).map(|j| on(&piece(me, j), cx.dev)).collect();
+    let outs: Vec<Tensor> = (0..w).map(|i| Tensor::zeros([n + 2 * i as i64 + me as i64], (kind, cx.dev))).collect();
+    cx.pg.all_to_all(&outs, &ins).unwrap();
+    for (i, o) in outs.iter().enumerate() {
+        assert_close(&format!("all_to_all from {i}"), o, &piece(i, me));
+    }
+}
+
+/// tests/cases.py `send_recv`: a ring: rank me sends x_me to me + 1 and receives x_{me-1}
+/// (here both directions in flight at once, asynchronously).
+fn case_send_recv(cx: &mut Cx, n: i64, kind: Kind) {
+    let xs = cx.inputs(&[n], kind);
+    let (w, me) = (cx.w, cx.me);
+    let (to, from) = ((me + 1) % w, (me + w - 1) % w);
+    let got = Tensor::zeros([n], (kind, cx.dev));
+    let s = cx.pg.send_async(&on(&xs[me], cx.dev), to, 7).unwrap();
+    let r = cx.pg.recv_async(&got, from, 7).unwrap();
+    r.wait().unwrap();
+    s.wait().unwrap();
+    assert_close("recv", &got, &xs[from]);
+}
+
 fn collectives(seed: u64) {
     let pg = ProcessGroup::from_env().expect("join the group");
-    let (me, n) = (pg.rank(), pg.size());
+    let (me, w) = (pg.rank(), pg.size());
     let dev = device(&pg);
     let cuda = dev != Device::Cpu;
-    println!("rank {me}/{n} on {dev:?}, seed {seed}, engine {}", pg.engine());
-    let mut tag = 0u64;
-    let mut next = || {
-        tag += 1;
-        tag
-    };
+    println!("rank {me}/{w} on {dev:?}, seed {seed}, engine {}", pg.engine());
+    let mut cx = Cx { pg, dev, seed, me, w, tag: 0 };
 
     // all_reduce: every op on every dtype that supports it (CUDA: the kernels' dtypes and ops).
     let float_ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max];
@@ -279,127 +414,55 @@ fn collectives(seed: u64) {
         cases.extend([ReduceOp::BOr, ReduceOp::BAnd].map(|o| (Kind::Bool, o)));
     }
     for (kind, op) in cases {
-        let t = next();
-        let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[3, 37], kind)).collect();
-        let mine = on(&xs[me], dev);
-        pg.all_reduce(&mine, op).unwrap_or_else(|e| panic!("all_reduce {kind:?} {op:?}: {e}"));
-        assert_close(&format!("all_reduce {kind:?} {op:?}"), &mine, &reference(&xs, op, kind).to_kind(kind));
+        case_all_reduce(&mut cx, &[3, 37], kind, op);
     }
     // A large all_reduce (several staging halves on the host engine), and a non-contiguous one.
-    let t = next();
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[1 << 20], Kind::Float)).collect();
-    let mine = on(&xs[me], dev);
-    pg.all_reduce(&mine, ReduceOp::Sum).unwrap();
-    assert_close("large all_reduce", &mine, &reference(&xs, ReduceOp::Sum, Kind::Float).to_kind(Kind::Float));
-    let t = next();
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[16, 8], Kind::Float)).collect();
+    case_all_reduce(&mut cx, &[1 << 20], Kind::Float, ReduceOp::Sum);
+    let xs = cx.inputs(&[16, 8], Kind::Float);
     let base = on(&xs[me], dev);
     let view = base.transpose(0, 1);
     assert!(!view.is_contiguous());
-    pg.all_reduce(&view, ReduceOp::Max).unwrap();
-    assert_close("non-contiguous all_reduce", &base, &reference(&xs, ReduceOp::Max, Kind::Float).to_kind(Kind::Float));
+    cx.pg.all_reduce(&view, ReduceOp::Max).unwrap();
+    assert_close("non-contiguous all_reduce", &base, &reduce_ref(&xs, ReduceOp::Max, Kind::Float));
 
-    // broadcast from the last rank into a non-contiguous view.
-    let t = next();
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[5, 9], Kind::Int64)).collect();
-    let base = on(&xs[me], dev);
-    pg.broadcast(&base.transpose(0, 1), n - 1).unwrap();
-    assert_close("broadcast", &base, &xs[n - 1]);
-
-    // all_gather, into one tensor and into a list.
-    let t = next();
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[4, 6], Kind::BFloat16)).collect();
-    let out = Tensor::zeros([n as i64 * 4, 6], (Kind::BFloat16, dev));
-    pg.all_gather_into_tensor(&out, &on(&xs[me], dev)).unwrap();
-    assert_close("all_gather_into_tensor", &out, &Tensor::cat(&xs, 0));
-    let outs: Vec<Tensor> = (0..n).map(|_| Tensor::zeros([4, 6], (Kind::BFloat16, dev))).collect();
-    pg.all_gather(&outs, &on(&xs[me], dev)).unwrap();
-    for (r, o) in outs.iter().enumerate() {
-        assert_close(&format!("all_gather[{r}]"), o, &xs[r]);
-    }
-
-    // reduce_scatter: rank r gets block r of the reduction.
-    let t = next();
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[n as i64 * 10], Kind::Float)).collect();
-    let out = Tensor::zeros([10], (Kind::Float, dev));
-    pg.reduce_scatter_tensor(&out, &on(&xs[me], dev), ReduceOp::Sum).unwrap();
-    let full = reference(&xs, ReduceOp::Sum, Kind::Float).to_kind(Kind::Float);
-    assert_close("reduce_scatter_tensor", &out, &full.narrow(0, me as i64 * 10, 10));
-    let t = next();
-    let lists: Vec<Vec<Tensor>> = (0..n).map(|r| (0..n).map(|j| input(seed, t, r * 100 + j, &[7], Kind::Int64)).collect()).collect();
-    let out = Tensor::zeros([7], (Kind::Int64, dev));
-    let mine: Vec<Tensor> = lists[me].iter().map(|x| on(x, dev)).collect();
-    pg.reduce_scatter(&out, &mine, ReduceOp::Max).unwrap();
-    let col: Vec<Tensor> = (0..n).map(|r| lists[r][me].shallow_clone()).collect();
-    assert_close("reduce_scatter", &out, &reference(&col, ReduceOp::Max, Kind::Int64));
-
-    // all_to_all_single with uneven splits: rank r sends r + j + 1 rows to rank j.
-    let t = next();
-    let rows = |r: usize, j: usize| (r + j + 1) as i64;
-    let xs: Vec<Tensor> = (0..n).map(|r| input(seed, t, r, &[(0..n).map(|j| rows(r, j)).sum(), 3], Kind::Double)).collect();
-    let in_splits: Vec<i64> = (0..n).map(|j| rows(me, j)).collect();
-    let out_splits: Vec<i64> = (0..n).map(|r| rows(r, me)).collect();
-    let out = Tensor::zeros([out_splits.iter().sum::<i64>(), 3], (Kind::Double, dev));
-    pg.all_to_all_single(&out, &on(&xs[me], dev), &out_splits, &in_splits).unwrap();
-    let want: Vec<Tensor> = (0..n)
-        .map(|r| {
-            let start: i64 = (0..me).map(|j| rows(r, j)).sum();
-            xs[r].narrow(0, start, rows(r, me))
-        })
-        .collect();
-    assert_close("all_to_all_single", &out, &Tensor::cat(&want, 0));
-    // all_to_all on lists of different sizes.
-    let t = next();
-    let piece = |r: usize, j: usize| input(seed, t, r * 100 + j, &[(r * 2 + j + 1) as i64], Kind::Int);
-    let ins: Vec<Tensor> = (0..n).map(|j| on(&piece(me, j), dev)).collect();
-    let outs: Vec<Tensor> = (0..n).map(|r| Tensor::zeros([(r * 2 + me + 1) as i64], (Kind::Int, dev))).collect();
-    pg.all_to_all(&outs, &ins).unwrap();
-    for (r, o) in outs.iter().enumerate() {
-        assert_close(&format!("all_to_all from {r}"), o, &piece(r, me));
-    }
-
-    // send/recv around the ring, asynchronously (both directions in flight at once).
-    let t = next();
-    let (to, from) = ((me + 1) % n, (me + n - 1) % n);
-    let mine = on(&input(seed, t, me, &[33], Kind::Float), dev);
-    let got = Tensor::zeros([33], (Kind::Float, dev));
-    let s = pg.send_async(&mine, to, 7).unwrap();
-    let r = pg.recv_async(&got, from, 7).unwrap();
-    r.wait().unwrap();
-    s.wait().unwrap();
-    assert_close("recv", &got, &input(seed, t, from, &[33], Kind::Float));
+    case_broadcast(&mut cx, &[5, 9], Kind::Int64, w - 1);
+    case_all_gather(&mut cx, &[4, 6], Kind::BFloat16);
+    case_reduce_scatter_tensor(&mut cx, 10, Kind::Float, ReduceOp::Sum);
+    case_reduce_scatter(&mut cx, 7, Kind::Int64, ReduceOp::Max);
+    case_all_to_all_single(&mut cx, 8, 3, Kind::Double);
+    case_all_to_all(&mut cx, 1, Kind::Int);
+    case_send_recv(&mut cx, 33, Kind::Float);
 
     // Several asynchronous collectives in flight, waited in reverse order; one dropped
     // unwaited (its tensors stay alive until it completed), then a barrier.
-    let t = next();
-    let xs: Vec<Vec<Tensor>> = (0..4).map(|k| (0..n).map(|r| input(seed, t * 10 + k, r, &[257], Kind::Float)).collect()).collect();
+    let xs: Vec<Vec<Tensor>> = (0..4).map(|_| cx.inputs(&[257], Kind::Float)).collect();
     let mine: Vec<Tensor> = xs.iter().map(|x| on(&x[me], dev)).collect();
-    let works: Vec<_> = mine.iter().map(|m| pg.all_reduce_async(m, ReduceOp::Sum).unwrap()).collect();
-    let dropped = pg.all_reduce_async(&Tensor::ones([1000], (Kind::Float, dev)), ReduceOp::Sum).unwrap();
+    let works: Vec<_> = mine.iter().map(|m| cx.pg.all_reduce_async(m, ReduceOp::Sum).unwrap()).collect();
+    let dropped = cx.pg.all_reduce_async(&Tensor::ones([1000], (Kind::Float, dev)), ReduceOp::Sum).unwrap();
     drop(dropped);
-    for w in works.into_iter().rev() {
-        w.wait().unwrap();
+    for work in works.into_iter().rev() {
+        work.wait().unwrap();
     }
     for (k, m) in mine.iter().enumerate() {
-        assert_close(&format!("async all_reduce #{k}"), m, &reference(&xs[k], ReduceOp::Sum, Kind::Float).to_kind(Kind::Float));
+        assert_close(&format!("async all_reduce #{k}"), m, &reduce_ref(&xs[k], ReduceOp::Sum, Kind::Float));
     }
-    pg.barrier().unwrap();
+    cx.pg.barrier().unwrap();
 
     // new_group of the first and last rank: members reduce among themselves.
-    let sub = pg.new_group(&[0, n - 1], None).unwrap();
-    assert_eq!(sub.is_some(), me == 0 || me == n - 1);
+    let sub = cx.pg.new_group(&[0, w - 1], None).unwrap();
+    assert_eq!(sub.is_some(), me == 0 || me == w - 1);
     if let Some(sub) = &sub {
-        let t = next();
+        let t = cx.next();
         // float64 on CPU; CUDA reductions take float32 (and float16, bfloat16, int32/64).
         let kind = if cuda { Kind::Float } else { Kind::Double };
-        let xs: Vec<Tensor> = [0, n - 1].iter().map(|&r| input(seed, t, r, &[40], kind)).collect();
+        let xs: Vec<Tensor> = [0, w - 1].iter().map(|&r| input(seed, t, r, &[40], kind)).collect();
         let mine = on(&xs[sub.rank()], dev);
         sub.all_reduce(&mine, ReduceOp::Sum).unwrap();
-        assert_close("new_group all_reduce", &mine, &reference(&xs, ReduceOp::Sum, kind).to_kind(kind));
-        assert_eq!(sub.global_ranks(), &[0, n - 1]);
+        assert_close("new_group all_reduce", &mine, &reduce_ref(&xs, ReduceOp::Sum, kind));
+        assert_eq!(sub.global_ranks(), &[0, w - 1]);
     }
-    pg.barrier().unwrap();
-    let stats = pg.memory_stats();
+    cx.pg.barrier().unwrap();
+    let stats = cx.pg.memory_stats();
     assert_eq!(stats.engine, "host");
     if cuda {
         assert!(stats.cuda.is_some_and(|c| c.collectives > 0), "{stats:?}");
