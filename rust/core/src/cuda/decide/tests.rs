@@ -1,0 +1,284 @@
+//! decide.rs's choices, tested without a GPU.
+
+use super::*;
+
+/// Every kind has one kernel, one NCCL call and words, and they agree with its facts.
+#[test]
+fn every_kind_has_a_kernel_and_an_nccl_call() {
+    for k in Kind::ALL {
+        let kern = kernel(k, 64, 2, 0);
+        assert_eq!(kern.shape() == kernels::Shape::Peer, k.is_p2p(), "{k:?}");
+        assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
+        assert_eq!(matches!(kern, Kernel::Reduce(_)), k.has_op(), "{k:?}");
+        assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
+        assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
+    }
+    assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
+    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
+    assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
+    assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
+}
+
+/// The copy engines take all_gather from the setting's size on, never at 0, never
+/// without peers; rounds cover every byte once, in order, none larger than a half.
+#[test]
+fn copy_engine_choice_and_rounds() {
+    assert!(copy_engine(Kind::AllGather, 4 << 20, 4, 4 << 20));
+    assert!(!copy_engine(Kind::AllGather, (4 << 20) - 1, 4, 4 << 20));
+    assert!(!copy_engine(Kind::AllGather, 1 << 30, 4, 0));
+    assert!(!copy_engine(Kind::AllGather, 1 << 30, 1, 1));
+    assert!(copy_engine(Kind::AllGather, 1, 2, 1));
+    assert!(copy_engine(Kind::Broadcast, 4 << 20, 2, 4 << 20));
+    for k in Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::Broadcast)) {
+        assert!(!copy_engine(k, 1 << 30, 4, 1), "{k:?}");
+    }
+    for (per_rank, slot) in [
+        (0u64, 16u64),
+        (1, 16),
+        (16, 16),
+        (17, 16),
+        (100, 7),
+        (1 << 28, 32 << 20),
+        (3 << 20, 64 << 20),
+        (16 << 20, 64 << 20),
+        (64 << 20, 21 << 20),
+        (1 << 30, 21 << 20),
+        ((16 << 20) + 3, 64 << 20),
+    ] {
+        let r: Vec<_> = copy_rounds(per_rank, slot).collect();
+        assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), per_rank);
+        assert!(r.iter().all(|&(_, n)| n > 0 && n <= slot));
+        assert!(r.first().is_none_or(|f| f.0 == 0) && r.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+        let fewest = per_rank.div_ceil(slot);
+        let want = if per_rank >= COPY_MIN_ROUNDS * COPY_MIN_STEP {
+            fewest.max(COPY_MIN_ROUNDS)
+        } else {
+            fewest.max(per_rank.div_ceil(COPY_MIN_STEP))
+        };
+        assert_eq!(r.len() as u64, want, "{per_rank} bytes, slot {slot}");
+    }
+}
+
+/// Each engine answers for what it runs: NCCL reduces float64, int8 and uint8, which
+/// rsccl's kernels do not; neither reduces bool or bitwise ops; operations that move
+/// bytes run on any dtype on both. (Seen: a float64 all_reduce across hosts was refused
+/// with rsccl's kernel table and aborted the group.)
+#[test]
+fn each_device_engine_answers_for_what_it_reduces() {
+    // NCCL's ncclDataType_t less bool (moved as uint8, never reduced) and the fp8 types
+    // (rsccl has none); its ncclRedOp_t (no bitwise ops). The tables must say so.
+    const NCCL_DTYPES: [DType; 8] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64];
+    const NCCL_OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    assert_eq!(DType::ALL.into_iter().filter(|d| d.nccl_reduces()).collect::<Vec<_>>(), NCCL_DTYPES);
+    assert_eq!(ReduceOp::ALL.into_iter().filter(|o| o.in_nccl()).collect::<Vec<_>>(), NCCL_OPS);
+    use DeviceEngine::{Nccl, Rsccl};
+    for k in Kind::ALL {
+        for d in DType::ALL {
+            for o in ReduceOp::ALL {
+                let (r, n) = (can_run(Rsccl, k, d, o, 2), can_run(Nccl, k, d, o, 2));
+                if !k.has_op() {
+                    assert!(r.is_ok() && n.is_ok(), "{k:?} moves bytes of any dtype");
+                    continue;
+                }
+                assert_eq!(r.is_ok(), kernels::REDUCE_DTYPES.contains(&d) && kernels::REDUCE_OPS.contains(&o) && o.check(d).is_ok());
+                let nccl = NCCL_DTYPES.contains(&d) && NCCL_OPS.contains(&o) && o.check(d).is_ok();
+                assert_eq!(n.is_ok(), nccl, "{k:?} {d:?} {o:?}");
+                for e in [r, n].into_iter().filter_map(|x| x.err()) {
+                    assert!(matches!(&e, Error::InvalidType(m) if m.starts_with(&format!("{}: rank 2 ", k.name()))), "{e}");
+                }
+            }
+        }
+    }
+    for d in [DType::F64, DType::I8, DType::U8] {
+        assert!(can_run(Nccl, Kind::AllReduce, d, ReduceOp::Sum, 2).is_ok(), "{d:?}");
+        assert!(can_run(Rsccl, Kind::AllReduce, d, ReduceOp::Sum, 2).is_err(), "{d:?}");
+    }
+    let e = can_run(Rsccl, Kind::AllReduce, DType::F64, ReduceOp::Sum, 2).unwrap_err().to_string();
+    assert!(e.contains("all_reduce: rank 2 passed float64; rsccl's CUDA reductions take float32, float16, bfloat16, int32, int64"), "{e}");
+    let e = can_run(Nccl, Kind::Reduce, DType::Bool, ReduceOp::Sum, 2).unwrap_err().to_string();
+    assert!(e.contains("reduce: rank 2 passed bool; NCCL") && e.contains("reduces float32, float64"), "{e}");
+    let e = can_run(Nccl, Kind::ReduceScatter, DType::I32, ReduceOp::BAnd, 2).unwrap_err().to_string();
+    assert!(e.contains("reduce_scatter: rank 2 passed ReduceOp.BAND on int32; NCCL"), "{e}");
+    let e = can_run(Nccl, Kind::AllReduce, DType::I64, ReduceOp::Avg, 2).unwrap_err().to_string();
+    assert!(e.contains("all_reduce: rank 2 ReduceOp.AVG is not defined on dtype int64"), "{e}");
+    assert!(can_run(Nccl, Kind::AllGather, DType::Bool, ReduceOp::BXor, 2).is_ok());
+}
+
+/// GPUs that cannot reach each other are refused at creation, naming both ranks and
+/// GPUs and the way out, on every rank alike; ranks sharing a GPU and peers a rank
+/// cannot see pass.
+#[test]
+fn gpus_without_peer_access_are_named() {
+    use Reach::{No, SameGpu, Unknown, Yes};
+    let gpu = |rank: usize, ordinal: i32| LocalGpu { rank, ordinal, bus: format!("0000:{:02x}:00.0", 0x14 + rank) };
+    let gpus: Vec<LocalGpu> = (0..4).map(|r| gpu(r + 4, r as i32)).collect();
+    let all = |r: Reach| vec![vec![r; 4]; 4];
+    assert!(check_peer_access(&gpus, &all(Yes)).is_ok());
+    assert!(check_peer_access(&gpus, &all(SameGpu)).is_ok(), "ranks sharing one GPU (allow_shared_gpu)");
+    assert!(check_peer_access(&gpus, &all(Unknown)).is_ok(), "GPUs a rank cannot see: the mapping will tell");
+    // A rank's answer about itself is never an obstacle.
+    let mut reach = all(Yes);
+    reach[2][2] = No;
+    assert!(check_peer_access(&gpus, &reach).is_ok());
+    // One direction is enough to refuse: the kernels read and write both ways.
+    reach[3][1] = No;
+    let e = check_peer_access(&gpus, &reach).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(
+        m.starts_with(
+            "the GPU of rank 7 (cuda:3, PCI 0000:1b:00.0) cannot access the memory of the GPU of rank 5 (cuda:1, PCI 0000:19:00.0)"
+        ),
+        "{m}"
+    );
+    assert!(m.contains("cuDeviceCanAccessPeer") && m.contains("backend=\"cpu:rsccl,cuda:nccl\""), "{m}");
+    // Every rank reports the first pair in the same order, whichever rank finds it.
+    reach[0][2] = No;
+    assert!(check_peer_access(&gpus, &reach).unwrap_err().to_string().starts_with("the GPU of rank 4 (cuda:0"));
+    for r in [SameGpu, Yes, No, Unknown] {
+        assert_eq!(Reach::from_code(r as u8), r);
+    }
+    assert_eq!(Reach::from_code(9), Unknown);
+}
+
+#[test]
+fn allreduce_algorithm_follows_threshold() {
+    assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::OneShot);
+    assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10), Family::OneShot);
+    assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10), Family::TwoShot);
+    assert_eq!(choose_allreduce(2, 2, 1), Family::TwoShot);
+    // Auto: the measured crossover per number of ranks.
+    assert_eq!(choose_allreduce(2 << 20, 2, 0), Family::OneShot);
+    assert_eq!(choose_allreduce(4 << 20, 2, 0), Family::TwoShot);
+    assert_eq!(choose_allreduce(1 << 20, 4, 0), Family::TwoShot);
+    assert_eq!(choose_allreduce(512 << 10, 4, 0), Family::OneShot);
+    assert_eq!(choose_allreduce(512 << 10, 8, 0), Family::TwoShot);
+}
+
+#[test]
+fn placement_offers_only_eligible_pool_buffers() {
+    // A pool at [1000, 1000 + 100 MiB) of a block starting at 0.
+    let pool = |ptr: u64, len: u64| (ptr >= 1000 && ptr + len <= 1000 + (100 << 20)).then_some(ptr);
+    let call = |kind, count, inp, out| CudaCall {
+        kind,
+        dtype: DType::BF16,
+        op: ReduceOp::Sum,
+        root: 0,
+        inp,
+        out,
+        count,
+        chunks: None,
+        stream: 0,
+        asynchronous: false,
+    };
+    let mib = 1u64 << 20;
+    let two = Some(Family::TwoShot);
+    // all_reduce: both buffers in the pool, two-shot, over the threshold.
+    let ar = call(Kind::AllReduce, 4 * mib / 2, 2048, 2048);
+    assert_eq!(placement(&ar, two, 4, mib, &pool), (2049, 2049));
+    assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
+    assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
+    assert_eq!(placement(&call(Kind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
+    // A buffer that runs past the end of the pool is not in it.
+    assert_eq!(placement(&call(Kind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
+    // reduce_scatter offers its input (world x count elements), all_gather and
+    // broadcast their output.
+    let rs = call(Kind::ReduceScatter, mib, 4096, 1 << 40);
+    assert_eq!(placement(&rs, None, 4, mib, &pool), (4097, 0));
+    let ag = call(Kind::AllGather, mib, 1 << 40, 4096);
+    assert_eq!(placement(&ag, None, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
+    let bc = call(Kind::Broadcast, 2 * mib, 8192, 8192);
+    assert_eq!(placement(&bc, None, 2, mib, &pool), (0, 8193));
+    assert_eq!(placement(&call(Kind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
+    assert_eq!(message_bytes(Kind::ReduceScatter, 10, 2, 4), 80);
+}
+
+#[test]
+fn staging_split_fits_the_buffer() {
+    for (buf, blocks) in [(32usize << 20, 32u32), (2 << 20, 64), (4 << 20, 1)] {
+        let spb = stage_per_block(buf, blocks);
+        assert!(spb > 0 && spb % 256 == 0);
+        assert!(STAGE_OFF + 2 * blocks as usize * spb <= buf);
+    }
+}
+
+#[test]
+fn p2p_inbox_split() {
+    // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
+    assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), ((16 << 20) / (3 * 64)) & !255);
+    assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
+    // One rank: one slot, never divided by zero.
+    assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
+    let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
+    assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
+}
+
+#[test]
+fn p2p_grid_fits_beside_a_collective() {
+    // H200: 132 SMs, 2 send/recv blocks of 512 threads per SM (about 52 registers), a
+    // collective of 32 blocks at one per SM: 100 SMs, 200 slots for 2 x (L - 1) kernels.
+    let fit = |setting, l, sms, p2p, coll, coll_sm| p2p_blocks_that_fit(setting, l, sms, p2p, coll, coll_sm);
+    assert_eq!(fit(32, 2, 132, 2, 32, 1), 32, "2 kernels: the setting fits");
+    assert_eq!(fit(32, 4, 132, 2, 32, 1), 32, "6 x 32 = 192 <= 200");
+    assert_eq!(fit(64, 4, 132, 2, 32, 1), 33, "6 x 64 does not fit; 6 x 33 = 198 does");
+    assert_eq!(fit(32, 8, 132, 2, 32, 1), 14, "14 kernels x 14 = 196 <= 200");
+    assert_eq!(fit(32, 16, 132, 2, 32, 1), 6, "30 x 6 = 180");
+    assert_eq!(fit(32, 4, 132, 2, 32, 2), 32, "two collective blocks per SM: 16 SMs taken");
+    assert_eq!(fit(64, 8, 132, 2, 64, 1), 9, "64 collective blocks leave 68 SMs: 136 / 14");
+    for (setting, l, sms, p2p, coll, coll_sm) in
+        [(32, 8, 132, 2, 64, 1), (64, 4, 132, 2, 64, 1), (7, 5, 20, 3, 17, 2), (64, 16, 132, 1, 64, 1)]
+    {
+        let b = fit(setting, l, sms, p2p, coll, coll_sm);
+        let free = (sms - coll.div_ceil(coll_sm)) * p2p;
+        assert!(b <= setting);
+        assert!(2 * (l as u32 - 1) * b <= free, "{setting} {l} {sms} {p2p} {coll}: {b}");
+        assert!(2 * (l as u32 - 1) * (b + 1) > free || b == setting, "the most that fit");
+    }
+    // Nothing fits: 0 (creation fails with a message), never a wrap-around.
+    assert_eq!(fit(32, 8, 16, 2, 64, 1), 0);
+    assert_eq!(fit(32, 8, 132, 0, 64, 1), 0, "a send/recv kernel that cannot run at all");
+    assert_eq!(fit(32, 8, 132, 2, 64, 0), 0, "a collective that cannot run at all");
+    assert_eq!(fit(32, 16, 20, 2, 8, 1), 0, "30 kernels on 24 slots");
+    // One rank: no send/recv, the setting stands.
+    assert_eq!(fit(32, 1, 1, 1, 64, 1), 32);
+    // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
+    let (eff, set) = (fit(64, 4, 132, 2, 32, 1), 64);
+    let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
+    assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
+}
+
+#[test]
+fn shared_gpu_grids_fit_in_each_ranks_share() {
+    // A GPU of its own: the collective grid is the setting, send/recv as before.
+    let g = |blocks, p2p, l, sms, p2p_sm, coll_sm, sharers| grids_that_fit(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+    assert_eq!(g(64, 32, 4, 132, 2, 1, 1), (64, p2p_blocks_that_fit(32, 4, 132, 2, 64, 1)));
+    assert_eq!(g(64, 32, 8, 16, 2, 1, 1), (64, 0), "unshared and too small: refused, as before");
+    // H100 (132 SMs), 2 send/recv and 1 collective block per SM: 2 ranks get 66 SMs
+    // each, 4 get 33, 8 get 16 (the measured-safe 4 x 8 and 8 x 4 blocks are below these).
+    assert_eq!(g(64, 32, 2, 132, 2, 1, 2), (64, 2), "66 SMs: 1 for send/recv, 64 collective, 2 left");
+    assert_eq!(g(64, 32, 4, 132, 2, 1, 4), (30, 1), "33 SMs: 3 for 6 send/recv kernels");
+    assert_eq!(g(64, 32, 8, 132, 2, 1, 8), (9, 1), "16 SMs: 7 for 14 send/recv kernels");
+    assert_eq!(g(64, 32, 16, 132, 2, 1, 16), (0, 0), "8 SMs cannot hold 30 send/recv kernels");
+    assert_eq!(g(4, 32, 4, 132, 2, 1, 4), (4, (33 - 4) * 2 / 6), "a smaller setting stands");
+    assert_eq!(g(64, 32, 4, 132, 0, 1, 4), (0, 0), "a send/recv kernel that cannot run");
+    // The invariant: every co-located rank's collective and send/recv kernels fit on the
+    // GPU together, each at least one block, collective blocks taking whole SMs.
+    for sms in [1u32, 7, 20, 78, 108, 132, 144] {
+        for l in 2..=16usize {
+            for sharers in 2..=l as u32 {
+                for (p2p_sm, coll_sm) in [(1, 1), (2, 1), (3, 2), (4, 1)] {
+                    for (blocks, p2p) in [(64, 32), (8, 4), (1, 1)] {
+                        let (c, p) = g(blocks, p2p, l, sms, p2p_sm, coll_sm, sharers);
+                        if c == 0 || p == 0 {
+                            assert_eq!((c, p), (0, 0));
+                            continue;
+                        }
+                        assert!(c <= blocks && p <= p2p);
+                        let sms_per_rank = c.div_ceil(coll_sm) + (2 * (l as u32 - 1) * p).div_ceil(p2p_sm);
+                        assert!(sharers * sms_per_rank <= sms, "{sms} SMs, {l} ranks, {sharers} sharers: {c} + {p}");
+                    }
+                }
+            }
+        }
+    }
+}
