@@ -51,6 +51,11 @@ def _rank(rank: int, port: int, q, second: bool, exit_at: str, store_in_rank0: b
     os.environ["RSCCL_TEST_EXIT_AT"] = exit_at
     if cuda:
         os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+        # A victim that dies just after the group was made can be met by a survivor's kernel
+        # (the GPU watchdog sees the peer gone) rather than at a launch: with the default
+        # cuda_error_teardown = 1 that survivor's process would end instead of raising, and
+        # this trial checks what it raises (teardown is tests/gpu/test_gpu_faults.py's).
+        os.environ["RSCCL_CUDA_ERROR_TEARDOWN"] = "0"
     # A survivor that hangs shows where (the parent's deadline comes later).
     faulthandler.dump_traceback_later(60, exit=False)
     import rsccl  # noqa: F401 - registers the backend
