@@ -50,6 +50,17 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
     return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
 }
 
+// The sender `src` wrote a size `got` other than this recv's (`a.count`): both sizes for
+// the host (err_host + 384, status.rs), then the fatal report that poisons the group. Out
+// of line: it runs once per failure (NOTE [Code size]).
+__device__ __noinline__ void report_size(const Args& a, u64 got, u32 src) {
+    volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+    h[48] = got;
+    h[49] = a.count;
+    __threadfence_system();
+    fail(a, ERR_P2P_SIZE, src);
+}
+
 // Warp 0 of a send/recv block signals, the other warps move data, so the slow part of a
 // step's signal (the system-scope release waits until the chunk's NVLink stores are
 // performed) overlaps the next chunk's copy. Two named barriers of the whole block pass
@@ -143,11 +154,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
                 } else {
                     const u64 got = *p2p_size(a.peer[me], b, src, par);
                     if (got != n) {
-                        volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
-                        h[48] = got;
-                        h[49] = n;
-                        __threadfence_system();
-                        fail(a, ERR_P2P_SIZE, src);
+                        report_size(a, got, src);
                         ok = 0;
                     }
                 }
@@ -274,13 +281,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_p2p_signal(const __grid
         if (j > 0) st_release_sys(p2p_word(a.peer[peer], P2P_ACK, 0, me), q - 1);
         if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, 0, peer), q, peer)) return;
         const u64 got = *p2p_size(a.peer[me], 0, peer, q & 1);
-        if (got != n) {
-            volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
-            h[48] = got;
-            h[49] = n;
-            __threadfence_system();
-            fail(a, ERR_P2P_SIZE, peer);
-        }
+        if (got != n) report_size(a, got, peer);
     } else if (mode == P2P_CE_FINISH) {
         u32* recv = p2p_word(a.peer[me], P2P_RECV, 0, peer);
         const u32 q = *recv + m;
