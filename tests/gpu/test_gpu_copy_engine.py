@@ -23,6 +23,7 @@ from gpu_refs import DTYPES, MOVE_DTYPES, Failures, gather_inputs, rand
 from refs import assert_equal
 from test_gpu_collectives import body_all_gather as body_gather_forms
 from test_gpu_collectives import body_broadcast
+from test_gpu_p2p import _peer
 
 pytestmark = needs_gpus
 
@@ -224,12 +225,6 @@ P2P_CONFIGS = ["copy-engines", "copy-engines-small-inbox"]
 P2P_SIZES = [1, 7, 100_003, 1_572_867]
 
 
-def _pair(ctx) -> int | None:
-    """This rank's partner: 0-1, 2-3, ...; None for the last rank of an odd world."""
-    p = ctx.rank ^ 1
-    return p if p < ctx.world else None
-
-
 def _settle(works: list) -> None:
     for w in works:
         if w is not None:
@@ -242,7 +237,7 @@ def body_p2p_every_dtype(ctx, seed: int, config: str, sizes: list[int]) -> int:
     the sender's input (which the receiver makes from the seed); then the same messages
     with isend/irecv in both directions at once."""
     g = rsccl_group(ctx, config)
-    peer = _pair(ctx)
+    peer = _peer(ctx)
     if peer is None:
         return -1
     me, f, checks = ctx.rank, Failures(), 0
@@ -284,7 +279,7 @@ def body_p2p_in_order(ctx, seed: int, config: str) -> None:
     receiver posting its recvs late: a copy-engine send waits for its receiver (a
     rendezvous) on its stream, not on the CPU."""
     g = rsccl_group(ctx, config)
-    peer = _pair(ctx)
+    peer = _peer(ctx)
     if peer is None:
         return
     me, f = ctx.rank, Failures()
@@ -340,7 +335,7 @@ def body_p2p_mixed(ctx, seed: int, rounds: int) -> int:
     every earlier kernel message was read out (DRAIN), and leaves the inbox empty for the
     next kernel message (the rendezvous)."""
     g = rsccl_group(ctx, "copy-engines-from-64KiB")
-    peer = _pair(ctx)
+    peer = _peer(ctx)
     if peer is None:
         return -1
     me, f, checks = ctx.rank, Failures(), 0
@@ -382,7 +377,7 @@ def body_p2p_graph(ctx, seed: int) -> None:
     message, captured in one CUDA graph and replayed on fresh data: the signal kernels read
     the sequence from memory, so replays stay in step with each other and with the kernels."""
     g = rsccl_group(ctx, "copy-engines-from-64KiB")
-    peer = _pair(ctx)
+    peer = _peer(ctx)
     if peer is None:
         return
     me, f = ctx.rank, Failures()
