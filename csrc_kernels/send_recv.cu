@@ -222,9 +222,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //               and advance RECV[0] by m.
 //   Rendezvous: the last READY waits for the receiver's last ack, so a copy-engine send
 //   completes only once its receiver has copied the whole message out, unlike the kernels,
-//   whose first two steps are eager. (A send whose receiver comes later waits for it,
-//   bounded by the timeout; a blocking send before its matching recv in the same thread
-//   times out, as a large kernel send does.)
+//   whose first two steps are eager. (A send whose receiver comes later waits for it on
+//   the GPU, bounded by the timeout: two ranks that each make a blocking send to the other
+//   before their recvs time out, as with a kernel send over the eager capacity: docs/cuda.md's
+//   deadlock rule.)
 //   Ordering: a signal kernel starts after the copy queued before it on its stream has
 //   completed; its st.release.sys then orders that copy's writes (the push) or reads (the
 //   copy-out) before anything the peer queues after the kernel whose ld.acquire.sys read
@@ -243,8 +244,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //   rs_recv) at its first step, on whichever paths the two sides took: a kernel receiver's
 //   block 0 reads the size this path wrote, and this path reads the size a kernel sender's
 //   block 0 wrote; the failure poisons the group, so every other wait stops. Nothing of a
-//   mismatched message is acknowledged; the receiver's tensor may hold inbox bytes (its
-//   copy-outs are queued and cannot be skipped), but the recv raises.
+//   mismatched message is acknowledged; a receiver on this path may find inbox bytes in
+//   its tensor (its copy-outs are queued and cannot be skipped), but its recv raises.
 //   Failures: every wait is wait_geq (NOTE [Bounded waits]); a kernel that finds its group
 //   failed at entry writes nothing (NOTE [Kernel entry]); a failed kernel leaves the
 //   counters unsaved, the group is over. The copies stay within the pair's region and the
