@@ -142,6 +142,16 @@ struct P2pArgs {
     u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
 };
 
+// rs_p2p_signal (send/recv on the copy engines, NOTE [Copy-engine send/recv] in
+// send_recv.cu) takes a P2pArgs whose descriptor words say what to do: desc0 = mode |
+// the send/recv grid's blocks << P2P_CE_BLOCKS_SHIFT, desc1 = step | steps << 32 (the
+// message's step j, 0-based, and its number of steps m); `a.count` is the message's bytes.
+#define P2P_CE_DRAIN 1     // sender, first: every block's earlier sends were consumed
+#define P2P_CE_READY 2     // sender, after step j's push: publish it; wait for step j - 1's ack
+#define P2P_CE_ARRIVED 3   // receiver, before step j's copy-out: ack step j - 1; wait for step j
+#define P2P_CE_FINISH 4    // receiver, after the last copy-out: ack it; advance the counter
+#define P2P_CE_BLOCKS_SHIFT 8
+
 // The layout build.rs computed for the structs above (natural alignment, no packing),
 // checked by the compiler; build.rs checks it computes the same numbers. (NVRTC has no
 // offsetof: the field offsets follow from the field types' sizes and alignments, which

@@ -9,6 +9,7 @@
 //   NOTE [Barrier protocol], NOTE [Buffer reuse], NOTE [Agreement]   at barrier()
 //   NOTE [In place]           common.cuh, at the in-place helpers
 //   NOTE [Point to point]     send_recv.cu
+//   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
 //

@@ -1,4 +1,5 @@
-// send / recv (rs_send, rs_recv): not collectives of the group, NOTE [Point to point].
+// send / recv (rs_send, rs_recv): not collectives of the group, NOTE [Point to point];
+// rs_p2p_signal: their signals on the copy-engine path, NOTE [Copy-engine send/recv].
 
 #include "common.cuh"
 
@@ -47,6 +48,17 @@ __device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sen
 __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 par) {
     const u64 slot = (u64)slot_of(sender, receiver);
     return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
+}
+
+// The sender `src` wrote a size `got` other than this recv's (`a.count`): both sizes for
+// the host (err_host + 384, status.rs), then the fatal report that poisons the group. Out
+// of line: it runs once per failure (NOTE [Code size]).
+__device__ __noinline__ void report_size(const Args& a, u64 got, u32 src) {
+    volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
+    h[48] = got;
+    h[49] = a.count;
+    __threadfence_system();
+    fail(a, ERR_P2P_SIZE, src);
 }
 
 // Warp 0 of a send/recv block signals, the other warps move data, so the slow part of a
@@ -142,11 +154,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
                 } else {
                     const u64 got = *p2p_size(a.peer[me], b, src, par);
                     if (got != n) {
-                        volatile u64* h = reinterpret_cast<volatile u64*>(a.err_host);
-                        h[48] = got;
-                        h[49] = n;
-                        __threadfence_system();
-                        fail(a, ERR_P2P_SIZE, src);
+                        report_size(a, got, src);
                         ok = 0;
                     }
                 }
@@ -184,5 +192,102 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
                 [&](const Pack<u8>& p, u64 i) { store_pack(p, out, i, hi); });
         }
         bar_arrive(BAR_DONE);
+    }
+}
+
+// NOTE [Copy-engine send/recv]
+// A message of at least cuda_copy_engine_min_bytes (decide::copy_engine; both sides
+//   choose from their own size and the same setting) moves with cuMemcpyDtoDAsync, no SM
+//   touching its bytes (rust/core/src/cuda/engine/copy_p2p.rs queues it). The pair's
+//   region of the receiver's inbox (p2p_slot's, for every block and parity: 2 G chunk
+//   bytes for a grid of G blocks) is used as two halves of H = G chunk bytes; step j of m
+//   = ceil(n / H) moves bytes [j H, min(n, (j + 1) H)) through half j & 1 (the host
+//   queues the copies, and knows j but not the counters). Step j's sequence number is
+//   q_j = base + j + 1, where base is block 0's SEND (sender) or RECV (receiver) counter,
+//   read from memory by each signal kernel, so that a CUDA graph replays like the kernels.
+//   Signals: rs_p2p_signal with one block, on block 0's words of NOTE [Point to point]
+//   (READY, ACK, the size slots), with st.release.sys / ld.acquire.sys and bounded waits.
+//   Both sides queue on their (peer, direction) stream:
+//     sender:   DRAIN: for every block b, wait ACK[b] >= SEND[b] (every earlier message,
+//               the kernels' eager steps included, was read out, so the inbox is free);
+//               then for j = 0 .. m-1: push step j into half j & 1 (a copy);
+//               READY(j): store n into size[0][sender][q_j & 1], release READY[0] = q_j,
+//               then wait ACK[0] >= q_j - 1 (the receiver copied step j - 1 out, so the
+//               next push, into that half, may start); the last READY waits ACK[0] >= q_{m-1}
+//               instead and advances SEND[0] by m.
+//     receiver: for j = 0 .. m-1: ARRIVED(j): release ACK[0] = q_{j-1} (j > 0: the
+//               copy-out of step j - 1 ended before this kernel began, stream order), wait
+//               READY[0] >= q_j, check the size against its own n; then the copy-out of
+//               step j (half j & 1 into the tensor); FINISH: release ACK[0] = q_{m-1}
+//               and advance RECV[0] by m.
+//   Rendezvous: the last READY waits for the receiver's last ack, so a copy-engine send
+//   completes only once its receiver has copied the whole message out, unlike the kernels,
+//   whose first two steps are eager. (A send whose receiver comes later waits for it on
+//   the GPU, bounded by the timeout: two ranks that each make a blocking send to the other
+//   before their recvs time out, as with a kernel send over the eager capacity: docs/cuda.md's
+//   deadlock rule.)
+//   Ordering: a signal kernel starts after the copy queued before it on its stream has
+//   completed; its st.release.sys then orders that copy's writes (the push) or reads (the
+//   copy-out) before anything the peer queues after the kernel whose ld.acquire.sys read
+//   the value (the same argument as NOTE [Copy engines]'s barriers). So step j's bytes are
+//   in the half before the receiver's copy-out of it starts, and the copy-out of step j - 1
+//   ended before the push of step j + 1 into the same half starts (the halves and the
+//   size slots alternate with j and q_j alike within a message). The size slot of a parity
+//   is written again (step j + 2) only after the ack of step j, which the receiver releases
+//   after it read the size of step j.
+//   Mixing with the kernels: the kernels keep a counter per block; this path moves block
+//   0's only, by its m steps, on both sides alike, so block 0's READY/ACK/SEND/RECV stay
+//   in step for the next kernel message and blocks 1.. are untouched. DRAIN makes the
+//   whole region free before the first push (the kernels' blocks use all of it), and the
+//   rendezvous leaves it free for the next kernel message (its block 0 sees ACK >= SEND).
+//   Sizes that differ: the receiver reports ERR_P2P_SIZE (both sizes for the host, as
+//   rs_recv) at its first step, on whichever paths the two sides took: a kernel receiver's
+//   block 0 reads the size this path wrote, and this path reads the size a kernel sender's
+//   block 0 wrote; the failure poisons the group, so every other wait stops. Nothing of a
+//   mismatched message is acknowledged; a receiver on this path may find inbox bytes in
+//   its tensor (its copy-outs are queued and cannot be skipped), but its recv raises.
+//   Failures: every wait is wait_geq (NOTE [Bounded waits]); a kernel that finds its group
+//   failed at entry writes nothing (NOTE [Kernel entry]); a failed kernel leaves the
+//   counters unsaved, the group is over. The copies stay within the pair's region and the
+//   caller's tensor, and always finish on their own, so nothing stays blocked on the GPU.
+extern "C" __global__ void __launch_bounds__(THREADS) rs_p2p_signal(const __grid_constant__ P2pArgs x) {
+    const Args& a = x.a;
+    __shared__ u32 ok;
+    const u32 peer = a.root, me = a.rank, t = threadIdx.x;
+    const u32 mode = (u32)(a.desc0 & 0xff), grid = (u32)(a.desc0 >> P2P_CE_BLOCKS_SHIFT) & 0xff;
+    const u32 j = (u32)a.desc1, m = (u32)(a.desc1 >> 32);
+    const u64 n = a.count;
+    if (t == 0) ok = !failed_at_entry(a, own_poison(a));  // NOTE [Kernel entry]
+    __syncthreads();
+    if (!ok) return;
+    if (mode == P2P_CE_DRAIN) {
+        // Thread b waits for block b's earlier sends to be read out (acquire: the receiver's
+        // reads happened before its ack). A failed wait reported itself (fail).
+        if (t < grid) (void)wait_geq(a, p2p_word(a.peer[me], P2P_ACK, t, peer), *p2p_word(a.peer[me], P2P_SEND, t, peer), peer);
+        return;
+    }
+    if (t != 0) return;
+    if (mode == P2P_CE_READY) {
+        u32* send = p2p_word(a.peer[me], P2P_SEND, 0, peer);
+        const u32 q = *send + j + 1;
+        *p2p_size(a.peer[peer], 0, me, q & 1) = n;
+        // Publishes the push of step j (it completed before this kernel began) and the size.
+        st_release_sys(p2p_word(a.peer[peer], P2P_READY, 0, me), q);
+        const bool last = j + 1 == m;
+        if (!wait_geq(a, p2p_word(a.peer[me], P2P_ACK, 0, peer), last ? q : q - 1, peer)) return;
+        if (last) *send = q;
+    } else if (mode == P2P_CE_ARRIVED) {
+        const u32 q = *p2p_word(a.peer[me], P2P_RECV, 0, peer) + j + 1;
+        // The copy-out of step j - 1 completed before this kernel began: its half is free.
+        if (j > 0) st_release_sys(p2p_word(a.peer[peer], P2P_ACK, 0, me), q - 1);
+        if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, 0, peer), q, peer)) return;
+        const u64 got = *p2p_size(a.peer[me], 0, peer, q & 1);
+        if (got != n) report_size(a, got, peer);
+    } else if (mode == P2P_CE_FINISH) {
+        u32* recv = p2p_word(a.peer[me], P2P_RECV, 0, peer);
+        const u32 q = *recv + m;
+        // The last copy-out completed before this kernel began.
+        st_release_sys(p2p_word(a.peer[peer], P2P_ACK, 0, me), q);
+        *recv = q;
     }
 }

@@ -41,6 +41,11 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     # small staging; and never, so that the kernel keeps its tests at every size.
     "copy-engines": {"cuda_copy_engine_min_bytes": 1},
     "copy-engines-small-buffer": {"cuda_copy_engine_min_bytes": 1, "cuda_buffer_bytes": "4MiB"},
+    # send/recv on the copy engines in many steps through a small inbox (halves of 1 MiB /
+    # (local ranks - 1)); and from 64 KiB on only, so that kernel and copy-engine messages
+    # follow each other between a pair.
+    "copy-engines-small-inbox": {"cuda_copy_engine_min_bytes": 1, "cuda_p2p_bytes": "2MiB"},
+    "copy-engines-from-64KiB": {"cuda_copy_engine_min_bytes": 65536, "cuda_p2p_bytes": "2MiB"},
     "no-copy-engines": {"cuda_copy_engine_min_bytes": 0},
 }
 

@@ -1,20 +1,29 @@
-"""all_gather and broadcast on the copy engines (issue 28): every size and dtype, the list
-form, in place (FSDP2's input: this rank's block of the output), asynchronous, on the
-internal stream, every root, in many rounds through a small staging, under CUDA graph
-capture mixed with kernel collectives, and a killed rank; against NCCL's all_gather and
-broadcast of the same random input (bitwise: the path moves bytes). The late, stopped-by-timeout and mismatched cases are in
-test_gpu_faults.py (ce_* scenarios)."""
+"""all_gather, broadcast and send/recv on the copy engines (issue 28). all_gather and
+broadcast: every size and dtype, the list form, in place (FSDP2's input: this rank's block
+of the output), asynchronous, on the internal stream, every root, in many rounds through a
+small staging, under CUDA graph capture mixed with kernel collectives, and a killed rank;
+against NCCL's all_gather and broadcast of the same random input (bitwise: the path moves
+bytes). The late, stopped-by-timeout and mismatched cases are in test_gpu_faults.py (ce_*
+scenarios). send/recv: every dtype from 1 element to many inbox halves, blocking and both
+directions at once, messages matched in order, a batch_isend_irecv ring, kernel and
+copy-engine messages back to back between a pair, a CUDA graph of both replayed, size
+mismatches with either side on either path, and a killed rank; bit for bit against the
+sender's input."""
 
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from gpu_harness import capture, check_killed_rank, die_or_repeat, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import DTYPES, gather_inputs, rand
+from gpu_refs import DTYPES, MOVE_DTYPES, Failures, gather_inputs, rand
 from refs import assert_equal
 from test_gpu_collectives import body_all_gather as body_gather_forms
 from test_gpu_collectives import body_broadcast
+from test_gpu_p2p import _peer
 
 pytestmark = needs_gpus
 
@@ -206,3 +215,280 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
 
 def test_copy_engine_call_then_kernels_back_to_back(gpus, seed):
     assert all(c > 0 for c in gpus.run(body_mixed, seed, 12, timeout=300))
+
+
+# -- send/recv on the copy engines (NOTE [Copy-engine send/recv] in csrc_kernels/send_recv.cu) --
+
+P2P_CONFIGS = ["copy-engines", "copy-engines-small-inbox"]
+# Elements: 1, odd, and (float32 and wider) several inbox halves of the small inbox, and
+# more than one half of the default one at 4 ranks.
+P2P_SIZES = [1, 7, 100_003, 1_572_867]
+
+
+def _settle(works: list) -> None:
+    for w in works:
+        if w is not None:
+            w.wait()
+    torch.cuda.synchronize()
+
+
+def body_p2p_every_dtype(ctx, seed: int, config: str, sizes: list[int]) -> int:
+    """Blocking send then recv in each direction, every dtype and size, bit for bit against
+    the sender's input (which the receiver makes from the seed); then the same messages
+    with isend/irecv in both directions at once."""
+    g = rsccl_group(ctx, config)
+    peer = _peer(ctx)
+    if peer is None:
+        return -1
+    me, f, checks = ctx.rank, Failures(), 0
+    for dtype in MOVE_DTYPES:
+        for n in sizes:
+            what = f"copy-engine send/recv {dtype} n={n} pair {min(me, peer)}-{max(me, peer)} group={config}"
+            for sender in sorted((me, peer)):
+                salt = f"{what} from {sender}"
+                if me == sender:
+                    f.run(f"{what}: send", dist.send, rand(seed, me, n, dtype, salt=salt), dst=peer, group=g)
+                    continue
+                y = torch.zeros(n, dtype=dtype, device=ctx.device)
+                failed = len(f.items)
+                f.run(f"{what}: recv", dist.recv, y, src=peer, group=g)
+                if len(f.items) == failed:
+                    f.run(what, assert_equal, y, rand(seed, peer, n, dtype, salt=salt), f"{what} from rank {peer}")
+                    checks += 1
+            salt = f"{what} both ways"
+            x = rand(seed, me, n, dtype, salt=salt)
+            y = torch.zeros(n, dtype=dtype, device=ctx.device)
+            works = [f.run(salt, dist.isend, x, dst=peer, group=g), f.run(salt, dist.irecv, y, src=peer, group=g)]
+            f.run(salt, _settle, works)
+            f.run(salt, assert_equal, y, rand(seed, peer, n, dtype, salt=salt), f"{salt} from rank {peer}")
+            checks += 1
+    torch.cuda.synchronize()
+    f.done()
+    return checks
+
+
+@pytest.mark.parametrize("config", P2P_CONFIGS)
+def test_send_recv_on_the_copy_engines(gpus, seed, config):
+    checks = gpus.run(body_p2p_every_dtype, seed, config, P2P_SIZES, timeout=400)
+    # Per dtype and size: the message from the peer, and the one of both directions at once.
+    assert all(c in (-1, 2 * len(MOVE_DTYPES) * len(P2P_SIZES)) for c in checks), checks
+
+
+def body_p2p_in_order(ctx, seed: int, config: str) -> None:
+    """Several messages of different sizes to one peer, received in the order sent, the
+    receiver posting its recvs late: a copy-engine send waits for its receiver (a
+    rendezvous) on its stream, not on the CPU."""
+    g = rsccl_group(ctx, config)
+    peer = _peer(ctx)
+    if peer is None:
+        return
+    me, f = ctx.rank, Failures()
+    what = f"several messages to one peer, in order, group={config}"
+    sizes = [3, 1 << 20, 17, 3 << 20, 1]
+    if me < peer:
+        works = [
+            f.run(what, dist.isend, rand(seed, me, k, torch.int32, salt=f"{what} {i}"), dst=peer, group=g) for i, k in enumerate(sizes)
+        ]
+    else:
+        time.sleep(0.3)  # the sends are queued before any recv is posted
+        ys = [torch.zeros(k, dtype=torch.int32, device=ctx.device) for k in sizes]
+        works = [f.run(what, dist.irecv, y, src=peer, group=g) for y in ys]
+    f.run(what, _settle, works)
+    if me > peer:
+        for i, (k, y) in enumerate(zip(sizes, ys)):
+            f.run(what, assert_equal, y, rand(seed, peer, k, torch.int32, salt=f"{what} {i}"), f"{what}: message {i}")
+    f.done()
+
+
+@pytest.mark.parametrize("config", P2P_CONFIGS)
+def test_send_recv_on_the_copy_engines_in_order(gpus, seed, config):
+    gpus.run(body_p2p_in_order, seed, config, timeout=120)
+
+
+def body_p2p_ring(ctx, seed: int, config: str, nbytes: int) -> None:
+    """batch_isend_irecv: every rank sends to the next and receives from the previous, 3
+    rounds; on 2 ranks both directions between one pair at once."""
+    g = rsccl_group(ctx, config)
+    w, me = ctx.world, ctx.rank
+    nxt, prev = (me + 1) % w, (me - 1) % w
+    f = Failures()
+    for rep in range(3):
+        what = f"copy-engine batch_isend_irecv ring {nbytes} bytes, round {rep}, group={config}"
+        x = rand(seed, me, nbytes // 2, torch.bfloat16, salt=what)
+        y = torch.zeros_like(x)
+        ops = [dist.P2POp(dist.isend, x, nxt, g), dist.P2POp(dist.irecv, y, prev, g)]
+        reqs = f.run(what, dist.batch_isend_irecv, ops) or []
+        f.run(what, _settle, reqs)
+        f.run(what, assert_equal, y, rand(seed, prev, nbytes // 2, torch.bfloat16, salt=what), f"{what}: from rank {prev}")
+    f.done()
+
+
+@pytest.mark.parametrize("config", P2P_CONFIGS)
+def test_send_recv_on_the_copy_engines_ring(gpus, seed, config):
+    gpus.run(body_p2p_ring, seed, config, 24 << 20, timeout=180)
+
+
+def body_p2p_mixed(ctx, seed: int, rounds: int) -> int:
+    """Between one pair, on a group that moves messages from 64 KiB on on the copy engines:
+    kernel then copy-engine messages and the reverse, back to back on one stream, each way,
+    the receiver late by turns; every message checked. A copy-engine send first waits until
+    every earlier kernel message was read out (DRAIN), and leaves the inbox empty for the
+    next kernel message (the rendezvous)."""
+    g = rsccl_group(ctx, "copy-engines-from-64KiB")
+    peer = _peer(ctx)
+    if peer is None:
+        return -1
+    me, f, checks = ctx.rank, Failures(), 0
+    # Elements of float32: on the kernels 4 bytes, 4 KiB and 60,000 bytes (two CUDA blocks'
+    # chunks with the small inbox, both eager), on the copy engines 64 KiB (the setting
+    # itself) and 3 MiB (several halves), in orders that put each path after each other.
+    orders = [[1024, 16384], [16384, 786_432], [786_432, 15_000], [15_000, 1024, 786_432, 1]]
+    lo, hi = sorted((me, peer))
+    for k in range(rounds):
+        for o, sizes in enumerate(orders):
+            what = f"mixed paths round {k} order {o} sizes {sizes} pair {lo}-{hi}"
+            sender = (lo, hi)[(k + o) % 2]
+            if me == sender:
+                works = [
+                    f.run(what, dist.isend, rand(seed, me, n, torch.float32, salt=f"{what} {i}"), dst=peer, group=g)
+                    for i, n in enumerate(sizes)
+                ]
+            else:
+                if k % 2:
+                    torch.cuda._sleep(1_000_000)  # the sends run ahead of the recvs on the GPU
+                ys = [torch.zeros(n, dtype=torch.float32, device=ctx.device) for n in sizes]
+                works = [f.run(what, dist.irecv, y, src=peer, group=g) for y in ys]
+            f.run(what, _settle, works)
+            if me != sender:
+                for i, (n, y) in enumerate(zip(sizes, ys)):
+                    f.run(what, assert_equal, y, rand(seed, peer, n, torch.float32, salt=f"{what} {i}"), f"{what}: message {i}")
+                    checks += 1
+    f.done()
+    return checks
+
+
+def test_kernel_and_copy_engine_messages_back_to_back(gpus, seed):
+    checks = gpus.run(body_p2p_mixed, seed, 4, timeout=300)
+    assert all(c == -1 or c > 0 for c in checks), checks
+
+
+def body_p2p_graph(ctx, seed: int) -> None:
+    """isend + irecv both ways, of a copy-engine message of several steps and a kernel
+    message, captured in one CUDA graph and replayed on fresh data: the signal kernels read
+    the sequence from memory, so replays stay in step with each other and with the kernels."""
+    g = rsccl_group(ctx, "copy-engines-from-64KiB")
+    peer = _peer(ctx)
+    if peer is None:
+        return
+    me, f = ctx.rank, Failures()
+    big = torch.zeros(1_500_007, dtype=torch.float16, device=ctx.device)
+    small = torch.zeros(1000, dtype=torch.float32, device=ctx.device)
+    big_in, small_in = torch.zeros_like(big), torch.zeros_like(small)
+
+    def exchange() -> None:
+        works = [
+            dist.isend(big, dst=peer, group=g),
+            dist.irecv(big_in, src=peer, group=g),
+            dist.isend(small, dst=peer, group=g),
+            dist.irecv(small_in, src=peer, group=g),
+        ]
+        for w in works:
+            w.wait()
+
+    warm_up_aside(lambda: f.run("warm-up", exchange))
+    if not f.items:
+        graph = capture(exchange)
+        for rep in range(4):
+            what = f"copy-engine send/recv graph replay {rep}"
+            big.copy_(rand(seed, me, big.numel(), big.dtype, salt=f"{what} big"))
+            small.copy_(rand(seed, me, small.numel(), small.dtype, salt=f"{what} small"))
+            graph.replay()
+            torch.cuda.synchronize()
+            f.run(what, assert_equal, big_in, rand(seed, peer, big.numel(), big.dtype, salt=f"{what} big"), f"{what}: copy engines")
+            f.run(what, assert_equal, small_in, rand(seed, peer, small.numel(), small.dtype, salt=f"{what} small"), f"{what}: kernel")
+        # And eagerly after the replays, on the same counters.
+        what = "copy-engine send/recv after the replays"
+        big.copy_(rand(seed, me, big.numel(), big.dtype, salt=what))
+        f.run(what, exchange)
+        torch.cuda.synchronize()
+        f.run(what, assert_equal, big_in, rand(seed, peer, big.numel(), big.dtype, salt=what), what)
+    torch.cuda.synchronize()
+    f.done()
+
+
+def test_send_recv_on_the_copy_engines_under_cuda_graphs(gpus, seed):
+    gpus.run(body_p2p_graph, seed, timeout=180)
+
+
+MISMATCH_TIMEOUT_S = 5.0
+
+
+def body_p2p_size_mismatch(ctx, seed: int, n_send: int, n_recv: int) -> tuple[str, str]:
+    """On a group of ranks 0 and 1 of its own (left unusable), with copy engines from 64 KiB:
+    rank 0 sends `n_send` float32, rank 1 posts a recv of `n_recv`. Both must raise."""
+    import rsccl
+
+    opts = rsccl.Options(cuda_copy_engine_min_bytes=65536, cuda_p2p_bytes="2MiB")
+    g = dist.new_group(ranks=[0, 1], backend="rsccl", timeout=timedelta(seconds=MISMATCH_TIMEOUT_S), pg_options=opts)
+    if ctx.rank > 1:
+        return ("not in the group", "")
+    try:
+        if ctx.rank == 0:
+            work = dist.isend(rand(seed, 0, n_send, torch.float32, salt="mismatch"), dst=1, group=g)
+        else:
+            work = dist.irecv(torch.zeros(n_recv, device=ctx.device), src=0, group=g)
+        work.wait()
+        torch.cuda.synchronize()
+        work.wait()  # now also raises an error the kernels reported after the first wait
+        dist.barrier(group=g)
+        outcome = ("no error", "")
+    except Exception as e:  # noqa: BLE001 - the parent inspects it
+        outcome = (type(e).__name__, str(e))
+    torch.cuda.synchronize()  # the GPU is not left waiting
+    dist.destroy_process_group(g)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "n_send,n_recv",
+    [(1_000_000, 999_999), (1_000_000, 1000), (1000, 1_000_000)],
+    ids=["both-on-copy-engines", "send-on-copy-engines", "recv-on-copy-engines"],
+)
+def test_send_recv_size_mismatch_on_the_copy_engines_raises(gpus, seed, n_send, n_recv):
+    """Sizes that differ raise on both ranks, whichever path each side took (the receiver's
+    size check, NOTE [Copy-engine send/recv]), within the timeout; nothing hangs."""
+    results = gpus.run(body_p2p_size_mismatch, seed, n_send, n_recv, timeout=MISMATCH_TIMEOUT_S * 6 + 40)
+    for rank, (kind, msg) in enumerate(results[:2]):
+        assert kind not in ("no error", "not in the group"), f"rank {rank}: a send of {n_send} matched a recv of {n_recv} without an error"
+        assert kind in ("ValueError", "RuntimeError", "TimeoutError", "PeerFailureError", "GroupAbortedError"), (
+            f"rank {rank} raised {kind}: {msg}"
+        )
+
+
+def body_p2p_warm(ctx) -> None:
+    body_p2p_ring(ctx, 0, "copy-engines", 1 << 20)
+
+
+def body_die_or_keep_ringing(ctx, seed: int, victim: int, timeout: float):
+    """A ring of copy-engine sends (8 MiB each) while rank `victim` dies: each survivor
+    waits on a neighbour, directly or through the others."""
+    g = rsccl_group(ctx, "copy-engines")
+    w, me = ctx.world, ctx.rank
+    x = rand(seed, me, 2 << 20, torch.float32)
+    y = torch.empty_like(x)
+
+    def step():
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (me + 1) % w, g), dist.P2POp(dist.irecv, y, (me - 1) % w, g)])
+        for r in reqs:
+            r.wait()
+
+    return die_or_repeat(ctx, victim, timeout, step)
+
+
+def test_killed_rank_during_copy_engine_send_recv(seed):
+    """A rank killed during a ring of copy-engine send/recv: every survivor raises within
+    the timeout, naming it, and its GPU is free (the signal kernels' waits are bounded)."""
+    timeout = 10.0
+    check_killed_rank(
+        (body_p2p_warm,), (body_die_or_keep_ringing, seed, 1, timeout), timeout, 20.0, "copy-engine send/recv", name_victim=True
+    )

@@ -142,10 +142,11 @@ pub const SETTINGS: &[Setting] = &[
         min: 0,
         max: 1 << 40,
         is_size: true,
-        help: "CUDA all_gather messages (the gathered output) from this size on move on the \
-               GPU's copy engines, with no SM, between one-CTA barrier kernels; smaller ones \
-               run rsccl's kernels. 0 (default): never; 1: at every size. Slower than the \
-               kernels where nothing else runs (docs/performance.md)",
+        help: "CUDA all_gather messages (the gathered output), broadcasts and send/recv \
+               messages from this size on move on the GPU's copy engines, with no SM, between \
+               one-CTA barrier or signal kernels (such a send waits for its recv); smaller \
+               ones run rsccl's kernels. 0 (default): never; 1: at every size. Slower than \
+               the kernels where nothing else runs (docs/performance.md)",
     },
     Setting {
         field: "max_cuda_va_bytes",

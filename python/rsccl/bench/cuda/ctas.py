@@ -67,7 +67,7 @@ def rsccl_ctas(stats: Mapping[str, object], collective: str) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor", "broadcast")  # rust/core/src/cuda/decide.rs copy_engine
+COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor", "broadcast", P2P)  # rust/core/src/cuda/decide.rs copy_engine
 
 
 def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None:
@@ -89,7 +89,7 @@ def rsccl_cell(per_rank: list[Mapping[str, object]], collective: str) -> str:
     cell = str(got[0]) if len(set(got)) == 1 else " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
     ce = {copy_engine_from(s, collective) for s in per_rank}
     if len(ce) == 1 and (at := ce.pop()) is not None:
-        cell += f"; from {human(at)}: 0 (copy engines; 1-CTA barrier kernels)"
+        cell += f"; from {human(at)}: 0 (copy engines; 1-CTA {'signal' if collective == P2P else 'barrier'} kernels)"
     return cell
 
 

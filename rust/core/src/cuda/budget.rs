@@ -13,8 +13,8 @@
 //! other until the group timeout.
 //!
 //! The ledger: per device, in SMs. Every eager launch of an rsccl kernel (collective kernels,
-//! send/recv kernels, the copy-engine path's one-CTA barriers, counted as one launch per
-//! call: they run one after another on one stream) holds `sms_of(blocks, blocks per SM)`
+//! send/recv kernels, the copy-engine paths' one-CTA barriers and send/recv signals, counted
+//! as one launch of 1 SM per call: they run one after another on one stream) holds `sms_of(blocks, blocks per SM)`
 //! SMs, the same whole-SM count `grids_that_fit` sizes with (more than the kernel may
 //! take: counting too much only makes a launch wait), from when it is enqueued until its end
 //! event, recorded right after it on its stream (from the group's `Order` pool), is seen
@@ -349,7 +349,7 @@ pub struct SmShare {
     pub limit: u32,
     /// SMs a collective kernel of the group holds (a copy-engine barrier holds 1).
     pub collective_sms: u32,
-    /// SMs a send/recv kernel of the group holds.
+    /// SMs a send/recv kernel of the group holds (a copy-engine send/recv's signals hold 1).
     pub p2p_sms: u32,
     /// Launches that had to wait for another group's.
     waited: AtomicU64,

@@ -19,8 +19,9 @@ fn every_kind_has_a_kernel_and_an_nccl_call() {
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
 
-/// The copy engines take all_gather from the setting's size on, never at 0, never
-/// without peers; rounds cover every byte once, in order, none larger than a half.
+/// The copy engines take all_gather, broadcast, send and recv from the setting's size on,
+/// never at 0, never without peers; rounds cover every byte once, in order, none larger
+/// than a half.
 #[test]
 fn copy_engine_choice_and_rounds() {
     assert!(copy_engine(Kind::AllGather, 4 << 20, 4, 4 << 20));
@@ -29,7 +30,17 @@ fn copy_engine_choice_and_rounds() {
     assert!(!copy_engine(Kind::AllGather, 1 << 30, 1, 1));
     assert!(copy_engine(Kind::AllGather, 1, 2, 1));
     assert!(copy_engine(Kind::Broadcast, 4 << 20, 2, 4 << 20));
-    for k in Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::Broadcast)) {
+    // send/recv: each side from its own message's bytes, so equal sizes choose alike.
+    for k in [Kind::Send, Kind::Recv] {
+        assert!(copy_engine(k, 4 << 20, 2, 4 << 20), "{k:?}");
+        assert!(copy_engine(k, 1, 2, 1), "{k:?}");
+        assert!(!copy_engine(k, (4 << 20) - 1, 2, 4 << 20), "{k:?}");
+        assert!(!copy_engine(k, 1 << 30, 2, 0), "{k:?}");
+        assert!(!copy_engine(k, 1 << 30, 1, 1), "{k:?}");
+        let bytes = message_bytes(k, 4 << 20, 2, 4);
+        assert!(copy_engine(k, bytes, 4, 4 << 20), "{k:?}: bytes, not elements");
+    }
+    for k in Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::Broadcast | Kind::Send | Kind::Recv)) {
         assert!(!copy_engine(k, 1 << 30, 4, 1), "{k:?}");
     }
     for (per_rank, slot) in [

@@ -225,7 +225,7 @@ impl CudaEngine {
 
 /// `bytes` from `src` to `dst` on `stream`: device addresses of this context (own memory or
 /// a peer's mapping, NOTE [Block layout]).
-fn copy(dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
+pub(super) fn copy(dst: u64, src: u64, bytes: u64, stream: u64) -> Result<()> {
     // SAFETY: both ranges lie in memory mapped in this context for as long as the stream
     // can run the copy: the caller's tensors (kept by the Work until the stream is ordered
     // after the call) and the group's symmetric blocks (kept while work of the group can

@@ -28,13 +28,14 @@
 //! the group's failure state and its reports), `launch` (the one launch entry, every
 //! kind: collectives and calls with chunks here, send/recv in `p2p`; and where the Work's
 //! events come home), `copy` (collectives on the copy engines), `p2p`
-//! (send/recv), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
+//! (send/recv), `copy_p2p` (send/recv on the copy engines), `run` (the `Engine` trait), `stats`, `shutdown` (drain and teardown) and
 //! `watchdog`. The pure choices (algorithm, placement,
 //! grids, staging) live in `cuda::decide`. `translate` turns the op record into
 //! `CudaCall` (cuda/call.rs), the one call record both device engines launch.
 
 mod abi;
 mod copy;
+mod copy_p2p;
 mod create;
 mod graphs;
 mod launch;

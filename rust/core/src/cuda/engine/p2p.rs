@@ -1,4 +1,6 @@
-//! send/recv: one kernel per call, on the (peer, direction)'s own stream.
+//! send/recv: one kernel per call, on the (peer, direction)'s own stream; from
+//! cuda_copy_engine_min_bytes on, copies and signal kernels on that stream instead
+//! (copy_p2p.rs).
 
 use super::abi::P2pArgs;
 use super::{CudaCall, CudaEngine};
@@ -45,17 +47,28 @@ impl CudaEngine {
             .map(|s| s.raw() as u64)
             .ok_or_else(|| Error::Internal(format!("no send/recv stream for local rank {peer}")))?;
         let l = Launch::send_recv(c.stream, target, c.asynchronous);
+        let on_copy_engines = self.p2p_on_copy_engines(c.kind, c.count);
         let ev = {
             let _ctx = self.sh.dev.bind()?;
             let mut o = self.order.lock();
             o.begin(&l, &self.sh.stop)?;
-            let admitted = self.admit(&mut o, &l, self.sm.p2p_sms)?;
-            let arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
-            // SAFETY: `func` takes one `P2pArgs` by value (a kernel of shape `Peer`, checked in
-            // `launch`; same layout as the source's struct); `arg_ptr` points at it for the
-            // call; 512 threads match the bounds; `l.target` is this engine's stream of the
-            // (peer, direction), in the context bound above.
-            unsafe { Self::launch_kernel(func, self.p2p_blocks, l.target, arg_ptr, c.kind) }?;
+            // On the copy engines only the signal kernels hold an SM, one CTA at a time.
+            let admitted = self.admit(&mut o, &l, if on_copy_engines { 1 } else { self.sm.p2p_sms })?;
+            if on_copy_engines {
+                // Queued in part, the message would leave copies and signals that the peer
+                // never matches: the group stops (a CUDA error here means the context is
+                // failing anyway), as a copy-engine collective does.
+                if let Err(e) = self.queue_copy_p2p(&x, send, l.target) {
+                    return Err(self.poison(e));
+                }
+            } else {
+                let arg_ptr = &mut x as *mut P2pArgs as *mut std::ffi::c_void;
+                // SAFETY: `func` takes one `P2pArgs` by value (a kernel of shape `Peer`,
+                // checked in `launch`; same layout as the source's struct); `arg_ptr` points
+                // at it for the call; 512 threads match the bounds; `l.target` is this
+                // engine's stream of the (peer, direction), in the context bound above.
+                unsafe { Self::launch_kernel(func, self.p2p_blocks, l.target, arg_ptr, c.kind) }?;
+            }
             // Admitted: an eager launch (`admit` asked), so no second capture query.
             let capturing = match admitted {
                 Some(a) => {

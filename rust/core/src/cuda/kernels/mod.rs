@@ -110,6 +110,8 @@ pub enum Kernel {
     AllToAll,
     Send,
     Recv,
+    /// The signals of a send or recv on the copy engines (NOTE [Copy-engine send/recv]).
+    P2pSignal,
     /// The barrier; the invalid call runs it too (its descriptor mismatches every peer's).
     Barrier,
 }
@@ -129,7 +131,7 @@ pub enum Shape {
 
 impl Kernel {
     /// The kernels with one entry point, in the loader's order (the families follow).
-    pub const PLAIN: [Kernel; 8] = [
+    pub const PLAIN: [Kernel; 9] = [
         Kernel::AllGather,
         Kernel::Broadcast,
         Kernel::Gather,
@@ -137,6 +139,7 @@ impl Kernel {
         Kernel::AllToAll,
         Kernel::Send,
         Kernel::Recv,
+        Kernel::P2pSignal,
         Kernel::Barrier,
     ];
 
@@ -154,6 +157,7 @@ impl Kernel {
             Kernel::AllToAll => ("all_to_all", "rs_all_to_all"),
             Kernel::Send => ("send_recv", "rs_send"),
             Kernel::Recv => ("send_recv", "rs_recv"),
+            Kernel::P2pSignal => ("send_recv", "rs_p2p_signal"),
             Kernel::Barrier => ("barrier", "rs_barrier"),
         }
     }
@@ -162,7 +166,7 @@ impl Kernel {
     pub fn shape(self) -> Shape {
         match self {
             Kernel::AllToAll => Shape::Chunks,
-            Kernel::Send | Kernel::Recv => Shape::Peer,
+            Kernel::Send | Kernel::Recv | Kernel::P2pSignal => Shape::Peer,
             Kernel::Reduce(_) | Kernel::AllGather | Kernel::Broadcast | Kernel::Gather | Kernel::Scatter | Kernel::Barrier => {
                 Shape::Collective
             }
@@ -425,8 +429,8 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let required = required_kernels();
-        // 4 families x 5 dtypes (the op comes with the call) + 8 plain kernels.
-        assert_eq!(required.len(), 4 * 5 + 8);
+        // 4 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
+        assert_eq!(required.len(), 4 * 5 + 9);
         for (module, name) in &required {
             let src = MODULES.iter().find(|m| m.0 == *module).unwrap_or_else(|| panic!("{module}")).1;
             let plain = format!("void __launch_bounds__(THREADS) {name}(");
