@@ -38,6 +38,8 @@ use crate::error::{Error, Result};
 ///   before the copy starts.
 /// - COUNTS is filled by a copy (cuMemcpyDtoHAsync) and read only after its event
 ///   completed (cuEventQuery), which makes the copy's bytes visible to the host.
+///   OWN_POISON_READ likewise, read after its stream was synchronized
+///   (`Shared::cause_in_own_word`).
 /// - The host clears ERR after the collectives queued so far finished (health), so no
 ///   kernel of those is writing it; a clearing store racing a later kernel's report would
 ///   lose that report, which is why health waits first.
@@ -72,6 +74,9 @@ impl HostWords {
     /// u32 index of POISON_DESTROYED, copied into this rank's own poison word when the group
     /// is destroyed (bytes 3208..3212).
     pub(super) const DESTROYED_SRC: usize = 802;
+    /// u32 index this rank's own poison word is copied into when the watchdog finds a peer
+    /// gone (bytes 3212..3216; `Shared::cause_in_own_word`).
+    pub(super) const OWN_POISON_READ: usize = 803;
 
     pub(super) fn new(dev: &Arc<Device>) -> Result<HostWords> {
         Ok(HostWords { page: PinnedPage::new(dev, 4096)? })
@@ -96,6 +101,11 @@ impl HostWords {
     /// Where the collective counters are copied (see COUNTS).
     pub(super) fn counts_ptr(&self) -> *mut std::ffi::c_void {
         self.page.host_ptr(Self::COUNTS * 8)
+    }
+
+    /// Where host word `i` lives, for a copy into it (OWN_POISON_READ).
+    pub(super) fn dst(&self, i: usize) -> *mut std::ffi::c_void {
+        self.page.host_ptr(i * 4)
     }
 
     /// Where the value of host word `i` lives (POISON_SRC, OWN_POISON_SRC: read by copies).
@@ -217,6 +227,41 @@ impl Shared {
         }
     }
 
+    /// The failure another rank's kernel recorded in this rank's own poison word (a
+    /// timeout, a send/recv size mismatch, two collectives at once), as the error a kernel of
+    /// this rank reports on finding it (`fatal_error`); None when the word is empty, was set
+    /// by a host (no cause: an abort, a dead peer), or could not be read.
+    ///
+    /// The watchdog asks this when it finds a peer gone. A rank whose kernel timed out writes
+    /// every rank's poison word (fail() in csrc_kernels/protocol.cuh) and is then ended by its
+    /// own teardown: a peer whose kernel had not yet run to its next stop check (ranks
+    /// time-sliced on one GPU, say) sees the process gone first, and would name the exit,
+    /// not the timeout behind it. Ordering: fail() stores the poison words and fences
+    /// (system scope) before its process can end; its FATAL word is written just before
+    /// them, so a teardown that acts within those few stores can leave the word empty, and
+    /// then the exit is named. The copy runs on the poison stream (never behind a kernel)
+    /// and is read after that stream was synchronized, which makes its bytes visible here.
+    pub(super) fn cause_in_own_word(&self) -> Option<Error> {
+        let _ctx = self.dev.bind().ok()?;
+        // SAFETY: the destination is 4 bytes of this engine's pinned page, alive as long as
+        // `self`; the source is this rank's own poison word, mapped in this context until the
+        // pool is dropped, after `poison_stream` is synchronized (CudaEngine's Drop). The
+        // copy is waited for below, before the word is read.
+        let r = unsafe {
+            cu::cuMemcpyDtoHAsync_v2(self.words.dst(HostWords::OWN_POISON_READ), self.own_poison, 4, self.poison_stream.raw())
+        };
+        if r != cu::CUresult::CUDA_SUCCESS || self.poison_stream.synchronize() != cu::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let p = self.words.read(HostWords::OWN_POISON_READ);
+        let peer = p.checked_sub(1).filter(|_| p != POISON_DESTROYED)?;
+        if (peer >> 16) & 0xf == 0 {
+            return None;
+        }
+        // The FATAL code fail() builds from a poison word less one (abi.cuh).
+        self.fatal_error((ERR_PEER << 16) | (((peer >> 16) & 0xf) << 20) | ((peer >> 24) << 24) | (peer & 0xffff))
+    }
+
     /// Mark the group unusable with `err` (the first error wins), stop this rank's queued
     /// kernels at their next wait, and refuse its later kernels at their entry.
     pub(super) fn poison(&self, err: Error) -> Error {
@@ -275,9 +320,16 @@ impl Shared {
                 self.timeout.as_secs_f64()
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
-            // A peer stopped the group; if its process is gone, say so as this rank's own
-            // watchdog would have (it may not have polled yet: the peer's poison came first).
-            ERR_PEER if self.mesh.gone().contains(&peer) => gone_error(&self.local_ranks, &self.pids, peer),
+            // A peer stopped the group because of a rank that is gone (it timed out waiting
+            // for it, say): the death is the cause.
+            ERR_PEER if cause != 0 && named.checked_sub(1).is_some_and(|n| self.mesh.gone().contains(&n)) => {
+                gone_error(&self.local_ranks, &self.pids, named - 1)
+            }
+            // A peer stopped the group with no cause of its own (its host's abort, or a dead
+            // rank it saw): if its process is gone, say so as this rank's own watchdog would
+            // have (it may not have polled yet: the peer's poison came first). A peer that
+            // timed out and was then ended by its teardown is named with its timeout, below.
+            ERR_PEER if cause == 0 && self.mesh.gone().contains(&peer) => gone_error(&self.local_ranks, &self.pids, peer),
             // This rank's own word: the host stopped the group (its own error is raised
             // first, where it has one).
             ERR_PEER if peer == self.me && cause == 0 => {

@@ -43,6 +43,13 @@ pub(super) fn watchdog(sh: Arc<Shared>) {
         }
         if let Some(&j) = sh.mesh.gone().first() {
             peers_done = true;
+            // A peer whose kernel failed (a timeout, say) poisoned every rank's word before
+            // its teardown ended it: name that failure, and leave the peers' words as that
+            // kernel set them (a copy here would overwrite its cause with a bare culprit).
+            if let Some(cause) = sh.cause_in_own_word() {
+                sh.poison(cause);
+                continue;
+            }
             sh.poison(gone_error(&sh.local_ranks, &sh.pids, j));
             // The other peers see the death themselves within one poll; this stops their
             // kernels that wait on this rank's sooner, naming the dead rank as the cause.
