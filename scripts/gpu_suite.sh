@@ -14,7 +14,8 @@
 #                     GPUs there are, sharing them (allow_shared_gpu) where they outnumber
 #                     them, so a one-GPU machine runs every world; RSCCL_TEST_SEED replays a seed
 #   GPU_MPS=0         do not start the MPS daemon (default: start it, if the machine has
-#                     nvidia-cuda-mps-control and ranks will share a GPU, and stop it at the end)
+#                     nvidia-cuda-mps-control and ranks will share a GPU, and stop it at the end;
+#                     the fault files then run apart, without it)
 #   PYTEST_X          pytest's stop-at-first-failure flag (default -x; "" runs everything)
 #   COLD_INIT=0       skip timing the first init_process_group with an empty kernel cache
 #                     (cold_init.log); COLD_INIT_NVRTC=1 adds the NVRTC fallback's rows
@@ -107,16 +108,50 @@ if [[ ${COLD_INIT:-1} != 0 ]]; then
         tee "$RESULTS/cold_init.log"
 fi
 
+# Under MPS the files that kill ranks on purpose run apart, time-sliced (their processes
+# find no MPS server: CUDA_MPS_PIPE_DIRECTORY names an empty directory). Under MPS a rank's
+# death has been followed by an illegal address in its peer and an MPS server that refused
+# every later client ("MPS server is not ready"; docs/performance.md, issue 25's open
+# finding); on 2026-11-26, 2 ranks on one H100, test_gpu_faults.py failed 3 of its first 13
+# tests under MPS and passed time-sliced. pytest's 5 (nothing selected) counts as passed.
+fault_files=(tests/gpu/test_gpu_faults.py tests/gpu/test_gpu_setup_faults.py)
+mps_selection=("${selection[@]}")
+fault_selection=()
+if ((mps)); then
+    if [[ ${selection[0]} == tests/gpu ]]; then
+        mps_selection+=("--ignore=${fault_files[0]}" "--ignore=${fault_files[1]}")
+        fault_selection=("${fault_files[@]}" "${selection[@]:1}")
+    else
+        mps_selection=()
+        for t in "${selection[@]}"; do
+            if [[ $t == "${fault_files[0]}"* || $t == "${fault_files[1]}"* ]]; then fault_selection+=("$t"); else mps_selection+=("$t"); fi
+        done
+    fi
+fi
+
 # One pytest run per world size, in the order given, each with its own log
 # (gpu_tests_w<N>.log), so a world's counts stand on their own.
 tests_rc=0
 for world in ${RSCCL_GPU_WORLDS//,/ }; do
     echo "gpu_suite: world $world" | tee -a "$ENV_LOG"
-    # PYTEST_ARGS is split into words on purpose.
-    # shellcheck disable=SC2086
-    RSCCL_GPU_WORLDS=$world python3 -m pytest "${selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs \
-        --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee "$RESULTS/gpu_tests_w$world.log"
-    rc=$?
+    rc=0
+    if ((${#mps_selection[@]})); then
+        # PYTEST_ARGS is split into words on purpose.
+        # shellcheck disable=SC2086
+        RSCCL_GPU_WORLDS=$world python3 -m pytest "${mps_selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs \
+            --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee "$RESULTS/gpu_tests_w$world.log"
+        rc=$?
+        ((rc == 5)) && rc=0
+    fi
+    if ((${#fault_selection[@]})) && { ((rc == 0)) || [[ ${PYTEST_X--x} != -x ]]; }; then
+        echo "gpu_suite: world $world, the fault files without MPS" | tee -a "$RESULTS/gpu_tests_w$world.log"
+        mkdir -p "$RESULTS/no-mps"
+        # shellcheck disable=SC2086
+        CUDA_MPS_PIPE_DIRECTORY=$RESULTS/no-mps RSCCL_GPU_WORLDS=$world python3 -m pytest "${fault_selection[@]}" -q ${PYTEST_X--x} \
+            --timeout 300 -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee -a "$RESULTS/gpu_tests_w$world.log"
+        frc=$?
+        ((frc != 0 && frc != 5)) && rc=$frc
+    fi
     ((rc != 0)) && tests_rc=$rc
     if ((rc != 0)) && [[ ${PYTEST_X--x} == -x ]]; then
         break
