@@ -23,7 +23,7 @@ from gpu_refs import DTYPES, MOVE_DTYPES, Failures, gather_inputs, rand
 from refs import assert_equal
 from test_gpu_collectives import body_all_gather as body_gather_forms
 from test_gpu_collectives import body_broadcast
-from test_gpu_p2p import _peer
+from test_gpu_p2p import _peer, body_ring, exchange_with, warmed_up_graph
 
 pytestmark = needs_gpus
 
@@ -305,27 +305,9 @@ def test_send_recv_on_the_copy_engines_in_order(gpus, seed, config):
     gpus.run(body_p2p_in_order, seed, config, timeout=120)
 
 
-def body_p2p_ring(ctx, seed: int, config: str, nbytes: int) -> None:
-    """batch_isend_irecv: every rank sends to the next and receives from the previous, 3
-    rounds; on 2 ranks both directions between one pair at once."""
-    g = rsccl_group(ctx, config)
-    w, me = ctx.world, ctx.rank
-    nxt, prev = (me + 1) % w, (me - 1) % w
-    f = Failures()
-    for rep in range(3):
-        what = f"copy-engine batch_isend_irecv ring {nbytes} bytes, round {rep}, group={config}"
-        x = rand(seed, me, nbytes // 2, torch.bfloat16, salt=what)
-        y = torch.zeros_like(x)
-        ops = [dist.P2POp(dist.isend, x, nxt, g), dist.P2POp(dist.irecv, y, prev, g)]
-        reqs = f.run(what, dist.batch_isend_irecv, ops) or []
-        f.run(what, _settle, reqs)
-        f.run(what, assert_equal, y, rand(seed, prev, nbytes // 2, torch.bfloat16, salt=what), f"{what}: from rank {prev}")
-    f.done()
-
-
 @pytest.mark.parametrize("config", P2P_CONFIGS)
 def test_send_recv_on_the_copy_engines_ring(gpus, seed, config):
-    gpus.run(body_p2p_ring, seed, config, 24 << 20, timeout=180)
+    gpus.run(body_ring, seed, 24 << 20, config, torch.bfloat16, timeout=180)
 
 
 def body_p2p_mixed(ctx, seed: int, rounds: int) -> int:
@@ -385,19 +367,9 @@ def body_p2p_graph(ctx, seed: int) -> None:
     small = torch.zeros(1000, dtype=torch.float32, device=ctx.device)
     big_in, small_in = torch.zeros_like(big), torch.zeros_like(small)
 
-    def exchange() -> None:
-        works = [
-            dist.isend(big, dst=peer, group=g),
-            dist.irecv(big_in, src=peer, group=g),
-            dist.isend(small, dst=peer, group=g),
-            dist.irecv(small_in, src=peer, group=g),
-        ]
-        for w in works:
-            w.wait()
-
-    warm_up_aside(lambda: f.run("warm-up", exchange))
-    if not f.items:
-        graph = capture(exchange)
+    exchange = exchange_with(peer, [(big, big_in), (small, small_in)], group=g)
+    graph = warmed_up_graph(f, exchange)
+    if graph is not None:
         for rep in range(4):
             what = f"copy-engine send/recv graph replay {rep}"
             big.copy_(rand(seed, me, big.numel(), big.dtype, salt=f"{what} big"))
@@ -466,7 +438,7 @@ def test_send_recv_size_mismatch_on_the_copy_engines_raises(gpus, seed, n_send, 
 
 
 def body_p2p_warm(ctx) -> None:
-    body_p2p_ring(ctx, 0, "copy-engines", 1 << 20)
+    body_ring(ctx, 0, 1 << 20, "copy-engines", torch.bfloat16)
 
 
 def body_die_or_keep_ringing(ctx, seed: int, victim: int, timeout: float):

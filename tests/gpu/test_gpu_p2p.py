@@ -16,13 +16,34 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from gpu_harness import capture, needs_gpus, warm_up_aside
+from gpu_harness import capture, needs_gpus, rsccl_group, warm_up_aside
 from gpu_refs import MOVE_DTYPES, Failures, rand
 from refs import assert_equal
 
 pytestmark = needs_gpus
 
 MiB = 1 << 20
+
+
+def exchange_with(peer: int, pairs: list[tuple[torch.Tensor, torch.Tensor]], group=None):
+    """A call that, for each (out, into) pair, sends `out` to `peer` and receives `into` from
+    it (isend, then irecv), then waits for all of them."""
+
+    def run() -> None:
+        works = []
+        for out, into in pairs:
+            works += [dist.isend(out, dst=peer, group=group), dist.irecv(into, src=peer, group=group)]
+        for w in works:
+            w.wait()
+
+    return run
+
+
+def warmed_up_graph(f: Failures, calls) -> torch.cuda.CUDAGraph | None:
+    """`calls` run once aside (the warm-up), then captured; None where the warm-up failed
+    (recorded in `f`)."""
+    warm_up_aside(lambda: f.run("warm-up", calls))
+    return None if f.items else capture(calls)
 
 
 def _peer(ctx) -> int | None:
@@ -125,22 +146,24 @@ def test_isend_irecv(gpus, seed):
     gpus.run(body_isend_irecv, seed, timeout=120)
 
 
-def body_ring(ctx, seed: int, nbytes: int) -> None:
+def body_ring(ctx, seed: int, nbytes: int, config: str = "default", dtype: torch.dtype = torch.float32) -> None:
     """batch_isend_irecv: every rank sends to the next and receives from the previous, both
-    ops in one batch, `nbytes` each: with one stream per peer and direction, nothing waits on
-    anything else. On 2 ranks next and previous are the same peer (both directions at once)."""
-    w, me = ctx.world, ctx.rank
+    ops in one batch, `nbytes` each, 3 rounds, on the group of GROUP_CONFIGS[config]: with
+    one stream per peer and direction, nothing waits on anything else. On 2 ranks next and
+    previous are the same peer (both directions at once)."""
+    g = rsccl_group(ctx, config)
+    w, me, n = ctx.world, ctx.rank, nbytes // dtype.itemsize
     nxt, prev = (me + 1) % w, (me - 1) % w
     f = Failures()
     for rep in range(3):
-        what = f"batch_isend_irecv ring {nbytes} bytes, round {rep}"
-        x = rand(seed, me, nbytes // 4, torch.float32, salt=what)
+        what = f"batch_isend_irecv ring {nbytes} bytes, round {rep}, group={config}"
+        x = rand(seed, me, n, dtype, salt=what)
         y = torch.zeros_like(x)
-        ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prev)]
+        ops = [dist.P2POp(dist.isend, x, nxt, g), dist.P2POp(dist.irecv, y, prev, g)]
         reqs = f.run(what, dist.batch_isend_irecv, ops) or []
         for r in reqs:
             f.run(what, r.wait)
-        f.run(what, assert_equal, y, rand(seed, prev, nbytes // 4, torch.float32, salt=what), f"{what}: from rank {prev}")
+        f.run(what, assert_equal, y, rand(seed, prev, n, dtype, salt=what), f"{what}: from rank {prev}")
     torch.cuda.synchronize()
     f.done()
 
@@ -200,14 +223,8 @@ def body_graph(ctx, seed: int) -> None:
     x = torch.zeros(n, dtype=torch.float16, device=ctx.device)
     y = torch.zeros_like(x)
 
-    def exchange() -> None:
-        works = [dist.isend(x, dst=peer), dist.irecv(y, src=peer)]
-        for w in works:
-            w.wait()
-
-    warm_up_aside(lambda: f.run("warm-up", exchange))
-    if not f.items:
-        graph = capture(exchange)
+    graph = warmed_up_graph(f, exchange_with(peer, [(x, y)]))
+    if graph is not None:
         for rep in range(4):
             what = f"graph replay {rep}"
             x.copy_(rand(seed, me, n, torch.float16, salt=what))
