@@ -247,9 +247,8 @@ impl Shared {
         // `self`; the source is this rank's own poison word, mapped in this context until the
         // pool is dropped, after `poison_stream` is synchronized (CudaEngine's Drop). The
         // copy is waited for below, before the word is read.
-        let r = unsafe {
-            cu::cuMemcpyDtoHAsync_v2(self.words.dst(HostWords::OWN_POISON_READ), self.own_poison, 4, self.poison_stream.raw())
-        };
+        let r =
+            unsafe { cu::cuMemcpyDtoHAsync_v2(self.words.dst(HostWords::OWN_POISON_READ), self.own_poison, 4, self.poison_stream.raw()) };
         if r != cu::CUresult::CUDA_SUCCESS || self.poison_stream.synchronize() != cu::CUresult::CUDA_SUCCESS {
             return None;
         }
