@@ -17,6 +17,10 @@
 #                     nvidia-cuda-mps-control and ranks will share a GPU, and stop it at the end;
 #                     the fault files then run apart, without it)
 #   PYTEST_X          pytest's stop-at-first-failure flag (default -x; "" runs everything)
+#   ONE_GPU_LANES=1   run the worlds side by side, each on one GPU of its own that all its
+#                     ranks share (world i on GPU i % the GPUs there are): the suite at 2, 4
+#                     and 8 ranks on one GPU in one world's time on a machine of 3 or more
+#                     GPUs (2 GPUs: two lanes, the third world after the first on GPU 0)
 #   COLD_INIT=0       skip timing the first init_process_group with an empty kernel cache
 #                     (cold_init.log); COLD_INIT_NVRTC=1 adds the NVRTC fallback's rows
 #
@@ -78,8 +82,10 @@ fi
 export RSCCL_GPU_WORLDS=${RSCCL_GPU_WORLDS:-2,4,8}
 ngpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 max_world=$(tr ',' '\n' <<<"$RSCCL_GPU_WORLDS" | sort -n | tail -n 1)
+lanes=0
+[[ ${ONE_GPU_LANES:-0} == 1 ]] && ((ngpus >= 1)) && lanes=1
 mps=0
-if [[ ${GPU_MPS:-1} != 0 ]] && ((max_world > ngpus)) && command -v nvidia-cuda-mps-control >/dev/null; then
+if [[ ${GPU_MPS:-1} != 0 ]] && { ((max_world > ngpus)) || ((lanes)); } && command -v nvidia-cuda-mps-control >/dev/null; then
     # MPS runs the ranks' kernels side by side, as they would on GPUs of their own; without
     # it the GPU time-slices between the ranks' contexts. rsccl sizes its grids so that both
     # are safe (docs/configuration.md, allow_shared_gpu).
@@ -90,7 +96,7 @@ if [[ ${GPU_MPS:-1} != 0 ]] && ((max_world > ngpus)) && command -v nvidia-cuda-m
         trap 'echo quit | nvidia-cuda-mps-control' EXIT
     fi
 fi
-echo "gpu_suite: worlds $RSCCL_GPU_WORLDS on $ngpus GPU(s), MPS $( ((mps)) && echo on || echo off)" | tee -a "$ENV_LOG"
+echo "gpu_suite: worlds $RSCCL_GPU_WORLDS on $ngpus GPU(s)$( ((lanes)) && echo ", each world on one GPU alone"), MPS $( ((mps)) && echo on || echo off)" | tee -a "$ENV_LOG"
 
 selection=(tests/gpu)
 if [[ -n "${GPU_TESTS:-}" ]]; then
@@ -129,34 +135,66 @@ if ((mps)); then
     fi
 fi
 
-# One pytest run per world size, in the order given, each with its own log
-# (gpu_tests_w<N>.log), so a world's counts stand on their own.
-tests_rc=0
-for world in ${RSCCL_GPU_WORLDS//,/ }; do
-    echo "gpu_suite: world $world" | tee -a "$ENV_LOG"
-    rc=0
+# One pytest run per world size (both parts under MPS: the MPS part, then the fault files),
+# in the order given, each with its own log (gpu_tests_w<N>.log), so a world's counts
+# stand on their own. `run_world WORLD [GPU]`: GPU, when given, is the one GPU its
+# processes see (ONE_GPU_LANES). Returns pytest's status (5, nothing selected, counts as 0).
+run_world() {
+    local world=$1 vis=${2:-} rc=0 frc log="$RESULTS/gpu_tests_w$1.log"
+    echo "gpu_suite: world $world${vis:+ on GPU $vis alone}" | tee -a "$ENV_LOG"
+    : >"$log"
     if ((${#mps_selection[@]})); then
         # PYTEST_ARGS is split into words on purpose.
         # shellcheck disable=SC2086
-        RSCCL_GPU_WORLDS=$world python3 -m pytest "${mps_selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs \
-            --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee "$RESULTS/gpu_tests_w$world.log"
+        env ${vis:+CUDA_VISIBLE_DEVICES=$vis} RSCCL_GPU_WORLDS="$world" python3 -m pytest "${mps_selection[@]}" -q ${PYTEST_X--x} \
+            --timeout 300 -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} >>"$log" 2>&1
         rc=$?
         ((rc == 5)) && rc=0
     fi
     if ((${#fault_selection[@]})) && { ((rc == 0)) || [[ ${PYTEST_X--x} != -x ]]; }; then
-        echo "gpu_suite: world $world, the fault files without MPS" | tee -a "$RESULTS/gpu_tests_w$world.log"
+        echo "gpu_suite: world $world, the fault files without MPS" >>"$log"
         mkdir -p "$RESULTS/no-mps"
         # shellcheck disable=SC2086
-        CUDA_MPS_PIPE_DIRECTORY=$RESULTS/no-mps RSCCL_GPU_WORLDS=$world python3 -m pytest "${fault_selection[@]}" -q ${PYTEST_X--x} \
-            --timeout 300 -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee -a "$RESULTS/gpu_tests_w$world.log"
+        env ${vis:+CUDA_VISIBLE_DEVICES=$vis} CUDA_MPS_PIPE_DIRECTORY="$RESULTS/no-mps" RSCCL_GPU_WORLDS="$world" python3 -m pytest \
+            "${fault_selection[@]}" -q ${PYTEST_X--x} --timeout 300 -p no:cacheprovider -rfEs --durations=10 ${PYTEST_ARGS:-} >>"$log" 2>&1
         frc=$?
         ((frc != 0 && frc != 5)) && rc=$frc
     fi
-    ((rc != 0)) && tests_rc=$rc
-    if ((rc != 0)) && [[ ${PYTEST_X--x} == -x ]]; then
-        break
-    fi
-done
+    return "$rc"
+}
+
+tests_rc=0
+if ((lanes)); then
+    # ONE_GPU_LANES: world i on GPU i % ngpus alone (its ranks share it); the GPUs' lanes
+    # side by side, a lane's worlds one after another (the memory tests read device-wide
+    # counters, so no two worlds share a GPU at once).
+    read -r -a worlds <<<"${RSCCL_GPU_WORLDS//,/ }"
+    pids=()
+    for ((g = 0; g < ngpus && g < ${#worlds[@]}; g++)); do
+        (
+            lane_rc=0
+            for ((j = g; j < ${#worlds[@]}; j += ngpus)); do
+                run_world "${worlds[j]}" "$g" || lane_rc=$?
+            done
+            exit "$lane_rc"
+        ) &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" || tests_rc=$?
+    done
+    cat "$RESULTS"/gpu_tests_w*.log
+else
+    for world in ${RSCCL_GPU_WORLDS//,/ }; do
+        run_world "$world"
+        rc=$?
+        cat "$RESULTS/gpu_tests_w$world.log"
+        ((rc != 0)) && tests_rc=$rc
+        if ((rc != 0)) && [[ ${PYTEST_X--x} == -x ]]; then
+            break
+        fi
+    done
+fi
 
 bench_rc=0
 if ((ngpus < 2)) && [[ ${SKIP_BENCH:-0} != 1 ]]; then
