@@ -134,3 +134,18 @@ def test_cuda_report_names_the_nccl_and_rsccl_environment(monkeypatch):
     env_line = next(line for line in header_lines({}, cfg, "python -m rsccl.bench") if "environment:" in line)
     assert " NCCL_RUNTIME_CONNECT=0" in env_line and " RSCCL_CUDA_BLOCKS=32" in env_line, env_line
     assert env_line.count("NCCL_NVLS_ENABLE=0") == 1, env_line
+
+
+def test_fsdp_learning_rate_scales_with_width_and_warms_up():
+    """The FSDP2 section's AdamW rate: 3e-4 up to d_model 2048, scaled by 2048 / d_model
+    above (so the 12-layer, d_model 4096 model takes steps of the default's size), `lr`
+    when given; a linear warm-up over the untimed steps, then constant for the timed ones."""
+    from rsccl.bench.fsdp import FsdpConfig
+
+    assert FsdpConfig().learning_rate() == pytest.approx(3e-4)
+    assert FsdpConfig(dim=1024).learning_rate() == pytest.approx(3e-4)
+    assert FsdpConfig(dim=4096, layers=12).learning_rate() == pytest.approx(1.5e-4)
+    assert FsdpConfig(dim=4096, lr=1e-3).learning_rate() == pytest.approx(1e-3)
+    fc = FsdpConfig(warmup=4)
+    assert [fc.lr_factor(s) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert [FsdpConfig(warmup=0).lr_factor(s) for s in range(3)] == [1.0, 1.0, 1.0]

@@ -221,6 +221,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--fsdp-layers", type=int, default=8, help="transformer layers of the FSDP2 model; default: %(default)s")
     g.add_argument("--fsdp-dim", type=int, default=2048, help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
     g.add_argument(
+        "--fsdp-lr",
+        type=float,
+        default=0.0,
+        help="AdamW's rate after the FSDP2 warm-up steps (linear warm-up over them); default: 3e-4 up to d_model 2048, "
+        "scaled by 2048 / d_model above",
+    )
+    g.add_argument(
         "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"
     )
     g.add_argument(
@@ -314,6 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("; ".join(problems))
     if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1:
         p.error("--fsdp-steps and --fsdp-layers must be at least 1, --fsdp-warmup at least 0")
+    if args.fsdp_lr < 0:
+        p.error(f"--fsdp-lr {args.fsdp_lr}: give a positive rate, or 0 for the default")
     if args.fsdp_dim < 64 or args.fsdp_dim % 64:
         p.error(f"--fsdp-dim {args.fsdp_dim}: give a multiple of 64 (attention heads of 64 or 128)")
     if args.min_bytes > args.max_bytes:

@@ -55,7 +55,7 @@ class FsdpConfig:
     ffn_mult: int = 4
     steps: int = 20
     warmup: int = 5
-    lr: float = 3e-4
+    lr: float = 0.0  # AdamW's rate after the warm-up; 0: `learning_rate()`'s default for the width
     pool_bytes: int = 0  # cuda_pool_bytes of the rsccl group; 0: pool_bytes_for()
 
     @property
@@ -77,11 +77,25 @@ class FsdpConfig:
     def params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
 
+    def learning_rate(self) -> float:
+        """AdamW's rate after the warm-up: `lr` if given, else 3e-4 up to d_model 2048 and
+        3e-4 x 2048 / d_model above (Adam's step moves each weight by about the rate, so a
+        layer's output moves with its width: scaled so, a wider model takes steps of the
+        same size as the default one). With 3e-4 at d_model 4096 and 12 layers the model
+        trained chaotically on 2 H100s (final losses 1.89 to 5.25 over four runs of the two
+        backends, issue 26), which made the loss check meaningless there."""
+        return self.lr if self.lr > 0 else 3e-4 * min(1.0, 2048 / self.dim)
+
+    def lr_factor(self, step: int) -> float:
+        """The rate's factor at optimizer step `step` (0-based): a linear warm-up over the
+        untimed warm-up steps, then 1, so the timed steps all run at the same rate."""
+        return min(1.0, (step + 1) / self.warmup) if self.warmup > 0 else 1.0
+
     def describe(self) -> str:
         return (
             f"{self.layers} layers, d_model {self.dim}, {self.heads} heads, FFN {self.ffn_mult * self.dim}, "
             f"vocab {self.vocab}, seq {self.seq}, batch {self.batch} per rank, "
-            f"{self.params() / 1e6:.0f}M parameters"
+            f"{self.params() / 1e6:.0f}M parameters, AdamW lr {self.learning_rate():.2g} after {self.warmup} warm-up steps"
         )
 
 
@@ -269,16 +283,18 @@ def train_one(r: Any, backend: str, master: Transformer, ids: torch.Tensor, targ
             except Exception:  # noqa: BLE001 - only reported; FSDP's own call decides
                 state["pool_alloc"] = None
         state["model"] = model
-        state["opt"] = torch.optim.AdamW(model.parameters(), lr=fc.lr, foreach=True)
+        state["opt"] = opt = torch.optim.AdamW(model.parameters(), lr=fc.learning_rate(), foreach=True)
+        state["sched"] = torch.optim.lr_scheduler.LambdaLR(opt, fc.lr_factor)
 
     phase(r, "fully_shard", shard)
     out["pool_alloc"] = state.get("pool_alloc")
-    model, opt = state["model"], state["opt"]
+    model, opt, sched = state["model"], state["opt"], state["sched"]
 
     def step() -> torch.Tensor:
         loss = loss_of(model, ids, targets)
         loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -320,7 +336,7 @@ def train_one(r: Any, backend: str, master: Transformer, ids: torch.Tensor, targ
         out["pool_bytes"] = after.get("cuda_pool_bytes")
         out["pool_peak_bytes"] = after.get("cuda_pool_peak_bytes")
     state.clear()
-    model = opt = None  # the model, its gradients and optimizer state go before the next run
+    model = opt = sched = None  # the model, its gradients and optimizer state go before the next run
     gc.collect()
     sync(dev)
     if cuda:

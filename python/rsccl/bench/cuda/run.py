@@ -120,7 +120,12 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         timeout_s=args.timeout,
         pool=not args.no_pool,
         fsdp=FsdpConfig(
-            layers=args.fsdp_layers, dim=args.fsdp_dim, steps=args.fsdp_steps, warmup=args.fsdp_warmup, pool_bytes=args.fsdp_pool_bytes or 0
+            layers=args.fsdp_layers,
+            dim=args.fsdp_dim,
+            steps=args.fsdp_steps,
+            warmup=args.fsdp_warmup,
+            lr=args.fsdp_lr,
+            pool_bytes=args.fsdp_pool_bytes or 0,
         )
         if args.fsdp
         else None,
