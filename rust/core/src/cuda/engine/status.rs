@@ -319,9 +319,9 @@ impl Shared {
                 self.timeout.as_secs_f64()
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
-            // A peer stopped the group because of a rank that is gone (it timed out waiting
-            // for it, say): the death is the cause.
-            ERR_PEER if cause != 0 && named.checked_sub(1).is_some_and(|n| self.mesh.gone().contains(&n)) => {
+            // A peer timed out waiting for a rank that is gone: the death is the cause. (A
+            // size mismatch or two collectives at once stay the cause, whoever left since.)
+            ERR_PEER if cause == ERR_TIMEOUT && named.checked_sub(1).is_some_and(|n| self.mesh.gone().contains(&n)) => {
                 gone_error(&self.local_ranks, &self.pids, named - 1)
             }
             // A peer stopped the group with no cause of its own (its host's abort, or a dead
