@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 ///   before the copy starts.
 /// - COUNTS is filled by a copy (cuMemcpyDtoHAsync) and read only after its event
 ///   completed (cuEventQuery), which makes the copy's bytes visible to the host.
-///   OWN_POISON_READ likewise, read after its stream was synchronized
+///   OWN_POISON_READ likewise, read after its stream reported the copy complete
 ///   (`Shared::cause_in_own_word`).
 /// - The host clears ERR after the collectives queued so far finished (health), so no
 ///   kernel of those is writing it; a clearing store racing a later kernel's report would
@@ -46,6 +46,10 @@ use crate::error::{Error, Result};
 pub(super) struct HostWords {
     page: PinnedPage,
 }
+
+/// How long the watchdog waits for the copy of this rank's own poison word when it finds a
+/// peer gone (`Shared::cause_in_own_word`); past it, the exit is named.
+const OWN_WORD_WAIT: Duration = Duration::from_millis(500);
 
 /// The fields of a FATAL code (abi.cuh, at the error codes): (kind, peer, cause, named).
 /// Bits 16-19 are the kind and the low 16 the peer; for ERR_PEER, bits 20-23 are the
@@ -240,7 +244,8 @@ impl Shared {
     /// (system scope) before its process can end; its FATAL word is written just before
     /// them, so a teardown that acts within those few stores can leave the word empty, and
     /// then the exit is named. The copy runs on the poison stream (never behind a kernel)
-    /// and is read after that stream was synchronized, which makes its bytes visible here.
+    /// and is read after the stream reported it complete (cuStreamQuery, which makes its
+    /// bytes visible here), within OWN_WORD_WAIT.
     pub(super) fn cause_in_own_word(&self) -> Option<Error> {
         let _ctx = self.dev.bind().ok()?;
         // SAFETY: the destination is 4 bytes of this engine's pinned page, alive as long as
@@ -249,8 +254,21 @@ impl Shared {
         // copy is waited for below, before the word is read.
         let r =
             unsafe { cu::cuMemcpyDtoHAsync_v2(self.words.dst(HostWords::OWN_POISON_READ), self.own_poison, 4, self.poison_stream.raw()) };
-        if r != cu::CUresult::CUDA_SUCCESS || self.poison_stream.synchronize() != cu::CUresult::CUDA_SUCCESS {
+        if r != cu::CUresult::CUDA_SUCCESS {
             return None;
+        }
+        // Polled, not synchronized: the watchdog never blocks on the GPU (a wedged driver or
+        // MPS server would keep it from reading the kernels' reports and its shutdown from
+        // joining it). A copy not done by then is left to finish into a word nobody reads
+        // again (the watchdog asks once).
+        let deadline = Instant::now() + OWN_WORD_WAIT;
+        loop {
+            // SAFETY: a live stream of the context bound above.
+            match unsafe { cu::cuStreamQuery(self.poison_stream.raw()) } {
+                cu::CUresult::CUDA_SUCCESS => break,
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+                _ => return None,
+            }
         }
         let p = self.words.read(HostWords::OWN_POISON_READ);
         let peer = p.checked_sub(1).filter(|_| p != POISON_DESTROYED)?;
@@ -319,15 +337,13 @@ impl Shared {
                 self.timeout.as_secs_f64()
             )),
             ERR_ABORTED => Error::Aborted("the group was aborted".into()),
-            // A peer timed out waiting for a rank that is gone: the death is the cause. (A
-            // size mismatch or two collectives at once stay the cause, whoever left since.)
-            ERR_PEER if cause == ERR_TIMEOUT && named.checked_sub(1).is_some_and(|n| self.mesh.gone().contains(&n)) => {
-                gone_error(&self.local_ranks, &self.pids, named - 1)
-            }
             // A peer stopped the group with no cause of its own (its host's abort, or a dead
             // rank it saw): if its process is gone, say so as this rank's own watchdog would
             // have (it may not have polled yet: the peer's poison came first). A peer that
-            // timed out and was then ended by its teardown is named with its timeout, below.
+            // failed with a cause (a timeout, a size mismatch, two collectives at once) is
+            // named with that cause below, even where it or the rank it waited for has exited
+            // since: a late rank is ended by the very poison that names it, so its exit says
+            // nothing new.
             ERR_PEER if cause == 0 && self.mesh.gone().contains(&peer) => gone_error(&self.local_ranks, &self.pids, peer),
             // This rank's own word: the host stopped the group (its own error is raised
             // first, where it has one).
