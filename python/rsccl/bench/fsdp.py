@@ -385,7 +385,7 @@ def run_fsdp(r: Any) -> None:
     fc: FsdpConfig = r.cfg.fsdp
     pool = pool_bytes_for(fc, r.world)
     res: dict[str, Any] = {
-        "config": asdict(fc),
+        "config": {**asdict(fc), "lr": fc.learning_rate()},
         "describe": fc.describe(),
         "pool_bytes": pool,
         "runs": {},
