@@ -152,6 +152,19 @@ struct P2pArgs {
 #define P2P_CE_FINISH 4    // receiver, after the last copy-out: ack it; advance the counter
 #define P2P_CE_BLOCKS_SHIFT 8
 
+// rs_ce_reduce_<dtype> (reduce_scatter on the copy engines, NOTE [Copy engines] in
+// rust/core/src/cuda/engine/copy.rs): one round's reduction, after its barrier, of this
+// rank's own block and the peers' slots of one staging buffer, all in local memory.
+// `a.in`: this rank's own block of the input at the round's offset; `a.out`: the output
+// at that offset; `a.count`: the round's elements; `a.desc0`: the call's (its op);
+// `a.rank`, `a.world`: as always. `slots`: slot 0 of the buffer (slot_of(j, rank) holds
+// rank j's bytes); `slot_bytes`: the distance between slots, a multiple of 256.
+struct CeReduceArgs {
+    Args a;
+    u64 slots;
+    u64 slot_bytes;
+};
+
 // The layout build.rs computed for the structs above (natural alignment, no packing),
 // checked by the compiler; build.rs checks it computes the same numbers. (NVRTC has no
 // offsetof: the field offsets follow from the field types' sizes and alignments, which
@@ -162,3 +175,4 @@ static_assert(sizeof(Args) == 232, "Args layout");
 static_assert(alignof(Args) == 8, "Args layout");
 static_assert(sizeof(A2aArgs) == 744, "A2aArgs layout");
 static_assert(sizeof(P2pArgs) == 248, "P2pArgs layout");
+static_assert(sizeof(CeReduceArgs) == 248, "CeReduceArgs layout");

@@ -62,6 +62,7 @@ struct OpMax { template <typename A> __device__ __forceinline__ static A f(A a, 
 // The reduce op of this call, from its descriptor (every rank's is the same: the first
 // barrier compares descriptors before any reduction).
 __device__ __forceinline__ u32 desc_op(const Args& a) { return (u32)(a.desc0 >> DESC0_OP_SHIFT) & 0xff; }
+__device__ __forceinline__ u32 desc_op(const CeReduceArgs& x) { return desc_op(x.a); }
 
 __device__ __forceinline__ u32 uniform_op(u32 op) {
     asm volatile("" : "+r"(op));
@@ -382,14 +383,17 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // Entry points: rs_<algorithm>_<dtype>, one per reduced type; the op comes with the call
 // (NOTE [Reduce op at run time]).
 
-#define RS_ENTRY(ALG, T, TN)                                                                                \
-    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN(const __grid_constant__ Args a) { \
-        ALG<T>(a, desc_op(a));                                                                              \
+// `A`: the argument block (`Args`, or a struct that begins with one, with its own desc_op).
+#define RS_ENTRY(ALG, A, T, TN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) rs_##ALG##_##TN(const __grid_constant__ A a) { \
+        ALG<T>(a, desc_op(a));                                                                           \
     }
 
-#define RS_TYPES(ALG)          \
-    RS_ENTRY(ALG, float, f32)  \
-    RS_ENTRY(ALG, f16, f16)    \
-    RS_ENTRY(ALG, bf16, bf16)  \
-    RS_ENTRY(ALG, i32, i32)    \
-    RS_ENTRY(ALG, i64, i64)
+#define RS_TYPES_OF(ALG, A)       \
+    RS_ENTRY(ALG, A, float, f32)  \
+    RS_ENTRY(ALG, A, f16, f16)    \
+    RS_ENTRY(ALG, A, bf16, bf16)  \
+    RS_ENTRY(ALG, A, i32, i32)    \
+    RS_ENTRY(ALG, A, i64, i64)
+
+#define RS_TYPES(ALG) RS_TYPES_OF(ALG, Args)

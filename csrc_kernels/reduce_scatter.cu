@@ -1,4 +1,5 @@
-// reduce_scatter (rs_reduce_scatter_*).
+// reduce_scatter (rs_reduce_scatter_*), and the reduction of reduce_scatter on the copy
+// engines (rs_ce_reduce_*).
 
 #include "common.cuh"
 
@@ -81,3 +82,31 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
 }
 
 RS_TYPES(reduce_scatter)
+
+// reduce_scatter on the copy engines (NOTE [Copy engines] in rust/core/src/cuda/engine/
+// copy.rs): one round, after its barrier B_k, on the collective's stream. The peers' copy
+// engines pushed their bytes of my block for this round into my staging buffer, a slot
+// each (`x.slots`, `x.slot_bytes` apart; abi.cuh's CeReduceArgs); this reduces them with
+// my own block of the input, in rank order as rs_reduce_step does (own input for myself,
+// so every element gets the bits the kernel path gives it; AVG divides at the end), into
+// the output. Local memory only: no flag, no wait, no barrier (the barriers before and
+// after it on the stream order it against the peers' pushes). The output may be my own
+// block of the input (in place): each thread reads a pack of it before it writes that
+// pack, and no other thread nor push reads it. Slots are 256-byte aligned and sized in
+// 256-byte units, so whole packs load from them (`load_stage`: a last partial pack reads
+// bytes of the slot past the round, never stored); the input and output may sit at any
+// element alignment (`load_pack`, `store_pack`).
+template <typename T>
+__device__ void ce_reduce(const CeReduceArgs& x, u32 op) {
+    const Args& a = x.a;
+    const T* own = reinterpret_cast<const T*>(a.in);
+    const T* slots = reinterpret_cast<const T*>(x.slots);
+    T* out = reinterpret_cast<T*>(a.out);
+    u64 lo, hi;
+    block_range(a.count, Pack<T>::N, &lo, &hi);
+    reduce_packs<T>(
+        lo, hi, a.world, op, staged_sources<T>(own, slots, a.rank, x.slot_bytes / sizeof(T), 0, hi),
+        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+}
+
+RS_TYPES_OF(ce_reduce, CeReduceArgs)

@@ -46,6 +46,16 @@ pub(super) struct P2pArgs {
     pub(super) chunk: u64,
 }
 
+/// One round's reduction of reduce_scatter on the copy engines (the source's `struct
+/// CeReduceArgs`: rs_ce_reduce, NOTE [Copy engines]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct CeReduceArgs {
+    pub(super) a: Args,
+    pub(super) slots: u64,
+    pub(super) slot_bytes: u64,
+}
+
 // The error kinds the kernels write into the status page (high 16 bits of a word).
 pub(super) const ERR_TIMEOUT: u32 = kabi::ERR_TIMEOUT as u32;
 pub(super) const ERR_ABORTED: u32 = kabi::ERR_ABORTED as u32;
@@ -70,11 +80,12 @@ mod tests {
     fn args_layout_matches_the_kernel_abi() {
         // The compile-time check covers every struct of abi.cuh, and these are all of them.
         let names: Vec<&str> = kabi::STRUCTS.iter().map(|s| s.0).collect();
-        assert_eq!(names, ["Args", "A2aArgs", "P2pArgs"]);
+        assert_eq!(names, ["Args", "A2aArgs", "P2pArgs", "CeReduceArgs"]);
         let size = |n: &str| kabi::STRUCTS.iter().find(|s| s.0 == n).unwrap().1;
         assert_eq!(std::mem::size_of::<Args>(), size("Args"));
         assert_eq!(std::mem::size_of::<A2aArgs>(), size("A2aArgs"));
         assert_eq!(std::mem::size_of::<P2pArgs>(), size("P2pArgs"));
+        assert_eq!(std::mem::size_of::<CeReduceArgs>(), size("CeReduceArgs"));
         // 16 peers + 11 u64 fields + 4 u32 fields.
         assert_eq!(size("Args"), 16 * 8 + 11 * 8 + 16);
         assert_eq!(kabi::FIELDS.iter().filter(|f| f.0 == "Args").count(), 16);

@@ -91,9 +91,13 @@ pub enum Family {
     ReduceScatter,
     /// reduce to a root
     Reduce,
+    /// One round's reduction of reduce_scatter on the copy engines, in local memory
+    /// (NOTE [Copy engines] in cuda/engine/copy.rs). It takes a `CeReduceArgs` (an `Args`
+    /// and the round's slots), launched by that path only.
+    CopyEngineReduce,
 }
 
-pub const FAMILIES: [Family; 4] = [Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce];
+pub const FAMILIES: [Family; 5] = [Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce, Family::CopyEngineReduce];
 
 /// An entry point of rsccl's kernels as the launch path picks it (`cuda::decide::kernel`):
 /// the index of the kernels' table (`Kernels::get`). A reduction family has an entry point
@@ -120,7 +124,9 @@ pub enum Kernel {
 /// structs), and so how the launch path runs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
-    /// `Args`: every local rank, the sizes in the descriptor, on the collective grid.
+    /// `Args`: every local rank, the sizes in the descriptor, on the collective grid. (The
+    /// copy-engine reduce, `Family::CopyEngineReduce`, takes a `CeReduceArgs`, which begins
+    /// with an `Args`, on a grid of its own: only cuda/engine/copy.rs launches it.)
     Collective,
     /// `A2aArgs`: every local rank, a chunk per peer (sent and received), on the collective
     /// grid.
@@ -150,6 +156,7 @@ impl Kernel {
             Kernel::Reduce(Family::TwoShot) => ("all_reduce", "rs_ar_twoshot"),
             Kernel::Reduce(Family::ReduceScatter) => ("reduce_scatter", "rs_reduce_scatter"),
             Kernel::Reduce(Family::Reduce) => ("rooted", "rs_reduce_root"),
+            Kernel::Reduce(Family::CopyEngineReduce) => ("reduce_scatter", "rs_ce_reduce"),
             Kernel::AllGather => ("all_gather", "rs_all_gather"),
             Kernel::Broadcast => ("rooted", "rs_broadcast"),
             Kernel::Gather => ("rooted", "rs_gather"),
@@ -429,17 +436,19 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let required = required_kernels();
-        // 4 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
-        assert_eq!(required.len(), 4 * 5 + 9);
+        // 5 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
+        assert_eq!(required.len(), 5 * 5 + 9);
         for (module, name) in &required {
             let src = MODULES.iter().find(|m| m.0 == *module).unwrap_or_else(|| panic!("{module}")).1;
             let plain = format!("void __launch_bounds__(THREADS) {name}(");
             let family = name.rsplit_once('_').map(|f| f.0).unwrap_or("").trim_start_matches("rs_").to_string();
-            assert!(src.contains(&plain) || src.contains(&format!("RS_TYPES({family})")), "{name} in {module}.cu");
+            let typed = src.contains(&format!("RS_TYPES({family})")) || src.contains(&format!("RS_TYPES_OF({family}, "));
+            assert!(src.contains(&plain) || typed, "{name} in {module}.cu");
         }
         assert!(kernel_name(Kernel::Reduce(Family::OneShot), DType::F64).is_none());
         assert_eq!(kernel_name(Kernel::Reduce(Family::TwoShot), DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
         assert_eq!(kernel_name(Kernel::Reduce(Family::Reduce), DType::I64).unwrap(), "rs_reduce_root_i64");
+        assert_eq!(kernel_name(Kernel::Reduce(Family::CopyEngineReduce), DType::F16).unwrap(), "rs_ce_reduce_f16");
         assert_eq!(kernel_name(Kernel::Send, DType::F64).unwrap(), "rs_send");
         // The table's index: every kernel once, every family per reduced dtype.
         let index: std::collections::HashSet<_> = entry_points().into_iter().map(|e| (e.0, e.1)).collect();
