@@ -14,7 +14,9 @@
 //!
 //! The ledger: per device, in SMs. Every eager launch of an rsccl kernel (collective kernels,
 //! send/recv kernels, the copy-engine paths' one-CTA barriers and send/recv signals, counted
-//! as one launch of 1 SM per call: they run one after another on one stream) holds `sms_of(blocks, blocks per SM)`
+//! as one launch of 1 SM per call: they run one after another on one stream; a copy-engine
+//! reduce_scatter as one launch of its reduce kernel's SMs, which runs between those
+//! barriers on the same stream, so the largest of them) holds `sms_of(blocks, blocks per SM)`
 //! SMs, the same whole-SM count `grids_that_fit` sizes with (more than the kernel may
 //! take: counting too much only makes a launch wait), from when it is enqueued until its end
 //! event, recorded right after it on its stream (from the group's `Order` pool), is seen
@@ -349,6 +351,10 @@ pub struct SmShare {
     pub limit: u32,
     /// SMs a collective kernel of the group holds (a copy-engine barrier holds 1).
     pub collective_sms: u32,
+    /// Blocks of the group's collective kernels resident per SM, the fewest of any
+    /// (`Kernels::min_blocks_per_sm`): the SMs of a grid of another size, `sms_of` (the
+    /// copy-engine reduce_scatter's reduce kernel, cuda/engine/copy.rs).
+    pub collective_per_sm: u32,
     /// SMs a send/recv kernel of the group holds (a copy-engine send/recv's signals hold 1).
     pub p2p_sms: u32,
     /// Launches that had to wait for another group's.
@@ -359,7 +365,7 @@ impl SmShare {
     /// Join the ledger of `dev`, a GPU of `sms` SMs, as a new group. A group that was alone
     /// on the device counted none of its launches: the device is synchronized first, under
     /// the ledger's lock, so that none of them still runs when counting starts again.
-    pub fn join(dev: &Device, sms: u32, limit: u32, collective_sms: u32, p2p_sms: u32) -> Result<SmShare> {
+    pub fn join(dev: &Device, sms: u32, limit: u32, collective_per_sm: u32, collective_sms: u32, p2p_sms: u32) -> Result<SmShare> {
         let budget = DeviceBudget::shared(dev, sms);
         let group = GROUPS.fetch_add(1, Ordering::Relaxed);
         let mut g = budget.ledger.lock();
@@ -370,7 +376,7 @@ impl SmShare {
         }
         g.live.push(group);
         drop(g);
-        Ok(SmShare { budget, group, limit, collective_sms, p2p_sms, waited: AtomicU64::new(0) })
+        Ok(SmShare { budget, group, limit, collective_sms, collective_per_sm, p2p_sms, waited: AtomicU64::new(0) })
     }
 
     /// The device's SM count.

@@ -19,7 +19,8 @@ fn every_kind_has_a_kernel_and_an_nccl_call() {
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
 
-/// The copy engines take all_gather, broadcast, send and recv from the setting's size on,
+/// The copy engines take all_gather, reduce_scatter, broadcast, send and recv from the
+/// setting's size on (reduce_scatter's input bytes, not its output elements),
 /// never at 0, never without peers; rounds cover every byte once, in order, none larger
 /// than a half.
 #[test]
@@ -30,6 +31,15 @@ fn copy_engine_choice_and_rounds() {
     assert!(!copy_engine(Kind::AllGather, 1 << 30, 1, 1));
     assert!(copy_engine(Kind::AllGather, 1, 2, 1));
     assert!(copy_engine(Kind::Broadcast, 4 << 20, 2, 4 << 20));
+    // reduce_scatter: the input's bytes (output elements x dtype x ranks), as on_copy_engines
+    // passes them: 128 Ki bf16 elements per rank at 4 ranks is 1 MiB of input.
+    let rs = message_bytes(Kind::ReduceScatter, 128 << 10, 2, 4);
+    assert_eq!(rs, 1 << 20);
+    assert!(copy_engine(Kind::ReduceScatter, rs, 4, 1 << 20));
+    assert!(!copy_engine(Kind::ReduceScatter, rs - 1, 4, 1 << 20));
+    assert!(copy_engine(Kind::ReduceScatter, 1, 2, 1));
+    assert!(!copy_engine(Kind::ReduceScatter, 1 << 30, 4, 0));
+    assert!(!copy_engine(Kind::ReduceScatter, 1 << 30, 1, 1));
     // send/recv: each side from its own message's bytes, so equal sizes choose alike.
     for k in [Kind::Send, Kind::Recv] {
         assert!(copy_engine(k, 4 << 20, 2, 4 << 20), "{k:?}");
@@ -40,7 +50,9 @@ fn copy_engine_choice_and_rounds() {
         let bytes = message_bytes(k, 4 << 20, 2, 4);
         assert!(copy_engine(k, bytes, 4, 4 << 20), "{k:?}: bytes, not elements");
     }
-    for k in Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::Broadcast | Kind::Send | Kind::Recv)) {
+    for k in
+        Kind::ALL.into_iter().filter(|&k| !matches!(k, Kind::AllGather | Kind::ReduceScatter | Kind::Broadcast | Kind::Send | Kind::Recv))
+    {
         assert!(!copy_engine(k, 1 << 30, 4, 1), "{k:?}");
     }
     for (per_rank, slot) in [
@@ -55,6 +67,8 @@ fn copy_engine_choice_and_rounds() {
         (64 << 20, 21 << 20),
         (1 << 30, 21 << 20),
         ((16 << 20) + 3, 64 << 20),
+        ((64 << 20) + 24, 21 << 20),
+        (3 * (1 << 20) + 8, 256),
     ] {
         let r: Vec<_> = copy_rounds(per_rank, slot).collect();
         assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), per_rank);
@@ -67,6 +81,12 @@ fn copy_engine_choice_and_rounds() {
             fewest.max(per_rank.div_ceil(COPY_MIN_STEP))
         };
         assert_eq!(r.len() as u64, want, "{per_rank} bytes, slot {slot}");
+        // reduce_scatter's rounds are reduced by element (rs_ce_reduce): with a slot in
+        // 256-byte units, as staging_slot makes it, every round starts and ends on an
+        // element of any dtype (8 bytes at most) when the block is whole elements.
+        if slot % 256 == 0 && per_rank % 8 == 0 {
+            assert!(r.iter().all(|&(o, n)| o % 8 == 0 && n % 8 == 0), "{per_rank} bytes, slot {slot}");
+        }
     }
 }
 

@@ -244,6 +244,7 @@ impl CudaEngine {
             &dev,
             grids.sms,
             grids.sms / sharers.max(1),
+            grids.collective_per_sm,
             sms_of(blocks, grids.collective_per_sm),
             sms_of(p2p_blocks, grids.p2p_per_sm),
         )?;
