@@ -209,7 +209,12 @@ def test_rsccl_ctas_come_from_the_engines_stats():
     assert ctas.rsccl_cell([], "all_reduce").startswith("n/a")
     ce = {**st, "cuda_copy_engine_min_bytes": 4 << 20}
     assert ctas.rsccl_cell([ce, ce], "all_gather_into_tensor") == "24; from 4 MiB: 0 (copy engines; 1-CTA barrier kernels)"
-    assert ctas.rsccl_cell([ce, ce], "reduce_scatter_tensor") == "24"
+    assert ctas.rsccl_cell([ce, ce], "reduce_scatter_tensor") == (
+        "24; from 4 MiB: 16 (a reduce kernel per round; copy engines move the data; 1-CTA barrier kernels)"
+    )
+    few = {**ce, "cuda_blocks": 8}
+    assert ctas.rsccl_cell([few, few], "reduce_scatter_tensor").startswith("8; from 4 MiB: 8 (a reduce kernel")
+    assert ctas.rsccl_cell([ce, ce], "all_reduce") == "24"
     off = {**st, "cuda_copy_engine_min_bytes": 0}
     assert ctas.rsccl_cell([off, off], "all_gather_into_tensor") == "24"
 

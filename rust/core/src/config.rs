@@ -142,11 +142,14 @@ pub const SETTINGS: &[Setting] = &[
         min: 0,
         max: 1 << 40,
         is_size: true,
-        help: "CUDA all_gather messages (the gathered output), broadcasts and send/recv \
-               messages from this size on move on the GPU's copy engines, with no SM, between \
-               one-CTA barrier or signal kernels (such a send waits for its recv); smaller \
-               ones run rsccl's kernels. 0 (default): never; 1: at every size. Slower than \
-               the kernels where nothing else runs (docs/performance.md)",
+        help: "CUDA all_gather messages (the gathered output), reduce_scatter messages (the \
+               input), broadcasts and send/recv messages from this size on move on the GPU's \
+               copy engines, with no SM moving data between GPUs, between one-CTA barrier or \
+               signal kernels (such a send waits for its recv; a reduce_scatter reduces each \
+               round of what arrived with a local kernel of 16 CTAs); smaller ones run rsccl's \
+               kernels. 0 (default): never; \
+               1: at every size. Slower than the kernels where nothing else runs \
+               (docs/performance.md; reduce_scatter not measured yet)",
     },
     Setting {
         field: "max_cuda_va_bytes",
@@ -420,7 +423,8 @@ pub struct Config {
     pub cuda_buffer_bytes: usize,
     pub cuda_blocks: u32,
     pub cuda_allreduce_one_shot_max_bytes: usize,
-    /// 0: never (decide::copy_engine).
+    /// all_gather, reduce_scatter, broadcast, send/recv from this many bytes on the copy
+    /// engines; 0: never (decide::copy_engine).
     pub cuda_copy_engine_min_bytes: u64,
     pub max_cuda_va_bytes: usize,
     pub cuda_warmup: bool,

@@ -67,7 +67,11 @@ def rsccl_ctas(stats: Mapping[str, object], collective: str) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor", "broadcast", P2P)  # rust/core/src/cuda/decide.rs copy_engine
+# rust/core/src/cuda/decide.rs copy_engine
+COPY_ENGINE_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", P2P)
+# reduce_scatter's reduce kernel on the copy engines (rust/core/src/cuda/engine/copy.rs
+# REDUCE_BLOCKS), at most the collective grid.
+COPY_ENGINE_REDUCE_CTAS = 16
 
 
 def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None:
@@ -82,14 +86,19 @@ def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None
 def rsccl_cell(per_rank: list[Mapping[str, object]], collective: str) -> str:
     """rsccl's grid for `collective` on every rank ("n/a" if not reported); the ranks agree on
     it at group creation, so one figure, else each rank's. From the copy-engine size on: 0
-    CTAs move the data, with barrier kernels of 1 CTA."""
+    CTAs move the data, with barrier kernels of 1 CTA (and, for reduce_scatter, a local
+    reduce kernel of COPY_ENGINE_REDUCE_CTAS, at most the collective grid)."""
     got = [rsccl_ctas(s, collective) for s in per_rank]
     if not got or all(g is None for g in got):
         return "n/a (not in memory_stats)"
     cell = str(got[0]) if len(set(got)) == 1 else " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
     ce = {copy_engine_from(s, collective) for s in per_rank}
     if len(ce) == 1 and (at := ce.pop()) is not None:
-        cell += f"; from {human(at)}: 0 (copy engines; 1-CTA {'signal' if collective == P2P else 'barrier'} kernels)"
+        if collective == "reduce_scatter_tensor":
+            grid = min([COPY_ENGINE_REDUCE_CTAS, *(g for g in got if g is not None)])
+            cell += f"; from {human(at)}: {grid} (a reduce kernel per round; copy engines move the data; 1-CTA barrier kernels)"
+        else:
+            cell += f"; from {human(at)}: 0 (copy engines; 1-CTA {'signal' if collective == P2P else 'barrier'} kernels)"
     return cell
 
 

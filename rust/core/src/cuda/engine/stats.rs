@@ -35,9 +35,10 @@ pub struct CudaStats {
     pub p2p_blocks: u32,
     /// Blocks of each collective kernel: cuda_blocks, or fewer where ranks share a GPU.
     pub blocks: u32,
-    /// cuda_copy_engine_min_bytes: all_gather, broadcast and send/recv from this size move on
-    /// the copy engines (0: never), with one-CTA barrier or signal kernels (NOTE [Copy
-    /// engines], NOTE [Copy-engine send/recv]).
+    /// cuda_copy_engine_min_bytes: all_gather, reduce_scatter, broadcast and send/recv from
+    /// this size move on the copy engines (0: never), with one-CTA barrier or signal kernels
+    /// (and reduce_scatter's local reduce kernel) (NOTE [Copy engines], NOTE [Copy-engine
+    /// send/recv]).
     pub copy_engine_min_bytes: u64,
     /// Ranks of this group on this rank's GPU, itself included (1: a GPU of its own).
     pub gpu_sharers: u32,
