@@ -46,6 +46,9 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     # follow each other between a pair.
     "copy-engines-small-inbox": {"cuda_copy_engine_min_bytes": 1, "cuda_p2p_bytes": "2MiB"},
     "copy-engines-from-64KiB": {"cuda_copy_engine_min_bytes": 65536, "cuda_p2p_bytes": "2MiB"},
+    # Copy-engine calls of 16 MiB and more beside kernel calls of the same collective (a
+    # reduce_scatter of 4 MiB runs the kernel, one of 16 MiB the copy engines).
+    "copy-engines-from-16MiB": {"cuda_copy_engine_min_bytes": "16MiB"},
     "no-copy-engines": {"cuda_copy_engine_min_bytes": 0},
 }
 

@@ -1,9 +1,12 @@
-"""all_gather, broadcast and send/recv on the copy engines (issue 28). all_gather and
-broadcast: every size and dtype, the list form, in place (FSDP2's input: this rank's block
-of the output), asynchronous, on the internal stream, every root, in many rounds through a
-small staging, under CUDA graph capture mixed with kernel collectives, and a killed rank;
-against NCCL's all_gather and broadcast of the same random input (bitwise: the path moves
-bytes). The late, stopped-by-timeout and mismatched cases are in test_gpu_faults.py (ce_*
+"""all_gather, reduce_scatter, broadcast and send/recv on the copy engines (issues 26, 28).
+all_gather and broadcast: every size and dtype, the list form, in place (FSDP2's input:
+this rank's block of the output), asynchronous, on the internal stream, every root, in many
+rounds through a small staging, under CUDA graph capture mixed with kernel collectives, and
+a killed rank; against NCCL's all_gather and broadcast of the same random input (bitwise:
+the path moves bytes). reduce_scatter (its reduction in a local kernel per round): every
+dtype and op, the list form, in place (the output is this rank's block of the input) and
+asynchronous, in many rounds, under CUDA graph capture and a killed rank; against NCCL and
+the float64 or exact reference (tests/refs.py). The late, stopped-by-timeout and mismatched cases are in test_gpu_faults.py (ce_*
 scenarios). send/recv: every dtype from 1 element to many inbox halves, blocking and both
 directions at once, messages matched in order, a batch_isend_irecv ring, kernel and
 copy-engine messages back to back between a pair, a CUDA graph of both replayed, size
@@ -18,11 +21,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_harness import capture, check_killed_rank, die_or_repeat, needs_gpus, rsccl_group, warm_up_aside
-from gpu_refs import DTYPES, MOVE_DTYPES, Failures, gather_inputs, rand
-from refs import assert_equal
+from cases import inputs, my_block
+from gpu_harness import capture, case_call, check_killed_rank, die_or_repeat, needs_gpus, rsccl_group, warm_up_aside
+from gpu_refs import DTYPES, MOVE_DTYPES, RED, Failures, gather_inputs, ops_for, rand
+from refs import assert_equal, check_reduction
 from test_gpu_collectives import body_all_gather as body_gather_forms
 from test_gpu_collectives import body_broadcast
+from test_gpu_collectives import body_reduce_scatter as body_reduce_scatter_forms
 from test_gpu_p2p import _peer, body_ring, exchange_with, warmed_up_graph
 
 pytestmark = needs_gpus
@@ -75,11 +80,58 @@ def test_broadcast_on_the_copy_engines(gpus, seed, config):
     gpus.run(body_broadcast, seed, config, SIZES, timeout=400)
 
 
+# Elements of each rank's output: 1, odd counts (a last pack cut short; blocks of the input
+# at any element alignment), and rounds: through the small buffer (staging of about 3.75
+# MiB, slots of 1.25 MiB at 2 ranks, 180 KiB at 8), 393_219 float32 (1.5 MiB per rank) is 2
+# rounds at 2 ranks and 1_572_867 (6 MiB) 5; through the default one, 6 MiB per rank is one
+# round and 6_291_459 float32 (24 MiB) more than one (COPY_MIN_STEP).
+RS_SIZES = [1, 7, 1023, 100_003, 393_219, 1_572_867]
+RS_SIZES_EXTRA = [6_291_459]
+
+
+def body_reduce_scatter(ctx, seed: int, config: str, sizes: list[int], extra: list[int]) -> int:
+    """Every dtype and op into a tensor (against NCCL and the float64 or exact reference) and
+    from a list (test_gpu_collectives' body); then in place (the output is this rank's block
+    of the input: the reduction reads that block, no push does) and asynchronously (the
+    input changed right after wait()), against the reference, `extra` sizes on float32 only."""
+    body_reduce_scatter_forms(ctx, seed, config, sizes)
+    w, me = ctx.world, ctx.rank
+    checks = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in sizes + (extra if dtype == torch.float32 else []):
+                what = f"copy-engine reduce_scatter {op} {dtype} n={n}x{w} group={config}"
+                c = case_call(ctx, config, what, dtype, n, op)
+                xs = inputs(ctx, seed, c, n * w)
+                blocks = [my_block(x, ctx, n) for x in xs]
+                x = xs[me].clone()
+                dist.reduce_scatter_tensor(my_block(x, ctx, n), x, op=RED[op], group=c.group)
+                check_reduction(my_block(x, ctx, n), blocks, op, f"{what}: in place")
+                others = torch.cat([x[: me * n], x[(me + 1) * n :]])
+                assert_equal(others, torch.cat([xs[me][: me * n], xs[me][(me + 1) * n :]]), f"{what}: in place, the other blocks")
+                out = torch.empty(n, dtype=dtype, device=ctx.device)
+                y = xs[me].clone()
+                work = dist.reduce_scatter_tensor(out, y, op=RED[op], group=c.group, async_op=True)
+                work.wait()
+                y.zero_()
+                check_reduction(out, blocks, op, f"{what}: async_op=True")
+                checks += 2
+    torch.cuda.synchronize()
+    return checks
+
+
+@pytest.mark.parametrize("config", CE_CONFIGS)
+def test_reduce_scatter_on_the_copy_engines(gpus, seed, config):
+    checks = gpus.run(body_reduce_scatter, seed, config, RS_SIZES, RS_SIZES_EXTRA, timeout=600)
+    assert all(c > 0 for c in checks), checks
+
+
 def body_graph(ctx, seed: int) -> None:
     """A graph of all_reduce (a kernel) then two all_gathers on the copy engines (one of
-    several rounds), a broadcast from the last rank on them, then all_reduce again,
-    replayed 3 times on fresh data: the barrier kernels and the collective kernels keep
-    their counters in step under replay."""
+    several rounds), a broadcast from the last rank on them, a reduce_scatter of several
+    rounds on them (its reduce kernels captured too), then all_reduce again, replayed 3
+    times on fresh data: the barrier kernels and the collective kernels keep their counters
+    in step under replay."""
     g = rsccl_group(ctx, "copy-engines-small-buffer")
     w, me = ctx.world, ctx.rank
     a = torch.empty(4096, device=ctx.device)
@@ -88,12 +140,16 @@ def body_graph(ctx, seed: int) -> None:
     out_s = torch.empty(w * small.numel(), dtype=small.dtype, device=ctx.device)
     out_b = torch.empty(w * big.numel(), device=ctx.device)
     bc = torch.empty(2_000_003, dtype=torch.float16, device=ctx.device)
+    rs_n = 1_000_003  # float32 elements of each rank's output: 4 MiB, several rounds
+    rs_in = torch.empty(w * rs_n, device=ctx.device)
+    rs_out = torch.empty(rs_n, device=ctx.device)
 
     def calls():
         dist.all_reduce(a, group=g)
         dist.all_gather_into_tensor(out_s, small, group=g)
         dist.all_gather_into_tensor(out_b, big, group=g)
         dist.broadcast(bc, src=w - 1, group=g)
+        dist.reduce_scatter_tensor(rs_out, rs_in, group=g)
         dist.all_reduce(a, group=g)
 
     warm_up_aside(calls)
@@ -105,13 +161,17 @@ def body_graph(ctx, seed: int) -> None:
         small.copy_(rand(seed, me, small.numel(), torch.bfloat16, salt=f"{what} s"))
         big.copy_(rand(seed, me, big.numel(), torch.float32, salt=f"{what} b"))
         bc.copy_(rand(seed, me, bc.numel(), torch.float16, salt=f"{what} bc"))
+        rs_in.copy_(rand(seed, me, rs_in.numel(), torch.float32, salt=f"{what} rs"))
         a_all, s_all, b_all = gather_inputs(ctx, a_in), gather_inputs(ctx, small), gather_inputs(ctx, big)
+        rs_all = gather_inputs(ctx, rs_in)
         bc_root = gather_inputs(ctx, bc)[w - 1]
         graph.replay()
         torch.cuda.synchronize()
         assert_equal(out_s, s_all.reshape(-1), f"{what}: small all_gather")
         assert_equal(out_b, b_all.reshape(-1), f"{what}: all_gather of several rounds")
         assert_equal(bc, bc_root, f"{what}: broadcast from rank {w - 1}")
+        rs_want = rs_all.double().sum(0)[me * rs_n : (me + 1) * rs_n]
+        torch.testing.assert_close(rs_out.double(), rs_want, rtol=1e-4, atol=1e-3, msg=f"{what}: reduce_scatter of several rounds")
         want = a_all.double().sum(0) * w  # reduced twice: the second sums w equal rows
         torch.testing.assert_close(a.double(), want, rtol=1e-4, atol=1e-3, msg=f"{what}: all_reduce around them")
 
@@ -120,9 +180,10 @@ def test_copy_engines_under_cuda_graphs(gpus, seed):
     gpus.run(body_graph, seed, timeout=300)
 
 
-def body_stats(ctx) -> tuple[int, int, int, int]:
+def body_stats(ctx) -> tuple[int, int, int, int, int, int]:
     """The setting as memory_stats reports it, and the staged collectives and bytes that 3
-    all_gathers on the copy engines add (counted by their last barrier, on the GPU)."""
+    all_gathers, then 2 reduce_scatters, on the copy engines add (counted by their last
+    barrier, on the GPU; a reduce_scatter's bytes are its input's)."""
     import rsccl
 
     g = rsccl_group(ctx, "copy-engines")
@@ -135,18 +196,25 @@ def body_stats(ctx) -> tuple[int, int, int, int]:
         dist.all_gather_into_tensor(out, x, group=g)
     torch.cuda.synchronize()
     after = rsccl.memory_stats(g)
+    for _ in range(2):
+        dist.reduce_scatter_tensor(x, out, group=g)  # out: world x 1000 float16, the input
+    torch.cuda.synchronize()
+    after_rs = rsccl.memory_stats(g)
     return (
         rsccl.memory_stats()["cuda_copy_engine_min_bytes"],
         after["cuda_copy_engine_min_bytes"],
         after["cuda_staged_collectives"] - before["cuda_staged_collectives"],
         after["cuda_staged_bytes"] - before["cuda_staged_bytes"],
+        after_rs["cuda_staged_collectives"] - after["cuda_staged_collectives"],
+        after_rs["cuda_staged_bytes"] - after["cuda_staged_bytes"],
     )
 
 
 def test_memory_stats_report_the_copy_engine_setting_and_calls(gpus):
-    for default, forced, calls, nbytes in gpus.run(body_stats, timeout=120):
+    for default, forced, calls, nbytes, rs_calls, rs_bytes in gpus.run(body_stats, timeout=120):
         assert default == 0 and forced == 1, (default, forced)  # off by default (config.rs)
         assert (calls, nbytes) == (3, 3 * gpus.world * 2000), (calls, nbytes)
+        assert (rs_calls, rs_bytes) == (2, 2 * gpus.world * 2000), (rs_calls, rs_bytes)
 
 
 def body_warm(ctx) -> None:
@@ -161,14 +229,16 @@ def body_die_or_keep_calling(ctx, seed: int, victim: int, collective: str, timeo
     x = rand(seed, ctx.rank, 1 << 20, torch.float32)
     out = torch.empty(ctx.world * x.numel(), device=ctx.device)
     g = rsccl_group(ctx, "copy-engines")
+    rs_out = torch.empty(x.numel() // ctx.world, device=ctx.device)
     calls = {
         "all_gather": lambda: dist.all_gather_into_tensor(out, x, group=g),
         "broadcast": lambda: dist.broadcast(x, src=0, group=g),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(rs_out, x[: rs_out.numel() * ctx.world], group=g),
     }
     return die_or_repeat(ctx, victim, timeout, calls[collective])
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast", "reduce_scatter"])
 def test_killed_rank_during_copy_engine_collective(seed, collective):
     """A rank killed while the others run the collective on the copy engines: every
     survivor raises within the timeout, naming it, and its GPU is free."""
@@ -179,16 +249,21 @@ def test_killed_rank_during_copy_engine_collective(seed, collective):
 
 def body_mixed(ctx, seed: int, rounds: int) -> int:
     """all_gather on the copy engines, then reduce_scatter and all_reduce kernels, then
-    all_gather again, back to back on one stream, one rank late (a different one each
-    round), every result checked: reduce_scatter's kernel pushes into the peers' staging
-    before its first barrier, so a copy-engine call must leave no copy-out running after
-    its last barrier (NOTE [Copy engines], X). Seen wrong without it."""
-    g = rsccl_group(ctx, "copy-engines")
+    all_gather again, then reduce_scatter on the copy engines and a reduce_scatter kernel,
+    back to back on one stream, one rank late (a different one each round), every result
+    checked: reduce_scatter's kernel pushes into the peers' staging before its first
+    barrier, so a copy-engine call must leave no copy-out (nor reduce kernel) running after
+    its last barrier (NOTE [Copy engines], X). Seen wrong without it. The group moves 16 MiB
+    and more on the copy engines, so that the 4 MiB reduce_scatters run the kernel."""
+    g = rsccl_group(ctx, "copy-engines-from-16MiB")
     w, me = ctx.world, ctx.rank
     n = 8 << 20  # bfloat16: 16 MiB per rank, several rounds through the default staging
     out1 = torch.empty(w * n, dtype=torch.bfloat16, device=ctx.device)
     out2 = torch.empty(w * (n // 2), dtype=torch.bfloat16, device=ctx.device)
-    rs_out = torch.empty(n // w, dtype=torch.bfloat16, device=ctx.device)
+    rs_n = n // 4  # the kernel's input: 4 MiB of bfloat16
+    rs_out = torch.empty(rs_n // w, dtype=torch.bfloat16, device=ctx.device)
+    rs_ce_out = torch.empty(n // w, dtype=torch.bfloat16, device=ctx.device)
+    rs_after = torch.empty(rs_n // w, dtype=torch.bfloat16, device=ctx.device)
     checks = 0
     for k in range(rounds):
         what = f"mixed round {k} world={w}"
@@ -200,16 +275,21 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
         if me == k % w:
             torch.cuda._sleep(2_000_000)
         dist.all_gather_into_tensor(out1, x, group=g)
-        dist.reduce_scatter_tensor(rs_out, y, group=g)
+        dist.reduce_scatter_tensor(rs_out, y[:rs_n], group=g)
         dist.all_reduce(z, group=g)
         dist.all_gather_into_tensor(out2, x[: n // 2], group=g)
+        dist.reduce_scatter_tensor(rs_ce_out, y, group=g)
+        dist.reduce_scatter_tensor(rs_after, y[:rs_n], group=g)
         torch.cuda.synchronize()
         assert_equal(out1, xs.reshape(-1), f"{what}: all_gather")
         assert_equal(out2, xs[:, : n // 2].reshape(-1), f"{what}: the second all_gather")
-        want = ys.double().sum(0)[me * (n // w) : (me + 1) * (n // w)]
+        want = ys[:, :rs_n].double().sum(0)[me * (rs_n // w) : (me + 1) * (rs_n // w)]
         torch.testing.assert_close(rs_out.double(), want, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter after it")
         torch.testing.assert_close(z.double(), zs.double().sum(0), rtol=1e-4, atol=1e-4, msg=f"{what}: all_reduce")
-        checks += 4
+        want_ce = ys.double().sum(0)[me * (n // w) : (me + 1) * (n // w)]
+        torch.testing.assert_close(rs_ce_out.double(), want_ce, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter on the copy engines")
+        torch.testing.assert_close(rs_after.double(), want, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter kernel after it")
+        checks += 6
     return checks
 
 
