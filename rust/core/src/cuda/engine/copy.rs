@@ -198,11 +198,10 @@ impl CudaEngine {
         let per_rank = plan.per_rank(c);
         let senders = plan.senders(n);
         let slot = self.staging_slot(senders);
-        // Rank `to`'s staging buffer b, the slot that holds rank `from`'s bytes.
-        let slot_at = |to: usize, b: usize, from: usize| {
-            let index = plan.slot_index(to, from) as u64;
-            self.base.peer[to] + STAGE_OFF as u64 + ((b % BUFFERS) as u64 * senders as u64 + index) * slot
-        };
+        // Rank `to`'s staging buffer b (its slot 0), and the slot that holds rank `from`'s
+        // bytes.
+        let buffer_at = |to: usize, b: usize| self.base.peer[to] + STAGE_OFF as u64 + (b % BUFFERS) as u64 * senders as u64 * slot;
+        let slot_at = |to: usize, b: usize, from: usize| buffer_at(to, b) + plan.slot_index(to, from) as u64 * slot;
         let s = |p: usize| self.copy_streams[p].raw() as u64;
         let local = s(me);
         // The peers this rank pushes to, and those it receives from (with where their
@@ -246,11 +245,7 @@ impl CudaEngine {
             // The copy-out, or reduce_scatter's reduction, on T itself: B_{k+1} follows it
             // with no event between them.
             match reduce {
-                Some(f) => {
-                    // This rank's buffer k % 3: its slot 0, where the slots start.
-                    let slots = self.base.peer[me] + STAGE_OFF as u64 + ((k % BUFFERS) as u64 * senders as u64) * slot;
-                    self.copy_reduce(f, a, c, plan.send_from(c, me, per_rank) + off, c.out + off, len, slots, slot, t)?;
-                }
+                Some(f) => self.copy_reduce(f, a, c, plan.send_from(c, me, per_rank) + off, c.out + off, len, buffer_at(me, k), slot, t)?,
                 None => {
                     for &(q, dst) in &receives {
                         copy(dst + off, slot_at(me, k, q), len, t)?;
@@ -459,18 +454,7 @@ mod tests {
                 let inp = 1u64 << 40;
                 for me in 0..n {
                     for out in [inp + 7 * per * n as u64, inp + me as u64 * per] {
-                        let c = CudaCall {
-                            kind: Kind::ReduceScatter,
-                            dtype,
-                            op: ReduceOp::Avg,
-                            root: 0,
-                            inp,
-                            out,
-                            count,
-                            chunks: None,
-                            stream: 0,
-                            asynchronous: false,
-                        };
+                        let c = CudaCall { dtype, op: ReduceOp::Avg, inp, out, ..CudaCall::bare(Kind::ReduceScatter, count, 0, false) };
                         let plan = CopyPlan::of(&c, n).unwrap();
                         assert_eq!(plan, CopyPlan::ReduceScatter);
                         assert_eq!(plan.per_rank(&c), per);
