@@ -315,3 +315,36 @@ def test_ctas_profile_is_on_for_cuda_and_refused_on_cpu():
     assert parse_args([]).ctas_profile is False
     r = run_bench("--ctas-profile")
     assert r.returncode == 2 and "--ctas-profile: only with --device cuda" in r.stderr, r.stderr
+
+
+def test_the_default_groups_pool_holds_the_overlap_sections_pool_buffers():
+    """The overlap section's rsccl-pool run holds an all_gather output and a reduce_scatter
+    input of every size at once: the default group's pool covers them, however small the
+    sweep's sizes (with --max-bytes 1MiB it was sized for the sweep alone, and the overlap's
+    rsccl-pool run ran out of pool: 4 H200s, 2026-11-26)."""
+    from dataclasses import replace
+
+    from rsccl.bench.cuda.config import pool_options
+
+    cfg = Config(
+        collectives=("all_gather_into_tensor",),
+        sizes=(MiB,),
+        dtype="bfloat16",
+        iters=None,
+        warmup=1,
+        repeats=1,
+        seed=1,
+        graph=False,
+        graph_max_bytes=MiB,
+        check_max_bytes=MiB,
+        symm_max_bytes=MiB,
+        sweep_one_shot=False,
+    )
+    alone = pool_options(cfg, 4)["cuda_pool_bytes"]
+    assert 2 * MiB + 64 * MiB <= alone < 2 * MiB + 64 * MiB + 64 * MiB
+    ov = overlap_config.OverlapConfig(sizes=(64 * MiB, 256 * MiB))
+    assert ov.pool_bytes() == 2 * (64 + 256) * MiB
+    with_overlap = pool_options(replace(cfg, overlap=ov), 4)
+    assert with_overlap["cuda_pool_bytes"] >= alone + ov.pool_bytes()
+    assert with_overlap["max_cuda_va_bytes"] >= 4 * with_overlap["cuda_pool_bytes"]
+    assert pool_options(replace(cfg, overlap=ov, rsccl_options={"cuda_pool_bytes": 96 * MiB}), 4).get("cuda_pool_bytes") is None

@@ -17,7 +17,8 @@ the sizes >= 1 MiB also run as "rsccl-pool": the same default rsccl group, on bu
 rsccl.mem_pool() (the all_reduce tensor, the all_gather OUTPUT, the reduce_scatter INPUT;
 the other buffer from torch's allocator), allocated in the same order on every rank so that
 their offsets agree, next to "rsccl" (torch's buffers: the staged path) and NCCL. For that
-the default group is created with cuda_pool_bytes = 2 x the largest message + 64 MiB and
+the default group is created with cuda_pool_bytes = 2 x the largest message + 64 MiB (plus,
+with the overlap section, 2 x the sum of its sizes: its pool buffers, all live at once) and
 max_cuda_va_bytes = world x (cuda_buffer_bytes + pool) + 1 GiB, at least rsccl's default
 16 GiB (fields given with --rsccl-options are kept; nothing else about the group changes; if
 rsccl refuses these options the group is created without them and the rows are left out).

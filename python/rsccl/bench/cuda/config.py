@@ -170,7 +170,8 @@ def pool_sizes(cfg: Config) -> list[int]:
 def pool_options(cfg: Config, world: int) -> dict[str, int | str]:
     """What the bench adds to the default rsccl group's options for the rsccl-pool rows: a pool
     of 2 x the largest message + 64 MiB (one message-sized buffer is live at a time, plus what
-    torch's caching allocator keeps of earlier sizes), and a VA cap that fits world x (buffer +
+    torch's caching allocator keeps of earlier sizes), plus the overlap section's pool
+    buffers when it runs (all live at once, OverlapConfig.pool_bytes), and a VA cap that fits world x (buffer +
     pool) with a margin, never below rsccl's default. Empty when there are no rsccl-pool rows.
     Fields the user set with --rsccl-options are left as given."""
     sizes = pool_sizes(cfg)
@@ -179,7 +180,10 @@ def pool_options(cfg: Config, world: int) -> dict[str, int | str]:
     user = cfg.rsccl_options
     out: dict[str, int | str] = {}
     if "cuda_pool_bytes" not in user:
-        out["cuda_pool_bytes"] = round_up(2 * max(sizes) + 64 * MiB, GRANULE)
+        need = 2 * max(sizes)
+        if cfg.overlap is not None:  # its rsccl-pool run holds every size's buffers at once
+            need += cfg.overlap.pool_bytes()
+        out["cuda_pool_bytes"] = round_up(need + 64 * MiB, GRANULE)
     if "max_cuda_va_bytes" not in user:
         r = resolved({**user, **out})
         # Options rsccl would refuse: assume 4 GiB for what cannot be read (creation fails anyway).

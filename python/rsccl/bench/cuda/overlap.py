@@ -261,8 +261,9 @@ def run_overlap(r: Any) -> None:
         try:
             wins[name] = phase(r, f"overlap {name}: buffers", buffers, SECTION)
         except PhaseError as e:
-            # rsccl-pool's buffers come from a pool sized for the collective rows (a full
-            # pool there only leaves its rows out, as in the rest of the bench).
+            # rsccl-pool's buffers come from the default group's pool, sized for these
+            # buffers too (config.pool_options); a pool the user sized smaller with
+            # --rsccl-options only leaves its rows out, as in the rest of the bench.
             res["skipped" if b.pool is not None else "errors"][name] = str(e)
             r.log(f"overlap {name} left out: {e}")
             continue

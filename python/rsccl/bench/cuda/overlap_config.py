@@ -41,6 +41,12 @@ class OverlapConfig:
     def calls(self) -> int:
         return self.rounds * len(OVERLAP_COLLECTIVES) * len(self.sizes)
 
+    def pool_bytes(self) -> int:
+        """Bytes the section's rsccl-pool run takes from rsccl's pool at once: per size s, the
+        all_gather's output and the reduce_scatter's input (the buffers rsccl uses in place;
+        their other buffers come from torch's allocator), all sizes live together."""
+        return sum(2 * s for s in self.sizes)
+
 
 # --quick: small enough to finish in seconds, still both streams and every phase.
 QUICK = OverlapConfig(matmul=2048, matmuls=8, sizes=(1 * MiB, 4 * MiB), rounds=4, repeats=3)
