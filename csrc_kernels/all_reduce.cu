@@ -64,22 +64,39 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 // all_reduce, two-shot: reduce-scatter then all-gather, both through staging, with ONE
 // barrier per step. Each step, block b takes m elements split into `world` shards.
 // Staging holds an RS area and an AG area of world - 1 shard slots each.
-//   A. push shard j of my input into rank j's RS slot for me;               barrier(s)
-//   B. copy the AG slots of step s - 1 into my output (they arrived before barrier(s):
-//      each peer pushed them before signalling it); reduce shard `rank` of step s in rank
-//      order (my own input for myself), write it to my output and push it into every
-//      peer's AG slot for me.
-// After the last step, one more barrier, then the last AG copy.
+//   push(0) (phase A of step 0: shard j of my input into rank j's RS slot for me); barrier(0)
+//   step s, between barrier(s) and barrier(s + 1), two thread groups at once:
+//     X (the first AR_X_THREADS threads): copy the AG slots of step s - 1 into my output
+//        (they arrived before barrier(s): each peer pushed them before signalling it),
+//        then phase A of step s + 1 (push shard j of my input into rank j's RS slot);
+//     Y (the other threads): reduce shard `rank` of step s in rank order (my own input
+//        for myself), write it to my output and push it into every peer's AG slot for me.
+//   barrier(s + 1); after the last step's barrier, the last AG copy (every thread).
+// So the local copy-out of one step and the NVLink pushes of the next run beside the
+// reduction and its pushes, rather than one after the other in the same threads
+// (issue 26). X and Y touch disjoint memory: X reads my AG slots of step s - 1's parity and
+// my input, writes my output outside shard `rank` of step s - 1 and the peers' RS slots of
+// step s + 1's parity; Y reads my RS slots of step s's parity and my input, writes shard
+// `rank` of step s of my output and the peers' AG slots of step s's parity. barrier()
+// starts with a bar.sync, so both groups' stores are ordered before its release.
 // Phase B's reduction issues 4 packs of one source at a time (reduce_packs<T, 4, 1>), not
 // 2 packs of 4 sources: its store pushes each result to every peer, and more packs per
 // round keep more of those pushes in flight (4 H100s, bf16: 1 GiB 5,512 -> 5,302 us, 256 MiB
 // 1,435 -> 1,394 us; docs/performance.md, issue 30).
-// Reuse: a peer writes RS slots of parity p again in phase A of step s + 2, after passing
-// barrier(s + 1), which needs my signal given after my phase B of step s (my last read of
-// them); it writes AG slots of parity p again in phase B of step s + 2, after barrier(s + 2),
-// which needs my signal given after my phase B of step s + 1 (where I copy them out).
+// Reuse (step parities alternate): a peer writes my RS slots of parity p (step s's) again
+// in step s + 1 (its X pushes step s + 2), after barrier(s + 1), which needs my signal
+// given after my Y reduced step s (my last read of them); it writes my AG slots of parity
+// p again in step s + 2 (its Y pushes step s + 2's results), after barrier(s + 2), which
+// needs my signal given after my step s + 1, whose X copied them out. Step 0's RS slots are
+// written before barrier(0), by push(0) in staged_start, as the slots of step s + 1 are
+// before barrier(s + 1).
+#ifndef AR_X_THREADS
+#define AR_X_THREADS 256
+#endif
+static_assert(AR_X_THREADS % 32 == 0 && AR_X_THREADS > 0 && AR_X_THREADS < THREADS, "AR_X_THREADS: whole warps, and some for the other group");
 template <typename T>
-__device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, const T* ag, T* out) {
+__device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, const T* ag, T* out, u32 tid,
+                                        u32 nt) {
     const u32 W = a.world, me = a.rank;
     const u64 lo = st * per_step + blockIdx.x * m;
     const u64 hi = min64(lo + m, a.count);
@@ -88,15 +105,15 @@ __device__ __forceinline__ void copy_ag(const Args& a, u64 st, u64 per_step, u64
         const u64 slo = lo + j * shard;
         const u64 shi = min64(slo + shard, hi);
         const T* src = ag + slot_of(j, me) * shard;
-        for_packs<T>(
-            slo, shi, [&](Pack<T>& p, u64 i) { load_stage(p, src, i - slo); },
+        for_packs_by<T>(
+            slo, shi, tid, nt, [&](Pack<T>& p, u64 i) { load_stage(p, src, i - slo); },
             [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, shi); });
     }
 }
 
 // Phase A of step st: shard j of my input into rank j's RS slot for me.
 template <typename T>
-__device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, u32 par) {
+__device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step, u64 m, u64 shard, u32 par, u32 tid, u32 nt) {
     const u32 W = a.world, me = a.rank;
     const T* in = reinterpret_cast<const T*>(a.in);
     const u64 lo = st * per_step + blockIdx.x * m;
@@ -106,8 +123,8 @@ __device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step
         const u64 slo = lo + j * shard;
         const u64 shi = min64(slo + shard, hi);
         T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * shard;
-        for_packs<T>(
-            slo, shi, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
+        for_packs_by<T>(
+            slo, shi, tid, nt, [&](Pack<T>& p, u64 i) { load_pack(p, in, i, shi); },
             [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - slo); });
     }
 }
@@ -125,40 +142,44 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
     if (!staged_start(
-            a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1); },
+            a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1, threadIdx.x, blockDim.x); },
             [&] { ar_in_place<T>(a, s, op); }))
         return;
+    const bool x = threadIdx.x < AR_X_THREADS;
+    const u32 tid = x ? threadIdx.x : threadIdx.x - AR_X_THREADS;
+    const u32 nt = x ? AR_X_THREADS : blockDim.x - AR_X_THREADS;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        const u64 lo = st * per_step + blockIdx.x * m;
-        const u64 hi = min64(lo + m, a.count);
-        if (st > 0) {
-            twoshot_push<T>(a, st, per_step, m, shard, par);
-            BARRIER_OR_RETURN(a, s, steps + 1)
+        if (x) {
+            if (st > 0) {
+                const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
+                copy_ag<T>(a, st - 1, per_step, m, shard, ag, out, tid, nt);
+            }
+            if (st + 1 < steps) twoshot_push<T>(a, st + 1, per_step, m, shard, par ^ 1, tid, nt);
+        } else {
+            const u64 lo = st * per_step + blockIdx.x * m;
+            const u64 hi = min64(lo + m, a.count);
+            const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
+            const u64 slo = lo + me * shard;
+            const u64 shi = min64(slo + shard, hi);
+            reduce_packs_by<T, 4, 1>(
+                slo, shi, tid, nt, W, op, staged_sources<T>(in, rs, me, shard, slo, shi),
+                [&](const Pack<T>& p, u64 i) {
+                    store_pack(p, out, i, shi);
+                    for (u32 j0 = 1; j0 < W; j0++) {
+                        const u32 j = (me + j0) % W;
+                        store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + (slots + slot_of(me, j)) * shard, i - slo);
+                    }
+                });
         }
-        if (st > 0) {
-            const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
-            copy_ag<T>(a, st - 1, per_step, m, shard, ag, out);
-        }
-        const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
-        const u64 slo = lo + me * shard;
-        const u64 shi = min64(slo + shard, hi);
-        reduce_packs<T, 4, 1>(
-            slo, shi, W, op, staged_sources<T>(in, rs, me, shard, slo, shi),
-            [&](const Pack<T>& p, u64 i) {
-                store_pack(p, out, i, shi);
-                for (u32 j0 = 1; j0 < W; j0++) {
-                    const u32 j = (me + j0) % W;
-                    store_stage(p, reinterpret_cast<T*>(stage_of(a, j, par)) + (slots + slot_of(me, j)) * shard, i - slo);
-                }
-            });
+        // barrier(st + 1): the AG pushes of step st and the RS pushes of step st + 1 arrive
+        // before its signals; the last one is the call's last barrier.
+        BARRIER_OR_RETURN(a, s, steps + 1)
     }
-    // The AG pushes of the last step arrive before this barrier's signals.
-    BARRIER_OR_RETURN(a, s, steps + 1)
     {
         const u32 par = (s.step + (u32)(steps - 1)) & 1;
         const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par)) + slots * shard;
-        copy_ag<T>(a, steps - 1, per_step, m, shard, ag, out);
+        copy_ag<T>(a, steps - 1, per_step, m, shard, ag, out, threadIdx.x, blockDim.x);
     }
     save_state(a, &s, steps);
 }

@@ -21,26 +21,36 @@ __device__ void rs_in_place(const Args& a, BlockState& s, u32 op) {
 
 // reduce_scatter: `in` holds world * count elements, `out` count (this rank's shard).
 // Each step, block b takes m elements of every shard and pushes shard j's piece into rank
-// j's slot for me; barrier; then, while the next step's pushes go out over NVLink, it
-// reduces this step's slots in rank order (own input for myself) into the output:
-//   push(0) barrier(0) | push(1) reduce(0) barrier(1) | ... | reduce(last)
+// j's slot for me; barrier; then two thread groups at once: the first RS_PUSH_THREADS
+// threads push the next step's pieces over NVLink while the others reduce this step's
+// slots in rank order (own input for myself) into the output (issue 26: before, the same
+// threads pushed, then reduced):
+//   push(0) barrier(0) | push(1) || reduce(0) barrier(1) | ... | reduce(last)
+// The groups touch disjoint memory (the pushers read my input and write the peers' slots
+// of the next step's parity; the reducers read my slots of this step's parity and my own
+// shard of the input, and write the output), and barrier() starts with a bar.sync, so both
+// groups' stores are ordered before its release.
 // Reuse: a peer writes parity p's slots again at push(s + 2), after barrier(s + 1), which
 // needs my signal given after reduce(s) (my last read of them).
+#ifndef RS_PUSH_THREADS
+#define RS_PUSH_THREADS 256
+#endif
+static_assert(RS_PUSH_THREADS % 32 == 0 && RS_PUSH_THREADS > 0 && RS_PUSH_THREADS < THREADS, "RS_PUSH_THREADS: whole warps, and some for the other group");
 template <typename T>
-__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out, u32 op) {
+__device__ __forceinline__ void rs_reduce_step(const Args& a, u64 st, u64 per_step, u64 m, u32 par, const T* in, T* out, u32 op,
+                                               u32 tid, u32 nt) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 lo = st * per_step + blockIdx.x * m;
     const u64 hi = min64(lo + m, n);
     const T* rs = reinterpret_cast<const T*>(stage_of(a, me, par));
     const T* own = in + me * n;
-    reduce_packs<T>(
-            lo, hi, W, op, staged_sources<T>(own, rs, me, m, lo, hi),
-        [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
+    reduce_packs_by<T>(
+        lo, hi, tid, nt, W, op, staged_sources<T>(own, rs, me, m, lo, hi), [&](const Pack<T>& p, u64 i) { store_pack(p, out, i, hi); });
 }
 
 template <typename T>
-__device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+__device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const T* in = reinterpret_cast<const T*>(a.in);
@@ -50,8 +60,8 @@ __device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64
         const u32 j = (me + j0) % W;
         const T* src = in + j * n;
         T* dst = reinterpret_cast<T*>(stage_of(a, j, par)) + slot_of(me, j) * m;
-        for_packs<T>(
-            lo, hi, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
+        for_packs_by<T>(
+            lo, hi, tid, nt, [&](Pack<T>& p, u64 i) { load_pack(p, src, i, hi); },
             [&](const Pack<T>& p, u64 i) { store_stage(p, dst, i - lo); });
     }
 }
@@ -68,16 +78,21 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
     if (!staged_start(
-            a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1); },
+            a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); },
             [&] { rs_in_place<T>(a, s, op); }))
         return;
+    const bool pusher = threadIdx.x < RS_PUSH_THREADS;
+    const u32 tid = pusher ? threadIdx.x : threadIdx.x - RS_PUSH_THREADS;
+    const u32 nt = pusher ? RS_PUSH_THREADS : blockDim.x - RS_PUSH_THREADS;
     for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        rs_push<T>(a, st, per_step, m, par);
-        rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op);
+        if (pusher)
+            rs_push<T>(a, st, per_step, m, par, tid, nt);
+        else
+            rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op, tid, nt);
         BARRIER_OR_RETURN(a, s, steps)
     }
-    rs_reduce_step<T>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out, op);
+    rs_reduce_step<T>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out, op, threadIdx.x, blockDim.x);
     save_state(a, &s, steps);
 }
 
