@@ -17,6 +17,25 @@ from rsccl.bench.cuda.config import Config
 MiB = 1 << 20
 
 
+def one_mib_config(collectives: tuple[str, ...], **fields) -> Config:
+    """A bench Config of one 1 MiB size, one repeat, no graphs (the CUDA fields the tests set)."""
+    return Config(
+        collectives=collectives,
+        sizes=(MiB,),
+        dtype="bfloat16",
+        iters=None,
+        warmup=1,
+        repeats=1,
+        seed=1,
+        graph=False,
+        graph_max_bytes=MiB,
+        check_max_bytes=MiB,
+        symm_max_bytes=MiB,
+        sweep_one_shot=False,
+        **fields,
+    )
+
+
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RSCCL_")}
     return subprocess.run([sys.executable, "-m", "rsccl.bench", *args], check=False, capture_output=True, text=True, env=env, timeout=120)
@@ -245,21 +264,7 @@ def test_cta_table_and_summary_per_collective():
 def test_world_report_has_the_ctas_and_overlap_sections():
     from rsccl.bench.cuda.report import world_markdown
 
-    cfg = Config(
-        collectives=("all_gather_into_tensor", "reduce_scatter_tensor"),
-        sizes=(MiB,),
-        dtype="bfloat16",
-        iters=None,
-        warmup=1,
-        repeats=1,
-        seed=1,
-        graph=False,
-        graph_max_bytes=MiB,
-        check_max_bytes=MiB,
-        symm_max_bytes=MiB,
-        sweep_one_shot=False,
-        overlap=overlap_config.QUICK,
-    )
+    cfg = one_mib_config(("all_gather_into_tensor", "reduce_scatter_tensor"), overlap=overlap_config.QUICK)
     meta = meta_with([{"cuda_blocks": 64, "cuda_p2p_blocks": 16}] * 2)
     meta["overlap"] = fabricated([24.0, 26.0, 25.0], [28.0, 27.0, 30.0])
     md = world_markdown(2, {"meta": meta, "rows": [], "done": True}, [], "", cfg, "python -m rsccl.bench --device cuda --quick")
@@ -326,20 +331,7 @@ def test_the_default_groups_pool_holds_the_overlap_sections_pool_buffers():
 
     from rsccl.bench.cuda.config import pool_options
 
-    cfg = Config(
-        collectives=("all_gather_into_tensor",),
-        sizes=(MiB,),
-        dtype="bfloat16",
-        iters=None,
-        warmup=1,
-        repeats=1,
-        seed=1,
-        graph=False,
-        graph_max_bytes=MiB,
-        check_max_bytes=MiB,
-        symm_max_bytes=MiB,
-        sweep_one_shot=False,
-    )
+    cfg = one_mib_config(("all_gather_into_tensor",))
     alone = pool_options(cfg, 4)["cuda_pool_bytes"]
     assert 2 * MiB + 64 * MiB <= alone < 2 * MiB + 64 * MiB + 64 * MiB
     ov = overlap_config.OverlapConfig(sizes=(64 * MiB, 256 * MiB))
