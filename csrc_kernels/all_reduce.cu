@@ -65,6 +65,7 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 // barrier per step. Each step, block b takes m elements split into `world` shards.
 // Staging holds an RS area and an AG area of world - 1 shard slots each.
 //   push(0) (phase A of step 0: shard j of my input into rank j's RS slot for me); barrier(0)
+//   (staged_start's barrier, or its second one when a rank offered in-place buffers)
 //   step s, between barrier(s) and barrier(s + 1), two thread groups at once:
 //     X (the first AR_X_THREADS threads): copy the AG slots of step s - 1 into my output
 //        (they arrived before barrier(s): each peer pushed them before signalling it),
@@ -72,14 +73,19 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 //     Y (the other threads): reduce shard `rank` of step s in rank order (my own input
 //        for myself), write it to my output and push it into every peer's AG slot for me.
 //   barrier(s + 1); after the last step's barrier, the last AG copy (every thread).
+//   A message of one step has nothing for X, so there Y is every thread (as before the
+//   split).
 // So the local copy-out of one step and the NVLink pushes of the next run beside the
 // reduction and its pushes, rather than one after the other in the same threads
 // (issue 26). X and Y touch disjoint memory: X reads my AG slots of step s - 1's parity and
 // my input, writes my output outside shard `rank` of step s - 1 and the peers' RS slots of
 // step s + 1's parity; Y reads my RS slots of step s's parity and my input, writes shard
-// `rank` of step s of my output and the peers' AG slots of step s's parity. barrier()
-// starts with a bar.sync, so both groups' stores are ordered before its release.
-// Phase B's reduction issues 4 packs of one source at a time (reduce_packs<T, 4, 1>), not
+// `rank` of step s of my output and the peers' AG slots of step s's parity. The output
+// may be the input (torch's all_reduce is in place): X writes step s - 1's range and reads
+// step s + 1's, Y reads and writes step s's, and the step ranges never overlap; within Y
+// each thread reads an element before it writes it. barrier() starts with a bar.sync, so
+// both groups' stores are ordered before its release.
+// Y's reduction issues 4 packs of one source at a time (reduce_packs<T, 4, 1>), not
 // 2 packs of 4 sources: its store pushes each result to every peer, and more packs per
 // round keep more of those pushes in flight (4 H100s, bf16: 1 GiB 5,512 -> 5,302 us, 256 MiB
 // 1,435 -> 1,394 us; docs/performance.md, issue 30).
@@ -145,9 +151,9 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
             a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1, threadIdx.x, blockDim.x); },
             [&] { ar_in_place<T>(a, s, op); }))
         return;
-    const bool x = threadIdx.x < AR_X_THREADS;
-    const u32 tid = x ? threadIdx.x : threadIdx.x - AR_X_THREADS;
-    const u32 nt = x ? AR_X_THREADS : blockDim.x - AR_X_THREADS;
+    const bool x = steps > 1 && threadIdx.x < AR_X_THREADS;  // one step: every thread is Y
+    const u32 tid = steps == 1 || x ? threadIdx.x : threadIdx.x - AR_X_THREADS;
+    const u32 nt = steps == 1 ? blockDim.x : x ? AR_X_THREADS : blockDim.x - AR_X_THREADS;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
         if (x) {

@@ -28,8 +28,9 @@ __device__ void rs_in_place(const Args& a, BlockState& s, u32 op) {
 //   push(0) barrier(0) | push(1) || reduce(0) barrier(1) | ... | reduce(last)
 // The groups touch disjoint memory (the pushers read my input and write the peers' slots
 // of the next step's parity; the reducers read my slots of this step's parity and my own
-// shard of the input, and write the output), and barrier() starts with a bar.sync, so both
-// groups' stores are ordered before its release.
+// shard of the input, and write the output; the pushers never read that shard, so the
+// output may be it, and a reducer reads each element before it writes it), and barrier()
+// starts with a bar.sync, so both groups' stores are ordered before its release.
 // Reuse: a peer writes parity p's slots again at push(s + 2), after barrier(s + 1), which
 // needs my signal given after reduce(s) (my last read of them).
 #ifndef RS_PUSH_THREADS
