@@ -340,3 +340,20 @@ def test_the_default_groups_pool_holds_the_overlap_sections_pool_buffers():
     assert with_overlap["cuda_pool_bytes"] >= alone + ov.pool_bytes()
     assert with_overlap["max_cuda_va_bytes"] >= 4 * with_overlap["cuda_pool_bytes"]
     assert pool_options(replace(cfg, overlap=ov, rsccl_options={"cuda_pool_bytes": 96 * MiB}), 4).get("cuda_pool_bytes") is None
+
+
+def test_overlap_collectives_choose_the_rounds_calls_and_pool():
+    """--overlap-collectives runs one of the two alone (to tell its cost apart, e.g. on the
+    copy engines), and the calls per window and the pool it needs follow; anything else is
+    refused naming the flag."""
+    one = parse_args(["--device", "cuda", "--overlap-collectives", "all_gather_into_tensor"]).overlap_config
+    both = parse_args(["--device", "cuda"]).overlap_config
+    assert one.collectives == ("all_gather_into_tensor",) and both.collectives == overlap_config.OVERLAP_COLLECTIVES
+    assert one.calls() * 2 == both.calls() == 16 * 2 * 3
+    assert one.pool_bytes() * 2 == both.pool_bytes() == 2 * (64 + 128 + 256) * MiB
+    assert "16 x (all_gather_into_tensor) at" in one.describe()
+    for given in ("all_reduce", "all_gather_into_tensor,all_gather_into_tensor", ","):
+        problems = overlap_config.config_problems(overlap_config.OverlapConfig(collectives=tuple(x for x in given.split(",") if x)))
+        assert any(p.startswith("--overlap-collectives") for p in problems), (given, problems)
+    r = run_bench("--device", "cuda", "--overlap-collectives", "broadcast")
+    assert r.returncode != 0 and "--overlap-collectives broadcast: give one or both of" in r.stderr, r.stderr

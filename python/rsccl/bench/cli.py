@@ -104,6 +104,7 @@ OVERLAP_FLAGS = {
     "overlap_bytes": "sizes",
     "overlap_rounds": "rounds",
     "overlap_repeats": "repeats",
+    "overlap_collectives": "collectives",
 }
 
 
@@ -275,6 +276,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"({OVERLAP_QUICK.rounds} with --quick)",
     )
     g.add_argument("--overlap-repeats", type=int, default=None, help=f"overlap runs per backend, ABBA, at least 3; default: {od.repeats}")
+    g.add_argument(
+        "--overlap-collectives",
+        type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+        default=None,
+        metavar="NAME,...",
+        help=f"the collectives of each overlap round, one or both of {','.join(od.collectives)} (one alone tells "
+        f"its cost apart); default: {','.join(od.collectives)}",
+    )
     g.add_argument(
         "--hier",
         action="store_true",

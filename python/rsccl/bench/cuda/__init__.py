@@ -36,8 +36,8 @@ data for both. Details: rsccl/bench/fsdp.py.
 Overlap (--overlap, the default for --device cuda, reduced with --quick; --no-overlap skips
 it): after the collectives and before FSDP2, a loop of bf16 matmuls (--overlap-matmul 8192,
 --overlap-matmuls 20) on the compute stream while a side stream runs --overlap-rounds 16
-rounds of all_gather_into_tensor and reduce_scatter_tensor at each of --overlap-bytes
-(64, 128, 256 MiB), per backend (rsccl, rsccl-pool, NCCL), --overlap-repeats 3 runs each in
+rounds of all_gather_into_tensor and reduce_scatter_tensor (--overlap-collectives: one of
+them alone) at each of --overlap-bytes (64, 128, 256 MiB), per backend (rsccl, rsccl-pool, NCCL), --overlap-repeats 3 runs each in
 ABBA order: matmuls alone, collectives alone, both; medians with min-max, total / matmul alone,
 rsccl total / NCCL total (target <= 0.95x). Details: rsccl/bench/cuda/overlap.py.
 

@@ -7,7 +7,8 @@ overlap_config.py.
 
 A window is the same work for every backend: `matmuls` bf16 (n x n) @ (n x n) products on
 the current (compute) stream, and `rounds` rounds of one all_gather_into_tensor and one
-reduce_scatter_tensor per message size on a side stream, issued interleaved (`interleave`)
+reduce_scatter_tensor (or only one of them: `collectives`) per message size on a side
+stream, issued interleaved (`interleave`)
 so that neither queue waits on the host. Per run of a backend, each rank times with CUDA
 events, after synchronize and a gloo barrier: the matmuls alone (compute stream), the
 collectives alone (side stream), and both together (an event on the compute stream before
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .overlap_config import OVERLAP_COLLECTIVES, OverlapConfig
+from .overlap_config import OverlapConfig
 
 OVERLAP_ALLOWANCE_S = 180.0  # added to --timeout for a world size that runs this section
 TARGET_RATIO = 0.95  # issue 17, target 4: rsccl's total <= 0.95 x NCCL's
@@ -215,7 +216,7 @@ def run_overlap(r: Any) -> None:
     elem = torch.empty(0, dtype=dt).element_size()
     counts = []
     for size in oc.sizes:
-        for collective in OVERLAP_COLLECTIVES:
+        for collective in oc.collectives:
             c = numels(collective, size, r.world, elem)
             if c is None:
                 res["errors"]["setup"] = f"{human(size)} holds too few bf16 elements for {r.world} ranks"

@@ -27,25 +27,28 @@ class OverlapConfig:
     matmul: int = 8192  # n of the (n x n) @ (n x n) bf16 matmul
     matmuls: int = 20  # matmuls per window
     sizes: tuple[int, ...] = (64 * MiB, 128 * MiB, 256 * MiB)  # per rank: all_gather OUTPUT, reduce_scatter INPUT bytes
-    rounds: int = 16  # rounds per window: one all_gather and one reduce_scatter per size
+    rounds: int = 16  # rounds per window: one call of each collective per size
     repeats: int = 3  # runs per backend, in ABBA order
+    # The collectives of a round, in this order (one of them alone tells its cost apart,
+    # e.g. on the copy engines: all_gather's barrier kernels vs reduce_scatter's reduce kernel).
+    collectives: tuple[str, ...] = OVERLAP_COLLECTIVES
 
     def describe(self) -> str:
         n = self.matmul
         return (
             f"{self.matmuls} x bf16 matmul {n}x{n}x{n} ({2 * n**3 * self.matmuls / 1e12:.2f} TFLOP) against "
-            f"{self.rounds} x (all_gather_into_tensor + reduce_scatter_tensor) at {', '.join(human(s) for s in self.sizes)} "
+            f"{self.rounds} x ({' + '.join(self.collectives)}) at {', '.join(human(s) for s in self.sizes)} "
             f"({self.calls()} calls) on a side stream; {self.repeats} runs per backend, ABBA"
         )
 
     def calls(self) -> int:
-        return self.rounds * len(OVERLAP_COLLECTIVES) * len(self.sizes)
+        return self.rounds * len(self.collectives) * len(self.sizes)
 
     def pool_bytes(self) -> int:
-        """Bytes the section's rsccl-pool run takes from rsccl's pool at once: per size s, the
-        all_gather's output and the reduce_scatter's input (the buffers rsccl uses in place;
-        their other buffers come from torch's allocator), all sizes live together."""
-        return sum(2 * s for s in self.sizes)
+        """Bytes the section's rsccl-pool run takes from rsccl's pool at once: per size s and
+        collective, s (the all_gather's output, the reduce_scatter's input: the buffers rsccl
+        uses in place; their other buffers come from torch's allocator), all live together."""
+        return len(self.collectives) * sum(self.sizes)
 
 
 # --quick: small enough to finish in seconds, still both streams and every phase.
@@ -72,6 +75,11 @@ def config_problems(c: OverlapConfig) -> list[str]:
         out.append(
             f"--overlap-bytes {', '.join(human(s) for s in bad)}: each size must be from {human(BYTES_MIN)} to {human(BYTES_MAX)} "
             "(per rank: the all_gather output, the reduce_scatter input)"
+        )
+    bad = [x for x in c.collectives if x not in OVERLAP_COLLECTIVES]
+    if not c.collectives or bad or len(set(c.collectives)) != len(c.collectives):
+        out.append(
+            f"--overlap-collectives {','.join(c.collectives) or '(none)'}: give one or both of {','.join(OVERLAP_COLLECTIVES)}, each once"
         )
     if len(set(c.sizes)) != len(c.sizes):
         out.append(f"--overlap-bytes {', '.join(human(s) for s in c.sizes)}: a size is given twice")

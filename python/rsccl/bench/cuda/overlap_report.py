@@ -45,7 +45,8 @@ def verdict(ov: dict) -> str:
 
 def ctas_cell(meta: dict, name: str) -> str:
     if name.startswith("rsccl"):
-        cells = {rsccl_cell(meta.get("rsccl_memory_stats") or [], c) for c in OVERLAP_COLLECTIVES}
+        ran = {c for c, _ in (meta.get("overlap") or {}).get("calls", [])} or set(OVERLAP_COLLECTIVES)
+        cells = {rsccl_cell(meta.get("rsccl_memory_stats") or [], c) for c in OVERLAP_COLLECTIVES if c in ran}
         return " / ".join(sorted(cells))
     if name == "nccl":
         return nccl_ctas(meta.get("nccl_cta_env") or {})
