@@ -334,10 +334,9 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize)
 /// output, reduce_scatter whose input (`message_bytes`; its reduction then runs in a small
 /// kernel on local memory), broadcast whose tensor, or a send's or recv's message is at
 /// least `min_bytes` (the setting cuda_copy_engine_min_bytes; 0: never), with peers to
-/// move it to. Every
-/// rank decides alike: the call and the setting are the same on every rank (the setting is
-/// one of Config::layout_settings), and the barrier kernels compare the descriptors, which
-/// say which path a rank took (DESC0_COPY_ENGINE_BIT). A send and its recv decide from
+/// move it to. Every rank decides alike: the call and the setting are the same on every
+/// rank (the setting is one of Config::layout_settings), and the barrier kernels compare
+/// the descriptors, which say which path a rank took (DESC0_COPY_ENGINE_BIT). A send and its recv decide from
 /// their own sizes: equal sizes choose alike, and sizes that differ are the recv's size
 /// error on either path (NOTE [Copy-engine send/recv] in csrc_kernels/send_recv.cu).
 pub fn copy_engine(kind: Kind, bytes: u64, local_ranks: usize, min_bytes: u64) -> bool {
