@@ -26,9 +26,19 @@ __device__ void ag_in_place(const Args& a, BlockState& s) {
 // all_gather (bytes): `in` holds count bytes, `out` world * count. Each step, block b
 // copies its piece of my input into my own output block and pushes it into my slot of
 // every peer's staging; barrier; the copy of the peers' slots into my output is deferred
-// to the next step's first phase (as in two-shot: the slots are rewritten two steps later,
-// after a barrier that needs my signal, given after the copy).
-__device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_step, u64 m, const u8* mine, u8* out) {
+// to the next step (as in two-shot: the slots are rewritten two steps later, after a
+// barrier that needs my signal, given after the copy). Between two barriers two thread
+// groups work at once, as in reduce_scatter (issue 26): the first AG_PUSH_THREADS threads
+// push step s while the others copy out step s - 1. They touch disjoint memory (the
+// pushers read my input and write my own output block and the peers' slots of step s's
+// parity; the copiers read my slots of step s - 1's parity and write the peers' blocks of
+// my output), and barrier() starts with a bar.sync, so both groups' stores are ordered
+// before its release.
+#ifndef AG_PUSH_THREADS
+#define AG_PUSH_THREADS 256
+#endif
+static_assert(AG_PUSH_THREADS % 32 == 0 && AG_PUSH_THREADS > 0 && AG_PUSH_THREADS < THREADS, "AG_PUSH_THREADS: whole warps, and some for the other group");
+__device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_step, u64 m, const u8* mine, u8* out, u32 tid, u32 nt) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 lo = st * per_step + blockIdx.x * m;
@@ -37,21 +47,21 @@ __device__ __forceinline__ void copy_gathered(const Args& a, u64 st, u64 per_ste
         const u32 j = (me + j0) % W;
         const u8* src = mine + slot_of(j, me) * m;
         u8* dst = out + j * n;
-        for_packs<u8>(
-            lo, hi, [&](Pack<u8>& p, u64 i) { load_stage(p, src, i - lo); },
+        for_packs_by<u8>(
+            lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_stage(p, src, i - lo); },
             [&](const Pack<u8>& p, u64 i) { store_pack(p, dst, i, hi); });
     }
 }
 
-__device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par) {
+__device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64 m, u32 par, u32 tid, u32 nt) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u8* in = reinterpret_cast<const u8*>(a.in);
     u8* out = reinterpret_cast<u8*>(a.out);
     const u64 lo = st * per_step + blockIdx.x * m;
     const u64 hi = min64(lo + m, n);
-    for_packs<u8>(
-        lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
+    for_packs_by<u8>(
+        lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
         [&](const Pack<u8>& p, u64 i) {
             store_pack(p, out + me * n, i, hi);
             for (u32 j0 = 1; j0 < W; j0++) {
@@ -71,14 +81,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid
     const u64 steps = steps_for(n, per_step);
     u8* out = reinterpret_cast<u8*>(a.out);
     if (!staged_start(
-            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1); }, [&] { ag_in_place(a, s); }))
+            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); }, [&] { ag_in_place(a, s); }))
         return;
+    const bool pusher = threadIdx.x < AG_PUSH_THREADS;
+    const u32 tid = pusher ? threadIdx.x : threadIdx.x - AG_PUSH_THREADS;
+    const u32 nt = pusher ? AG_PUSH_THREADS : blockDim.x - AG_PUSH_THREADS;
     for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out);
-        ag_push(a, st, per_step, m, par);
+        if (pusher)
+            ag_push(a, st, per_step, m, par, tid, nt);
+        else
+            copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out, tid, nt);
         BARRIER_OR_RETURN(a, s, steps)
     }
-    copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out);
+    copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out, threadIdx.x, blockDim.x);
     save_state(a, &s, steps);
 }
