@@ -96,8 +96,11 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 // needs my signal given after my step s + 1, whose X copied them out. Step 0's RS slots are
 // written before barrier(0), by push(0) in staged_start, as the slots of step s + 1 are
 // before barrier(s + 1).
+// X's share, measured (4 H100s, bf16, eager, 2026-11-27, A B C D E twice in one call): X of
+// 320 threads against 256 made 1 GiB 5,229/5,231 -> 4,918/5,062 us and 256 MiB 1,332/1,347
+// -> 1,270/1,272 us; 384 was between the two (docs/performance.md, issue 26).
 #ifndef AR_X_THREADS
-#define AR_X_THREADS 256
+#define AR_X_THREADS 320
 #endif
 static_assert(AR_X_THREADS % 32 == 0 && AR_X_THREADS > 0 && AR_X_THREADS < THREADS, "AR_X_THREADS: whole warps, and some for the other group");
 template <typename T>
