@@ -113,6 +113,21 @@ def test_fsdp_rsccl_group_fits_its_pool_and_rsccls_buffer(monkeypatch):
     assert small["max_cuda_va_bytes"] == 16 << 30
 
 
+def test_fsdp_pool_covers_the_measured_peaks_with_a_margin():
+    """The FSDP2 section's default pool: at least 10% above the peak use measured on GPUs
+    (cuda_pool_peak_bytes: 4066 MiB for 12 layers at d_model 4096 on 4 ranks, 4 H100s,
+    2026-11-27; 1306 MiB for the default model on 2 ranks), at most 20% above it, so that
+    the pool is not the 6802 MiB of the old estimate (2.7 GiB never used); a size given
+    with --fsdp-pool-bytes is taken as is."""
+    from rsccl.bench.fsdp import FsdpConfig, pool_bytes_for
+
+    for fc, world, peak in ((FsdpConfig(layers=12, dim=4096), 4, 4066), (FsdpConfig(), 2, 1306)):
+        pool = pool_bytes_for(fc, world)
+        assert 1.1 * peak * MiB <= pool <= 1.25 * peak * MiB, (fc, world, pool // MiB)
+        assert pool % (2 * MiB) == 0
+    assert pool_bytes_for(FsdpConfig(pool_bytes=300 * MiB), 4) == 300 * MiB
+
+
 def test_cuda_report_names_the_nccl_and_rsccl_environment(monkeypatch):
     """A run with NCCL_RUNTIME_CONNECT=0 (issue 17's memory comparison) or any RSCCL_/NCCL_
     setting says so in its header; the GPU safety variables appear once."""
