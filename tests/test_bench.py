@@ -116,7 +116,7 @@ def test_fsdp_rsccl_group_fits_its_pool_and_rsccls_buffer(monkeypatch):
 def test_fsdp_pool_covers_the_measured_peaks_with_a_margin():
     """The FSDP2 section's default pool: at least 10% above the peak use measured on GPUs
     (cuda_pool_peak_bytes: 4066 MiB for 12 layers at d_model 4096 on 4 ranks, 4 H100s,
-    2026-11-27; 1306 MiB for the default model on 2 ranks), at most 20% above it, so that
+    2026-11-27; 1306 MiB for the default model on 2 ranks), at most 25% above it, so that
     the pool is not the 6802 MiB of the old estimate (2.7 GiB never used); a size given
     with --fsdp-pool-bytes is taken as is."""
     from rsccl.bench.fsdp import FsdpConfig, pool_bytes_for
