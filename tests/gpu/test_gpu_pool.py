@@ -82,20 +82,26 @@ def _auto_one_shot_max(local_ranks: int) -> int:
     return 2 * MiB if local_ranks <= 2 else 512 << 10 if local_ranks <= 4 else 256 << 10
 
 
-def _limits(world: int, options: dict) -> tuple[int, int]:
-    """(cuda_inplace_min_bytes, one-shot all_reduce limit) of a group created with
-    `options` (and this process's RSCCL_* environment)."""
+# rust/core/src/cuda/decide.rs ALLREDUCE_IN_PLACE_MAX_BYTES: above 2 local ranks, all_reduce
+# runs in place only below this size.
+ALLREDUCE_IN_PLACE_MAX = 64 * MiB
+
+
+def _limits(world: int, options: dict) -> tuple[int, int, int]:
+    """(cuda_inplace_min_bytes, one-shot all_reduce limit, all_reduce's in-place limit) of a
+    group created with `options` (and this process's RSCCL_* environment)."""
     resolved = dict(rsccl._rsccl.resolve_options([(k, str(v)) for k, v in options.items()]))
     inplace_min = resolved.get("cuda_inplace_min_bytes", MiB)
     one_shot = resolved.get("cuda_allreduce_one_shot_max_bytes", 0) or _auto_one_shot_max(world)
-    return inplace_min, one_shot
+    return inplace_min, one_shot, (ALLREDUCE_IN_PLACE_MAX if world > 2 else 1 << 62)
 
 
-def _expect_inplace(kind: str, msg_bytes: int, limits: tuple[int, int]) -> bool:
+def _expect_inplace(kind: str, msg_bytes: int, limits: tuple[int, int, int]) -> bool:
     """The contract: in place when every rank's buffer is in the pool at the same offset,
-    the message is >= cuda_inplace_min_bytes and, for all_reduce, above the one-shot limit."""
-    inplace_min, one_shot = limits
-    return msg_bytes >= inplace_min and (kind != "all_reduce" or msg_bytes > one_shot)
+    the message is >= cuda_inplace_min_bytes and, for all_reduce, above the one-shot limit
+    and below its in-place limit (above 2 ranks)."""
+    inplace_min, one_shot, ar_max = limits
+    return msg_bytes >= inplace_min and (kind != "all_reduce" or one_shot < msg_bytes < ar_max)
 
 
 def _elements(kind: str, esize: int, size: tuple, world: int) -> tuple[int, int]:

@@ -415,6 +415,14 @@ pub fn call_in_words(kind: Kind, dtype: &str, op: &str, root: u32, count: u64) -
     }
 }
 
+/// The largest all_reduce (bytes) that runs in place at more than 2 local ranks, less one:
+/// from this size on, the staged two-shot is faster there than the one-pass in-place kernel
+/// (4 H100s, 2026-11-27: a sweep, then an A/B of two runs each with and without in place,
+/// 64 MiB / 256 MiB / 1 GiB staged 340-343 / 1,275-1,303 / 4,990-5,027 us against in place
+/// 359-361 / 1,369-1,379 / 5,341-5,344 us; docs/performance.md). At 2 ranks in place was
+/// as fast or faster (231 against 256 us at 64 MiB) and stays at every size.
+pub const ALLREDUCE_IN_PLACE_MAX_BYTES: u64 = 64 << 20;
+
 /// Which buffers a call offers to use in place, as (place_in, place_out) for the kernel:
 /// offset + 1 of the buffer in the rank's block, 0 for "not offered". `in_pool(ptr, len)`
 /// gives a buffer's offset if it lies inside the pool. A pure function (tested without a
@@ -429,10 +437,12 @@ pub fn placement(c: &CudaCall, fam: Option<Family>, world: usize, min_bytes: u64
     }
     let at = |ptr: u64, len: u64| in_pool(ptr, len).map(|o| o + 1);
     match c.kind {
-        Kind::AllReduce if fam == Some(Family::TwoShot) => match (at(c.inp, msg), at(c.out, msg)) {
-            (Some(i), Some(o)) => (i, o),
-            _ => (0, 0),
-        },
+        Kind::AllReduce if fam == Some(Family::TwoShot) && (world <= 2 || msg < ALLREDUCE_IN_PLACE_MAX_BYTES) => {
+            match (at(c.inp, msg), at(c.out, msg)) {
+                (Some(i), Some(o)) => (i, o),
+                _ => (0, 0),
+            }
+        }
         Kind::ReduceScatter => (at(c.inp, msg).unwrap_or(0), 0),
         Kind::AllGather | Kind::Broadcast => (0, at(c.out, msg).unwrap_or(0)),
         _ => (0, 0),

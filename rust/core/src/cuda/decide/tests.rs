@@ -210,6 +210,13 @@ fn placement_offers_only_eligible_pool_buffers() {
     assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
     assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
     assert_eq!(placement(&call(Kind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
+    // From ALLREDUCE_IN_PLACE_MAX_BYTES on, all_reduce is staged above 2 ranks, in place at 2.
+    let big = call(Kind::AllReduce, 64 * mib / 2, 2048, 2048);
+    assert_eq!(placement(&big, two, 4, mib, &pool), (0, 0));
+    assert_eq!(placement(&big, two, 3, mib, &pool), (0, 0));
+    assert_eq!(placement(&big, two, 2, mib, &pool), (2049, 2049));
+    let under = call(Kind::AllReduce, 64 * mib / 2 - 8, 2048, 2048);
+    assert_eq!(placement(&under, two, 4, mib, &pool), (2049, 2049));
     // A buffer that runs past the end of the pool is not in it.
     assert_eq!(placement(&call(Kind::AllReduce, 60 * mib, 2048, 2048), two, 4, mib, &pool), (0, 0));
     // reduce_scatter offers its input (world x count elements), all_gather and
