@@ -39,13 +39,14 @@ typedef long long i64;
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
 //                             the half picked by the barrier epoch's parity
-//   [P2P_OFF, +32 KiB)        send/recv signals and counters (NOTE [Point to point])
+//   [P2P_OFF, +48 KiB)        send/recv signals and counters, then the message sizes per
+//                             (CUDA block, sender, inbox slot) (NOTE [Point to point])
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
-//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and
-//                             parity, `chunk` bytes (NOTE [Point to point])
+//   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and one of
+//                             P2P_DEPTH slots, `chunk` bytes (NOTE [Point to point])
 //   [pool, block end)         the pool (rsccl.mem_pool()): user tensors, allocated by the
 //                             host (rust/core/src/memory/device_heap.rs), used in place
 #define MAX_RANKS 16
@@ -61,7 +62,11 @@ typedef long long i64;
 // after destroy_process_group must not run a collective of it (NOTE [Kernel entry]).
 #define POISON_DESTROYED 4294967295u
 #define P2P_OFF 131072
-#define A2A_OFF 163840
+// Inbox slots per (sender, receiver, CUDA block): how many steps a sender may run ahead of
+// its receiver (NOTE [Point to point]). A power of two (the slot is the step's sequence
+// number modulo it, and u32 wrap-around keeps that consistent).
+#define P2P_DEPTH 4
+#define A2A_OFF 180224
 #define STAGE_OFF 262144
 
 // Error codes written to Args::err_host (bits 16-19: kind, low 16: peer local index): a

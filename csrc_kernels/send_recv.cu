@@ -11,13 +11,14 @@
 //   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
 //   of step s); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
-//   both agree without host round trips and under graph replay. Step q:
-//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - 2 (the
-//               receiver has emptied the inbox slot of parity q & 1, last used by step
-//               q - 2); the data warps copy the chunk into the receiver's inbox slot
-//               (sender, b, q & 1); a block barrier; thread 0 stores the message size into
-//               size[b][sender][q & 1] and issues st.release.sys of q into
-//               ready[b][sender] (both in the receiver's block).
+//   both agree without host round trips and under graph replay. Each (sender, receiver,
+//   block) has D = P2P_DEPTH inbox slots, step q using slot q % D. Step q:
+//     sender:   thread 0 waits until ack[b][receiver] (its own block) >= q - D (the
+//               receiver has emptied slot q % D, last used by step q - D); the data warps
+//               copy the chunk into the receiver's inbox slot (sender, b, q % D); a block
+//               barrier; thread 0 stores the message size into size[b][sender][q % D] and
+//               issues st.release.sys of q into ready[b][sender] (both in the receiver's
+//               block).
 //     receiver: thread 0 spins with ld.acquire.sys on ready[b][sender] (own block) until
 //               >= q and checks the size; a block barrier; the data warps copy the slot
 //               out; a block barrier; thread 0 issues st.release.sys of q into
@@ -27,10 +28,18 @@
 //   step before thread 0's release (cumulative), the acquire synchronizes with it at
 //   system scope, and the following block barrier extends that to the data warps. The
 //   receiver's reads of a slot
-//   happen before its ack, which happens before the sender's next write of that slot.
-//   The first two steps of a message need no ack ("eager"): a send of at most 2 chunks per
-//   block completes without its receiver, as small NCCL sends do; a larger one waits for
-//   it (bounded by the timeout). A receiver that finds a size other than its own records a
+//   happen before its ack, which happens before the sender's next write of that slot (and
+//   of that size word: both are rewritten only by step q + D, after ack >= q).
+//   Depth: with D slots the sender may run D steps ahead, so the signal round trip (the
+//   release of step q, the receiver's acquire, its copy-out, its ack) may overlap the
+//   pushes of steps q + 1 .. q + D - 1. Measured against D = 2 with the same inbox (4
+//   H100s, 2026-11-27, two runs each): 16 MiB at 4 ranks 74 -> 68 us, 256 MiB 980-995 ->
+//   962-974 us; at 2 ranks unchanged (256 MiB 865-870 us). The chunk size matters more
+//   there: a 64 MiB inbox (chunks 4x larger) took 256 MiB at 2 ranks to 799 us
+//   (docs/performance.md).
+//   The first D steps need no ack ("eager"): a send of at most D chunks per block
+//   completes without its receiver, as small NCCL sends do; a larger one waits for it
+//   (bounded by the timeout). A receiver that finds a size other than its own records a
 //   fatal error and poisons its peers: the sender's later waits stop too.
 
 #define P2P_READY 0   // [block][sender] in the receiver's block
@@ -41,13 +50,16 @@
 __device__ __forceinline__ u32* p2p_word(u64 block_base, u32 area, u32 cuda_block, u32 j) {
     return reinterpret_cast<u32*>(block_base + P2P_OFF + area * 4096) + cuda_block * MAX_RANKS + j;
 }
-// The size the sender wrote for parity `par` (receiver's block).
-__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 par) {
-    return reinterpret_cast<u64*>(block_base + P2P_OFF + 4 * 4096) + (cuda_block * MAX_RANKS + sender) * 2 + par;
+static_assert(P2P_DEPTH >= 2 && (P2P_DEPTH & (P2P_DEPTH - 1)) == 0, "P2P_DEPTH: a power of two, at least 2");
+// The inbox slot of step (sequence number) q.
+__device__ __forceinline__ u32 p2p_depth_slot(u32 q) { return q & (P2P_DEPTH - 1); }
+// The size the sender wrote for inbox slot `d` (receiver's block).
+__device__ __forceinline__ u64* p2p_size(u64 block_base, u32 cuda_block, u32 sender, u32 d) {
+    return reinterpret_cast<u64*>(block_base + P2P_OFF + 4 * 4096) + (cuda_block * MAX_RANKS + sender) * P2P_DEPTH + d;
 }
-__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 par) {
+__device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 sender, u32 d) {
     const u64 slot = (u64)slot_of(sender, receiver);
-    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * 2 + par) * x.chunk;
+    return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * P2P_DEPTH + d) * x.chunk;
 }
 
 // The sender `src` wrote a size `got` other than this recv's (`a.count`): both sizes for
@@ -89,22 +101,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const __grid_const
     __syncthreads();
     if (!ok) return;
     if (t < 32) {
-        // Step s may start once the receiver emptied its slot (ack >= q - 2).
+        // Step s may start once the receiver emptied its slot (ack >= q - P2P_DEPTH).
         auto open = [&](u64 st) {
             const u32 q = seq + (u32)st + 1;
-            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - 2, r)) ok = 0;
+            if (t == 0 && !wait_geq(a, p2p_word(a.peer[me], P2P_ACK, b, r), q - P2P_DEPTH, r)) ok = 0;
             __syncwarp();
             bar_arrive(BAR_FREE);
         };
         open(0);
         if (!ok) return;  // fatal: counters are not saved
         for (u64 st = 0; st < steps; st++) {
-            const u32 q = seq + (u32)st + 1, par = q & 1;
+            const u32 q = seq + (u32)st + 1;
             bar_sync(BAR_DONE);
             const bool more = st + 1 < steps;
             if (more) open(st + 1);
             if (t == 0) {
-                *p2p_size(a.peer[r], b, me, par) = n;
+                *p2p_size(a.peer[r], b, me, p2p_depth_slot(q)) = n;
                 // Publishes the chunk (DONE, cumulative) and the size.
                 st_release_sys(p2p_word(a.peer[r], P2P_READY, b, me), q);
             }
@@ -118,10 +130,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const __grid_const
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        u8* dst = p2p_slot(x, r, me, par);
+        u8* dst = p2p_slot(x, r, me, p2p_depth_slot(seq + (u32)st + 1));
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
@@ -147,12 +158,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
     if (t < 32) {
         // Step s may be copied once the sender signalled it, with this rank's size.
         auto arrived = [&](u64 st) {
-            const u32 q = seq + (u32)st + 1, par = q & 1;
+            const u32 q = seq + (u32)st + 1;
             if (t == 0) {
                 if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, b, src), q, src)) {
                     ok = 0;
                 } else {
-                    const u64 got = *p2p_size(a.peer[me], b, src, par);
+                    const u64 got = *p2p_size(a.peer[me], b, src, p2p_depth_slot(q));
                     if (got != n) {
                         report_size(a, got, src);
                         ok = 0;
@@ -182,10 +193,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
     for (u64 st = 0; st < steps; st++) {
         bar_sync(BAR_FREE);
         if (!ok) return;
-        const u32 par = (seq + (u32)st + 1) & 1;
         const u64 lo = st * per_step + b * C;
         const u64 hi = min64(lo + C, n);
-        const u8* slot = p2p_slot(x, me, src, par);
+        const u8* slot = p2p_slot(x, me, src, p2p_depth_slot(seq + (u32)st + 1));
         if (lo < hi) {
             for_packs_by<u8>(
                 lo, hi, tid, nt, [&](Pack<u8>& p, u64 i) { load_stage(p, slot, i - lo); },
@@ -199,10 +209,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 // A message of at least cuda_copy_engine_min_bytes (decide::copy_engine; both sides
 //   choose from their own size and the same setting) moves with cuMemcpyDtoDAsync, no SM
 //   touching its bytes (rust/core/src/cuda/engine/copy_p2p.rs queues it). The pair's
-//   region of the receiver's inbox (p2p_slot's, for every block and parity: 2 G chunk
-//   bytes for a grid of G blocks) is used as two halves of H = G chunk bytes; step j of m
-//   = ceil(n / H) moves bytes [j H, min(n, (j + 1) H)) through half j & 1 (the host
-//   queues the copies, and knows j but not the counters). Step j's sequence number is
+//   region of the receiver's inbox (p2p_slot's, for every block and slot: D G chunk
+//   bytes for a grid of G blocks, D = P2P_DEPTH) is used as two halves of H = D G chunk / 2
+//   bytes; step j of m = ceil(n / H) moves bytes [j H, min(n, (j + 1) H)) through half
+//   j & 1 (the host queues the copies, and knows j but not the counters). Step j's sequence number is
 //   q_j = base + j + 1, where base is block 0's SEND (sender) or RECV (receiver) counter,
 //   read from memory by each signal kernel, so that a CUDA graph replays like the kernels.
 //   Signals: rs_p2p_signal with one block, on block 0's words of NOTE [Point to point]
@@ -211,7 +221,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //     sender:   DRAIN: for every block b, wait ACK[b] >= SEND[b] (every earlier message,
 //               the kernels' eager steps included, was read out, so the inbox is free);
 //               then for j = 0 .. m-1: push step j into half j & 1 (a copy);
-//               READY(j): store n into size[0][sender][q_j & 1], release READY[0] = q_j,
+//               READY(j): store n into size[0][sender][q_j % D] (the slot a kernel
+//               receiver's block 0 reads for step q_j), release READY[0] = q_j,
 //               then wait ACK[0] >= q_j - 1 (the receiver copied step j - 1 out, so the
 //               next push, into that half, may start); the last READY waits ACK[0] >= q_{m-1}
 //               instead and advances SEND[0] by m.
@@ -222,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //               and advance RECV[0] by m.
 //   Rendezvous: the last READY waits for the receiver's last ack, so a copy-engine send
 //   completes only once its receiver has copied the whole message out, unlike the kernels,
-//   whose first two steps are eager. (A send whose receiver comes later waits for it on
+//   whose first D steps are eager. (A send whose receiver comes later waits for it on
 //   the GPU, bounded by the timeout: two ranks that each make a blocking send to the other
 //   before their recvs time out, as with a kernel send over the eager capacity: docs/cuda.md's
 //   deadlock rule.)
@@ -231,10 +242,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //   copy-out) before anything the peer queues after the kernel whose ld.acquire.sys read
 //   the value (the same argument as NOTE [Copy engines]'s barriers). So step j's bytes are
 //   in the half before the receiver's copy-out of it starts, and the copy-out of step j - 1
-//   ended before the push of step j + 1 into the same half starts (the halves and the
-//   size slots alternate with j and q_j alike within a message). The size slot of a parity
-//   is written again (step j + 2) only after the ack of step j, which the receiver releases
-//   after it read the size of step j.
+//   ended before the push of step j + 1 into the same half starts (the halves alternate
+//   with j within a message). The size slot of step j is written again (step j + D) only
+//   after the ack of step j + D - 2 >= j, which the receiver releases after it read the
+//   size of step j.
 //   Mixing with the kernels: the kernels keep a counter per block; this path moves block
 //   0's only, by its m steps, on both sides alike, so block 0's READY/ACK/SEND/RECV stay
 //   in step for the next kernel message and blocks 1.. are untouched. DRAIN makes the
@@ -270,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_p2p_signal(const __grid
     if (mode == P2P_CE_READY) {
         u32* send = p2p_word(a.peer[me], P2P_SEND, 0, peer);
         const u32 q = *send + j + 1;
-        *p2p_size(a.peer[peer], 0, me, q & 1) = n;
+        *p2p_size(a.peer[peer], 0, me, p2p_depth_slot(q)) = n;
         // Publishes the push of step j (it completed before this kernel began) and the size.
         st_release_sys(p2p_word(a.peer[peer], P2P_READY, 0, me), q);
         const bool last = j + 1 == m;
@@ -281,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_p2p_signal(const __grid
         // The copy-out of step j - 1 completed before this kernel began: its half is free.
         if (j > 0) st_release_sys(p2p_word(a.peer[peer], P2P_ACK, 0, me), q - 1);
         if (!wait_geq(a, p2p_word(a.peer[me], P2P_READY, 0, peer), q, peer)) return;
-        const u64 got = *p2p_size(a.peer[me], 0, peer, q & 1);
+        const u64 got = *p2p_size(a.peer[me], 0, peer, p2p_depth_slot(q));
         if (got != n) report_size(a, got, peer);
     } else if (mode == P2P_CE_FINISH) {
         u32* recv = p2p_word(a.peer[me], P2P_RECV, 0, peer);

@@ -401,8 +401,8 @@ def body_p2p_mixed(ctx, seed: int, rounds: int) -> int:
     if peer is None:
         return -1
     me, f, checks = ctx.rank, Failures(), 0
-    # Elements of float32: on the kernels 4 bytes, 4 KiB and 60,000 bytes (two CUDA blocks'
-    # chunks with the small inbox, both eager), on the copy engines 64 KiB (the setting
+    # Elements of float32: on the kernels 4 bytes, 4 KiB and 60,000 bytes (one step over
+    # several CUDA blocks' chunks with the small inbox; all eager), on the copy engines 64 KiB (the setting
     # itself) and 3 MiB (several halves), in orders that put each path after each other.
     orders = [[1024, 16384], [16384, 786_432], [786_432, 15_000], [15_000, 1024, 786_432, 1]]
     lo, hi = sorted((me, peer))

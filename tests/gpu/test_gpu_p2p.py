@@ -4,7 +4,8 @@ checked bit for bit against the sender's input (the receiver makes it itself fro
 blocking and isend/irecv, strided tensors, several messages to one peer matched in order,
 both directions at once, a batch_isend_irecv ring of 64 MiB messages (which must not
 deadlock), an all-pairs batch (every rank to and from every other at once) with
-cuda_p2p_blocks=64, isend/irecv captured in a CUDA graph. Then, on groups of their own over ranks 0
+cuda_p2p_blocks=64, isend/irecv captured in a CUDA graph, the eager capacity (P2P_DEPTH sends
+complete before their recvs are posted, the next one waits). Then, on groups of their own over ranks 0
 and 1 that these tests leave unusable: a size mismatch, and a send nobody receives (and a
 recv nobody sends) on a group with a 5 s timeout, which must raise a timeout and leave
 nothing hanging."""
@@ -237,6 +238,65 @@ def body_graph(ctx, seed: int) -> None:
 
 def test_cuda_graph(gpus, seed):
     gpus.run(body_graph, seed, timeout=120)
+
+
+# csrc_kernels/abi.cuh P2P_DEPTH: inbox slots per (peer, CUDA block), the steps a sender may
+# run ahead of its receiver (docs/cuda.md, "Eager capacity").
+P2P_DEPTH = 4
+
+
+def body_eager_capacity(ctx, seed: int) -> int:
+    """The eager capacity (docs/cuda.md): the lower rank of each pair makes P2P_DEPTH small
+    sends (one step each) while its peer posts no recv; they complete on the GPU without
+    it. The next send waits for its receiver: it has not completed half a second later.
+    Then the peer posts the recvs (host order kept by a gloo barrier, which touches no GPU)
+    and every message arrives intact, in order. Returns the messages checked."""
+    cpu = dist.new_group(backend="gloo")
+    peer = _peer(ctx)
+    if peer is None:
+        dist.barrier(group=cpu)
+        return -1
+    me, f = ctx.rank, Failures()
+    lo, hi = sorted((me, peer))
+    sizes = [1, 1000, 4099, 7, 333]  # float32 elements: P2P_DEPTH messages, then one more
+    assert len(sizes) == P2P_DEPTH + 1
+    msgs = [rand(seed, lo, n, torch.float32, salt=f"eager {lo}-{hi} message {i}") for i, n in enumerate(sizes)]
+    checks = 0
+    if me == lo:
+        for x in msgs[:P2P_DEPTH]:
+            dist.isend(x, dst=peer).wait()  # the current stream waits for the send kernel
+        eager = torch.cuda.Event()
+        eager.record()
+        deadline = time.monotonic() + 30
+        while not eager.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eager.query(), (
+            f"rank {me}: {P2P_DEPTH} small sends to rank {peer} did not complete before rank {peer} posted its recvs (eager capacity)"
+        )
+        dist.isend(msgs[P2P_DEPTH], dst=peer).wait()
+        beyond = torch.cuda.Event()
+        beyond.record()
+        time.sleep(0.5)
+        assert not beyond.query(), (
+            f"rank {me}: send {P2P_DEPTH + 1} to rank {peer} completed before rank {peer} posted any recv (more than {P2P_DEPTH} eager steps)"
+        )
+        dist.barrier(group=cpu)
+    else:
+        dist.barrier(group=cpu)
+        for i, (n, x) in enumerate(zip(sizes, msgs)):
+            y = torch.zeros(n, device=ctx.device)
+            dist.recv(y, src=peer)
+            f.run(f"message {i}", assert_equal, y, x, f"eager message {i} of {n} float32 from rank {peer}")
+            checks += 1
+    torch.cuda.synchronize()
+    f.done()
+    return checks
+
+
+def test_eager_capacity(gpus, seed):
+    results = gpus.run(body_eager_capacity, seed, timeout=120)
+    for rank in range(0, len(results) - 1, 2):
+        assert results[rank] == 0 and results[rank + 1] == P2P_DEPTH + 1, results
 
 
 def body_anysource(ctx) -> str:

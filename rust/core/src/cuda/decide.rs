@@ -135,15 +135,17 @@ pub fn can_run(engine: DeviceEngine, kind: Kind, dtype: DType, op: ReduceOp, ran
     }
 }
 
-/// The bytes per (peer slot, CUDA block, parity) of the send/recv inbox (NOTE [Point to point]
-/// in csrc_kernels/send_recv.cu), or why the settings leave too little.
+/// The bytes per (peer slot, CUDA block, inbox slot) of the send/recv inbox: P2P_DEPTH
+/// slots per peer and block (NOTE [Point to point] in csrc_kernels/send_recv.cu), or why the
+/// settings leave too little.
 pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<usize> {
     let slots = local_ranks.saturating_sub(1).max(1);
-    let chunk = (p2p_bytes / (slots * 2 * blocks as usize)) & !255;
+    let depth = kernels::abi::P2P_DEPTH as usize;
+    let chunk = (p2p_bytes / (slots * depth * blocks as usize)) & !255;
     if chunk < 4096 {
         return Err(Error::Config(format!(
             "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {slots} peers x \
-             cuda_p2p_blocks = {blocks} x 2: raise cuda_p2p_bytes or lower cuda_p2p_blocks"
+             cuda_p2p_blocks = {blocks} x {depth} slots: raise cuda_p2p_bytes or lower cuda_p2p_blocks"
         )));
     }
     Ok(chunk)

@@ -242,9 +242,10 @@ fn staging_split_fits_the_buffer() {
 
 #[test]
 fn p2p_inbox_split() {
-    // 16 MiB among 3 peers x 32 blocks x 2 parities: 87296 bytes (a 256 multiple).
-    assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), ((16 << 20) / (3 * 64)) & !255);
-    assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 64 <= 16 << 20);
+    // 16 MiB among 3 peers x 32 blocks x 4 inbox slots (P2P_DEPTH): 43520 bytes (a 256 multiple).
+    assert_eq!(crate::cuda::kernels::abi::P2P_DEPTH, 4);
+    assert_eq!(p2p_chunk(16 << 20, 4, 32).unwrap(), 43520);
+    assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 32 * 4 <= 16 << 20);
     // One rank: one slot, never divided by zero.
     assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
     let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
@@ -282,7 +283,7 @@ fn p2p_grid_fits_beside_a_collective() {
     // The inbox follows the effective grid: fewer blocks, larger chunks, same capacity.
     let (eff, set) = (fit(64, 4, 132, 2, 32, 1), 64);
     let (c_eff, c_set) = (p2p_chunk(16 << 20, 4, eff).unwrap(), p2p_chunk(16 << 20, 4, set).unwrap());
-    assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 2 * eff as usize <= 16 << 20);
+    assert!(c_eff > c_set && c_eff % 256 == 0 && c_eff * 3 * 4 * eff as usize <= 16 << 20);
 }
 
 #[test]

@@ -103,7 +103,7 @@ mod tests {
             (def(kabi::CTR_OFF), max_blocks * 8),
             (def(kabi::BUSY_OFF), max_blocks * 4),
             (def(kabi::DESC_OFF), 2 * max_blocks * max_ranks * def(kabi::DESC_WORDS) * 8),
-            (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * 2 * 8),
+            (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * def(kabi::P2P_DEPTH) * 8),
             (def(kabi::A2A_OFF), 2 * max_blocks * 2 * max_ranks * 8),
         ];
         assert_eq!(areas[0].1, max_blocks * max_ranks * 4);

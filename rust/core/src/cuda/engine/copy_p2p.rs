@@ -36,8 +36,8 @@ impl CudaEngine {
         let (sender, receiver) = if send { (me, peer) } else { (peer, me) };
         let n = x.a.count;
         // The pair's region of the receiver's inbox (csrc_kernels' p2p_slot for every block
-        // and parity), used as two halves.
-        let half = self.chunk * self.p2p_blocks as u64;
+        // and inbox slot: P2P_DEPTH chunks per block), used as two halves.
+        let half = self.chunk * self.p2p_blocks as u64 * kabi::P2P_DEPTH / 2;
         let slot = (sender - (sender > receiver) as usize) as u64;
         let region = self.base.peer[receiver] + self.inbox_off + slot * 2 * half;
         let steps = n.div_ceil(half);
