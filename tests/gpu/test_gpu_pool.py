@@ -857,7 +857,7 @@ def test_fsdp2_allocates_from_the_pool(pool_gpus, seed, capsys):
 
 # -- (f) tensor-parallel MLP, Megatron style ---------------------------------------------------
 
-TP_TOKENS, TP_DIM, TP_FFN = 8192, 4096, 16384
+TP_TOKENS, TP_DIM, TP_FFN = 4096, 4096, 16384
 TP_STEPS = 8
 
 
@@ -945,6 +945,9 @@ def body_tp_mlp(ctx, seed: int, steps: int) -> dict:
     assert_identical_across_ranks(ctx, gx_r, f"{what}: input gradient")
     n_in, b_in, n_st, b_st = (a - b for a, b in zip(after, before, strict=True))
     msg = TP_TOKENS * TP_DIM * 2
+    # 32 MiB messages: in place at every world under the contract (_expect_inplace).
+    inplace = _expect_inplace("all_reduce", msg, _limits(w, {}))
+    assert inplace, f"{what}: {msg}-byte all_reduces would be staged at world {w}: the test no longer covers the in-place path"
     assert (n_in, b_in, n_st) == (2, 2 * msg, 0), (
         f"{what}: one step's two all_reduces ({msg} bytes each, in the pool) moved the counters by in place +{n_in} (+{b_in} bytes), staged +{n_st} (+{b_st} bytes)"
     )
