@@ -144,7 +144,7 @@ struct A2aArgs {
 struct P2pArgs {
     Args a;
     u64 inbox_off;   // the inbox's offset in a block
-    u64 chunk;       // bytes per (sender slot, CUDA block, parity); a multiple of 256
+    u64 chunk;       // bytes per (sender slot, CUDA block, inbox slot of P2P_DEPTH); a multiple of 256
 };
 
 // rs_p2p_signal (send/recv on the copy engines, NOTE [Copy-engine send/recv] in

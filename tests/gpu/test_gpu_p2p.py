@@ -263,6 +263,8 @@ def body_eager_capacity(ctx, seed: int) -> int:
     msgs = [rand(seed, lo, n, torch.float32, salt=f"eager {lo}-{hi} message {i}") for i, n in enumerate(sizes)]
     checks = 0
     if me == lo:
+        # Every check is recorded, not raised, so that this rank always reaches the barrier
+        # (its peer waits there) and the harness reports the check's own message.
         for x in msgs[:P2P_DEPTH]:
             dist.isend(x, dst=peer).wait()  # the current stream waits for the send kernel
         eager = torch.cuda.Event()
@@ -270,16 +272,18 @@ def body_eager_capacity(ctx, seed: int) -> int:
         deadline = time.monotonic() + 30
         while not eager.query() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert eager.query(), (
-            f"rank {me}: {P2P_DEPTH} small sends to rank {peer} did not complete before rank {peer} posted its recvs (eager capacity)"
-        )
+        if not eager.query():
+            f.items.append(
+                f"rank {me}: {P2P_DEPTH} small sends to rank {peer} did not complete before rank {peer} posted its recvs (eager capacity)"
+            )
         dist.isend(msgs[P2P_DEPTH], dst=peer).wait()
         beyond = torch.cuda.Event()
         beyond.record()
         time.sleep(0.5)
-        assert not beyond.query(), (
-            f"rank {me}: send {P2P_DEPTH + 1} to rank {peer} completed before rank {peer} posted any recv (more than {P2P_DEPTH} eager steps)"
-        )
+        if beyond.query():
+            f.items.append(
+                f"rank {me}: send {P2P_DEPTH + 1} to rank {peer} completed before rank {peer} posted any recv (more than {P2P_DEPTH} eager steps)"
+            )
         dist.barrier(group=cpu)
     else:
         dist.barrier(group=cpu)

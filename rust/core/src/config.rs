@@ -192,8 +192,8 @@ pub const SETTINGS: &[Setting] = &[
         max: GIB,
         is_size: true,
         help: "device memory per rank for CUDA send/recv: an inbox split among the local peers \
-               (per peer, CUDA block and two parities), mapped by every local rank; messages \
-               are pipelined through it; a sender runs at most two chunks per block ahead of its \
+               (per peer, CUDA block and four inbox slots), mapped by every local rank; messages \
+               are pipelined through it; a sender runs at most four chunks per block ahead of its \
                receiver (one message of up to cuda_p2p_bytes / (local ranks - 1))",
     },
     Setting {

@@ -142,7 +142,9 @@ pub fn p2p_chunk(p2p_bytes: usize, local_ranks: usize, blocks: u32) -> Result<us
     let slots = local_ranks.saturating_sub(1).max(1);
     let depth = kernels::abi::P2P_DEPTH as usize;
     let chunk = (p2p_bytes / (slots * depth * blocks as usize)) & !255;
-    if chunk < 4096 {
+    // 2 KiB: with four slots (P2P_DEPTH 4, before 2 at a 4 KiB floor) every inbox that
+    // worked before still does (1 MiB at 4 ranks and 22 blocks: 3840 bytes).
+    if chunk < 2048 {
         return Err(Error::Config(format!(
             "cuda_p2p_bytes = {p2p_bytes} leaves {chunk} bytes per send/recv chunk for {slots} peers x \
              cuda_p2p_blocks = {blocks} x {depth} slots: raise cuda_p2p_bytes or lower cuda_p2p_blocks"

@@ -248,6 +248,9 @@ fn p2p_inbox_split() {
     assert!(p2p_chunk(16 << 20, 4, 32).unwrap() * 3 * 32 * 4 <= 16 << 20);
     // One rank: one slot, never divided by zero.
     assert!(p2p_chunk(1 << 20, 1, 1).is_ok());
+    // The smallest inbox at 4 ranks with the 22 blocks that fit beside a 64-block collective
+    // (as with two slots and a 4 KiB floor before).
+    assert_eq!(p2p_chunk(1 << 20, 4, 22).unwrap(), 3840);
     let e = p2p_chunk(1 << 20, 16, 64).unwrap_err().to_string();
     assert!(e.contains("cuda_p2p_bytes") && e.contains("cuda_p2p_blocks"), "{e}");
 }
