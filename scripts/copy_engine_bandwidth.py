@@ -3,17 +3,71 @@ engines"): torch copies between the GPUs of this host in one process (cudaMemcpy
 the source GPU's streams), 5 repeats each:
 - one pair, one direction; GPU 0 to its peers at once; the peers into GPU 0 at once;
 - every GPU to every other at once (all_gather's pattern), each copy whole or split over
-  2, 4 and 8 streams.
+  2, 4 and 8 streams;
+- the same pattern with every copy issued on the destination GPU's stream (a pull:
+  cudaMemcpyPeerAsync through ctypes, as torch always copies on the source's stream), and
+  half pushed, half pulled, to see whether the engines of both ends move more than the
+  sources' alone.
 
     NCCL_NVLS_ENABLE=0 python scripts/copy_engine_bandwidth.py [MiB per copy, default 256]
 """
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import sys
 import time
 
 import torch
+
+
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded (by soname), else the first one in site-packages."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    root = os.path.dirname(os.path.dirname(torch.__file__))
+    for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)):
+        return ctypes.CDLL(path)
+    sys.exit("no libcudart found")
+
+
+def peer_copy(rt: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """cudaMemcpyPeerAsync of `src` into `dst` on `stream` (of either GPU)."""
+    with torch.cuda.device(stream.device):
+        r = rt.cudaMemcpyPeerAsync(
+            ctypes.c_void_p(dst.data_ptr()),
+            ctypes.c_int(dst.device.index),
+            ctypes.c_void_p(src.data_ptr()),
+            ctypes.c_int(src.device.index),
+            ctypes.c_size_t(src.numel() * src.element_size()),
+            ctypes.c_void_p(stream.cuda_stream),
+        )
+    if r != 0:
+        sys.exit(f"cudaMemcpyPeerAsync: error {r}")
+
+
+def raw_rate(rt: ctypes.CDLL, jobs: list, reps: int = 5) -> float:
+    """As `rate`, for (src, dst, stream) copies issued with cudaMemcpyPeerAsync."""
+    n = torch.cuda.device_count()
+
+    def once() -> None:
+        for s, d, st in jobs:
+            peer_copy(rt, s, d, st)
+
+    once()
+    for i in range(n):
+        torch.cuda.synchronize(i)
+    t = time.perf_counter()
+    for _ in range(reps):
+        once()
+    for i in range(n):
+        torch.cuda.synchronize(i)
+    return sum(s.numel() for s, _, _ in jobs) / ((time.perf_counter() - t) / reps) / 1e9
 
 
 def rate(jobs: list, reps: int = 5) -> float:
@@ -60,6 +114,24 @@ def main() -> None:
         ]
         total = rate(jobs)
         print(f"  every GPU -> every other at once, {k} stream(s) per copy: {total:.0f} GB/s in all, {total / n:.0f} per GPU")
+    rt = cudart()
+    for i in range(n):
+        with torch.cuda.device(i):
+            for j in range(n):
+                if i != j:
+                    rt.cudaDeviceEnablePeerAccess(ctypes.c_int(j), ctypes.c_uint(0))  # 704: already enabled
+    rt.cudaGetLastError()
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    # A stream of its own per copy in every mode: pushes on the source GPU, pulls on the destination.
+    pull = {(i, j): torch.cuda.Stream(device=j) for i, j in pairs}
+    modes = {
+        "pushed (the source's stream)": lambda i, j: st[(i, j)],
+        "pulled (the destination's stream)": lambda i, j: pull[(i, j)],
+        "half pushed, half pulled (i < j pushed)": lambda i, j: st[(i, j)] if i < j else pull[(i, j)],
+    }
+    for what, stream_of in modes.items():
+        total = raw_rate(rt, [(src[i], dst[(i, j)], stream_of(i, j)) for i, j in pairs])
+        print(f"  every GPU -> every other at once, cudaMemcpyPeerAsync {what}: {total:.0f} GB/s in all, {total / n:.0f} per GPU")
 
 
 if __name__ == "__main__":
