@@ -51,33 +51,20 @@ def peer_copy(rt: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor, stream: tor
         sys.exit(f"cudaMemcpyPeerAsync: error {r}")
 
 
-def raw_rate(rt: ctypes.CDLL, jobs: list, reps: int = 5) -> float:
-    """As `rate`, for (src, dst, stream) copies issued with cudaMemcpyPeerAsync."""
+def torch_copy(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """torch's copy (on the source's stream, whatever stream is current)."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+
+
+def rate(jobs: list, reps: int = 5, issue=torch_copy) -> float:
+    """GB/s of `jobs` ((src, dst, stream) copies, each issued by `issue`) all at once, after
+    one untimed round."""
     n = torch.cuda.device_count()
 
     def once() -> None:
         for s, d, st in jobs:
-            peer_copy(rt, s, d, st)
-
-    once()
-    for i in range(n):
-        torch.cuda.synchronize(i)
-    t = time.perf_counter()
-    for _ in range(reps):
-        once()
-    for i in range(n):
-        torch.cuda.synchronize(i)
-    return sum(s.numel() for s, _, _ in jobs) / ((time.perf_counter() - t) / reps) / 1e9
-
-
-def rate(jobs: list, reps: int = 5) -> float:
-    """GB/s of `jobs` ((src, dst, stream) copies) issued together, after one untimed round."""
-    n = torch.cuda.device_count()
-
-    def once() -> None:
-        for s, d, st in jobs:
-            with torch.cuda.stream(st):
-                d.copy_(s, non_blocking=True)
+            issue(s, d, st)
 
     once()
     for i in range(n):
@@ -130,7 +117,8 @@ def main() -> None:
         "half pushed, half pulled (i < j pushed)": lambda i, j: st[(i, j)] if i < j else pull[(i, j)],
     }
     for what, stream_of in modes.items():
-        total = raw_rate(rt, [(src[i], dst[(i, j)], stream_of(i, j)) for i, j in pairs])
+        jobs = [(src[i], dst[(i, j)], stream_of(i, j)) for i, j in pairs]
+        total = rate(jobs, issue=lambda s, d, q: peer_copy(rt, s, d, q))
         print(f"  every GPU -> every other at once, cudaMemcpyPeerAsync {what}: {total:.0f} GB/s in all, {total / n:.0f} per GPU")
 
 
