@@ -34,7 +34,7 @@
 //   release of step q, the receiver's acquire, its copy-out, its ack) may overlap the
 //   pushes of steps q + 1 .. q + D - 1. Measured against D = 2 with the same inbox (4
 //   H100s, 2026-11-27, two runs each): 16 MiB at 4 ranks 74 -> 68 us, 256 MiB 980-995 ->
-//   962-974 us; at 2 ranks unchanged (256 MiB 865-870 us). The chunk size matters more
+//   963-974 us; at 2 ranks unchanged (256 MiB 865-870 us). The chunk size matters more
 //   there: a 64 MiB inbox (chunks 4x larger) took 256 MiB at 2 ranks to 799 us
 //   (docs/performance.md).
 //   The first D steps need no ack ("eager"): a send of at most D chunks per block
@@ -212,9 +212,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
 //   region of the receiver's inbox (p2p_slot's, for every block and slot: D G chunk
 //   bytes for a grid of G blocks, D = P2P_DEPTH) is used as two halves of H = D G chunk / 2
 //   bytes; step j of m = ceil(n / H) moves bytes [j H, min(n, (j + 1) H)) through half
-//   j & 1 (the host queues the copies, and knows j but not the counters). Step j's sequence number is
-//   q_j = base + j + 1, where base is block 0's SEND (sender) or RECV (receiver) counter,
-//   read from memory by each signal kernel, so that a CUDA graph replays like the kernels.
+//   j & 1 (the host queues the copies, and knows j but not the counters). Step j's
+//   sequence number is q_j = base + j + 1, where base is block 0's SEND (sender) or RECV
+//   (receiver) counter, read from memory by each signal kernel, so that a CUDA graph
+//   replays like the kernels.
 //   Signals: rs_p2p_signal with one block, on block 0's words of NOTE [Point to point]
 //   (READY, ACK, the size slots), with st.release.sys / ld.acquire.sys and bounded waits.
 //   Both sides queue on their (peer, direction) stream:
