@@ -107,11 +107,11 @@ __device__ __forceinline__ void tma_load(TmaBufs& t, u32 k, const void* src, u32
     const u32 bar = smem_addr(&t.bar[k]);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(t.buf[k])),
-                 "l"(src), "r"(bytes), "r"(bar)
+                 "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(bar)
                  : "memory");
 }
-// Wait for buffer k's load (phase: the parity of the buffer's use count), then make its
-// bytes visible to the bulk store that reads them.
+// Wait for buffer k's load (phase: the parity of the buffer's use count). The bulk store
+// that reads the buffer is in the async proxy as the load was: no proxy fence between.
 __device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
     const u32 bar = smem_addr(&t.bar[k]);
     u32 done = 0;
@@ -121,10 +121,11 @@ __device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
                      : "r"(bar), "r"(phase)
                      : "memory");
     }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 __device__ __forceinline__ void tma_store(void* dst, const TmaBufs& t, u32 k, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(t.buf[k])), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst)), "r"(smem_addr(t.buf[k])),
+                 "r"(bytes)
+                 : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 // Every store but the newest `N` has finished reading its buffer.
@@ -148,6 +149,11 @@ __device__ __forceinline__ void rs_push_tma(const Args& a, TmaBufs& t, u32& use,
     const u64 lo = st * per_step + blockIdx.x * m;
     const u64 hi = min64(lo + m, n);
     if (threadIdx.x != 0 || lo >= hi) return;
+    // The peers' last reads of the slots these stores overwrite (their reduce of step st - 2,
+    // ordinary loads, before their release that the last barrier acquired) are ordered
+    // before this thread's async-proxy writes only through a cross-proxy fence (PTX ISA,
+    // async proxy: the implicit fence follows a bulk operation's completion, not its start).
+    asm volatile("fence.proxy.async.global;" ::: "memory");
     const u64 bytes = (hi - lo) * sizeof(T);
     const u32 per = (u32)((bytes + RS_TMA_CHUNK - 1) / RS_TMA_CHUNK), C = per * (W - 1);
     const u8* in = reinterpret_cast<const u8*>(a.in);
