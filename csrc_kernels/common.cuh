@@ -379,6 +379,132 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
     return true;
 }
 
+// NOTE [Bulk-copy pushes]
+// EXPERIMENT (branch tma-rs, issue 26's "at most 32 CTAs"): pushes by the Hopper bulk-copy
+// engine (TMA, cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
+// (threadIdx.x 0) moves a list of pieces HBM -> shared memory -> destination (a peer's
+// slot over NVLink, or local memory) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared
+// buffers, as a pipeline: up to RS_TMA_BUFS loads ahead; chunk c's store is issued once its
+// load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
+// c - 1 + RS_TMA_BUFS once that store has read it (cp.async.bulk.wait_group.read 1). With
+// 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27),
+// bound by what the pushing threads keep in flight; a bulk copy keeps a whole chunk in
+// flight per instruction, so the other threads of the block are free to reduce.
+// Ordering: before its first bulk store, fence.proxy.async.global orders the generic
+// accesses before it (the peers' reads of the slots being overwritten, ordered before this
+// thread by the last barrier's acquire and bar.sync) before the async proxy's writes. A
+// load and the store that reads its buffer are both async proxy: no fence between them.
+// At the end, cp.async.bulk.wait_group 0 waits until every store completed (writes
+// performed; the ISA's implicit generic-async fence follows a completion), so the
+// barrier's bar.sync and st.release.sys publish them as they publish the threads' stores
+// (NOTE [Barrier protocol]).
+// Used only where every address and size is 16-byte aligned (bulk copies need it); else
+// the threads move the data as before. sm_90 and newer only.
+#ifndef RS_TMA
+#define RS_TMA 1
+#endif
+#define RS_TMA_CHUNK 8192
+#define RS_TMA_BUFS 4
+#if RS_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define RS_TMA_ON 1
+struct TmaBufs {
+    alignas(128) u8 buf[RS_TMA_BUFS][RS_TMA_CHUNK];
+    alignas(8) u64 bar[RS_TMA_BUFS];
+};
+__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+// By one thread, then a __syncthreads before any tma_copies.
+__device__ __forceinline__ void tma_init(TmaBufs& t) {
+    for (u32 k = 0; k < RS_TMA_BUFS; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&t.bar[k])) : "memory");
+    // The bulk-copy unit (async proxy) must see the initialized barriers.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Start a chunk's load HBM -> shared buffer k (its mbarrier completes when the bytes land).
+__device__ __forceinline__ void tma_load(TmaBufs& t, u32 k, const void* src, u32 bytes) {
+    const u32 bar = smem_addr(&t.bar[k]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(t.buf[k])),
+                 "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// Wait for buffer k's load (phase: the parity of the buffer's use count). The bulk store
+// that reads the buffer is in the async proxy as the load was: no proxy fence between.
+__device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
+    const u32 bar = smem_addr(&t.bar[k]);
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(phase)
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void tma_store(void* dst, const TmaBufs& t, u32 k, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst)), "r"(smem_addr(t.buf[k])),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Copy `pieces` pieces (piece(p, &src, &dst, &len): 16-byte aligned addresses, len a
+// multiple of 16) by thread 0 of the block; other threads return at once. `use` counts
+// this block's buffer uses across calls (the mbarriers' phases). Returns after every store
+// completed (NOTE [Bulk-copy pushes]).
+template <typename Piece>
+__device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, Piece piece) {
+    if (threadIdx.x != 0) return;
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    // Chunks of every piece, numbered in order: piece p's chunk i is chunk base[p] + i.
+    const u8* src;
+    u8* dst;
+    u64 len;
+    u32 C = 0;
+    for (u32 p = 0; p < pieces; p++) {
+        piece(p, &src, &dst, &len);
+        C += (u32)((len + RS_TMA_CHUNK - 1) / RS_TMA_CHUNK);
+    }
+    // Walk chunks with a cursor per stream (loads run ahead of stores).
+    struct Cursor {
+        u32 p = 0;
+        u64 off = 0;
+    };
+    auto next = [&](Cursor& cu, const u8** s, u8** d, u32* n) {
+        u64 l;
+        for (;;) {
+            piece(cu.p, s, d, &l);
+            if (cu.off < l) break;
+            cu.p++;
+            cu.off = 0;
+        }
+        *n = (u32)min64(RS_TMA_CHUNK, l - cu.off);
+        *s += cu.off;
+        *d += cu.off;
+        cu.off += *n;
+    };
+    Cursor ld, stc;
+    u32 n;
+    for (u32 c = 0; c < C && c < RS_TMA_BUFS; c++) {
+        next(ld, &src, &dst, &n);
+        tma_load(t, (use + c) % RS_TMA_BUFS, src, n);
+    }
+    for (u32 c = 0; c < C; c++) {
+        const u32 k = (use + c) % RS_TMA_BUFS;
+        tma_loaded(t, k, ((use + c) / RS_TMA_BUFS) & 1);
+        next(stc, &src, &dst, &n);
+        tma_store(dst, t, k, n);
+        if (c >= 1 && c - 1 + RS_TMA_BUFS < C) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // chunk c - 1's store has read its buffer
+            next(ld, &src, &dst, &n);
+            tma_load(t, (use + c - 1 + RS_TMA_BUFS) % RS_TMA_BUFS, src, n);
+        }
+    }
+    use += C;
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+#else
+#define RS_TMA_ON 0
+#endif
+
 // ---------------------------------------------------------------------------------------
 // Entry points: rs_<algorithm>_<dtype>, one per reduced type; the op comes with the call
 // (NOTE [Reduce op at run time]).

@@ -67,128 +67,25 @@ __device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64
     }
 }
 
-// EXPERIMENT (branch tma-rs, issue 26's "at most 32 CTAs"): the pushes of steps 1.. by the
-// Hopper bulk-copy engine (TMA, cp.async.bulk) instead of 256 threads' 16-byte loads and
-// stores: one thread of warp 0 moves each peer's piece HBM -> shared memory -> the peer's
-// slot (NVLink) in RS_TMA_CHUNK-byte pieces through RS_TMA_BUFS shared buffers, so the other
-// 480 threads reduce (warp 0's other lanes idle). With 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB
-// (4 H100s, 2026-11-27), bound by what 256 threads keep in flight; a bulk copy keeps a
-// whole chunk in flight per instruction.
-// Ordering: the load's completion is observed through its mbarrier (complete_tx), then
-// fence.proxy.async.shared::cta before the bulk store reads that buffer; a buffer is
-// reloaded only after cp.async.bulk.wait_group.read says the store that read it is done
-// reading. Before the barrier, cp.async.bulk.wait_group 0 waits until every store of the
-// step has completed (its writes performed), and fence.proxy.async orders those
-// async-proxy writes before the generic proxy's bar.sync and the signalling thread's
-// st.release.sys (NOTE [Barrier protocol]): so a peer that acquires the flag sees the
-// step's bytes, as with the threads' stores.
-// Used only where every address and size is 16-byte aligned (bulk copies need it); else
-// the threads push as before. sm_90 and newer only.
-#ifndef RS_TMA
-#define RS_TMA 1
-#endif
-#define RS_TMA_CHUNK 8192
-#define RS_TMA_BUFS 4
-#if RS_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define RS_TMA_ON 1
-struct TmaBufs {
-    alignas(128) u8 buf[RS_TMA_BUFS][RS_TMA_CHUNK];
-    alignas(8) u64 bar[RS_TMA_BUFS];
-};
-__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void tma_init(TmaBufs& t) {
-    for (u32 k = 0; k < RS_TMA_BUFS; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&t.bar[k])) : "memory");
-    // The bulk-copy unit (async proxy) must see the initialized barriers.
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// Start a chunk's load HBM -> shared buffer k (its mbarrier completes when the bytes land).
-__device__ __forceinline__ void tma_load(TmaBufs& t, u32 k, const void* src, u32 bytes) {
-    const u32 bar = smem_addr(&t.bar[k]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(t.buf[k])),
-                 "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-// Wait for buffer k's load (phase: the parity of the buffer's use count). The bulk store
-// that reads the buffer is in the async proxy as the load was: no proxy fence between.
-__device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
-    const u32 bar = smem_addr(&t.bar[k]);
-    u32 done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(phase)
-                     : "memory");
-    }
-}
-__device__ __forceinline__ void tma_store(void* dst, const TmaBufs& t, u32 k, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst)), "r"(smem_addr(t.buf[k])),
-                 "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Every store but the newest `N` has finished reading its buffer.
-template <int N> __device__ __forceinline__ void tma_reads_done() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
-// Every store has completed (its writes performed), ordered before the generic proxy's
-// later accesses (the barrier's bar.sync and release).
-__device__ __forceinline__ void tma_all_done() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async;" ::: "memory");
-}
-
-// Step st's pushes by lane 0 of warp 0, as a pipeline over the step's chunks (every peer's
-// piece cut into RS_TMA_CHUNK bytes): up to RS_TMA_BUFS loads ahead; chunk c's store is
-// issued once its load landed, and the buffer of chunk c - 1 takes chunk c - 1 + BUFS once
-// that store has read it. `use` counts this block's buffer uses across steps (phases).
-// Sizes are multiples of 16 bytes here (the caller's condition).
+#if RS_TMA_ON
+// Step st's pushes by bulk copies (NOTE [Bulk-copy pushes] in common.cuh): every peer's
+// piece of shard j into its slot for me, as rs_push moves them.
 template <typename T>
 __device__ __forceinline__ void rs_push_tma(const Args& a, TmaBufs& t, u32& use, u64 st, u64 per_step, u64 m, u32 par) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u64 lo = st * per_step + blockIdx.x * m;
     const u64 hi = min64(lo + m, n);
-    if (threadIdx.x != 0 || lo >= hi) return;
-    // The peers' last reads of the slots these stores overwrite (their reduce of step st - 2,
-    // ordinary loads, before their release that the last barrier acquired) are ordered
-    // before this thread's async-proxy writes only through a cross-proxy fence (PTX ISA,
-    // async proxy: the implicit fence follows a bulk operation's completion, not its start).
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    if (lo >= hi) return;
     const u64 bytes = (hi - lo) * sizeof(T);
-    const u32 per = (u32)((bytes + RS_TMA_CHUNK - 1) / RS_TMA_CHUNK), C = per * (W - 1);
     const u8* in = reinterpret_cast<const u8*>(a.in);
-    auto src_of = [&](u32 c, u32* len) {
-        const u32 j = (me + 1 + c / per) % W;
-        const u64 off = (u64)(c % per) * RS_TMA_CHUNK;
-        *len = (u32)min64(RS_TMA_CHUNK, bytes - off);
-        return in + (j * n + lo) * sizeof(T) + off;
-    };
-    auto dst_of = [&](u32 c) {
-        const u32 j = (me + 1 + c / per) % W;
-        return stage_of(a, j, par) + (u64)slot_of(me, j) * m * sizeof(T) + (u64)(c % per) * RS_TMA_CHUNK;
-    };
-    u32 len;
-    for (u32 c = 0; c < C && c < RS_TMA_BUFS; c++) {
-        const u8* src = src_of(c, &len);
-        tma_load(t, (use + c) % RS_TMA_BUFS, src, len);
-    }
-    for (u32 c = 0; c < C; c++) {
-        const u32 k = (use + c) % RS_TMA_BUFS;
-        tma_loaded(t, k, ((use + c) / RS_TMA_BUFS) & 1);
-        (void)src_of(c, &len);
-        tma_store(dst_of(c), t, k, len);
-        if (c >= 1 && c - 1 + RS_TMA_BUFS < C) {
-            tma_reads_done<1>();  // chunk c - 1's store has read its buffer
-            const u32 x = c - 1 + RS_TMA_BUFS;
-            const u8* src = src_of(x, &len);
-            tma_load(t, (use + x) % RS_TMA_BUFS, src, len);
-        }
-    }
-    use += C;
-    tma_all_done();
+    tma_copies(t, use, W - 1, [&](u32 p, const u8** src, u8** dst, u64* len) {
+        const u32 j = (me + 1 + p) % W;
+        *src = in + (j * n + lo) * sizeof(T);
+        *dst = stage_of(a, j, par) + (u64)slot_of(me, j) * m * sizeof(T);
+        *len = bytes;
+    });
 }
-#else
-#define RS_TMA_ON 0
 #endif
 
 template <typename T>
