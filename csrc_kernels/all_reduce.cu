@@ -67,7 +67,8 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 //   push(0) (phase A of step 0: shard j of my input into rank j's RS slot for me); barrier(0)
 //   (staged_start's barrier, or its second one when a rank offered in-place buffers)
 //   step s, between barrier(s) and barrier(s + 1), two thread groups at once:
-//     X (the first AR_X_THREADS threads): copy the AG slots of step s - 1 into my output
+//     X (the first AR_X_THREADS threads; with bulk copies, warp 0, whose thread 0 drives
+//        them: NOTE [Bulk-copy pushes]): copy the AG slots of step s - 1 into my output
 //        (they arrived before barrier(s): each peer pushed them before signalling it),
 //        then phase A of step s + 1 (push shard j of my input into rank j's RS slot);
 //     Y (the other threads): reduce shard `rank` of step s in rank order (my own input

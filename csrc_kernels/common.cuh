@@ -412,7 +412,7 @@ struct TmaBufs {
     alignas(8) u64 bar[RS_TMA_BUFS];
 };
 __device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-// By one thread, then a __syncthreads before any tma_copies.
+// By the thread that runs tma_copies (or a __syncthreads between).
 __device__ __forceinline__ void tma_init(TmaBufs& t) {
     for (u32 k = 0; k < RS_TMA_BUFS; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&t.bar[k])) : "memory");
     // The bulk-copy unit (async proxy) must see the initialized barriers.
@@ -500,6 +500,10 @@ __device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, Pie
     }
     use += C;
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    // Belt and braces beside the ISA's implicit fence after a completion: the bulk copies'
+    // reads and writes before the generic accesses that follow (the barrier's release; in
+    // place, all_reduce's last copy-out writes what X bulk-read).
+    asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 #else
 #define RS_TMA_ON 0
