@@ -151,7 +151,7 @@ __device__ __forceinline__ void ar_x_tma(const Args& a, TmaBufs& t, u32& use, u6
     const T* in = reinterpret_cast<const T*>(a.in);
     const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
     const u32 copies = st > 0 ? slots : 0, pushes = st + 1 < steps ? slots : 0;
-    tma_copies(t, use, copies + pushes, [&](u32 p, const u8** src, u8** dst, u64* len) {
+    tma_copies(t, use, copies + pushes, 1, [&](u32 p, u32, const u8** src, u8** dst, u64* len) {
         const bool copy = p < copies;
         const u64 s2 = copy ? st - 1 : st + 1;
         const u32 j = (me + 1 + (copy ? p : p - copies)) % W;

@@ -383,8 +383,8 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // EXPERIMENT (branch tma-rs, issue 26's "at most 32 CTAs"): pushes by the Hopper bulk-copy
 // engine (TMA, cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
 // (threadIdx.x 0) moves a list of pieces HBM -> shared memory -> destination (a peer's
-// slot over NVLink, or local memory) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared
-// buffers, as a pipeline: up to RS_TMA_BUFS loads ahead; chunk c's store is issued once its
+// slot over NVLink, or local memory; all_gather stores each chunk to every peer and its own
+// output) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared buffers, as a pipeline: up to RS_TMA_BUFS loads ahead; chunk c's store is issued once its
 // load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
 // c - 1 + RS_TMA_BUFS once that store has read it (cp.async.bulk.wait_group.read 1). With
 // 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27),
@@ -439,63 +439,73 @@ __device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
                      : "memory");
     }
 }
+// Issue a bulk store of buffer k (its bytes) to dst; a bulk group ends at tma_commit.
 __device__ __forceinline__ void tma_store(void* dst, const TmaBufs& t, u32 k, u32 bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst)), "r"(smem_addr(t.buf[k])),
                  "r"(bytes)
                  : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// Copy `pieces` pieces (piece(p, &src, &dst, &len): 16-byte aligned addresses, len a
-// multiple of 16) by thread 0 of the block; other threads return at once. `use` counts
-// this block's buffer uses across calls (the mbarriers' phases). Returns after every store
-// completed (NOTE [Bulk-copy pushes]).
+// Copy `pieces` pieces, each to `fans` destinations (piece(p, f, &src, &dst, &len): the
+// source and length of piece p, its f-th destination; 16-byte aligned addresses, len a
+// multiple of 16, the same src and len for every f), by thread 0 of the block; other
+// threads return at once. A chunk is loaded once and stored to every destination (one
+// bulk group). `use` counts this block's buffer uses across calls (the mbarriers'
+// phases). Returns after every store completed (NOTE [Bulk-copy pushes]).
 template <typename Piece>
-__device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, Piece piece) {
+__device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, u32 fans, Piece piece) {
     if (threadIdx.x != 0) return;
     asm volatile("fence.proxy.async.global;" ::: "memory");
-    // Chunks of every piece, numbered in order: piece p's chunk i is chunk base[p] + i.
     const u8* src;
     u8* dst;
     u64 len;
     u32 C = 0;
     for (u32 p = 0; p < pieces; p++) {
-        piece(p, &src, &dst, &len);
+        piece(p, 0, &src, &dst, &len);
         C += (u32)((len + RS_TMA_CHUNK - 1) / RS_TMA_CHUNK);
     }
-    // Walk chunks with a cursor per stream (loads run ahead of stores).
+    // A cursor over the chunks in order (piece, offset); loads run ahead of stores.
     struct Cursor {
         u32 p = 0;
         u64 off = 0;
     };
-    auto next = [&](Cursor& cu, const u8** s, u8** d, u32* n) {
-        u64 l;
+    // The next chunk: its piece and offset in `*cp`, `*co`, its bytes returned.
+    auto next = [&](Cursor& cu, u32* cp, u64* co) -> u32 {
         for (;;) {
-            piece(cu.p, s, d, &l);
-            if (cu.off < l) break;
+            piece(cu.p, 0, &src, &dst, &len);
+            if (cu.off < len) break;
             cu.p++;
             cu.off = 0;
         }
-        *n = (u32)min64(RS_TMA_CHUNK, l - cu.off);
-        *s += cu.off;
-        *d += cu.off;
-        cu.off += *n;
+        const u32 n = (u32)min64(RS_TMA_CHUNK, len - cu.off);
+        *cp = cu.p;
+        *co = cu.off;
+        cu.off += n;
+        return n;
     };
     Cursor ld, stc;
-    u32 n;
+    u32 cp;
+    u64 co;
     for (u32 c = 0; c < C && c < RS_TMA_BUFS; c++) {
-        next(ld, &src, &dst, &n);
-        tma_load(t, (use + c) % RS_TMA_BUFS, src, n);
+        const u32 n = next(ld, &cp, &co);
+        piece(cp, 0, &src, &dst, &len);
+        tma_load(t, (use + c) % RS_TMA_BUFS, src + co, n);
     }
     for (u32 c = 0; c < C; c++) {
         const u32 k = (use + c) % RS_TMA_BUFS;
         tma_loaded(t, k, ((use + c) / RS_TMA_BUFS) & 1);
-        next(stc, &src, &dst, &n);
-        tma_store(dst, t, k, n);
+        const u32 n = next(stc, &cp, &co);
+        for (u32 f = 0; f < fans; f++) {
+            piece(cp, f, &src, &dst, &len);
+            tma_store(dst + co, t, k, n);
+        }
+        tma_commit();
         if (c >= 1 && c - 1 + RS_TMA_BUFS < C) {
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // chunk c - 1's store has read its buffer
-            next(ld, &src, &dst, &n);
-            tma_load(t, (use + c - 1 + RS_TMA_BUFS) % RS_TMA_BUFS, src, n);
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // chunk c - 1's stores have read its buffer
+            const u32 n2 = next(ld, &cp, &co);
+            piece(cp, 0, &src, &dst, &len);
+            tma_load(t, (use + c - 1 + RS_TMA_BUFS) % RS_TMA_BUFS, src + co, n2);
         }
     }
     use += C;

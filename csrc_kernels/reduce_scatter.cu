@@ -79,7 +79,7 @@ __device__ __forceinline__ void rs_push_tma(const Args& a, TmaBufs& t, u32& use,
     if (lo >= hi) return;
     const u64 bytes = (hi - lo) * sizeof(T);
     const u8* in = reinterpret_cast<const u8*>(a.in);
-    tma_copies(t, use, W - 1, [&](u32 p, const u8** src, u8** dst, u64* len) {
+    tma_copies(t, use, W - 1, 1, [&](u32 p, u32, const u8** src, u8** dst, u64* len) {
         const u32 j = (me + 1 + p) % W;
         *src = in + (j * n + lo) * sizeof(T);
         *dst = stage_of(a, j, par) + (u64)slot_of(me, j) * m * sizeof(T);
