@@ -384,9 +384,10 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // engine (TMA, cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
 // (threadIdx.x 0) moves a list of pieces HBM -> shared memory -> destination (a peer's
 // slot over NVLink, or local memory; all_gather stores each chunk to every peer and its own
-// output) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared buffers, as a pipeline: up to RS_TMA_BUFS loads ahead; chunk c's store is issued once its
+// output) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared buffers, as a pipeline:
+// up to RS_TMA_BUFS loads ahead; chunk c's stores (one bulk group) are issued once its
 // load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
-// c - 1 + RS_TMA_BUFS once that store has read it (cp.async.bulk.wait_group.read 1). With
+// c - 1 + RS_TMA_BUFS once those stores have read it (cp.async.bulk.wait_group.read 1). With
 // 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27),
 // bound by what the pushing threads keep in flight; a bulk copy keeps a whole chunk in
 // flight per instruction, so the other threads of the block are free to reduce.
