@@ -388,9 +388,10 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 // up to RS_TMA_BUFS loads ahead; chunk c's stores (one bulk group) are issued once its
 // load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
 // c - 1 + RS_TMA_BUFS once those stores have read it (cp.async.bulk.wait_group.read 1). With
-// 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27),
-// bound by what the pushing threads keep in flight; a bulk copy keeps a whole chunk in
-// flight per instruction, so the other threads of the block are free to reduce.
+// 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27;
+// what limits them was not profiled). The hypothesis this tests: a bulk copy keeps a whole
+// chunk in flight per instruction, so one thread pushes as fast as 256 and the other
+// threads of the block are free to reduce.
 // Ordering: before its first bulk store, fence.proxy.async.global orders the generic
 // accesses before it (the peers' reads of the slots being overwritten, ordered before this
 // thread by the last barrier's acquire and bar.sync) before the async proxy's writes. A
