@@ -67,8 +67,7 @@ __device__ void ar_in_place(const Args& a, BlockState& s, u32 op) {
 //   push(0) (phase A of step 0: shard j of my input into rank j's RS slot for me); barrier(0)
 //   (staged_start's barrier, or its second one when a rank offered in-place buffers)
 //   step s, between barrier(s) and barrier(s + 1), two thread groups at once:
-//     X (the first AR_X_THREADS threads; with bulk copies, warp 0, whose thread 0 drives
-//        them: NOTE [Bulk-copy pushes]): copy the AG slots of step s - 1 into my output
+//     X (the first AR_X_THREADS threads): copy the AG slots of step s - 1 into my output
 //        (they arrived before barrier(s): each peer pushed them before signalling it),
 //        then phase A of step s + 1 (push shard j of my input into rank j's RS slot);
 //     Y (the other threads): reduce shard `rank` of step s in rank order (my own input
@@ -139,38 +138,6 @@ __device__ __forceinline__ void twoshot_push(const Args& a, u64 st, u64 per_step
     }
 }
 
-#if RS_TMA_ON
-// X's work of step st by bulk copies (NOTE [Bulk-copy pushes] in common.cuh), one list:
-// copy_ag's pieces of step st - 1 (my AG slots into my output) and twoshot_push's of step
-// st + 1 (shard j of my input into rank j's RS slot for me). (Inline, bf16 spills 20 / 76
-// bytes where main has none; out of line 56 / 180: ptxas, sm_90.)
-template <typename T>
-__device__ __forceinline__ void ar_x_tma(const Args& a, TmaBufs& t, u32& use, u64 st, u64 steps, u64 per_step, u64 m, u64 shard,
-                                         u32 par, T* out) {
-    const u32 W = a.world, me = a.rank, slots = W - 1;
-    const T* in = reinterpret_cast<const T*>(a.in);
-    const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
-    const u32 copies = st > 0 ? slots : 0, pushes = st + 1 < steps ? slots : 0;
-    tma_copies(t, use, copies + pushes, 1, [&](u32 p, u32, const u8** src, u8** dst, u64* len) {
-        const bool copy = p < copies;
-        const u64 s2 = copy ? st - 1 : st + 1;
-        const u32 j = (me + 1 + (copy ? p : p - copies)) % W;
-        const u64 lo = s2 * per_step + blockIdx.x * m;
-        const u64 hi = min64(lo + m, a.count);
-        const u64 slo = lo + j * shard;
-        const u64 shi = min64(slo + shard, hi);
-        *len = slo < shi ? (shi - slo) * sizeof(T) : 0;
-        if (copy) {
-            *src = reinterpret_cast<const u8*>(ag + slot_of(j, me) * shard);
-            *dst = reinterpret_cast<u8*>(out + slo);
-        } else {
-            *src = reinterpret_cast<const u8*>(in + slo);
-            *dst = stage_of(a, j, par ^ 1) + (u64)slot_of(me, j) * shard * sizeof(T);
-        }
-    });
-}
-#endif
-
 template <typename T>
 __device__ void ar_twoshot(const Args& a, u32 op) {
     __shared__ BlockState s;
@@ -187,28 +154,12 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
             a, s, a.count * sizeof(T), [&] { twoshot_push<T>(a, 0, per_step, m, shard, s.step & 1, threadIdx.x, blockDim.x); },
             [&] { ar_in_place<T>(a, s, op); }))
         return;
-#if RS_TMA_ON
-    // Bulk copies need 16-byte aligned addresses and sizes (NOTE [Bulk-copy pushes]); then
-    // X is warp 0 (its thread 0 drives the copies) and Y the other 480 threads.
-    const bool tma = steps > 1 && ((a.in | a.out | (shard * sizeof(T)) | (a.count * sizeof(T))) & 15) == 0;
-    __shared__ TmaBufs tb;
-    u32 use = 0;
-    if (tma && threadIdx.x == 0) tma_init(tb);
-    const u32 XT = tma ? 32 : AR_X_THREADS;
-#else
-    const u32 XT = AR_X_THREADS;
-#endif
-    const bool x = steps > 1 && threadIdx.x < XT;  // one step: every thread is Y
-    const u32 tid = steps == 1 || x ? threadIdx.x : threadIdx.x - XT;
-    const u32 nt = steps == 1 ? blockDim.x : x ? XT : blockDim.x - XT;
+    const bool x = steps > 1 && threadIdx.x < AR_X_THREADS;  // one step: every thread is Y
+    const u32 tid = steps == 1 || x ? threadIdx.x : threadIdx.x - AR_X_THREADS;
+    const u32 nt = steps == 1 ? blockDim.x : x ? AR_X_THREADS : blockDim.x - AR_X_THREADS;
     for (u64 st = 0; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-#if RS_TMA_ON
-        if (x && tma) {
-            ar_x_tma<T>(a, tb, use, st, steps, per_step, m, shard, par, out);
-        } else
-#endif
-            if (x) {
+        if (x) {
             if (st > 0) {
                 const T* ag = reinterpret_cast<const T*>(stage_of(a, me, par ^ 1)) + slots * shard;
                 copy_ag<T>(a, st - 1, per_step, m, shard, ag, out, tid, nt);

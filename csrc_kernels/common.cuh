@@ -380,18 +380,21 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
 }
 
 // NOTE [Bulk-copy pushes]
-// EXPERIMENT (branch tma-rs, issue 26's "at most 32 CTAs"): pushes by the Hopper bulk-copy
-// engine (TMA, cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
+// reduce_scatter's and all_gather's pushes go by the Hopper bulk-copy engine (TMA,
+// cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
 // (threadIdx.x 0) moves a list of pieces HBM -> shared memory -> destination (a peer's
 // slot over NVLink, or local memory; all_gather stores each chunk to every peer and its own
 // output) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared buffers, as a pipeline:
 // up to RS_TMA_BUFS loads ahead; chunk c's stores (one bulk group) are issued once its
 // load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
-// c - 1 + RS_TMA_BUFS once those stores have read it (cp.async.bulk.wait_group.read 1). With
-// 32 CTAs the thread pushes moved about 7.4 GB/s per CTA at 1 GiB (4 H100s, 2026-11-27;
-// what limits them was not profiled). The hypothesis this tests: a bulk copy keeps a whole
-// chunk in flight per instruction, so one thread pushes as fast as 256 and the other
-// threads of the block are free to reduce.
+// c - 1 + RS_TMA_BUFS once those stores have read it (cp.async.bulk.wait_group.read 1).
+// Why: a bulk copy keeps a whole chunk in flight per instruction, so one thread pushes
+// about as fast as 256 did and the other threads of the block are free to reduce (or to
+// copy out). Measured (4 H100s, bf16, eager, 2026-11-27, main against this in one call,
+// docs/performance.md): reduce_scatter at 32 CTAs 1 GiB 3,415-3,429 -> 2,701-2,748 us and
+// 256 MiB 930 -> 759-773; at 64 CTAs 256 MiB 702 -> 673-675; all_gather at 64 CTAs 1 GiB
+// 2,464-2,501 -> 2,389-2,394. Two-shot all_reduce's X group (copy-out and next pushes) by
+// bulk copies was slower (1 GiB 4,863-4,940 -> 5,380-5,395 us at 64 CTAs) and is not used.
 // Ordering: before its first bulk store, fence.proxy.async.global orders the generic
 // accesses before it (the peers' reads of the slots being overwritten, ordered before this
 // thread by the last barrier's acquire and bar.sync) before the async proxy's writes. A
@@ -513,8 +516,7 @@ __device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, u32
     use += C;
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     // Belt and braces beside the ISA's implicit fence after a completion: the bulk copies'
-    // reads and writes before the generic accesses that follow (the barrier's release; in
-    // place, all_reduce's last copy-out writes what X bulk-read).
+    // reads and writes before the generic accesses that follow (the barrier's release).
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 #else
