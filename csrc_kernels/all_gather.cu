@@ -72,6 +72,27 @@ __device__ __forceinline__ void ag_push(const Args& a, u64 st, u64 per_step, u64
         });
 }
 
+#if RS_TMA_ON
+// Step st's pushes by bulk copies (NOTE [Bulk-copy pushes] in common.cuh): each chunk of my
+// input's piece is loaded once and stored into my own output block and into my slot of
+// every peer's staging, as ag_push moves it.
+__device__ __forceinline__ void ag_push_tma(const Args& a, TmaBufs& t, u32& use, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    if (lo >= hi) return;
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    u8* out = reinterpret_cast<u8*>(a.out);
+    tma_copies(t, use, 1, W, [&](u32, u32 f, const u8** src, u8** dst, u64* len) {
+        const u32 j = (me + f) % W;
+        *src = in + lo;
+        *dst = f == 0 ? out + me * n + lo : stage_of(a, j, par) + (u64)slot_of(me, j) * m;
+        *len = hi - lo;
+    });
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid_constant__ Args a) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
@@ -84,12 +105,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid
     if (!staged_start(
             a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); }, [&] { ag_in_place(a, s); }))
         return;
-    const bool pusher = threadIdx.x < AG_PUSH_THREADS;
-    const u32 tid = pusher ? threadIdx.x : threadIdx.x - AG_PUSH_THREADS;
-    const u32 nt = pusher ? AG_PUSH_THREADS : blockDim.x - AG_PUSH_THREADS;
+#if RS_TMA_ON
+    // Bulk copies need 16-byte aligned addresses and sizes (NOTE [Bulk-copy pushes]): then
+    // the pushers are warp 0 (its thread 0 drives the copies) and the copiers 480 threads.
+    const bool tma = steps > 1 && ((a.in | a.out | n | m) & 15) == 0;
+    __shared__ TmaBufs tb;
+    u32 use = 0;
+    if (tma && threadIdx.x == 0) tma_init(tb);
+    const u32 PT = tma ? 32 : AG_PUSH_THREADS;
+#else
+    const u32 PT = AG_PUSH_THREADS;
+#endif
+    const bool pusher = threadIdx.x < PT;
+    const u32 tid = pusher ? threadIdx.x : threadIdx.x - PT;
+    const u32 nt = pusher ? PT : blockDim.x - PT;
     for (u64 st = 1; st < steps; st++) {
         const u32 par = (s.step + (u32)st) & 1;
-        if (pusher)
+#if RS_TMA_ON
+        if (pusher && tma)
+            ag_push_tma(a, tb, use, st, per_step, m, par);
+        else
+#endif
+            if (pusher)
             ag_push(a, st, per_step, m, par, tid, nt);
         else
             copy_gathered(a, st - 1, per_step, m, stage_of(a, me, par ^ 1), out, tid, nt);

@@ -379,6 +379,150 @@ __device__ __forceinline__ bool staged_start(const Args& a, BlockState& s, u64 b
     return true;
 }
 
+// NOTE [Bulk-copy pushes]
+// reduce_scatter's and all_gather's pushes go by the Hopper bulk-copy engine (TMA,
+// cp.async.bulk) instead of many threads' 16-byte loads and stores: one thread
+// (threadIdx.x 0) moves a list of pieces HBM -> shared memory -> destination (a peer's
+// slot over NVLink, or local memory; all_gather stores each chunk to every peer and its own
+// output) in RS_TMA_CHUNK-byte chunks through RS_TMA_BUFS shared buffers, as a pipeline:
+// up to RS_TMA_BUFS loads ahead; chunk c's stores (one bulk group) are issued once its
+// load landed (its mbarrier, complete_tx), and the buffer of chunk c - 1 takes chunk
+// c - 1 + RS_TMA_BUFS once those stores have read it (cp.async.bulk.wait_group.read 1).
+// Why: a bulk copy keeps a whole chunk in flight per instruction, so one thread pushes
+// about as fast as 256 did and the other threads of the block are free to reduce (or to
+// copy out). Measured (4 H100s, bf16, eager, 2026-11-27, main against this in one call,
+// docs/performance.md): reduce_scatter at 32 CTAs 1 GiB 3,415-3,429 -> 2,701-2,748 us and
+// 256 MiB 930 -> 759-773; at 64 CTAs 256 MiB 702 -> 673-675; all_gather at 64 CTAs 1 GiB
+// 2,464-2,501 -> 2,389-2,394. Two-shot all_reduce's X group (copy-out and next pushes) by
+// bulk copies was slower (1 GiB 4,863-4,940 -> 5,380-5,395 us at 64 CTAs) and is not used.
+// Ordering: before its first bulk store, fence.proxy.async.global orders the generic
+// accesses before it (the peers' reads of the slots being overwritten, ordered before this
+// thread by the last barrier's acquire and bar.sync) before the async proxy's writes. A
+// load and the store that reads its buffer are both async proxy: no fence between them.
+// At the end, cp.async.bulk.wait_group 0 waits until every store completed (writes
+// performed; the ISA's implicit generic-async fence follows a completion), so the
+// barrier's bar.sync and st.release.sys publish them as they publish the threads' stores
+// (NOTE [Barrier protocol]).
+// Used only where every address and size is 16-byte aligned (bulk copies need it); else
+// the threads move the data as before. sm_90 and newer only.
+#ifndef RS_TMA
+#define RS_TMA 1
+#endif
+#define RS_TMA_CHUNK 8192
+#define RS_TMA_BUFS 4
+#if RS_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define RS_TMA_ON 1
+struct TmaBufs {
+    alignas(128) u8 buf[RS_TMA_BUFS][RS_TMA_CHUNK];
+    alignas(8) u64 bar[RS_TMA_BUFS];
+};
+__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+// By the thread that runs tma_copies (or a __syncthreads between).
+__device__ __forceinline__ void tma_init(TmaBufs& t) {
+    for (u32 k = 0; k < RS_TMA_BUFS; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&t.bar[k])) : "memory");
+    // The bulk-copy unit (async proxy) must see the initialized barriers.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Start a chunk's load HBM -> shared buffer k (its mbarrier completes when the bytes land).
+__device__ __forceinline__ void tma_load(TmaBufs& t, u32 k, const void* src, u32 bytes) {
+    const u32 bar = smem_addr(&t.bar[k]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(t.buf[k])),
+                 "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// Wait for buffer k's load (phase: the parity of the buffer's use count). The bulk store
+// that reads the buffer is in the async proxy as the load was: no proxy fence between.
+__device__ __forceinline__ void tma_loaded(TmaBufs& t, u32 k, u32 phase) {
+    const u32 bar = smem_addr(&t.bar[k]);
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(phase)
+                     : "memory");
+    }
+}
+// Issue a bulk store of buffer k (its bytes) to dst; a bulk group ends at tma_commit.
+__device__ __forceinline__ void tma_store(void* dst, const TmaBufs& t, u32 k, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst)), "r"(smem_addr(t.buf[k])),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Copy `pieces` pieces, each to `fans` destinations (piece(p, f, &src, &dst, &len): the
+// source and length of piece p, its f-th destination; 16-byte aligned addresses, len a
+// multiple of 16, the same src and len for every f), by thread 0 of the block; other
+// threads return at once. A chunk is loaded once and stored to every destination (one
+// bulk group). `use` counts this block's buffer uses across calls (the mbarriers'
+// phases). Returns after every store completed (NOTE [Bulk-copy pushes]).
+template <typename Piece>
+__device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, u32 fans, Piece piece) {
+    if (threadIdx.x != 0) return;
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    const u8* src;
+    u8* dst;
+    u64 len;
+    u32 C = 0;
+    for (u32 p = 0; p < pieces; p++) {
+        piece(p, 0, &src, &dst, &len);
+        C += (u32)((len + RS_TMA_CHUNK - 1) / RS_TMA_CHUNK);
+    }
+    // A cursor over the chunks in order (piece, offset); loads run ahead of stores.
+    struct Cursor {
+        u32 p = 0;
+        u64 off = 0;
+    };
+    // The next chunk: its piece and offset in `*cp`, `*co`, its bytes returned.
+    auto next = [&](Cursor& cu, u32* cp, u64* co) -> u32 {
+        for (;;) {
+            piece(cu.p, 0, &src, &dst, &len);
+            if (cu.off < len) break;
+            cu.p++;
+            cu.off = 0;
+        }
+        const u32 n = (u32)min64(RS_TMA_CHUNK, len - cu.off);
+        *cp = cu.p;
+        *co = cu.off;
+        cu.off += n;
+        return n;
+    };
+    Cursor ld, stc;
+    u32 cp;
+    u64 co;
+    for (u32 c = 0; c < C && c < RS_TMA_BUFS; c++) {
+        const u32 n = next(ld, &cp, &co);
+        piece(cp, 0, &src, &dst, &len);
+        tma_load(t, (use + c) % RS_TMA_BUFS, src + co, n);
+    }
+    for (u32 c = 0; c < C; c++) {
+        const u32 k = (use + c) % RS_TMA_BUFS;
+        tma_loaded(t, k, ((use + c) / RS_TMA_BUFS) & 1);
+        const u32 n = next(stc, &cp, &co);
+        for (u32 f = 0; f < fans; f++) {
+            piece(cp, f, &src, &dst, &len);
+            tma_store(dst + co, t, k, n);
+        }
+        tma_commit();
+        if (c >= 1 && c - 1 + RS_TMA_BUFS < C) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // chunk c - 1's stores have read its buffer
+            const u32 n2 = next(ld, &cp, &co);
+            piece(cp, 0, &src, &dst, &len);
+            tma_load(t, (use + c - 1 + RS_TMA_BUFS) % RS_TMA_BUFS, src + co, n2);
+        }
+    }
+    use += C;
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    // Belt and braces beside the ISA's implicit fence after a completion: the bulk copies'
+    // reads and writes before the generic accesses that follow (the barrier's release).
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+#else
+#define RS_TMA_ON 0
+#endif
+
 // ---------------------------------------------------------------------------------------
 // Entry points: rs_<algorithm>_<dtype>, one per reduced type; the op comes with the call
 // (NOTE [Reduce op at run time]).

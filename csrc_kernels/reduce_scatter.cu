@@ -67,6 +67,27 @@ __device__ __forceinline__ void rs_push(const Args& a, u64 st, u64 per_step, u64
     }
 }
 
+#if RS_TMA_ON
+// Step st's pushes by bulk copies (NOTE [Bulk-copy pushes] in common.cuh): every peer's
+// piece of shard j into its slot for me, as rs_push moves them.
+template <typename T>
+__device__ __forceinline__ void rs_push_tma(const Args& a, TmaBufs& t, u32& use, u64 st, u64 per_step, u64 m, u32 par) {
+    const u32 W = a.world, me = a.rank;
+    const u64 n = a.count;
+    const u64 lo = st * per_step + blockIdx.x * m;
+    const u64 hi = min64(lo + m, n);
+    if (lo >= hi) return;
+    const u64 bytes = (hi - lo) * sizeof(T);
+    const u8* in = reinterpret_cast<const u8*>(a.in);
+    tma_copies(t, use, W - 1, 1, [&](u32 p, u32, const u8** src, u8** dst, u64* len) {
+        const u32 j = (me + 1 + p) % W;
+        *src = in + (j * n + lo) * sizeof(T);
+        *dst = stage_of(a, j, par) + (u64)slot_of(me, j) * m * sizeof(T);
+        *len = bytes;
+    });
+}
+#endif
+
 template <typename T>
 __device__ void reduce_scatter(const Args& a, u32 op) {
     __shared__ BlockState s;
@@ -82,16 +103,38 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
             a, s, (u64)W * n * sizeof(T), [&] { rs_push<T>(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); },
             [&] { rs_in_place<T>(a, s, op); }))
         return;
-    const bool pusher = threadIdx.x < RS_PUSH_THREADS;
-    const u32 tid = pusher ? threadIdx.x : threadIdx.x - RS_PUSH_THREADS;
-    const u32 nt = pusher ? RS_PUSH_THREADS : blockDim.x - RS_PUSH_THREADS;
-    for (u64 st = 1; st < steps; st++) {
-        const u32 par = (s.step + (u32)st) & 1;
-        if (pusher)
-            rs_push<T>(a, st, per_step, m, par, tid, nt);
-        else
-            rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op, tid, nt);
-        BARRIER_OR_RETURN(a, s, steps)
+#if RS_TMA_ON
+    // Bulk copies need 16-byte aligned addresses and sizes: the input, a shard (n) and a
+    // block's piece (m); staging is 256-aligned. The same on every thread of the block.
+    const bool tma = ((a.in | (n * sizeof(T)) | (m * sizeof(T))) & 15) == 0 && steps > 1;
+    __shared__ TmaBufs tb;
+    u32 use = 0;
+    if (tma && threadIdx.x == 0) tma_init(tb);
+    __syncthreads();
+    if (tma) {
+        const bool pusher = threadIdx.x < 32;
+        for (u64 st = 1; st < steps; st++) {
+            const u32 par = (s.step + (u32)st) & 1;
+            if (pusher)
+                rs_push_tma<T>(a, tb, use, st, per_step, m, par);  // lane 0; the warp waits at the barrier
+            else
+                rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op, threadIdx.x - 32, blockDim.x - 32);
+            BARRIER_OR_RETURN(a, s, steps)
+        }
+    } else
+#endif
+    {
+        const bool pusher = threadIdx.x < RS_PUSH_THREADS;
+        const u32 tid = pusher ? threadIdx.x : threadIdx.x - RS_PUSH_THREADS;
+        const u32 nt = pusher ? RS_PUSH_THREADS : blockDim.x - RS_PUSH_THREADS;
+        for (u64 st = 1; st < steps; st++) {
+            const u32 par = (s.step + (u32)st) & 1;
+            if (pusher)
+                rs_push<T>(a, st, per_step, m, par, tid, nt);
+            else
+                rs_reduce_step<T>(a, st - 1, per_step, m, par ^ 1, in, out, op, tid, nt);
+            BARRIER_OR_RETURN(a, s, steps)
+        }
     }
     rs_reduce_step<T>(a, steps - 1, per_step, m, (s.step + (u32)(steps - 1)) & 1, in, out, op, threadIdx.x, blockDim.x);
     save_state(a, &s, steps);
