@@ -269,6 +269,23 @@ def test_registry_every_kind_is_named_routed_and_covered():
     assert {c.exception for c in _ops.ErrorClass} == {ValueError, TypeError}
 
 
+def test_op_code_maps_every_torch_op_by_name():
+    """op_code answers SUM by a comparison before reading .op (the hot path): every op
+    torch names, given as a ReduceOp (what torch passes in options) or as a RedOpType,
+    maps to rsccl's code of that name, or to the name where rsccl lacks the op; PREMUL_SUM
+    (a ReduceOp with a factor) is not taken for SUM."""
+    for name, member in dist.ReduceOp.RedOpType.__members__.items():
+        want = _ops.OP_CODES.get(name, name)
+        opts = dist.AllreduceOptions()
+        if name == "PREMUL_SUM":
+            opts.reduceOp = dist._make_nccl_premul_sum(2.0)
+        else:
+            opts.reduceOp = getattr(dist.ReduceOp, name)
+        assert _ops.op_code(opts.reduceOp) == want, name
+        assert _ops.op_code(member) == want, name
+    assert _ops.op_code(dist.ReduceOp.SUM) == _ops.SUM
+
+
 def test_arguments_too_broken_to_route_join_the_side_of_their_first_tensor(monkeypatch, seed):
     """A rank whose arguments do not even route (two tensors for all_reduce, a list of
     floats) joins as invalid on the side its peers are on: its first tensor's, else the
