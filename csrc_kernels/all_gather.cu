@@ -4,14 +4,39 @@
 
 // all_gather in place (out, world * count bytes, in the pool): push my input into slot
 // `rank` of every rank's output (my own too, unless the input already is that slot, as in
-// FSDP); barrier (every push has landed).
-__device__ void ag_in_place(const Args& a, BlockState& s) {
+// FSDP); barrier (every push has landed). On sm_90+, where the input, the output and the
+// size are 16-byte aligned, thread 0 moves the block's range by bulk copies (`tb`: NOTE
+// [Bulk-copy pushes] in common.cuh), each chunk loaded once and stored to every
+// destination; tma_copies waits for its stores before the barrier's release.
+template <typename Tb>
+__device__ void ag_in_place(const Args& a, BlockState& s, Tb* tb) {
     const u32 W = a.world, me = a.rank;
     const u64 n = a.count;
     const u8* in = reinterpret_cast<const u8*>(a.in);
     const bool self_copy = reinterpret_cast<const u8*>(a.out) + me * n != in;
     u64 lo, hi;
     block_range(n, 16, &lo, &hi);
+#if RS_TMA_ON
+    // From 4 bulk-copy chunks per block (2 MiB at 64 blocks): below that the threads'
+    // stores are no slower to start (a review's advice, not measured).
+    if (((a.in | a.out | n) & 15) == 0 && n >= (u64)gridDim.x * 4 * RS_TMA_CHUNK) {
+        u32 use = 0;
+        if (threadIdx.x == 0 && lo < hi) {
+            tma_init(*tb);
+            // Destinations in order me + 1, ..., me (my own slot last, and only when needed).
+            tma_copies(*tb, use, 1, self_copy ? W : W - 1, [&](u32, u32 f, const u8** src, u8** dst, u64* len) {
+                const u32 j = (me + 1 + f) % W;
+                *src = in + lo;
+                *dst = peer_out<u8>(a, j) + me * n + lo;
+                *len = hi - lo;
+            });
+        }
+        barrier(a, &s);
+        return;
+    }
+#else
+    (void)tb;
+#endif
     for_packs<u8>(
         lo, hi, [&](Pack<u8>& p, u64 i) { load_pack(p, in, i, hi); },
         [&](const Pack<u8>& p, u64 i) {
@@ -102,14 +127,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     u8* out = reinterpret_cast<u8*>(a.out);
+#if RS_TMA_ON
+    __shared__ TmaBufs tb;  // the in-place path's or the staged pushes' (one of the two per call)
+    TmaBufs* tbp = &tb;
+#else
+    int* tbp = nullptr;
+#endif
     if (!staged_start(
-            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); }, [&] { ag_in_place(a, s); }))
+            a, s, (u64)W * n, [&] { ag_push(a, 0, per_step, m, s.step & 1, threadIdx.x, blockDim.x); }, [&] { ag_in_place(a, s, tbp); }))
         return;
 #if RS_TMA_ON
     // Bulk copies need 16-byte aligned addresses and sizes (NOTE [Bulk-copy pushes]): then
     // the pushers are warp 0 (its thread 0 drives the copies) and the copiers 480 threads.
     const bool tma = steps > 1 && ((a.in | a.out | n | m) & 15) == 0;
-    __shared__ TmaBufs tb;
     u32 use = 0;
     if (tma && threadIdx.x == 0) tma_init(tb);
     const u32 PT = tma ? 32 : AG_PUSH_THREADS;
