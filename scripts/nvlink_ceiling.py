@@ -1,0 +1,280 @@
+"""How fast the GPUs of one host can move data to each other over NVLink, by pattern and
+grid size, outside rsccl: a ceiling to hold rsccl's kernels against (issue 26).
+
+Every rank moves `--mib` MiB to each other rank at once (the all-to-all pattern of the
+push phases of reduce_scatter, all_gather and two-shot all_reduce), with one of these
+kernels, on 8 to 132 CTAs:
+  st-peer   each CTA stores its slice to one peer after another (16-byte st.global)
+  st-inter  each CTA stores its slice to every peer in one loop (the loads of all peers'
+            data first, then their stores)
+  st-split  the CTAs split among the peers: CTA b pushes to one peer only
+  ld-peer   pull: each CTA loads its slice from one peer after another, stores locally
+  tma-peer  one thread per CTA pushes by bulk copies (cp.async.bulk, 4 x 8 KiB of shared
+            memory), one peer after another (sm_90+)
+  tma-split bulk copies, the CTAs split among the peers
+  st-ring, tma-ring  the same bytes ((world - 1) x size) to the next rank only, as a ring
+            algorithm's steps send them (threads' stores, or bulk copies)
+GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
+The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on an NCCL
+group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
+wheels) and launched with the driver API through ctypes. Nothing checks the data.
+
+    torchrun --nproc-per-node 4 scripts/nvlink_ceiling.py [--mib 64] [--rounds 10]
+"""
+
+import argparse
+import ctypes
+import glob
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+SRC = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+struct Ptrs { u64 p[8]; };
+#define U 4
+// [lo, hi) of n16 16-byte words for CTA `b` of `g`.
+__device__ __forceinline__ void slice(u64 n16, u32 b, u32 g, u64* lo, u64* hi) {
+    u64 per = (n16 + g - 1) / g; *lo = b * per; *hi = *lo + per < n16 ? *lo + per : n16;
+}
+__device__ __forceinline__ void copy16(uint4* d, const uint4* s, u64 lo, u64 hi) {
+    const u64 T = blockDim.x;
+    u64 i = lo + threadIdx.x;
+    for (; i + (U - 1) * T < hi; i += U * T) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) v[u] = s[i + u * T];
+#pragma unroll
+        for (int u = 0; u < U; u++) d[i + u * T] = v[u];
+    }
+    for (; i < hi; i += T) d[i] = s[i];
+}
+// Buffers: rank r's symmetric buffer holds src slots [0, W) (slot j: r's data for rank j)
+// then dst slots [W, 2W) (slot W + j: what rank j sent to r); n16 words per slot.
+extern "C" __global__ void st_peer(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice(n16, blockIdx.x, gridDim.x, &lo, &hi);
+    const uint4* mine = (const uint4*)b.p[me];
+    for (u32 k = 1; k < W; k++) {
+        const u32 j = (me + k) % W;
+        copy16((uint4*)b.p[j] + (W + me) * n16, mine + j * n16, lo, hi);
+    }
+}
+extern "C" __global__ void st_inter(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice(n16, blockIdx.x, gridDim.x, &lo, &hi);
+    const uint4* mine = (const uint4*)b.p[me];
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        uint4 v[7];
+        for (u32 k = 1; k < W; k++) v[k - 1] = mine[((me + k) % W) * n16 + i];
+        for (u32 k = 1; k < W; k++) { const u32 j = (me + k) % W; ((uint4*)b.p[j])[(W + me) * n16 + i] = v[k - 1]; }
+    }
+}
+extern "C" __global__ void st_split(Ptrs b, u64 n16, u32 W, u32 me) {
+    const u32 k = 1 + blockIdx.x % (W - 1), per = gridDim.x / (W - 1);
+    if (blockIdx.x / (W - 1) >= per) return;
+    u64 lo, hi; slice(n16, blockIdx.x / (W - 1), per, &lo, &hi);
+    const u32 j = (me + k) % W;
+    copy16((uint4*)b.p[j] + (W + me) * n16, (const uint4*)b.p[me] + j * n16, lo, hi);
+}
+extern "C" __global__ void ld_peer(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice(n16, blockIdx.x, gridDim.x, &lo, &hi);
+    uint4* mine = (uint4*)b.p[me];
+    for (u32 k = 1; k < W; k++) {
+        const u32 j = (me + k) % W;
+        copy16(mine + (W + j) * n16, (const uint4*)b.p[j] + me * n16, lo, hi);
+    }
+}
+// The ring: all (W - 1) slots' bytes to the next rank only (as a ring algorithm's steps
+// move them), into its dst slots.
+extern "C" __global__ void st_ring(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice((W - 1) * n16, blockIdx.x, gridDim.x, &lo, &hi);
+    const u32 j = (me + 1) % W;
+    copy16((uint4*)b.p[j] + W * n16, (const uint4*)b.p[me], lo, hi);
+}
+#define CH 8192
+#define NB 4
+__device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// One thread: bulk-copy [lo, hi) bytes of each piece src -> dst (pieces one after another).
+__device__ void tma_run(const char* const* srcs, char* const* dsts, u32 pieces, u64 lo, u64 hi) {
+    __shared__ alignas(128) char buf[NB][CH];
+    __shared__ alignas(8) u64 bar[NB];
+    if (threadIdx.x != 0) return;
+    for (u32 k = 0; k < NB; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&bar[k])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const u64 per = (hi - lo + CH - 1) / CH;
+    const u64 C = per * pieces;
+    auto load = [&](u64 c) {
+        const u32 k = c % NB; const u64 off = lo + (c % per) * CH; const u32 n = (u32)(hi - off < CH ? hi - off : CH);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(&bar[k])), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(buf[k])),
+                     "l"(__cvta_generic_to_global(srcs[c / per] + off)), "r"(n), "r"(sa(&bar[k])) : "memory");
+    };
+    for (u64 c = 0; c < C && c < NB; c++) load(c);
+    for (u64 c = 0; c < C; c++) {
+        const u32 k = c % NB; const u32 ph = (c / NB) & 1;
+        u32 done = 0;
+        while (!done) asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(sa(&bar[k])), "r"(ph) : "memory");
+        const u64 off = lo + (c % per) * CH; const u32 n = (u32)(hi - off < CH ? hi - off : CH);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dsts[c / per] + off)), "r"(sa(buf[k])), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if (c >= 1 && c - 1 + NB < C) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            load(c - 1 + NB);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+extern "C" __global__ void tma_peer(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice(n16, blockIdx.x, gridDim.x, &lo, &hi);
+    const char* s[8]; char* d[8];
+    for (u32 k = 1; k < W; k++) {
+        const u32 j = (me + k) % W;
+        s[k - 1] = (const char*)b.p[me] + j * n16 * 16; d[k - 1] = (char*)b.p[j] + (W + me) * n16 * 16;
+    }
+    if (lo < hi) tma_run(s, d, W - 1, lo * 16, hi * 16);
+}
+extern "C" __global__ void tma_ring(Ptrs b, u64 n16, u32 W, u32 me) {
+    u64 lo, hi; slice((W - 1) * n16, blockIdx.x, gridDim.x, &lo, &hi);
+    const char* s[1] = {(const char*)b.p[me]}; char* d[1] = {(char*)b.p[(me + 1) % W] + W * n16 * 16};
+    if (lo < hi) tma_run(s, d, 1, lo * 16, hi * 16);
+}
+extern "C" __global__ void tma_split(Ptrs b, u64 n16, u32 W, u32 me) {
+    const u32 k = 1 + blockIdx.x % (W - 1), per = gridDim.x / (W - 1);
+    if (blockIdx.x / (W - 1) >= per) return;
+    u64 lo, hi; slice(n16, blockIdx.x / (W - 1), per, &lo, &hi);
+    const u32 j = (me + k) % W;
+    const char* s[1] = {(const char*)b.p[me] + j * n16 * 16}; char* d[1] = {(char*)b.p[j] + (W + me) * n16 * 16};
+    if (lo < hi) tma_run(s, d, 1, lo * 16, hi * 16);
+}
+"""
+KERNELS = ("st-peer", "st-inter", "st-split", "st-ring", "ld-peer", "tma-peer", "tma-split", "tma-ring")
+
+
+def _lib(names: list[str], pattern: str) -> ctypes.CDLL:
+    for n in names:
+        try:
+            return ctypes.CDLL(n)
+        except OSError:
+            pass
+    for d in sys.path:
+        for p in sorted(glob.glob(os.path.join(d, pattern))):
+            return ctypes.CDLL(p)
+    raise OSError(f"none of {names} found (nor {pattern} under sys.path)")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed: error {rc}")
+
+
+def compile_cubin(arch: str) -> bytes:
+    nvrtc = _lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], "nvidia/*/lib/libnvrtc.so*")
+    prog = ctypes.c_void_p()
+    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SRC.encode(), b"nvlink_ceiling.cu", 0, None, None), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    if rc != 0:
+        n = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError("NVRTC: " + log.value.decode(errors="replace"))
+    n = ctypes.c_size_t()
+    _check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "nvrtcGetCUBINSize")
+    out = ctypes.create_string_buffer(n.value)
+    _check(nvrtc.nvrtcGetCUBIN(prog, out), "nvrtcGetCUBIN")
+    return out.raw
+
+
+class Ptrs(ctypes.Structure):
+    _fields_ = [("p", ctypes.c_uint64 * 8)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=64, help="MiB each rank sends each other rank per round")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--ctas", default="8,16,32,64,132")
+    ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and stop (no GPU needed)")
+    args = ap.parse_args()
+    if args.compile_only:
+        print(f"cubin: {len(compile_cubin('sm_90'))} bytes")
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    n = args.mib << 20
+    buf = symm_mem.empty(2 * world * n, dtype=torch.uint8, device=dev)
+    name = dist.group.WORLD.group_name
+    try:
+        hdl = symm_mem.rendezvous(buf, name)
+    except RuntimeError as e:  # torch before 2.11 wants the group enabled first
+        if "group info" not in str(e):
+            raise
+        symm_mem.enable_symm_mem_for_group(name)
+        hdl = symm_mem.rendezvous(buf, name)
+    buf.random_(0, 255)
+    major, minor = torch.cuda.get_device_capability(dev)
+    cuda = _lib(["libcuda.so.1"], "libcuda.so*")
+    ctx = ctypes.c_void_p()
+    _check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:  # torch's primary context, made current on this thread
+        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), local), "cuDevicePrimaryCtxRetain")
+        _check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    mod = ctypes.c_void_p()
+    _check(cuda.cuModuleLoadData(ctypes.byref(mod), compile_cubin(f"sm_{major}{minor}")), "cuModuleLoadData")
+    ptrs = Ptrs()
+    for j, p in enumerate(hdl.buffer_ptrs):
+        ptrs.p[j] = p
+    n16, W, me = ctypes.c_uint64(n // 16), ctypes.c_uint32(world), ctypes.c_uint32(rank)
+    params = (ctypes.c_void_p * 4)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in (ptrs, n16, W, me)])
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rows = []
+    for name in args.kernels.split(","):
+        f = ctypes.c_void_p()
+        _check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.replace("-", "_").encode()), f"cuModuleGetFunction {name}")
+        for g in [int(c) for c in args.ctas.split(",")]:
+            threads = 32 if name.startswith("tma") else args.threads
+
+            def launch() -> None:
+                _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), params, None), f"launch {name}")
+
+            for _ in range(3):
+                launch()
+            torch.cuda.synchronize()
+            dist.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(args.rounds):
+                launch()
+            b.record()
+            b.synchronize()
+            t = torch.tensor([a.elapsed_time(b) / args.rounds])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
+            dist.barrier()
+            gbs = (world - 1) * n / (t.item() * 1e-3) / 1e9
+            rows.append((name, g, t.item() * 1e3, gbs))
+    if rank == 0:
+        gpu = torch.cuda.get_device_name(dev)
+        print(
+            f"# nvlink_ceiling: world {world}, {gpu}, {args.mib} MiB to each peer per round, {args.rounds} rounds, torch {torch.__version__}"
+        )
+        print("| kernel | CTAs | us per round (slowest rank) | GB/s out of each GPU |")
+        print("|---|---:|---:|---:|")
+        for name, g, us, gbs in rows:
+            print(f"| {name} | {g} | {us:.0f} | {gbs:.1f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
