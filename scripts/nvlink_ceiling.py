@@ -14,6 +14,11 @@ kernels, on 8 to 132 CTAs:
   tma-split bulk copies, the CTAs split among the peers
   st-ring, tma-ring  the same bytes ((world - 1) x size) to the next rank only, as a ring
             algorithm's steps send them (threads' stores, or bulk copies)
+  steps-perm  in steps of --piece-kib per CTA and peer, with a barrier among the ranks'
+            blocks (as rsccl's kernels have): one peer per phase (me + k at phase k), a
+            barrier after each phase, so every phase is a permutation of the ranks
+  steps-a2a the same steps, every peer one after another, one barrier per step (the order
+            of rsccl's reduce_scatter pushes)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
 The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on an NCCL
 group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
@@ -93,6 +98,51 @@ extern "C" __global__ void st_ring(Ptrs b, u64 n16, u32 W, u32 me) {
     const u32 j = (me + 1) % W;
     copy16((uint4*)b.p[j] + W * n16, (const uint4*)b.p[me], lo, hi);
 }
+// Stepped pushes with a barrier, as rsccl's kernels run: each step a CTA moves `piece16`
+// words to each peer. PERM: one peer per phase (me + k at phase k, every rank alike, so each
+// phase is a permutation: every rank receives from one), a barrier after each phase. Else
+// all peers one after another, one barrier per step. Barrier: thread j < W stores the
+// block's epoch into rank j's flag [b][me] (st.release.sys, after bar.sync: the block's
+// pushes before it) and spins on its own flag [b][j] (ld.acquire.sys) until it reaches the
+// epoch; bar.sync again. The epoch per block lives in the flag page past the slots (`fl`
+// bytes into the buffer), zeroed before the first launch. A spin gives up after about a
+// second (the data is not checked: no hang, only a wrong time).
+__device__ __forceinline__ void step_barrier(const Ptrs& b, u64 fl, u32 W, u32 me, u32 e) {
+    __syncthreads();
+    if (threadIdx.x < W) {
+        u32* theirs = (u32*)(b.p[threadIdx.x] + fl) + blockIdx.x * 8 + me;
+        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(e) : "memory");
+        const u32* mine = (const u32*)(b.p[me] + fl) + blockIdx.x * 8 + threadIdx.x;
+        const long long t0 = clock64();
+        u32 v;
+        do {
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory");
+        } while ((int)(v - e) < 0 && clock64() - t0 < 2000000000LL);
+    }
+    __syncthreads();
+}
+template <bool PERM>
+__device__ void stepped(Ptrs b, u64 n16, u32 W, u32 me, u64 piece16, u64 fl) {
+    __shared__ u32 epoch;
+    u32* ctr = (u32*)(b.p[me] + fl + 8192) + blockIdx.x;
+    if (threadIdx.x == 0) epoch = *ctr;
+    __syncthreads();
+    u32 e = epoch;
+    const u64 per_step = piece16 * gridDim.x;
+    for (u64 lo0 = 0; lo0 < n16; lo0 += per_step) {
+        const u64 lo = lo0 + blockIdx.x * piece16;
+        const u64 hi = lo + piece16 < n16 ? lo + piece16 : n16;
+        for (u32 k = 1; k < W; k++) {
+            const u32 j = (me + k) % W;
+            if (lo < hi) copy16((uint4*)b.p[j] + (W + me) * n16, (const uint4*)b.p[me] + j * n16, lo, hi);
+            if (PERM) step_barrier(b, fl, W, me, ++e);
+        }
+        if (!PERM) step_barrier(b, fl, W, me, ++e);
+    }
+    if (threadIdx.x == 0) *ctr = e;
+}
+extern "C" __global__ void steps_perm(Ptrs b, u64 n16, u32 W, u32 me, u64 piece16, u64 fl) { stepped<true>(b, n16, W, me, piece16, fl); }
+extern "C" __global__ void steps_a2a(Ptrs b, u64 n16, u32 W, u32 me, u64 piece16, u64 fl) { stepped<false>(b, n16, W, me, piece16, fl); }
 #define CH 8192
 #define NB 4
 __device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -150,7 +200,7 @@ extern "C" __global__ void tma_split(Ptrs b, u64 n16, u32 W, u32 me) {
     if (lo < hi) tma_run(s, d, 1, lo * 16, hi * 16);
 }
 """
-KERNELS = ("st-peer", "st-inter", "st-split", "st-ring", "ld-peer", "tma-peer", "tma-split", "tma-ring")
+KERNELS = ("st-peer", "st-inter", "st-split", "st-ring", "ld-peer", "tma-peer", "tma-split", "tma-ring", "steps-perm", "steps-a2a")
 
 
 def _lib(names: list[str], pattern: str) -> ctypes.CDLL:
@@ -200,6 +250,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--ctas", default="8,16,32,64,132")
     ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--piece-kib", type=int, default=160, help="steps-*: KiB per CTA, peer and step")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and stop (no GPU needed)")
     args = ap.parse_args()
@@ -214,7 +265,8 @@ def main() -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     n = args.mib << 20
-    buf = symm_mem.empty(2 * world * n, dtype=torch.uint8, device=dev)
+    fl = 2 * world * n  # the flag page of the steps-* kernels: flags, then epochs at +8 KiB
+    buf = symm_mem.empty(fl + 16384, dtype=torch.uint8, device=dev)
     name = dist.group.WORLD.group_name
     try:
         hdl = symm_mem.rendezvous(buf, name)
@@ -224,6 +276,9 @@ def main() -> None:
         symm_mem.enable_symm_mem_for_group(name)
         hdl = symm_mem.rendezvous(buf, name)
     buf.random_(0, 255)
+    buf[fl:].zero_()
+    torch.cuda.synchronize()
+    dist.barrier()  # every flag page zeroed before any kernel signals into it
     major, minor = torch.cuda.get_device_capability(dev)
     cuda = _lib(["libcuda.so.1"], "libcuda.so*")
     ctx = ctypes.c_void_p()
@@ -237,7 +292,11 @@ def main() -> None:
     for j, p in enumerate(hdl.buffer_ptrs):
         ptrs.p[j] = p
     n16, W, me = ctypes.c_uint64(n // 16), ctypes.c_uint32(world), ctypes.c_uint32(rank)
-    params = (ctypes.c_void_p * 4)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in (ptrs, n16, W, me)])
+    piece16, flo = ctypes.c_uint64(args.piece_kib * 1024 // 16), ctypes.c_uint64(fl)
+    # The kernels of four parameters read the first four (cuLaunchKernel reads as many as
+    # the kernel has).
+    args6 = (ptrs, n16, W, me, piece16, flo)
+    params = (ctypes.c_void_p * 6)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in args6])
     stream = torch.cuda.current_stream(dev).cuda_stream
     rows = []
     for name in args.kernels.split(","):
