@@ -1,9 +1,9 @@
 """How fast the GPUs of one host can move data to each other over NVLink, by pattern and
 grid size, outside rsccl: a ceiling to hold rsccl's kernels against (issue 26).
 
-Every rank moves `--mib` MiB to each other rank at once (the all-to-all pattern of the
-push phases of reduce_scatter, all_gather and two-shot all_reduce), with one of these
-kernels, on 8 to 132 CTAs:
+Every rank moves (world - 1) x `--mib` MiB per round, all ranks at once, with one of these
+kernels, on 8 to 132 CTAs (st-split and st-inter are the pattern of the push phases of
+rsccl's reduce_scatter, all_gather and two-shot all_reduce):
   st-peer   each CTA stores its slice to one peer after another (16-byte st.global)
   st-inter  each CTA stores its slice to every peer in one loop (the loads of all peers'
             data first, then their stores)
@@ -24,7 +24,7 @@ The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on 
 group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
 wheels) and launched with the driver API through ctypes. Nothing checks the data.
 
-    torchrun --nproc-per-node 4 scripts/nvlink_ceiling.py [--mib 64] [--rounds 10]
+    torchrun --nproc-per-node 4 scripts/nvlink_ceiling.py [--mib 64] [--rounds 20] [--kernels st-ring,st-split]
 """
 
 import argparse
