@@ -117,6 +117,9 @@ struct Args {
 // Set in desc0 by the barriers of a copy-engine collective (NOTE [Copy engines], rust/core/
 // src/cuda/engine/copy.rs): a rank whose call took the other path is a mismatch.
 #define DESC0_COPY_ENGINE_BIT 48
+// The call's grid (gridDim.x), in the descriptor the kernels publish and compare: put there
+// by barrier() itself, not by the host (NOTE [Grids] in protocol.cuh).
+#define DESC0_GRID_SHIFT 56
 
 // Reduce op codes in desc0: rust/core's ReduceOp discriminants (const assertions in
 // rust/core/src/cuda/kernels/mod.rs hold the two equal). The kernels reduce these five; AVG

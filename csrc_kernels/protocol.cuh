@@ -3,6 +3,7 @@
 // each written once at the code it describes; code that relies on one names it:
 //   NOTE [Block layout]       abi.cuh, at the layout constants
 //   NOTE [Lockstep blocks]    at BlockState
+//   NOTE [Grids]              at stand_in, before barrier()
 //   NOTE [Bounded waits]      at stop_reason
 //   NOTE [Kernel entry]       at load_state
 //   NOTE [Code size]          below, at the head
@@ -30,11 +31,13 @@
 // Per-block state and the barrier.
 
 // NOTE [Lockstep blocks]
-// Every kernel of a group runs with the same grid (`cuda_blocks` blocks) and all kernels of
-// a group are serialized on the GPU (the engine orders every launch after the previous
-// one), so CUDA block b of every rank runs the same sequence of steps and barriers: the
-// per-block counters agree across ranks without any host round trip, including under
-// CUDA graph replay (the counters live in device memory, not in kernel arguments).
+// Every rank runs a call with the same grid (a pure function of the call, decide::grid:
+// 16 blocks for small calls, `cuda_blocks` above; NOTE [Grids]) and all kernels of a group
+// are serialized on the GPU (the engine orders every launch after the previous one), so
+// CUDA block b of every rank runs the same sequence of steps and barriers (a block beyond
+// a call's grid takes no part in it, on every rank alike): the per-block counters agree
+// across ranks without any host round trip, including under CUDA graph replay (the
+// counters live in device memory, not in kernel arguments).
 struct BlockState {
     u32 epoch;   // barriers passed by this CUDA block (all kernels of the group)
     u32 step;    // steps done by this CUDA block: its parity picks the staging half
@@ -43,6 +46,7 @@ struct BlockState {
     u32 mismatch;  // a peer called another collective: stop, counters saved
     u32 place_differs;  // some rank's in-place offsets differ from mine (first barrier)
     u32 any_attempt;    // some rank offered to run in place (first barrier)
+    u32 grid_max;       // the largest grid of a mismatched peer's call (first barrier)
 };
 
 __device__ __forceinline__ u32* flag_ptr(u64 block_base, u32 cuda_block, u32 src) {
@@ -227,6 +231,7 @@ __device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
         s->mismatch = 0;
         s->place_differs = 0;
         s->any_attempt = 0;
+        s->grid_max = 0;
         s->abort = 0;
         if (poison != 0) {
             if (!was_busy) atomicSub(busy, 1u);
@@ -305,6 +310,68 @@ __device__ __noinline__ void report_mismatch(const Args& a, u32 peer, const u64*
 //   collectives all pass that barrier, see the mismatch, record it for the host and stop
 //   before moving data, with their counters still in step, so the group stays usable.
 
+// The descriptor this rank publishes and compares at a kernel's first barrier: the host's,
+// with the kernel's grid (NOTE [Grids]).
+__device__ __forceinline__ u64 desc0_with_grid(const Args& a) {
+    return a.desc0 | ((u64)gridDim.x << DESC0_GRID_SHIFT);
+}
+
+// NOTE [Grids]
+// A call's grid depends on its size (decide::grid: 16 blocks up to 64 KiB, the group's
+//   grid above), so two ranks whose calls differ may run different grids: block b of the
+//   rank with the larger grid then waits in its first barrier for a block b that the
+//   other rank does not run, and would wait until the timeout, losing the group to what
+//   is only a mismatch. So the grid is part of the descriptor (DESC0_GRID_SHIFT, added by
+//   barrier() from gridDim.x), and block 0 of every rank whose grid is smaller than the
+//   largest grid among its mismatched peers' (`grid_max`, from their descriptors at the
+//   first barrier) stands in for its blocks b in [gridDim.x, grid_max) after that
+//   barrier: it does what block b's first barrier of a mismatched kernel would, with this
+//   rank's descriptor. Thread j < world, for each such b: e_b = b's epoch + 1; the
+//   descriptor into rank j's desc slot (parity of e_b, block b, this rank), then a
+//   st.release.sys of e_b into rank j's flags[b][me]. Then thread 0 sets b's counters to
+//   {e_b, step + 1}, what BARRIER_OR_RETURN saves for a mismatched block.
+//   Why it is sound: (1) block b's counters are this rank's own (CTR_OFF) and nothing else
+//   touches them now: this kernel's grid does not reach b, and the group's kernels run one
+//   after another on this GPU (their boundaries order these plain stores before the next
+//   kernel's load_state). (2) Every call before this one agreed, so block b's epoch,
+//   e_b - 1, is the same on every rank. (3) A peer's block b that runs waits in its barrier
+//   e_b for this signal; its acquire synchronizes-with the release, which follows the
+//   descriptor's stores in thread j's program order (NOTE [Barrier protocol]), so it reads
+//   this descriptor, sees the mismatch and stops at {e_b, +1}, like this rank's b now. A
+//   peer that does not run b stands in for it the same way. So every rank's block b ends
+//   at e_b, every flags[b][*] holds e_b, and barrier e_b + 1 waits as ever: no wait is
+//   needed here, since the stand-in only signals what block b would have. (4) The desc slot
+//   of e_b's parity is free: a peer's block b last read it at its barrier e_b - 2, before
+//   it signalled e_b - 1, which this rank's block b waited for (NOTE [Agreement]).
+//   With FLAG_HOLD_ON_ERROR (teardown) report_mismatch holds block 0 before this, until the
+//   host ends the process; the peers' waits then end with the process (NOTE [Bounded
+//   waits]). A copy-engine collective's barriers run one block (NOTE [Copy engines]): a
+//   rank whose call took the other path stands in for the kernel's other blocks the same
+//   way at the barrier that finds the mismatch.
+__device__ __noinline__ void stand_in(const Args& a, u32 grid_max) {
+    const u32 t = threadIdx.x;
+    u32* ctr = reinterpret_cast<u32*>(a.peer[a.rank] + CTR_OFF);
+    const u64 mine0 = desc0_with_grid(a);
+    if (t < a.world) {
+        for (u32 b = gridDim.x; b < grid_max && b < MAX_BLOCKS; b++) {
+            const u32 e = ctr[2 * b] + 1;
+            u64* d = desc_ptr(a.peer[t], e, b, a.rank);
+            d[0] = mine0;
+            d[1] = a.desc1;
+            d[2] = a.place_in;
+            d[3] = a.place_out;
+            st_release_sys(flag_ptr(a.peer[t], b, a.rank), e);
+        }
+    }
+    __syncthreads();  // every thread read the epochs before thread 0 moves them
+    if (t == 0) {
+        for (u32 b = gridDim.x; b < grid_max && b < MAX_BLOCKS; b++) {
+            ctr[2 * b] += 1;
+            ctr[2 * b + 1] += 1;
+        }
+    }
+}
+
 // Returns false if the wait failed (timeout or abort) or a peer called another collective;
 // then every thread must return (through `finish`).
 __device__ bool barrier(const Args& a, BlockState* s) {
@@ -315,7 +382,7 @@ __device__ bool barrier(const Args& a, BlockState* s) {
     if (t < a.world) {
         if (first) {
             u64* d = desc_ptr(a.peer[t], e, blockIdx.x, a.rank);
-            d[0] = a.desc0;
+            d[0] = desc0_with_grid(a);
             d[1] = a.desc1;
             d[2] = a.place_in;
             d[3] = a.place_out;
@@ -328,7 +395,8 @@ __device__ bool barrier(const Args& a, BlockState* s) {
     if (first && t < a.world && !s->abort) {
         const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, t);
         const u64 theirs[2] = {d[0], d[1]};
-        if (theirs[0] != a.desc0 || theirs[1] != a.desc1) {
+        if (theirs[0] != desc0_with_grid(a) || theirs[1] != a.desc1) {
+            atomicMax(&s->grid_max, (u32)(theirs[0] >> DESC0_GRID_SHIFT));
             report_mismatch(a, t, theirs);
             s->mismatch = 1;
         }
@@ -338,6 +406,8 @@ __device__ bool barrier(const Args& a, BlockState* s) {
     }
     __syncthreads();
     if (s->abort) return false;
+    // Block-uniform: shared words read after the bar.sync above (NOTE [Grids]).
+    if (first && s->mismatch && blockIdx.x == 0 && s->grid_max > gridDim.x) stand_in(a, s->grid_max);
     if (t == 0) {
         s->epoch = e;
         s->first = 0;

@@ -236,6 +236,18 @@ def test_rsccl_ctas_come_from_the_engines_stats():
     assert ctas.rsccl_cell([ce, ce], "all_reduce") == "24"
     off = {**st, "cuda_copy_engine_min_bytes": 0}
     assert ctas.rsccl_cell([off, off], "all_gather_into_tensor") == "24"
+    # The small grid (decide::grid), where the engine reports one below its grid; never for
+    # all_to_all and send/recv.
+    sm = {**st, "cuda_small_blocks": 16, "cuda_small_max_bytes": 64 << 10}
+    assert ctas.rsccl_cell([sm, sm], "all_reduce") == "16 up to 64 KiB, 24 above"
+    assert ctas.rsccl_cell([sm, sm], "all_to_all_single") == "24"
+    assert ctas.rsccl_cell([sm, sm], "send_recv") == "8"
+    assert ctas.rsccl_cell([{**sm, "cuda_small_blocks": 24}] * 2, "all_reduce") == "24"
+    assert ctas.rsccl_cell([sm, st], "all_reduce") == "24"
+    sm_ce = {**sm, "cuda_copy_engine_min_bytes": 4 << 20}
+    assert ctas.rsccl_cell([sm_ce], "all_gather_into_tensor") == (
+        "16 up to 64 KiB, 24 above; from 4 MiB: 0 (copy engines; 1-CTA barrier kernels)"
+    )
 
 
 def test_nccls_ctas_are_only_what_the_environment_bounds():

@@ -31,10 +31,13 @@ def _own_group():
 
 
 def _still_works(ctx, g, seed: int) -> None:
-    x = rand(seed, ctx.rank, 10_007, torch.float32, salt="after the error")
-    xs = gather_inputs(ctx, x)
-    dist.all_reduce(x, group=g)
-    check_reduction(x, xs, "SUM", "all_reduce on the group after the error")
+    """A small all_reduce (the small grid) and a 4 MiB one (every block of the group's grid:
+    blocks beyond the small grid must still be in step after a mismatch, NOTE [Grids])."""
+    for n in (10_007, 1 << 20):
+        x = rand(seed, ctx.rank, n, torch.float32, salt=f"after the error {n}")
+        xs = gather_inputs(ctx, x)
+        dist.all_reduce(x, group=g)
+        check_reduction(x, xs, "SUM", f"all_reduce of {n} elements on the group after the error")
 
 
 def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
@@ -44,11 +47,20 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
         x = rand(seed, ctx.rank, n, torch.bfloat16 if ctx.rank == 1 else torch.float32)
     elif case == "count":
         x = rand(seed, ctx.rank, n + (1 if ctx.rank == 1 else 0), torch.float32)
+    elif case == "count_across_grids":
+        # 4 KB against 4 MiB: the calls run on different grids (16 and the group's 64
+        # blocks), and the small call's rank stands in for the blocks it does not run
+        # (NOTE [Grids] in csrc_kernels/protocol.cuh), so the group stays usable.
+        x = rand(seed, ctx.rank, (1 << 20) if ctx.rank == 1 else n, torch.float32)
     elif case == "unrunnable_dtype":
         # A dtype the kernels do not reduce, on one rank: it refuses the call (TypeError)
         # by joining it as invalid (Engine::refuse), so the others raise the mismatch
         # instead of running their all_reduce with its next call (issue 25, place 8).
         x = rand(seed, ctx.rank, n, torch.float64 if ctx.rank == 1 else torch.float32)
+    elif case == "unrunnable_large":
+        # The same with a 4 MiB call: the invalid kernel (no bytes: the small grid) against
+        # the others' full grid.
+        x = rand(seed, ctx.rank, 1 << 20, torch.float64 if ctx.rank == 1 else torch.float32)
     else:
         raise AssertionError(case)
     # The kernels find the disagreement on the GPU, asynchronously: a rank raises it at
@@ -69,7 +81,7 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     return result
 
 
-@pytest.mark.parametrize("case", ["dtype", "count", "unrunnable_dtype"])
+@pytest.mark.parametrize("case", ["dtype", "count", "count_across_grids", "unrunnable_dtype", "unrunnable_large"])
 def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
     results = gpus.run(body_mismatch, seed, case, timeout=90)
     for rank, (kind, msg) in enumerate(results):

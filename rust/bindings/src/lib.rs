@@ -282,6 +282,8 @@ impl Communicator {
             d.set_item("cuda_staged_bytes", c.staged_bytes)?;
             d.set_item("cuda_p2p_blocks", c.p2p_blocks)?;
             d.set_item("cuda_blocks", c.blocks)?;
+            d.set_item("cuda_small_blocks", c.small_blocks)?;
+            d.set_item("cuda_small_max_bytes", c.small_max_bytes)?;
             d.set_item("cuda_copy_engine_min_bytes", c.copy_engine_min_bytes)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
             d.set_item("cuda_sms", c.sms)?;

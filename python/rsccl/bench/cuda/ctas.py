@@ -3,9 +3,10 @@ it can be known: a kernel's grid is its number of CTAs (thread blocks); a CTA ru
 so the SMs a kernel takes are at most its CTAs (fewer where the GPU places several on one SM).
 
 - rsccl: the grid its engine decided and reports (rsccl.memory_stats() of the default group,
-  read in the ranks after their first collectives: `cuda_blocks` for every collective kernel,
-  `cuda_p2p_blocks` for each send and each recv kernel; rust/core/src/cuda/decide.rs
-  `grids_that_fit`). Nothing is recomputed here.
+  read in the ranks after their first collectives: `cuda_small_blocks` up to
+  `cuda_small_max_bytes`, `cuda_blocks` above and for all_to_all, `cuda_p2p_blocks` for each
+  send and each recv kernel; rust/core/src/cuda/decide.rs `grid` and `grids_that_fit`).
+  Nothing is recomputed here.
 - NCCL: it does not report the grid it launches. What the environment bounds it to
   (NCCL_MIN_CTAS / NCCL_MAX_CTAS, NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS: one CTA per channel)
   is given when set; otherwise "NCCL's choice, not reported".
@@ -83,15 +84,34 @@ def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None
     return v
 
 
+def small_grid(per_rank: list[Mapping[str, object]], collective: str) -> tuple[int, int] | None:
+    """(blocks, up to bytes) of the small grid rsccl runs `collective` on up to a size
+    (memory_stats' cuda_small_blocks and cuda_small_max_bytes; rust/core/src/cuda/decide.rs
+    `grid`), when every rank reports the same one below the group's grid; None otherwise, and
+    for all_to_all and send/recv, which always take their group's grid."""
+    if collective in (P2P, "all_to_all_single") or not per_rank:
+        return None
+    got = {(s.get("cuda_small_blocks"), s.get("cuda_small_max_bytes"), s.get("cuda_blocks")) for s in per_rank}
+    if len(got) != 1:
+        return None
+    blocks, upto, full = got.pop()
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (blocks, upto, full)) or blocks >= full:
+        return None
+    return blocks, upto
+
+
 def rsccl_cell(per_rank: list[Mapping[str, object]], collective: str) -> str:
     """rsccl's grid for `collective` on every rank ("n/a" if not reported); the ranks agree on
-    it at group creation, so one figure, else each rank's. From the copy-engine size on: 0
-    CTAs move the data, with barrier kernels of 1 CTA (and, for reduce_scatter, a local
-    reduce kernel of COPY_ENGINE_REDUCE_CTAS, at most the collective grid)."""
+    it at group creation, so one figure, else each rank's. Up to the small-grid size, the
+    small grid first (`small_grid`). From the copy-engine size on: 0 CTAs move the data,
+    with barrier kernels of 1 CTA (and, for reduce_scatter, a local reduce kernel of
+    COPY_ENGINE_REDUCE_CTAS, at most the collective grid)."""
     got = [rsccl_ctas(s, collective) for s in per_rank]
     if not got or all(g is None for g in got):
         return "n/a (not in memory_stats)"
     cell = str(got[0]) if len(set(got)) == 1 else " / ".join("n/a" if g is None else str(g) for g in got) + " (per rank)"
+    if (small := small_grid(per_rank, collective)) is not None:
+        cell = f"{small[0]} up to {human(small[1])}, {cell} above"
     ce = {copy_engine_from(s, collective) for s in per_rank}
     if len(ce) == 1 and (at := ce.pop()) is not None:
         if collective == "reduce_scatter_tensor":
@@ -182,8 +202,8 @@ def cta_markdown(meta: dict, collectives: list[str] | tuple[str, ...]) -> list[s
         (
             f"The grid (CTAs, thread blocks) of each collective's kernel; a CTA runs on one SM, so the SMs a kernel "
             f"takes are at most its CTAs, of the GPU's {sms if sms else '?'} SMs. rsccl: as its engine reports it "
-            "(rsccl.memory_stats() of the default group: cuda_blocks for every collective kernel, cuda_p2p_blocks for "
-            "each send and each recv kernel; rsccl-pool is the same group, the --sweep-one-shot groups have the same "
+            "(rsccl.memory_stats() of the default group: cuda_small_blocks up to cuda_small_max_bytes, cuda_blocks "
+            "above and for all_to_all, cuda_p2p_blocks for each send and each recv kernel; rsccl-pool is the same group, the --sweep-one-shot groups have the same "
             "options). NCCL: bounded only by NCCL_MIN/MAX_CTAS or NCCL_MIN/MAX_NCHANNELS when set; it does not report "
             "the grid it launched."
         ),

@@ -333,6 +333,44 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize)
     }
 }
 
+/// The grid (CUDA blocks) of a collective kernel for a `kind` call of `bytes`
+/// (`message_bytes`), in a group whose collective grid is `blocks`: SMALL_GRID blocks up to
+/// SMALL_GRID_MAX_BYTES, the group's grid above (a pure function of the call, so every rank
+/// of a call picks the same one; ranks whose calls differ may not, NOTE [Grids] in
+/// csrc_kernels/protocol.cuh). all_to_all keeps the group's grid: its size is in its
+/// chunks, not in its descriptor. send/recv never come here (`p2p_blocks`).
+pub fn grid(kind: Kind, bytes: u64, blocks: u32) -> u32 {
+    let small = match kind {
+        Kind::AllReduce
+        | Kind::ReduceScatter
+        | Kind::AllGather
+        | Kind::Broadcast
+        | Kind::Reduce
+        | Kind::Gather
+        | Kind::Scatter
+        | Kind::Barrier
+        | Kind::Invalid => bytes <= SMALL_GRID_MAX_BYTES,
+        Kind::AllToAll | Kind::Send | Kind::Recv => false,
+    };
+    if small {
+        blocks.min(SMALL_GRID)
+    } else {
+        blocks
+    }
+}
+
+/// The grid of a small collective (`grid`), and the largest message that gets it. On 4
+/// H100s (2026-11-27, bf16, under CUDA graphs, docs/performance.md): a sweep of
+/// `cuda_blocks` 8 / 16 / 32 / 64 in one call, then main against this grid side by side.
+/// Up to 64 KiB, 16 blocks took 8.9-9.2 us per all_reduce against 9.2-9.5 on 64,
+/// reduce_scatter 10.3-10.9 against 11.0-11.6, all_gather 9.0-9.6 against 9.3-10.1; at 256
+/// KiB all_reduce (one-shot) lost on 16 blocks (12.8 against 11.2 us), so the small grid
+/// stops at 64 KiB; from 1 MiB 16 blocks lost 5-15% (all_reduce 4 MiB 40.9 against 37.6
+/// us). 8 blocks were no faster than 16. At 2 H100s 16 and 64 were within 0.5 us to 64 KiB.
+/// So 48 of the 64 SMs go back to the caller's compute for every call up to 64 KiB.
+pub const SMALL_GRID: u32 = 16;
+pub const SMALL_GRID_MAX_BYTES: u64 = 64 << 10;
+
 /// Whether a call moves its data on the GPU's copy engines (cuda/engine/copy.rs,
 /// cuda/engine/copy_p2p.rs) rather than in rsccl's kernels: all_gather whose gathered
 /// output, reduce_scatter whose input (`message_bytes`; its reduction then runs in a small

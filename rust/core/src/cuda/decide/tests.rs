@@ -324,3 +324,25 @@ fn shared_gpu_grids_fit_in_each_ranks_share() {
         }
     }
 }
+
+/// Small calls run on SMALL_GRID blocks (fewer where the group has fewer), larger ones and
+/// every all_to_all on the group's grid; the barrier and the invalid call (no bytes) are
+/// small.
+#[test]
+fn small_calls_take_the_small_grid() {
+    for k in [Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce, Kind::Gather, Kind::Scatter] {
+        assert_eq!(grid(k, 1, 64), SMALL_GRID, "{k:?}");
+        assert_eq!(grid(k, SMALL_GRID_MAX_BYTES, 64), SMALL_GRID, "{k:?}");
+        assert_eq!(grid(k, SMALL_GRID_MAX_BYTES + 1, 64), 64, "{k:?}");
+        assert_eq!(grid(k, 1 << 30, 32), 32, "{k:?}");
+        assert_eq!(grid(k, 1024, 8), 8, "{k:?}: never more than the group's grid");
+    }
+    for k in [Kind::Barrier, Kind::Invalid] {
+        assert_eq!(grid(k, 0, 64), SMALL_GRID, "{k:?}");
+    }
+    assert_eq!(grid(Kind::AllToAll, 0, 64), 64);
+    // The sizes the bench names are message_bytes: a 64 KiB reduce_scatter input is small,
+    // a 128 KiB all_gather output is not.
+    assert_eq!(grid(Kind::ReduceScatter, message_bytes(Kind::ReduceScatter, 8 << 10, 2, 4), 64), SMALL_GRID);
+    assert_eq!(grid(Kind::AllGather, message_bytes(Kind::AllGather, 32 << 10, 2, 4), 64), 64);
+}

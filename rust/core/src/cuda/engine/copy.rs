@@ -72,8 +72,9 @@
 //! call can spoil only the output of a call that raises. After a mismatch the group may
 //! not stay usable, as it does with the kernels: when the ranks' calls took different
 //! paths, or a rank's next call (queued before it heard of the mismatch) takes another
-//! path than a peer's, a kernel's blocks other than 0, or this path's one-CTA barriers,
-//! wait for CTAs the peer never runs; they stop at the timeout and poison the group, so
+//! path than a peer's, this path's later one-CTA barriers wait for barriers the peer never
+//! runs (a kernel's other blocks do not: the one-CTA barrier that finds the mismatch
+//! stands in for them, NOTE [Grids]); they stop at the timeout and poison the group, so
 //! every rank's next call raises and nothing runs on the stale staging in between
 //! (docs/errors.md; seen at 2 H100s, tests/gpu/test_gpu_faults.py). With cuda_error_teardown, the
 //! default, the mismatch ends the process first, as with the kernels. Every wait is a barrier's bounded

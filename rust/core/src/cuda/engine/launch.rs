@@ -11,8 +11,8 @@ use cudarc::driver::sys as cu;
 use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
-use crate::cuda::budget::Admission;
-use crate::cuda::decide::{kernel, placement};
+use crate::cuda::budget::{sms_of, Admission};
+use crate::cuda::decide::{grid, kernel, message_bytes, placement};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event, Function};
 use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
@@ -104,9 +104,12 @@ impl CudaEngine {
             let in_pool = |ptr: u64, len: u64| heap.contains(ptr, len).then(|| ptr - own);
             (a.place_in, a.place_out) = placement(c, family, self.pool.nranks, self.inplace_min, &in_pool);
         }
+        // Small calls on a small grid (`decide::grid`); the kernels put it in the descriptor
+        // they compare (NOTE [Grids] in csrc_kernels/protocol.cuh).
+        let blocks = grid(c.kind, message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks), self.blocks);
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
-        let (l, admitted) = self.begin(&mut o, c, self.sm.collective_sms)?;
+        let (l, admitted) = self.begin(&mut o, c, sms_of(blocks, self.sm.collective_per_sm))?;
         let arg_ptr = match tail.as_mut() {
             Some(t) => t as *mut A2aArgs as *mut c_void,
             None => &mut a as *mut Args as *mut c_void,
@@ -114,9 +117,9 @@ impl CudaEngine {
         // SAFETY: `func` takes one `Args` by value, or one `A2aArgs` where the call has
         // chunks (its kernel's shape is the call's, checked in `launch`), same layout as the
         // source's struct; `arg_ptr` points at it for the call; the grid matches every
-        // kernel's launch bounds; `l.target` is the caller's stream or the internal one, in
-        // the context bound above.
-        unsafe { Self::launch_kernel(func, self.blocks, l.target, arg_ptr, c.kind) }?;
+        // kernel's launch bounds (at most the group's grid); `l.target` is the caller's
+        // stream or the internal one, in the context bound above.
+        unsafe { Self::launch_kernel(func, blocks, l.target, arg_ptr, c.kind) }?;
         self.end(&mut o, &l, admitted)
     }
 

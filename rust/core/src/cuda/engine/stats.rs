@@ -8,6 +8,8 @@ use cudarc::driver::sys as cu;
 
 use super::status::HostWords;
 use super::CudaEngine;
+use crate::collective::Kind;
+use crate::cuda::decide::{grid, SMALL_GRID_MAX_BYTES};
 use crate::cuda::driver::{check, is_capturing};
 use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
@@ -35,6 +37,10 @@ pub struct CudaStats {
     pub p2p_blocks: u32,
     /// Blocks of each collective kernel: cuda_blocks, or fewer where ranks share a GPU.
     pub blocks: u32,
+    /// Blocks of a collective kernel of at most `small_max_bytes` (`decide::grid`): at most
+    /// `blocks`.
+    pub small_blocks: u32,
+    pub small_max_bytes: u64,
     /// cuda_copy_engine_min_bytes: all_gather, reduce_scatter, broadcast and send/recv from
     /// this size move on the copy engines (0: never), with one-CTA barrier or signal kernels
     /// (and reduce_scatter's local reduce kernel) (NOTE [Copy engines], NOTE [Copy-engine
@@ -133,6 +139,8 @@ impl CudaEngine {
             staged_bytes: total_b.saturating_sub(inplace_b),
             p2p_blocks: self.p2p_blocks,
             blocks: self.blocks,
+            small_blocks: grid(Kind::AllReduce, SMALL_GRID_MAX_BYTES, self.blocks),
+            small_max_bytes: SMALL_GRID_MAX_BYTES,
             copy_engine_min_bytes: self.copy_engine_min,
             gpu_sharers: self.gpu_sharers,
             sms: self.sm.device_sms(),
