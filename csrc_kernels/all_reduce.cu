@@ -193,5 +193,208 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
     save_state(a, &s, steps);
 }
 
+// NOTE [Low latency]
+// all_reduce of at most LL_MAX_BYTES (decide::choose_allreduce), without the barrier's
+// wait on a release (docs/performance.md, 2026-11-27: of a one-shot's 8-10 us under CUDA
+// graphs, 5.7-7.5 are its pushes and its one barrier). Block b of the small grid, e = its
+// epoch + 1 (the call counts as one barrier epoch, NOTE [Lockstep blocks]), buffer
+// k = e % LL_BUFS:
+//   1. warp 0, lane j < world: what a barrier's first signal does (this rank's descriptor,
+//      with the grid, into rank j's desc slot, then a st.release.sys of e into rank j's
+//      flags[b][me]), so that a peer whose mismatched call took a barrier path passes its
+//      barrier and sees the mismatch (NOTE [Agreement]), and NOTE [Grids] holds. It runs
+//      beside the data stores (no bar.sync before it): its release covers the descriptor.
+//   2. the other threads ("workers"): lane j < world of warp 1 first stores this block's
+//      header {desc0's low 24 bits | grid << 24, e, count, e} into peer j's header
+//      [k][me][b]; then every worker stores its packs of the block's range as LL words
+//      {4 bytes of data, e} (two 16-byte stores per 16-byte pack) into every peer's slot
+//      [k][me]. No fence: each 8-byte word is written whole (single-copy atomic, aligned)
+//      and carries its own epoch.
+//   3. warp 0, lane j < world, j != me: spins (ld.volatile, 16 bytes) on its header from j
+//      until both epochs read e, then compares it with this call's: another call is a
+//      mismatch (reported as the barrier reports one). Every 256 spins it also looks at the
+//      barrier's flag from j (ld.acquire.sys): once it is >= e, j has signalled this epoch,
+//      and its descriptor in the desc slot (written before that release) is exact: if it
+//      differs, j's call took another path (or another size): a mismatch, found without a
+//      header; if it is the same, j's header is on its way. And the stop checks of every
+//      bounded wait (NOTE [Bounded waits]).
+//   4. bar.sync. A mismatch: block 0 stands in for blocks beyond this grid (NOTE [Grids]),
+//      the counters move as a mismatched block's do ({e, step + 1}), and nothing is written.
+//   5. the workers reduce their packs in rank order: their own input for this rank, for
+//      each peer the two LL stores it made, spun on (ld.volatile) until both epochs read e;
+//      the same thread reads its input pack in 2 and here before it writes the output pack,
+//      so `in` may alias `out`.
+// Why the words are this call's: a word holds epoch e only if the peer's block b wrote it
+// in its call of epoch e (epochs only grow; wrap-around needs 2^32 calls), and that call
+// is this one: its header, in the same buffer with the same epoch, matched in 3.
+// Buffer reuse: rank r writes buffer k at its epoch e only after it left epoch e - 1, for
+// which it waited on every peer (a barrier, or this path's words of e - 1): every peer had
+// reached e - 1, so it had finished every call of epoch e - 2 or before, and with them its
+// reads of buffer k at e - LL_BUFS or earlier. The desc slots are used as by a barrier.
+__device__ __forceinline__ void st_ll(u64 addr, u32 d0, u32 d1, u32 e) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(addr), "r"(d0), "r"(e), "r"(d1) : "memory");
+}
+__device__ __forceinline__ uint4 ld_ll(u64 addr) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 ll_slot(const Args& a, u32 rank, u32 k, u32 src) {
+    return a.peer[rank] + LL_OFF + ((u64)k * MAX_RANKS + src) * LL_SLOT;
+}
+__device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src) {
+    return a.peer[rank] + LL_HDR_OFF + (((u64)k * MAX_RANKS + src) * MAX_BLOCKS + blockIdx.x) * 16;
+}
+
+// Spin until the LL line at `addr` holds epoch e in both words; false if the wait failed
+// (reported; `peer` is the rank waited for).
+__device__ __noinline__ bool ll_wait_slow(const Args& a, u64 addr, u32 e, u32 peer, uint4* v) {
+    const u64 start = global_ns();
+    u32 spins = 0;
+    for (;;) {
+        *v = ld_ll(addr);
+        if (v->y == e && v->w == e) return true;
+        if ((++spins & 255) == 0) {
+            u32 who = peer;
+            const u32 why = stop_reason(a, start, &who);
+            if (why) {
+                fail(a, why, who);
+                return false;
+            }
+        }
+    }
+}
+__device__ __forceinline__ bool ll_wait(const Args& a, u64 addr, u32 e, u32 peer, uint4* v) {
+    *v = ld_ll(addr);
+    if (v->y == e && v->w == e) return true;
+    return ll_wait_slow(a, addr, e, peer, v);
+}
+
+// Step 3 for peer j: false with s->abort set if the wait failed; a mismatch is reported and
+// marked in `s` (with the peer's grid in grid_max).
+__device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, u32 e, u32 h0, u32 h1) {
+    const u64 hdr = ll_header(a, a.rank, e % LL_BUFS, j);
+    const u32* flag = flag_ptr(a.peer[a.rank], blockIdx.x, j);
+    const u64 start = global_ns();
+    u32 spins = 0;
+    for (;;) {
+        const uint4 v = ld_ll(hdr);
+        if (v.y == e && v.w == e) {
+            if (v.x != h0 || v.z != h1) {
+                const u64 theirs[2] = {(u64)(v.x & 0xffffff) | ((u64)(v.x >> 24) << DESC0_GRID_SHIFT), v.z};
+                atomicMax(&s->grid_max, v.x >> 24);
+                report_mismatch(a, j, theirs);
+                s->mismatch = 1;
+            }
+            return;
+        }
+        if ((++spins & 255) == 0) {
+            if ((i32)(ld_acquire_sys(flag) - e) >= 0) {
+                const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, j);
+                const u64 theirs[2] = {d[0], d[1]};
+                if (theirs[0] != desc0_with_grid(a) || theirs[1] != a.desc1) {
+                    atomicMax(&s->grid_max, (u32)(theirs[0] >> DESC0_GRID_SHIFT));
+                    report_mismatch(a, j, theirs);
+                    s->mismatch = 1;
+                    return;
+                }
+            }
+            u32 who = j;
+            const u32 why = stop_reason(a, start, &who);
+            if (why) {
+                fail(a, why, who);
+                s->abort = 1;
+                return;
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void ar_ll(const Args& a, u32 op) {
+    __shared__ BlockState s;
+    if (!load_state(a, &s)) return;
+    const u32 W = a.world, me = a.rank, t = threadIdx.x;
+    const u32 e = s.epoch + 1, k = e % LL_BUFS;
+    const u64 n = a.count, P = Pack<T>::N;
+    const u32 h0 = (u32)(a.desc0 & 0xffffff) | (gridDim.x << 24), h1 = (u32)a.desc1;
+    u64 lo, hi;
+    block_range(n, P, &lo, &hi);
+    const T* in = reinterpret_cast<const T*>(a.in);
+    T* out = reinterpret_cast<T*>(a.out);
+    const u32 nt = blockDim.x - 32, tid = t - 32;  // the workers: every warp but warp 0
+    if (t < 32) {
+        if (t < W) {  // 1.
+            u64* d = desc_ptr(a.peer[t], e, blockIdx.x, me);
+            d[0] = desc0_with_grid(a);
+            d[1] = a.desc1;
+            d[2] = a.place_in;
+            d[3] = a.place_out;
+            st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
+        }
+        if (t < W && t != me) ll_check_peer(a, &s, t, e, h0, h1);  // 3.
+    } else {
+        if (tid < W && tid != me) st_ll(ll_header(a, tid, k, me), h0, h1, e);  // 2.
+        for (u64 i = lo + tid * P; i < hi; i += (u64)nt * P) {
+            Pack<T> p;
+            load_pack(p, in, i, hi);
+            const uint4 w = *reinterpret_cast<const uint4*>(&p);
+            const u64 line = i / P * 32;
+            for (u32 j0 = 1; j0 < W; j0++) {
+                const u64 dst = ll_slot(a, (me + j0) % W, k, me) + line;
+                st_ll(dst, w.x, w.y, e);
+                st_ll(dst + 16, w.z, w.w, e);
+            }
+        }
+    }
+    __syncthreads();  // 4.
+    if (s.abort) {  // counters unsaved; the busy word released (save_state)
+        save_state(a, &s, 1);
+        return;
+    }
+    if (s.mismatch) {
+        if (blockIdx.x == 0 && s.grid_max > gridDim.x) stand_in(a, s.grid_max);
+        if (t == 0) s.epoch = e;
+        save_state(a, &s, 1);
+        return;
+    }
+    if (t >= 32) {  // 5.
+        for (u64 i = lo + tid * P; i < hi; i += (u64)nt * P) {
+            typedef typename Acc<T>::type A;
+            A acc[Pack<T>::N];
+            const u64 line = i / P * 32;
+            for (u32 j = 0; j < W; j++) {
+                Pack<T> q;
+                if (j == me) {
+                    load_pack(q, in, i, hi);
+                } else {
+                    uint4 v0, v1;
+                    const u64 src = ll_slot(a, me, k, j) + line;
+                    if (!ll_wait(a, src, e, j, &v0) || !ll_wait(a, src + 16, e, j, &v1)) {
+                        s.abort = 1;  // reported; every thread returns after the bar.sync
+                        break;
+                    }
+                    uint4 w;
+                    w.x = v0.x;
+                    w.y = v0.z;
+                    w.z = v1.x;
+                    w.w = v1.z;
+                    *reinterpret_cast<uint4*>(&q) = w;
+                }
+                reduce_pack(q, acc, j == 0, op);
+            }
+            if (s.abort) break;
+            Pack<T> r;
+            finish_pack(r, acc, W, op);
+            store_pack(r, out, i, hi);
+        }
+    }
+    __syncthreads();
+    if (!s.abort && t == 0) s.epoch = e;
+    save_state(a, &s, 1);  // after an abort: counters unsaved, the busy word released
+    if (!s.abort) note_call(a, n * sizeof(T), 2);
+}
+
 RS_TYPES(ar_oneshot)
 RS_TYPES(ar_twoshot)
+RS_TYPES(ar_ll)

@@ -15,7 +15,7 @@
 //! (`check_peer_access`).
 
 use super::call::CudaCall;
-use super::kernels::{self, Family, Kernel, STAGE_OFF};
+use super::kernels::{self, Family, Kernel, LL_MAX_BYTES, STAGE_OFF};
 use crate::collective::Kind;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -249,13 +249,17 @@ pub fn auto_one_shot_max(local_ranks: usize) -> usize {
 }
 
 /// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
-/// `one_shot_max` 0 means auto (`auto_one_shot_max`).
+/// `one_shot_max` 0 means auto (`auto_one_shot_max`). Up to LL_MAX_BYTES the one-shot's
+/// low-latency form (NOTE [Low latency] in csrc_kernels/all_reduce.cu), where the one-shot
+/// applies at all (a `one_shot_max` below it keeps two-shot).
 pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -> Family {
     let limit = if one_shot_max == 0 { auto_one_shot_max(local_ranks) } else { one_shot_max };
-    if bytes <= limit {
-        Family::OneShot
-    } else {
+    if bytes > limit {
         Family::TwoShot
+    } else if bytes <= LL_MAX_BYTES {
+        Family::LowLatency
+    } else {
+        Family::OneShot
     }
 }
 

@@ -14,7 +14,8 @@ fn every_kind_has_a_kernel_and_an_nccl_call() {
         assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
     }
     assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
-    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::OneShot));
+    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::LowLatency));
+    assert_eq!(kernel(Kind::AllReduce, 64 << 10, 2, 0), Kernel::Reduce(Family::OneShot));
     assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
@@ -174,7 +175,10 @@ fn gpus_without_peer_access_are_named() {
 
 #[test]
 fn allreduce_algorithm_follows_threshold() {
-    assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::OneShot);
+    assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL_MAX_BYTES, 4, 0), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL_MAX_BYTES + 2, 4, 0), Family::OneShot);
+    assert_eq!(choose_allreduce(1024, 4, 512), Family::TwoShot);
     assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10), Family::OneShot);
     assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10), Family::TwoShot);
     assert_eq!(choose_allreduce(2, 2, 1), Family::TwoShot);

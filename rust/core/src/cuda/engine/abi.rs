@@ -94,7 +94,8 @@ mod tests {
     #[test]
     fn control_areas_do_not_overlap() {
         // The block's control areas as abi.cuh defines them, in order, each with its size:
-        // flags, stats (+ poison word), counters, busy words, descriptors, send/recv, tables.
+        // flags, stats (+ poison word), counters, busy words, descriptors, send/recv, tables,
+        // the low-latency all_reduce's slots and headers.
         let def = |v: u64| v as usize;
         let (max_blocks, max_ranks) = (MAX_BLOCKS as usize, MAX_RANKS);
         let areas = [
@@ -105,6 +106,8 @@ mod tests {
             (def(kabi::DESC_OFF), 2 * max_blocks * max_ranks * def(kabi::DESC_WORDS) * 8),
             (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * def(kabi::P2P_DEPTH) * 8),
             (def(kabi::A2A_OFF), 2 * max_blocks * 2 * max_ranks * 8),
+            (def(kabi::LL_OFF), def(kabi::LL_BUFS) * max_ranks * def(kabi::LL_SLOT)),
+            (def(kabi::LL_HDR_OFF), def(kabi::LL_BUFS) * max_ranks * max_blocks * 16),
         ];
         assert_eq!(areas[0].1, max_blocks * max_ranks * 4);
         for w in areas.windows(2) {
@@ -112,6 +115,8 @@ mod tests {
         }
         let last = areas[areas.len() - 1];
         assert!(last.0 + last.1 <= STAGE_OFF);
+        assert_eq!(def(kabi::LL_OFF) + def(kabi::LL_BYTES), STAGE_OFF);
+        assert_eq!(STAGE_OFF % 256, 0);
         assert_eq!(POISON_OFF, STATS_OFF + 256);
     }
 }

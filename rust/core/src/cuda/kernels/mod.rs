@@ -64,6 +64,8 @@ pub mod abi {
 pub const THREADS: u32 = abi::THREADS as u32;
 /// Offsets inside a rank's block (the source's layout constants).
 pub const STAGE_OFF: usize = abi::STAGE_OFF as usize;
+/// The largest all_reduce (bytes) of the low-latency kernel (Family::LowLatency).
+pub const LL_MAX_BYTES: usize = abi::LL_MAX_BYTES as usize;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = abi::STATS_OFF as usize;
@@ -86,6 +88,9 @@ pub const DESC0_COPY_ENGINE_BIT: u32 = abi::DESC0_COPY_ENGINE_BIT as u32;
 /// The kernel families with an entry point per reduced dtype (the op comes with the call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
+    /// all_reduce of at most LL_MAX_BYTES without a barrier's wait on a release ({data,
+    /// epoch} words: NOTE [Low latency] in csrc_kernels/all_reduce.cu).
+    LowLatency,
     OneShot,
     TwoShot,
     ReduceScatter,
@@ -97,7 +102,8 @@ pub enum Family {
     CopyEngineReduce,
 }
 
-pub const FAMILIES: [Family; 5] = [Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce, Family::CopyEngineReduce];
+pub const FAMILIES: [Family; 6] =
+    [Family::LowLatency, Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce, Family::CopyEngineReduce];
 
 /// An entry point of rsccl's kernels as the launch path picks it (`cuda::decide::kernel`):
 /// the index of the kernels' table (`Kernels::get`). A reduction family has an entry point
@@ -152,6 +158,7 @@ impl Kernel {
     /// The module (csrc_kernels/<module>.cu) and the entry point (a family's: its prefix).
     fn entry(self) -> (&'static str, &'static str) {
         match self {
+            Kernel::Reduce(Family::LowLatency) => ("all_reduce", "rs_ar_ll"),
             Kernel::Reduce(Family::OneShot) => ("all_reduce", "rs_ar_oneshot"),
             Kernel::Reduce(Family::TwoShot) => ("all_reduce", "rs_ar_twoshot"),
             Kernel::Reduce(Family::ReduceScatter) => ("reduce_scatter", "rs_reduce_scatter"),
@@ -436,8 +443,8 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let required = required_kernels();
-        // 5 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
-        assert_eq!(required.len(), 5 * 5 + 9);
+        // 6 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
+        assert_eq!(required.len(), 6 * 5 + 9);
         for (module, name) in &required {
             let src = MODULES.iter().find(|m| m.0 == *module).unwrap_or_else(|| panic!("{module}")).1;
             let plain = format!("void __launch_bounds__(THREADS) {name}(");
@@ -446,6 +453,7 @@ mod tests {
             assert!(src.contains(&plain) || typed, "{name} in {module}.cu");
         }
         assert!(kernel_name(Kernel::Reduce(Family::OneShot), DType::F64).is_none());
+        assert_eq!(kernel_name(Kernel::Reduce(Family::LowLatency), DType::F32).unwrap(), "rs_ar_ll_f32");
         assert_eq!(kernel_name(Kernel::Reduce(Family::TwoShot), DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
         assert_eq!(kernel_name(Kernel::Reduce(Family::Reduce), DType::I64).unwrap(), "rs_reduce_root_i64");
         assert_eq!(kernel_name(Kernel::Reduce(Family::CopyEngineReduce), DType::F16).unwrap(), "rs_ce_reduce_f16");
