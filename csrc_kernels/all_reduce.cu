@@ -254,14 +254,7 @@ __device__ __noinline__ bool ll_wait_slow(const Args& a, u64 addr, u32 e, u32 pe
     for (;;) {
         *v = ld_ll(addr);
         if (v->y == e && v->w == e) return true;
-        if ((++spins & 255) == 0) {
-            u32 who = peer;
-            const u32 why = stop_reason(a, start, &who);
-            if (why) {
-                fail(a, why, who);
-                return false;
-            }
-        }
+        if (spin_must_stop(a, start, &spins, peer)) return false;
     }
 }
 __device__ __forceinline__ bool ll_wait(const Args& a, u64 addr, u32 e, u32 peer, uint4* v) {
@@ -270,8 +263,16 @@ __device__ __forceinline__ bool ll_wait(const Args& a, u64 addr, u32 e, u32 peer
     return ll_wait_slow(a, addr, e, peer, v);
 }
 
-// Step 3 for peer j: false with s->abort set if the wait failed; a mismatch is reported and
-// marked in `s` (with the peer's grid in grid_max).
+// Peer j called another collective (its descriptor, or what its header holds of it): report
+// it as a barrier does and keep its grid for the stand-in (NOTE [Grids]).
+__device__ __forceinline__ void ll_mismatch(const Args& a, BlockState* s, u32 j, const u64* theirs) {
+    atomicMax(&s->grid_max, (u32)(theirs[0] >> DESC0_GRID_SHIFT));
+    report_mismatch(a, j, theirs);
+    s->mismatch = 1;
+}
+
+// Step 3 for peer j: s->abort set if the wait failed (reported); a mismatch is reported
+// and marked in `s`.
 __device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, u32 e, u32 h0, u32 h1) {
     const u64 hdr = ll_header(a, a.rank, e % LL_BUFS, j);
     const u32* flag = flag_ptr(a.peer[a.rank], blockIdx.x, j);
@@ -280,32 +281,23 @@ __device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, 
     for (;;) {
         const uint4 v = ld_ll(hdr);
         if (v.y == e && v.w == e) {
-            if (v.x != h0 || v.z != h1) {
-                const u64 theirs[2] = {(u64)(v.x & 0xffffff) | ((u64)(v.x >> 24) << DESC0_GRID_SHIFT), v.z};
-                atomicMax(&s->grid_max, v.x >> 24);
-                report_mismatch(a, j, theirs);
-                s->mismatch = 1;
-            }
+            const u64 theirs[2] = {(u64)(v.x & 0xffffff) | ((u64)(v.x >> 24) << DESC0_GRID_SHIFT), v.z};
+            if (v.x != h0 || v.z != h1) ll_mismatch(a, s, j, theirs);
             return;
         }
-        if ((++spins & 255) == 0) {
-            if ((i32)(ld_acquire_sys(flag) - e) >= 0) {
-                const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, j);
-                const u64 theirs[2] = {d[0], d[1]};
-                if (theirs[0] != desc0_with_grid(a) || theirs[1] != a.desc1) {
-                    atomicMax(&s->grid_max, (u32)(theirs[0] >> DESC0_GRID_SHIFT));
-                    report_mismatch(a, j, theirs);
-                    s->mismatch = 1;
-                    return;
-                }
-            }
-            u32 who = j;
-            const u32 why = stop_reason(a, start, &who);
-            if (why) {
-                fail(a, why, who);
-                s->abort = 1;
+        // At the stop checks' pace: j signalled this epoch through a barrier's flag, so its
+        // descriptor (stored before that release) is exact.
+        if ((spins & 255) == 255 && (i32)(ld_acquire_sys(flag) - e) >= 0) {
+            const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, j);
+            const u64 theirs[2] = {d[0], d[1]};
+            if (theirs[0] != desc0_with_grid(a) || theirs[1] != a.desc1) {
+                ll_mismatch(a, s, j, theirs);
                 return;
             }
+        }
+        if (spin_must_stop(a, start, &spins, j)) {
+            s->abort = 1;
+            return;
         }
     }
 }

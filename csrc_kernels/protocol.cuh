@@ -147,6 +147,17 @@ __device__ __noinline__ void fail(const Args& a, u32 why, u32 peer) {
     hold_for_host(a);
 }
 
+// One spin of a bounded wait that began at `start`: every 256 spins, whether it must stop
+// (stop_reason); if so it is reported (fail; `peer` is the rank waited for) and true.
+__device__ __forceinline__ bool spin_must_stop(const Args& a, u64 start, u32* spins, u32 peer) {
+    if ((++*spins & 255) != 0) return false;
+    u32 who = peer;
+    const u32 why = stop_reason(a, start, &who);
+    if (!why) return false;
+    fail(a, why, who);
+    return true;
+}
+
 // Spin (one thread) until *p >= e (wrap-safe), bounded as above. False: it failed and
 // reported why (`peer` is the rank waited for). The first check is inline; the spin, with
 // its stop checks, is out of line (NOTE [Code size]).
@@ -154,14 +165,7 @@ __device__ __noinline__ bool wait_geq_slow(const Args& a, const u32* p, u32 e, u
     const u64 start = global_ns();
     u32 spins = 0;
     while ((i32)(ld_acquire_sys(p) - e) < 0) {
-        if ((++spins & 255) == 0) {
-            u32 who = peer;
-            const u32 why = stop_reason(a, start, &who);
-            if (why) {
-                fail(a, why, who);
-                return false;
-            }
-        }
+        if (spin_must_stop(a, start, &spins, peer)) return false;
     }
     return true;
 }
