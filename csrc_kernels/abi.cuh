@@ -72,10 +72,11 @@ typedef long long i64;
 #define P2P_DEPTH 4
 #define A2A_OFF 180224
 // The low-latency all_reduce (NOTE [Low latency] in all_reduce.cu): messages of at most
-// LL_MAX_BYTES, in LL_BUFS buffers rotated by the block's epoch; a slot holds a message's
+// LL_MAX_BYTES, in LL_BUFS buffers picked by the block's epoch (a power of two, so that
+// consecutive epochs pick different buffers across the u32 wrap); a slot holds a message's
 // bytes twice over ({data, epoch} words).
 #define LL_MAX_BYTES 16384
-#define LL_BUFS 3
+#define LL_BUFS 2
 #define LL_SLOT (2 * LL_MAX_BYTES)
 #define LL_OFF 262144
 #define LL_HDR_OFF (LL_OFF + LL_BUFS * MAX_RANKS * LL_SLOT)

@@ -224,13 +224,22 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
 //      each peer the two LL stores it made, spun on (ld.volatile) until both epochs read e;
 //      the same thread reads its input pack in 2 and here before it writes the output pack,
 //      so `in` may alias `out`.
-// Why the words are this call's: a word holds epoch e only if the peer's block b wrote it
-// in its call of epoch e (epochs only grow; wrap-around needs 2^32 calls), and that call
-// is this one: its header, in the same buffer with the same epoch, matched in 3.
-// Buffer reuse: rank r writes buffer k at its epoch e only after it left epoch e - 1, for
-// which it waited on every peer (a barrier, or this path's words of e - 1): every peer had
-// reached e - 1, so it had finished every call of epoch e - 2 or before, and with them its
-// reads of buffer k at e - LL_BUFS or earlier. The desc slots are used as by a barrier.
+// Why the words are this call's: the slots are not per block, so this kernel needs every
+// block of its grid at the same epoch, on every rank. They are: every kernel that moves the
+// counters runs every block of the small grid (decide::grid: a call's grid is the small
+// grid or the group's, which holds it), and the stand-in (NOTE [Grids]) moves only blocks
+// beyond the small grid; the one-block barriers of the copy
+// engines (NOTE [Copy engines]) would move block 0 alone, so a group with copy-engine
+// collectives never runs this kernel (decide::choose_allreduce). Then a word holds epoch e
+// only if a peer's block wrote it in its call of epoch e (epochs only grow, once per
+// barrier; equal values come back after 2^32 of them), and that call is this one: its
+// header, in the same buffer with the same epoch, matched in 3.
+// Buffer reuse: rank r writes buffer k = e % LL_BUFS at its epoch e only after it left
+// epoch e - 1, for which it waited on every peer (a barrier, or this path's words of e - 1):
+// every peer had reached e - 1, so it had finished every call of epoch e - 2 or before, and
+// with them its reads of buffer k at e - 2 or earlier; a peer still in e - 1 reads the
+// other buffer (LL_BUFS = 2, a power of two: e and e - 1 differ in parity across the wrap
+// too). The desc slots are used as by a barrier.
 __device__ __forceinline__ void st_ll(u64 addr, u32 d0, u32 d1, u32 e) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(addr), "r"(d0), "r"(e), "r"(d1) : "memory");
 }

@@ -251,12 +251,16 @@ pub fn auto_one_shot_max(local_ranks: usize) -> usize {
 /// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
 /// `one_shot_max` 0 means auto (`auto_one_shot_max`). Up to LL_MAX_BYTES the one-shot's
 /// low-latency form (NOTE [Low latency] in csrc_kernels/all_reduce.cu), where the one-shot
-/// applies at all (a `one_shot_max` below it keeps two-shot).
-pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize) -> Family {
+/// applies at all (a `one_shot_max` below it keeps two-shot) and `low_latency` allows it:
+/// not in a group with copy-engine collectives, whose one-block barriers move block 0's
+/// epoch alone, while the low-latency kernel needs every block of its grid at one epoch.
+/// On 4 H100s under CUDA graphs (2026-11-27, docs/performance.md) it took 6.5-7.3 us at 2
+/// GPUs up to 16 KiB against the one-shot's 8.2-8.7, and 8.5-9.1 at 4 GPUs against 9.4-10.4.
+pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize, low_latency: bool) -> Family {
     let limit = if one_shot_max == 0 { auto_one_shot_max(local_ranks) } else { one_shot_max };
     if bytes > limit {
         Family::TwoShot
-    } else if bytes <= LL_MAX_BYTES {
+    } else if low_latency && bytes <= LL_MAX_BYTES {
         Family::LowLatency
     } else {
         Family::OneShot
@@ -320,10 +324,11 @@ pub fn blocks_per_rank(kind: Kind) -> Option<Blocks> {
 }
 
 /// Which of rsccl's kernels runs a call on one host (the index of the kernels' table,
-/// `Kernels::get`). `bytes` is the all_reduce message, which picks one-shot or two-shot.
-pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize) -> Kernel {
+/// `Kernels::get`). `bytes` is the all_reduce message, which picks its kernel with
+/// `one_shot_max` and `low_latency` (`choose_allreduce`).
+pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize, low_latency: bool) -> Kernel {
     match kind {
-        Kind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max)),
+        Kind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max, low_latency)),
         Kind::ReduceScatter => Kernel::Reduce(Family::ReduceScatter),
         Kind::Reduce => Kernel::Reduce(Family::Reduce),
         Kind::AllGather => Kernel::AllGather,

@@ -6,16 +6,16 @@ use super::*;
 #[test]
 fn every_kind_has_a_kernel_and_an_nccl_call() {
     for k in Kind::ALL {
-        let kern = kernel(k, 64, 2, 0);
+        let kern = kernel(k, 64, 2, 0, true);
         assert_eq!(kern.shape() == kernels::Shape::Peer, k.is_p2p(), "{k:?}");
         assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
         assert_eq!(matches!(kern, Kernel::Reduce(_)), k.has_op(), "{k:?}");
         assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
         assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
     }
-    assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0), Kernel::Reduce(Family::TwoShot));
-    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0), Kernel::Reduce(Family::LowLatency));
-    assert_eq!(kernel(Kind::AllReduce, 64 << 10, 2, 0), Kernel::Reduce(Family::OneShot));
+    assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0, true), Kernel::Reduce(Family::TwoShot));
+    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0, true), Kernel::Reduce(Family::LowLatency));
+    assert_eq!(kernel(Kind::AllReduce, 64 << 10, 2, 0, true), Kernel::Reduce(Family::OneShot));
     assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
@@ -175,19 +175,22 @@ fn gpus_without_peer_access_are_named() {
 
 #[test]
 fn allreduce_algorithm_follows_threshold() {
-    assert_eq!(choose_allreduce(1024, 4, 256 << 10), Family::LowLatency);
-    assert_eq!(choose_allreduce(LL_MAX_BYTES, 4, 0), Family::LowLatency);
-    assert_eq!(choose_allreduce(LL_MAX_BYTES + 2, 4, 0), Family::OneShot);
-    assert_eq!(choose_allreduce(1024, 4, 512), Family::TwoShot);
-    assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10), Family::OneShot);
-    assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10), Family::TwoShot);
-    assert_eq!(choose_allreduce(2, 2, 1), Family::TwoShot);
+    assert_eq!(choose_allreduce(1024, 4, 256 << 10, true), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL_MAX_BYTES, 4, 0, true), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL_MAX_BYTES + 2, 4, 0, true), Family::OneShot);
+    assert_eq!(choose_allreduce(1024, 4, 512, true), Family::TwoShot);
+    // Beside copy-engine collectives, the one-shot.
+    assert_eq!(choose_allreduce(1024, 4, 0, false), Family::OneShot);
+    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0, false), Kernel::Reduce(Family::OneShot));
+    assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10, true), Family::OneShot);
+    assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10, true), Family::TwoShot);
+    assert_eq!(choose_allreduce(2, 2, 1, true), Family::TwoShot);
     // Auto: the measured crossover per number of ranks.
-    assert_eq!(choose_allreduce(2 << 20, 2, 0), Family::OneShot);
-    assert_eq!(choose_allreduce(4 << 20, 2, 0), Family::TwoShot);
-    assert_eq!(choose_allreduce(1 << 20, 4, 0), Family::TwoShot);
-    assert_eq!(choose_allreduce(512 << 10, 4, 0), Family::OneShot);
-    assert_eq!(choose_allreduce(512 << 10, 8, 0), Family::TwoShot);
+    assert_eq!(choose_allreduce(2 << 20, 2, 0, true), Family::OneShot);
+    assert_eq!(choose_allreduce(4 << 20, 2, 0, true), Family::TwoShot);
+    assert_eq!(choose_allreduce(1 << 20, 4, 0, true), Family::TwoShot);
+    assert_eq!(choose_allreduce(512 << 10, 4, 0, true), Family::OneShot);
+    assert_eq!(choose_allreduce(512 << 10, 8, 0, true), Family::TwoShot);
 }
 
 #[test]

@@ -24,7 +24,9 @@ impl CudaEngine {
     /// the rest on the collective grid. Returns the end event for an asynchronous call (the
     /// Work waits on it); a blocking call is ordered before the caller's later work already.
     pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        let kernel = kernel(c.kind, c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max);
+        // No low-latency all_reduce beside copy-engine collectives (decide::choose_allreduce).
+        let low_latency = self.copy_engine_min == 0;
+        let kernel = kernel(c.kind, c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max, low_latency);
         if kernel.shape() != c.shape() {
             return Err(Error::Internal(format!(
                 "a {} call of shape {:?} for a kernel of shape {:?}",

@@ -126,7 +126,7 @@ mod tests {
             // Each engine's one launch entry routes by what the kind is to it: rsccl's kernel
             // takes the call's shape, and NCCL's call is the pair communicators' for one
             // peer and a group of sends and receives for chunks.
-            let kernel = decide::kernel(k, 64, 4, 0);
+            let kernel = decide::kernel(k, 64, 4, 0, true);
             assert_eq!(kernel.shape(), c.shape(), "{k:?}: rsccl's kernel takes the call's shape");
             let name = kernels::kernel_name(kernel, DType::BF16).unwrap();
             assert!(kernels::required_kernels().iter().any(|e| e.1 == name), "{k:?}: its kernel {name} is in the table");
