@@ -254,7 +254,10 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
     checked: reduce_scatter's kernel pushes into the peers' staging before its first
     barrier, so a copy-engine call must leave no copy-out (nor reduce kernel) running after
     its last barrier (NOTE [Copy engines], X). Seen wrong without it. The group moves 16 MiB
-    and more on the copy engines, so that the 4 MiB reduce_scatters run the kernel."""
+    and more on the copy engines, so that the 4 MiB reduce_scatters run the kernel. Then
+    all_reduces of decreasing small sizes: the copy engines' one-block barriers move block
+    0's counters alone, which the low-latency all_reduce cannot take (its slots are shared
+    by the blocks: NOTE [Low latency]), so such a group must run the one-shot there."""
     g = rsccl_group(ctx, "copy-engines-from-16MiB")
     w, me = ctx.world, ctx.rank
     n = 8 << 20  # bfloat16: 16 MiB per rank, several rounds through the default staging
@@ -290,6 +293,12 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
         torch.testing.assert_close(rs_ce_out.double(), want_ce, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter on the copy engines")
         torch.testing.assert_close(rs_after.double(), want, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter kernel after it")
         checks += 6
+        for m in (4096, 1024, 256):  # float32: 16 KiB, 4 KiB, 1 KiB
+            v = rand(seed, me, m, torch.float32, salt=f"{what} small {m}")
+            vs = gather_inputs(ctx, v)
+            dist.all_reduce(v, group=g)
+            torch.testing.assert_close(v.double(), vs.double().sum(0), rtol=1e-4, atol=1e-4, msg=f"{what}: all_reduce of {m}")
+            checks += 1
     return checks
 
 
