@@ -43,10 +43,11 @@ typedef long long i64;
 //                             (CUDA block, sender, inbox slot) (NOTE [Point to point])
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
-//   [LL_OFF, +LL_BYTES)       low-latency all_reduce (NOTE [Low latency] in all_reduce.cu):
+//   [LL_OFF, +LL_BYTES)       low-latency kernels (NOTE [Low latency] in common.cuh):
 //                             ll[LL_BUFS][MAX_RANKS] slots of LL_SLOT bytes ({4 data
 //                             bytes, u32 epoch} words, written by the sender named by the
-//                             slot), then headers [LL_BUFS][MAX_RANKS][MAX_BLOCKS] of 16 bytes
+//                             slot, a region per CUDA block), then headers
+//                             [LL_BUFS][MAX_RANKS][MAX_BLOCKS] of 16 bytes
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
 //   [inbox_off, +p2p bytes)   send/recv inbox: per sending peer slot, CUDA block and one of
@@ -71,13 +72,14 @@ typedef long long i64;
 // number modulo it, and u32 wrap-around keeps that consistent).
 #define P2P_DEPTH 4
 #define A2A_OFF 180224
-// The low-latency all_reduce (NOTE [Low latency] in all_reduce.cu): messages of at most
-// LL_MAX_BYTES, in LL_BUFS buffers picked by the block's epoch (a power of two, so that
-// consecutive epochs pick different buffers across the u32 wrap); a slot holds a message's
-// bytes twice over ({data, epoch} words).
+// The low-latency kernels (NOTE [Low latency] in common.cuh): at most LL_MAX_BYTES per
+// sender (cuda_low_latency_max_bytes may lower it), in LL_BUFS buffers picked by the
+// block's epoch (a power of two, so that consecutive epochs pick different buffers across
+// the u32 wrap); a slot holds a sender's bytes twice over ({data, epoch} words), in a region
+// per CUDA block, each rounded up to a 16-byte pack (32 bytes of words).
 #define LL_MAX_BYTES 16384
 #define LL_BUFS 2
-#define LL_SLOT (2 * LL_MAX_BYTES)
+#define LL_SLOT (2 * LL_MAX_BYTES + 32 * MAX_BLOCKS)
 #define LL_OFF 262144
 #define LL_HDR_OFF (LL_OFF + LL_BUFS * MAX_RANKS * LL_SLOT)
 #define LL_BYTES (LL_BUFS * MAX_RANKS * LL_SLOT + LL_BUFS * MAX_RANKS * MAX_BLOCKS * 16)

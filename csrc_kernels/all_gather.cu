@@ -1,4 +1,4 @@
-// all_gather (rs_all_gather).
+// all_gather (rs_all_gather, and its low-latency form rs_all_gather_ll).
 
 #include "common.cuh"
 
@@ -165,3 +165,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid
     copy_gathered(a, steps - 1, per_step, m, stage_of(a, me, (s.step + (u32)(steps - 1)) & 1), out, threadIdx.x, blockDim.x);
     save_state(a, &s, steps);
 }
+
+// The low-latency all_gather, in bytes: NOTE [Low latency] in common.cuh.
+extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather_ll(const __grid_constant__ Args a) { ll_call<u8, LL_ALL_GATHER>(a, 0); }

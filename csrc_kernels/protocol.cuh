@@ -12,7 +12,7 @@
 //   NOTE [Point to point]     send_recv.cu
 //   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
-//   NOTE [Low latency]        all_reduce.cu (all_reduce up to 16 KiB without a barrier's wait)
+//   NOTE [Low latency]        common.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
 //
 // NOTE [Code size]

@@ -1,5 +1,5 @@
-// reduce_scatter (rs_reduce_scatter_*), and the reduction of reduce_scatter on the copy
-// engines (rs_ce_reduce_*).
+// reduce_scatter (rs_reduce_scatter_*; its low-latency form rs_reduce_scatter_ll_*), and the
+// reduction of reduce_scatter on the copy engines (rs_ce_reduce_*).
 
 #include "common.cuh"
 
@@ -144,6 +144,13 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
 }
 
 RS_TYPES(reduce_scatter)
+
+// The low-latency reduce_scatter (rs_reduce_scatter_ll_*): NOTE [Low latency] in common.cuh.
+template <typename T>
+__device__ void reduce_scatter_ll(const Args& a, u32 op) {
+    ll_call<T, LL_REDUCE_SCATTER>(a, op);
+}
+RS_TYPES(reduce_scatter_ll)
 
 // reduce_scatter on the copy engines (NOTE [Copy engines] in rust/core/src/cuda/engine/
 // copy.rs): one round, after its barrier B_k, on the collective's stream. The peers' copy

@@ -64,6 +64,15 @@ def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
     assert_bad_values_named(monkeypatch, "cuda_blocks", "65", "RSCCL_MAX_CUDA_VA_BYTES", "lots")
 
 
+def test_low_latency_bound_resolves_within_the_slots(monkeypatch):
+    """cuda_low_latency_max_bytes: 16 KiB by default (what the kernels' slots hold, and its
+    largest value), 0 turns the low-latency kernels off, more is refused naming it."""
+    assert resolve()["cuda_low_latency_max_bytes"] == 16 << 10
+    assert resolve(rsccl.Options(cuda_low_latency_max_bytes=0).items())["cuda_low_latency_max_bytes"] == 0
+    assert resolve([("cuda_low_latency_max_bytes", "4KiB")])["cuda_low_latency_max_bytes"] == 4096
+    assert_bad_values_named(monkeypatch, "cuda_low_latency_max_bytes", "32KiB", "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES", "tiny")
+
+
 def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):
     """The NCCL engine's bounds (groups that span hosts): channels per communicator and
     the size from which all_reduce runs hierarchically."""

@@ -28,6 +28,8 @@ class Options:
     cuda_blocks: int | None = None
     #: CUDA all_reduce size up to which the one-shot kernel is used; RSCCL_CUDA_ALLREDUCE_ONE_SHOT_MAX_BYTES.
     cuda_allreduce_one_shot_max_bytes: int | str | None = None
+    #: CUDA all_reduce (message), reduce_scatter (output) and all_gather (input) size per rank up to which the low-latency kernels run (0: never); RSCCL_CUDA_LOW_LATENCY_MAX_BYTES.
+    cuda_low_latency_max_bytes: int | str | None = None
     #: CUDA all_gather (gathered output), reduce_scatter (input; reduced by a small local kernel), broadcast and send/recv size from which data moves on the copy engines, no SM (0: never, 1: always); RSCCL_CUDA_COPY_ENGINE_MIN_BYTES.
     cuda_copy_engine_min_bytes: int | str | None = None
     #: Cap on the GPU virtual address space one group reserves; RSCCL_MAX_CUDA_VA_BYTES.

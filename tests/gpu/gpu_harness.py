@@ -50,6 +50,9 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     # reduce_scatter of 4 MiB runs the kernel, one of 16 MiB the copy engines).
     "copy-engines-from-16MiB": {"cuda_copy_engine_min_bytes": "16MiB"},
     "no-copy-engines": {"cuda_copy_engine_min_bytes": 0},
+    # Small all_reduce, reduce_scatter and all_gather on the barrier kernels, as above the
+    # low-latency kernels' bound (NOTE [Low latency] in csrc_kernels/common.cuh).
+    "no-low-latency": {"cuda_low_latency_max_bytes": 0},
 }
 
 

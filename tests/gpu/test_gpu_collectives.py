@@ -87,6 +87,31 @@ def test_all_gather(gpus, seed, config):
     gpus.run(body_all_gather, seed, config, SIZES, timeout=200)
 
 
+# The low-latency kernels' bound (cuda_low_latency_max_bytes, 16 KiB per rank: the
+# all_reduce message, the reduce_scatter output, the all_gather input): 1 element, an odd
+# count, and one element under, at and over the bound, per element size; with the kernels on
+# (default) and off (the barrier kernels at the same sizes).
+LL_BOUND = 16 << 10
+
+
+def body_small_bounds(ctx, seed: int, config: str) -> int:
+    checks = 0
+    for dtype, op in ((torch.bfloat16, "SUM"), (torch.float32, "AVG"), (torch.int64, "MAX")):
+        at = LL_BOUND // dtype.itemsize
+        for n in (1, 7, at - 1, at, at + 1):
+            for kind in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+                what = f"{kind} {op} {dtype} n={n} (low-latency bound) group={config}"
+                CASES[kind](ctx, seed, case_call(ctx, config, what, dtype, n, op))  # checked against the exact result
+                checks += 1
+    torch.cuda.synchronize()
+    return checks
+
+
+@pytest.mark.parametrize("config", ["default", "no-low-latency"])
+def test_small_collectives_at_the_low_latency_bound(gpus, seed, config):
+    assert gpus.run(body_small_bounds, seed, config, timeout=120)[0] == 3 * 5 * 3
+
+
 def body_broadcast(ctx, seed: int, config: str, sizes: list[int]) -> None:
     for dtype in DTYPES:
         for n in sizes:

@@ -255,9 +255,10 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
     barrier, so a copy-engine call must leave no copy-out (nor reduce kernel) running after
     its last barrier (NOTE [Copy engines], X). Seen wrong without it. The group moves 16 MiB
     and more on the copy engines, so that the 4 MiB reduce_scatters run the kernel. Then
-    all_reduces of decreasing small sizes: the copy engines' one-block barriers move block
-    0's counters alone, which the low-latency all_reduce cannot take (its slots are shared
-    by the blocks: NOTE [Low latency]), so such a group must run the one-shot there."""
+    all_reduces, all_gathers and reduce_scatters of decreasing small sizes, on the
+    low-latency kernels: the copy engines' one-block barriers move block 0's counters alone,
+    so each block must read only words of its own epoch (a region of its own in every slot:
+    NOTE [Low latency] in csrc_kernels/common.cuh)."""
     g = rsccl_group(ctx, "copy-engines-from-16MiB")
     w, me = ctx.world, ctx.rank
     n = 8 << 20  # bfloat16: 16 MiB per rank, several rounds through the default staging
@@ -293,12 +294,19 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
         torch.testing.assert_close(rs_ce_out.double(), want_ce, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter on the copy engines")
         torch.testing.assert_close(rs_after.double(), want, rtol=2e-2, atol=5e-2, msg=f"{what}: reduce_scatter kernel after it")
         checks += 6
-        for m in (4096, 1024, 256):  # float32: 16 KiB, 4 KiB, 1 KiB
+        for m in (4096, 1024, 257):  # float32: 16 KiB, 4 KiB, 1028 bytes per rank
             v = rand(seed, me, m, torch.float32, salt=f"{what} small {m}")
-            vs = gather_inputs(ctx, v)
+            u = rand(seed, me, w * m, torch.float32, salt=f"{what} small rs {m}")
+            vs, us = gather_inputs(ctx, v), gather_inputs(ctx, u)
+            gathered, shard = torch.empty(w * m, dtype=v.dtype, device=v.device), torch.empty_like(v)
+            dist.all_gather_into_tensor(gathered, v, group=g)
+            dist.reduce_scatter_tensor(shard, u, group=g)
             dist.all_reduce(v, group=g)
+            assert_equal(gathered, vs.reshape(-1), f"{what}: all_gather of {m}")
+            want_rs = us.double().sum(0)[me * m : (me + 1) * m]
+            torch.testing.assert_close(shard.double(), want_rs, rtol=1e-4, atol=1e-4, msg=f"{what}: reduce_scatter of {m}")
             torch.testing.assert_close(v.double(), vs.double().sum(0), rtol=1e-4, atol=1e-4, msg=f"{what}: all_reduce of {m}")
-            checks += 1
+            checks += 3
     return checks
 
 

@@ -42,8 +42,23 @@ def _still_works(ctx, g, seed: int) -> None:
 
 def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     g = _own_group()
-    n = 1000
-    if case == "dtype":
+    n, w = 1000, ctx.world
+    x = None
+    call = lambda: dist.all_reduce(x, group=g)  # noqa: E731
+    if case in ("ll_kinds", "ll_gather_count", "ll_gather_across_grids"):
+        # The low-latency kernels (NOTE [Low latency] in csrc_kernels/common.cuh): rank 1 a
+        # reduce_scatter against the others' all_reduce, both low-latency; an all_gather
+        # of another size, both low-latency; a 64 KiB all_gather input (the barrier kernel
+        # on the group's grid) against 4 KB ones (the low-latency kernel on 16 blocks).
+        x = rand(seed, ctx.rank, n, torch.float32)
+        if case == "ll_kinds" and ctx.rank == 1:
+            xin = rand(seed, ctx.rank, w * n // 4, torch.float32)
+            call = lambda: dist.reduce_scatter_tensor(torch.empty(n // 4, device=xin.device), xin, group=g)  # noqa: E731
+        elif case != "ll_kinds":
+            m = {"ll_gather_count": n + 4, "ll_gather_across_grids": 16 << 10}[case] if ctx.rank == 1 else n
+            xg = rand(seed, ctx.rank, m, torch.float32)
+            call = lambda: dist.all_gather_into_tensor(torch.empty(w * m, device=xg.device), xg, group=g)  # noqa: E731
+    elif case == "dtype":
         x = rand(seed, ctx.rank, n, torch.bfloat16 if ctx.rank == 1 else torch.float32)
     elif case == "count":
         x = rand(seed, ctx.rank, n + (1 if ctx.rank == 1 else 0), torch.float32)
@@ -70,9 +85,9 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     # a rank that skipped the barrier would leave the group's kernels out of step (seen
     # on 4 H200s, 2026-11-22 01:08, when one rank raised at the all_reduce).
     result = ("no error", "")
-    for call in (lambda: dist.all_reduce(x, group=g), lambda: dist.barrier(group=g)):
+    for c in (call, lambda: dist.barrier(group=g)):
         try:
-            call()
+            c()
         except Exception as e:  # noqa: BLE001 - the parent inspects it
             if result[0] == "no error":
                 result = (type(e).__name__, str(e))
@@ -81,7 +96,19 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     return result
 
 
-@pytest.mark.parametrize("case", ["dtype", "count", "count_across_grids", "unrunnable_dtype", "unrunnable_large"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dtype",
+        "count",
+        "count_across_grids",
+        "unrunnable_dtype",
+        "unrunnable_large",
+        "ll_kinds",
+        "ll_gather_count",
+        "ll_gather_across_grids",
+    ],
+)
 def test_mismatched_arguments_raise_on_every_rank(gpus, seed, case):
     results = gpus.run(body_mismatch, seed, case, timeout=90)
     for rank, (kind, msg) in enumerate(results):

@@ -284,6 +284,7 @@ impl Communicator {
             d.set_item("cuda_blocks", c.blocks)?;
             d.set_item("cuda_small_blocks", c.small_blocks)?;
             d.set_item("cuda_small_max_bytes", c.small_max_bytes)?;
+            d.set_item("cuda_low_latency_max_bytes", c.low_latency_max_bytes)?;
             d.set_item("cuda_copy_engine_min_bytes", c.copy_engine_min_bytes)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
             d.set_item("cuda_sms", c.sms)?;

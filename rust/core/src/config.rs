@@ -5,6 +5,7 @@
 
 use std::ffi::{OsStr, OsString};
 
+use crate::cuda::kernels::LL_MAX_BYTES;
 use crate::error::{Error, Result};
 
 /// How the resolvers look a variable up: the raw value, as `std::env::var_os` gives it
@@ -128,6 +129,22 @@ pub const SETTINGS: &[Setting] = &[
                reduces everything); larger ones use two-shot (reduce-scatter + all-gather). \
                0: by the number of local ranks, as measured on H200s (2 MiB for 2, 512 KiB \
                for 3-4, 256 KiB for more)",
+    },
+    Setting {
+        field: "cuda_low_latency_max_bytes",
+        env: "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES",
+        // The low-latency kernels' slots hold at most LL_MAX_BYTES per sender (16 KiB, a
+        // 1 MiB area of each rank's block): up to 16 KiB the all_reduce took 6.5-7.3 us
+        // under CUDA graphs on 2 H100s against the one-shot's 8.2-8.7 (2026-11-27,
+        // docs/performance.md).
+        default: LL_MAX_BYTES as u64,
+        min: 0,
+        max: LL_MAX_BYTES as u64,
+        is_size: true,
+        help: "CUDA all_reduce (the message), reduce_scatter (the output) and all_gather (the \
+               input) up to this size per rank run rsccl's low-latency kernels, which need no \
+               barrier (each word carries its call's epoch); larger ones the barrier kernels. \
+               0: never",
     },
     Setting {
         field: "cuda_copy_engine_min_bytes",
@@ -423,6 +440,9 @@ pub struct Config {
     pub cuda_buffer_bytes: usize,
     pub cuda_blocks: u32,
     pub cuda_allreduce_one_shot_max_bytes: usize,
+    /// all_reduce, reduce_scatter, all_gather up to this many bytes per rank on the
+    /// low-latency kernels; 0: never (decide::kernel).
+    pub cuda_low_latency_max_bytes: usize,
     /// all_gather, reduce_scatter, broadcast, send/recv from this many bytes on the copy
     /// engines; 0: never (decide::copy_engine).
     pub cuda_copy_engine_min_bytes: u64,
@@ -525,6 +545,7 @@ impl Config {
             cuda_buffer_bytes: v("cuda_buffer_bytes") as usize,
             cuda_blocks: v("cuda_blocks") as u32,
             cuda_allreduce_one_shot_max_bytes: v("cuda_allreduce_one_shot_max_bytes") as usize,
+            cuda_low_latency_max_bytes: v("cuda_low_latency_max_bytes") as usize,
             cuda_copy_engine_min_bytes: v("cuda_copy_engine_min_bytes"),
             max_cuda_va_bytes: v("max_cuda_va_bytes") as usize,
             cuda_warmup: v("cuda_warmup") != 0,
@@ -560,6 +581,8 @@ impl Config {
             ("cuda_buffer_bytes", self.cuda_buffer_bytes as u64),
             ("cuda_blocks", self.cuda_blocks as u64),
             ("cuda_allreduce_one_shot_max_bytes", self.cuda_allreduce_one_shot_max_bytes as u64),
+            // Every rank must run the same kernel (low-latency or not) for the same call.
+            ("cuda_low_latency_max_bytes", self.cuda_low_latency_max_bytes as u64),
             // Every rank must take the same path (kernel or copy engines) for the same call.
             ("cuda_copy_engine_min_bytes", self.cuda_copy_engine_min_bytes),
             // The warm-up launches kernels on every rank: a collective.

@@ -15,7 +15,7 @@
 //! (`check_peer_access`).
 
 use super::call::CudaCall;
-use super::kernels::{self, Family, Kernel, LL_MAX_BYTES, STAGE_OFF};
+use super::kernels::{self, Family, Kernel, STAGE_OFF};
 use crate::collective::Kind;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -249,18 +249,17 @@ pub fn auto_one_shot_max(local_ranks: usize) -> usize {
 }
 
 /// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
-/// `one_shot_max` 0 means auto (`auto_one_shot_max`). Up to LL_MAX_BYTES the one-shot's
-/// low-latency form (NOTE [Low latency] in csrc_kernels/all_reduce.cu), where the one-shot
-/// applies at all (a `one_shot_max` below it keeps two-shot) and `low_latency` allows it:
-/// not in a group with copy-engine collectives, whose one-block barriers move block 0's
-/// epoch alone, while the low-latency kernel needs every block of its grid at one epoch.
-/// On 4 H100s under CUDA graphs (2026-11-27, docs/performance.md) it took 6.5-7.3 us at 2
-/// GPUs up to 16 KiB against the one-shot's 8.2-8.7, and 8.5-9.1 at 4 GPUs against 9.4-10.4.
-pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize, low_latency: bool) -> Family {
+/// `one_shot_max` 0 means auto (`auto_one_shot_max`). Up to `low_latency_max` (the setting
+/// cuda_low_latency_max_bytes, at most LL_MAX_BYTES; 0: never) the one-shot's low-latency
+/// form (NOTE [Low latency] in csrc_kernels/common.cuh), where the one-shot applies at all (a
+/// `one_shot_max` below it keeps two-shot). On 4 H100s under CUDA graphs (2026-11-27,
+/// docs/performance.md) it took 6.5-7.3 us at 2 GPUs up to 16 KiB against the one-shot's
+/// 8.2-8.7, and 8.5-9.1 at 4 GPUs against 9.4-10.4.
+pub fn choose_allreduce(bytes: usize, local_ranks: usize, one_shot_max: usize, low_latency_max: usize) -> Family {
     let limit = if one_shot_max == 0 { auto_one_shot_max(local_ranks) } else { one_shot_max };
     if bytes > limit {
         Family::TwoShot
-    } else if low_latency && bytes <= LL_MAX_BYTES {
+    } else if low_latency_max > 0 && bytes <= low_latency_max {
         Family::LowLatency
     } else {
         Family::OneShot
@@ -324,13 +323,20 @@ pub fn blocks_per_rank(kind: Kind) -> Option<Blocks> {
 }
 
 /// Which of rsccl's kernels runs a call on one host (the index of the kernels' table,
-/// `Kernels::get`). `bytes` is the all_reduce message, which picks its kernel with
-/// `one_shot_max` and `low_latency` (`choose_allreduce`).
-pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize, low_latency: bool) -> Kernel {
+/// `Kernels::get`), for a `kind` call of `count` (`CudaCall::count`) of `elem`-byte
+/// elements. all_reduce picks its kernel by its bytes with `one_shot_max` and
+/// `low_latency_max` (`choose_allreduce`); reduce_scatter and all_gather take their
+/// low-latency kernels (NOTE [Low latency] in csrc_kernels/common.cuh) where what each rank
+/// sends each peer, the output shard or the input, is at most `low_latency_max` (0: never).
+pub fn kernel(kind: Kind, count: u64, elem: usize, local_ranks: usize, one_shot_max: usize, low_latency_max: usize) -> Kernel {
+    let low_latency = |bytes: u64| low_latency_max > 0 && bytes <= low_latency_max as u64;
     match kind {
-        Kind::AllReduce => Kernel::Reduce(choose_allreduce(bytes, local_ranks, one_shot_max, low_latency)),
+        Kind::AllReduce => Kernel::Reduce(choose_allreduce((count * elem as u64) as usize, local_ranks, one_shot_max, low_latency_max)),
+        Kind::ReduceScatter if low_latency(count * elem as u64) => Kernel::Reduce(Family::ReduceScatterLowLatency),
         Kind::ReduceScatter => Kernel::Reduce(Family::ReduceScatter),
         Kind::Reduce => Kernel::Reduce(Family::Reduce),
+        // all_gather's count is its input's bytes.
+        Kind::AllGather if low_latency(count) => Kernel::AllGatherLowLatency,
         Kind::AllGather => Kernel::AllGather,
         Kind::Broadcast => Kernel::Broadcast,
         Kind::Gather => Kernel::Gather,
@@ -342,24 +348,24 @@ pub fn kernel(kind: Kind, bytes: usize, local_ranks: usize, one_shot_max: usize,
     }
 }
 
-/// The grid (CUDA blocks) of a collective kernel for a `kind` call of `bytes`
+/// The grid (CUDA blocks) of collective kernel `k` for a call of `bytes`
 /// (`message_bytes`), in a group whose collective grid is `blocks`: SMALL_GRID blocks up to
-/// SMALL_GRID_MAX_BYTES, the group's grid above (a pure function of the call, so every rank
-/// of a call picks the same one; ranks whose calls differ may not, NOTE [Grids] in
-/// csrc_kernels/protocol.cuh). all_to_all keeps the group's grid: its size is in its
-/// chunks, not in its descriptor. send/recv never come here (`p2p_blocks`).
-pub fn grid(kind: Kind, bytes: u64, blocks: u32) -> u32 {
-    let small = match kind {
-        Kind::AllReduce
-        | Kind::ReduceScatter
-        | Kind::AllGather
-        | Kind::Broadcast
-        | Kind::Reduce
-        | Kind::Gather
-        | Kind::Scatter
-        | Kind::Barrier
-        | Kind::Invalid => bytes <= SMALL_GRID_MAX_BYTES,
-        Kind::AllToAll | Kind::Send | Kind::Recv => false,
+/// SMALL_GRID_MAX_BYTES and for every low-latency kernel, the group's grid above (a pure
+/// function of the call, so every rank of a call picks the same one; ranks whose calls
+/// differ may not, NOTE [Grids] in csrc_kernels/protocol.cuh). all_to_all keeps the group's
+/// grid: its size is in its chunks, not in its descriptor. send/recv never come here
+/// (`p2p_blocks`).
+pub fn grid(k: Kernel, bytes: u64, blocks: u32) -> u32 {
+    let small = match k {
+        _ if k.is_low_latency() => true,
+        Kernel::Reduce(_)
+        | Kernel::AllGather
+        | Kernel::AllGatherLowLatency
+        | Kernel::Broadcast
+        | Kernel::Gather
+        | Kernel::Scatter
+        | Kernel::Barrier => bytes <= SMALL_GRID_MAX_BYTES,
+        Kernel::AllToAll | Kernel::Send | Kernel::Recv | Kernel::P2pSignal => false,
     };
     if small {
         blocks.min(SMALL_GRID)
@@ -478,17 +484,18 @@ pub const ALLREDUCE_IN_PLACE_MAX_BYTES: u64 = 64 << 20;
 /// offset + 1 of the buffer in the rank's block, 0 for "not offered". `in_pool(ptr, len)`
 /// gives a buffer's offset if it lies inside the pool. A pure function (tested without a
 /// GPU); what it returns may differ between ranks, and the kernels settle it together.
-/// Every rank calls it with the same kind, family and sizes, so calls under the threshold
-/// or of a family without an in-place algorithm (one-shot) offer nothing on every rank.
-pub fn placement(c: &CudaCall, fam: Option<Family>, world: usize, min_bytes: u64, in_pool: &dyn Fn(u64, u64) -> Option<u64>) -> (u64, u64) {
+/// Every rank calls it with the same kind, kernel and sizes, so calls under the threshold
+/// or of a kernel without an in-place algorithm (one-shot, the low-latency kernels) offer
+/// nothing on every rank.
+pub fn placement(c: &CudaCall, k: Kernel, world: usize, min_bytes: u64, in_pool: &dyn Fn(u64, u64) -> Option<u64>) -> (u64, u64) {
     let elem = c.dtype.size();
     let msg = message_bytes(c.kind, c.count, elem, world);
-    if msg == 0 || msg < min_bytes {
+    if msg == 0 || msg < min_bytes || k.is_low_latency() {
         return (0, 0);
     }
     let at = |ptr: u64, len: u64| in_pool(ptr, len).map(|o| o + 1);
     match c.kind {
-        Kind::AllReduce if fam == Some(Family::TwoShot) && (world <= 2 || msg < ALLREDUCE_IN_PLACE_MAX_BYTES) => {
+        Kind::AllReduce if k == Kernel::Reduce(Family::TwoShot) && (world <= 2 || msg < ALLREDUCE_IN_PLACE_MAX_BYTES) => {
             match (at(c.inp, msg), at(c.out, msg)) {
                 (Some(i), Some(o)) => (i, o),
                 _ => (0, 0),

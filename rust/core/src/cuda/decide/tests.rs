@@ -1,21 +1,22 @@
 //! decide.rs's choices, tested without a GPU.
 
 use super::*;
+use crate::cuda::kernels::LL_MAX_BYTES as LL;
 
 /// Every kind has one kernel, one NCCL call and words, and they agree with its facts.
 #[test]
 fn every_kind_has_a_kernel_and_an_nccl_call() {
     for k in Kind::ALL {
-        let kern = kernel(k, 64, 2, 0, true);
+        let kern = kernel(k, 64, 1, 2, 0, 0);
         assert_eq!(kern.shape() == kernels::Shape::Peer, k.is_p2p(), "{k:?}");
         assert_eq!(nccl_call(k) == NcclCall::P2p, k.is_p2p(), "{k:?}");
         assert_eq!(matches!(kern, Kernel::Reduce(_)), k.has_op(), "{k:?}");
         assert_eq!(matches!(nccl_call(k), NcclCall::AllReduce | NcclCall::ReduceScatter | NcclCall::Reduce), k.has_op(), "{k:?}");
         assert!(call_in_words(k, "float32", "SUM", 1, 8).starts_with(k.name()), "{k:?}");
     }
-    assert_eq!(kernel(Kind::AllReduce, 64 << 20, 2, 0, true), Kernel::Reduce(Family::TwoShot));
-    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0, true), Kernel::Reduce(Family::LowLatency));
-    assert_eq!(kernel(Kind::AllReduce, 64 << 10, 2, 0, true), Kernel::Reduce(Family::OneShot));
+    assert_eq!(kernel(Kind::AllReduce, 32 << 20, 2, 2, 0, LL), Kernel::Reduce(Family::TwoShot));
+    assert_eq!(kernel(Kind::AllReduce, 2048, 2, 2, 0, LL), Kernel::Reduce(Family::LowLatency));
+    assert_eq!(kernel(Kind::AllReduce, 32 << 10, 2, 2, 0, LL), Kernel::Reduce(Family::OneShot));
     assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
@@ -175,22 +176,49 @@ fn gpus_without_peer_access_are_named() {
 
 #[test]
 fn allreduce_algorithm_follows_threshold() {
-    assert_eq!(choose_allreduce(1024, 4, 256 << 10, true), Family::LowLatency);
-    assert_eq!(choose_allreduce(LL_MAX_BYTES, 4, 0, true), Family::LowLatency);
-    assert_eq!(choose_allreduce(LL_MAX_BYTES + 2, 4, 0, true), Family::OneShot);
-    assert_eq!(choose_allreduce(1024, 4, 512, true), Family::TwoShot);
-    // Beside copy-engine collectives, the one-shot.
-    assert_eq!(choose_allreduce(1024, 4, 0, false), Family::OneShot);
-    assert_eq!(kernel(Kind::AllReduce, 4096, 2, 0, false), Kernel::Reduce(Family::OneShot));
-    assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10, true), Family::OneShot);
-    assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10, true), Family::TwoShot);
-    assert_eq!(choose_allreduce(2, 2, 1, true), Family::TwoShot);
+    assert_eq!(choose_allreduce(1024, 4, 256 << 10, LL), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL, 4, 0, LL), Family::LowLatency);
+    assert_eq!(choose_allreduce(LL + 2, 4, 0, LL), Family::OneShot);
+    assert_eq!(choose_allreduce(1024, 4, 512, LL), Family::TwoShot);
+    // cuda_low_latency_max_bytes lowers the bound; 0 turns the low-latency kernel off.
+    assert_eq!(choose_allreduce(4096, 4, 0, 4096), Family::LowLatency);
+    assert_eq!(choose_allreduce(4098, 4, 0, 4096), Family::OneShot);
+    assert_eq!(choose_allreduce(1024, 4, 0, 0), Family::OneShot);
+    assert_eq!(choose_allreduce(0, 4, 0, 0), Family::OneShot);
+    assert_eq!(kernel(Kind::AllReduce, 2048, 2, 2, 0, 0), Kernel::Reduce(Family::OneShot));
+    assert_eq!(choose_allreduce(256 << 10, 4, 256 << 10, LL), Family::OneShot);
+    assert_eq!(choose_allreduce((256 << 10) + 2, 4, 256 << 10, LL), Family::TwoShot);
+    assert_eq!(choose_allreduce(2, 2, 1, LL), Family::TwoShot);
     // Auto: the measured crossover per number of ranks.
-    assert_eq!(choose_allreduce(2 << 20, 2, 0, true), Family::OneShot);
-    assert_eq!(choose_allreduce(4 << 20, 2, 0, true), Family::TwoShot);
-    assert_eq!(choose_allreduce(1 << 20, 4, 0, true), Family::TwoShot);
-    assert_eq!(choose_allreduce(512 << 10, 4, 0, true), Family::OneShot);
-    assert_eq!(choose_allreduce(512 << 10, 8, 0, true), Family::TwoShot);
+    assert_eq!(choose_allreduce(2 << 20, 2, 0, LL), Family::OneShot);
+    assert_eq!(choose_allreduce(4 << 20, 2, 0, LL), Family::TwoShot);
+    assert_eq!(choose_allreduce(1 << 20, 4, 0, LL), Family::TwoShot);
+    assert_eq!(choose_allreduce(512 << 10, 4, 0, LL), Family::OneShot);
+    assert_eq!(choose_allreduce(512 << 10, 8, 0, LL), Family::TwoShot);
+}
+
+/// reduce_scatter and all_gather take their low-latency kernels by what each rank sends
+/// each peer (reduce_scatter: its output shard, in elements; all_gather: its input, in
+/// bytes), up to the setting; never at 0. Those kernels run on the small grid whatever the
+/// message, and never in place.
+#[test]
+fn low_latency_kernels_follow_the_bytes_per_sender() {
+    let rs = Kernel::Reduce(Family::ReduceScatterLowLatency);
+    assert_eq!(kernel(Kind::ReduceScatter, (LL / 2) as u64, 2, 8, 0, LL), rs);
+    assert_eq!(kernel(Kind::ReduceScatter, (LL / 2 + 1) as u64, 2, 8, 0, LL), Kernel::Reduce(Family::ReduceScatter));
+    assert_eq!(kernel(Kind::ReduceScatter, 16, 4, 8, 0, 0), Kernel::Reduce(Family::ReduceScatter));
+    assert_eq!(kernel(Kind::AllGather, LL as u64, 2, 8, 0, LL), Kernel::AllGatherLowLatency);
+    assert_eq!(kernel(Kind::AllGather, LL as u64 + 1, 1, 8, 0, LL), Kernel::AllGather);
+    assert_eq!(kernel(Kind::AllGather, 16, 1, 8, 0, 0), Kernel::AllGather);
+    for k in [rs, Kernel::AllGatherLowLatency, Kernel::Reduce(Family::LowLatency)] {
+        assert!(k.is_low_latency(), "{k:?}");
+        // An all_gather of 16 KiB per rank at 8 ranks gathers 128 KiB: still the small grid.
+        assert_eq!(grid(k, message_bytes(Kind::AllGather, LL as u64, 1, 8), 64), SMALL_GRID, "{k:?}");
+        assert_eq!(grid(k, 1024, 8), 8, "{k:?}: never more than the group's grid");
+    }
+    for k in [Kernel::Reduce(Family::OneShot), Kernel::Reduce(Family::ReduceScatter), Kernel::AllGather, Kernel::Barrier] {
+        assert!(!k.is_low_latency(), "{k:?}");
+    }
 }
 
 #[test]
@@ -210,11 +238,11 @@ fn placement_offers_only_eligible_pool_buffers() {
         asynchronous: false,
     };
     let mib = 1u64 << 20;
-    let two = Some(Family::TwoShot);
+    let two = Kernel::Reduce(Family::TwoShot);
     // all_reduce: both buffers in the pool, two-shot, over the threshold.
     let ar = call(Kind::AllReduce, 4 * mib / 2, 2048, 2048);
     assert_eq!(placement(&ar, two, 4, mib, &pool), (2049, 2049));
-    assert_eq!(placement(&ar, Some(Family::OneShot), 4, mib, &pool), (0, 0));
+    assert_eq!(placement(&ar, Kernel::Reduce(Family::OneShot), 4, mib, &pool), (0, 0));
     assert_eq!(placement(&ar, two, 4, 8 * mib, &pool), (0, 0), "under the threshold");
     assert_eq!(placement(&call(Kind::AllReduce, 4 * mib / 2, 2048, 1 << 40), two, 4, mib, &pool), (0, 0));
     // From ALLREDUCE_IN_PLACE_MAX_BYTES on, all_reduce is staged above 2 ranks, in place at 2.
@@ -229,12 +257,14 @@ fn placement_offers_only_eligible_pool_buffers() {
     // reduce_scatter offers its input (world x count elements), all_gather and
     // broadcast their output.
     let rs = call(Kind::ReduceScatter, mib, 4096, 1 << 40);
-    assert_eq!(placement(&rs, None, 4, mib, &pool), (4097, 0));
+    assert_eq!(placement(&rs, Kernel::Reduce(Family::ReduceScatter), 4, mib, &pool), (4097, 0));
+    assert_eq!(placement(&rs, Kernel::Reduce(Family::ReduceScatterLowLatency), 4, mib, &pool), (0, 0), "low latency: never in place");
     let ag = call(Kind::AllGather, mib, 1 << 40, 4096);
-    assert_eq!(placement(&ag, None, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
+    assert_eq!(placement(&ag, Kernel::AllGather, 4, 4 * mib, &pool), (0, 4097), "the output is 4 MiB");
+    assert_eq!(placement(&ag, Kernel::AllGatherLowLatency, 4, mib, &pool), (0, 0));
     let bc = call(Kind::Broadcast, 2 * mib, 8192, 8192);
-    assert_eq!(placement(&bc, None, 2, mib, &pool), (0, 8193));
-    assert_eq!(placement(&call(Kind::Barrier, 0, 0, 0), None, 2, 0, &pool), (0, 0));
+    assert_eq!(placement(&bc, Kernel::Broadcast, 2, mib, &pool), (0, 8193));
+    assert_eq!(placement(&call(Kind::Barrier, 0, 0, 0), Kernel::Barrier, 2, 0, &pool), (0, 0));
     assert_eq!(message_bytes(Kind::ReduceScatter, 10, 2, 4), 80);
 }
 
@@ -337,7 +367,17 @@ fn shared_gpu_grids_fit_in_each_ranks_share() {
 /// small.
 #[test]
 fn small_calls_take_the_small_grid() {
-    for k in [Kind::AllReduce, Kind::ReduceScatter, Kind::AllGather, Kind::Broadcast, Kind::Reduce, Kind::Gather, Kind::Scatter] {
+    let kernels = [
+        Kernel::Reduce(Family::OneShot),
+        Kernel::Reduce(Family::TwoShot),
+        Kernel::Reduce(Family::ReduceScatter),
+        Kernel::Reduce(Family::Reduce),
+        Kernel::AllGather,
+        Kernel::Broadcast,
+        Kernel::Gather,
+        Kernel::Scatter,
+    ];
+    for k in kernels {
         assert_eq!(grid(k, 1, 64), SMALL_GRID, "{k:?}");
         assert_eq!(grid(k, SMALL_GRID_MAX_BYTES, 64), SMALL_GRID, "{k:?}");
         assert_eq!(grid(k, SMALL_GRID_MAX_BYTES + 1, 64), 64, "{k:?}");
@@ -345,11 +385,12 @@ fn small_calls_take_the_small_grid() {
         assert_eq!(grid(k, 1024, 8), 8, "{k:?}: never more than the group's grid");
     }
     for k in [Kind::Barrier, Kind::Invalid] {
-        assert_eq!(grid(k, 0, 64), SMALL_GRID, "{k:?}");
+        assert_eq!(grid(kernel(k, 0, 1, 4, 0, LL), 0, 64), SMALL_GRID, "{k:?}");
     }
-    assert_eq!(grid(Kind::AllToAll, 0, 64), 64);
+    assert_eq!(grid(Kernel::AllToAll, 0, 64), 64);
     // The sizes the bench names are message_bytes: a 64 KiB reduce_scatter input is small,
     // a 128 KiB all_gather output is not.
-    assert_eq!(grid(Kind::ReduceScatter, message_bytes(Kind::ReduceScatter, 8 << 10, 2, 4), 64), SMALL_GRID);
-    assert_eq!(grid(Kind::AllGather, message_bytes(Kind::AllGather, 32 << 10, 2, 4), 64), 64);
+    let rs = Kernel::Reduce(Family::ReduceScatter);
+    assert_eq!(grid(rs, message_bytes(Kind::ReduceScatter, 8 << 10, 2, 4), 64), SMALL_GRID);
+    assert_eq!(grid(Kernel::AllGather, message_bytes(Kind::AllGather, 32 << 10, 2, 4), 64), 64);
 }

@@ -95,7 +95,7 @@ mod tests {
     fn control_areas_do_not_overlap() {
         // The block's control areas as abi.cuh defines them, in order, each with its size:
         // flags, stats (+ poison word), counters, busy words, descriptors, send/recv, tables,
-        // the low-latency all_reduce's slots and headers.
+        // the low-latency kernels' slots and headers.
         let def = |v: u64| v as usize;
         let (max_blocks, max_ranks) = (MAX_BLOCKS as usize, MAX_RANKS);
         let areas = [

@@ -373,6 +373,7 @@ impl CudaEngine {
             sm,
             gpu_sharers: sharers,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
+            low_latency_max: cfg.cuda_low_latency_max_bytes,
             sync_on_caller: cfg.cuda_sync_stream,
             local_ranks: local_ranks.clone(),
             collectives: Default::default(),

@@ -24,9 +24,7 @@ impl CudaEngine {
     /// the rest on the collective grid. Returns the end event for an asynchronous call (the
     /// Work waits on it); a blocking call is ordered before the caller's later work already.
     pub fn launch(&self, c: &CudaCall) -> Result<Option<CudaEvent>> {
-        // No low-latency all_reduce beside copy-engine collectives (decide::choose_allreduce).
-        let low_latency = self.copy_engine_min == 0;
-        let kernel = kernel(c.kind, c.count as usize * c.dtype.size(), self.pool.nranks, self.one_shot_max, low_latency);
+        let kernel = kernel(c.kind, c.count, c.dtype.size(), self.pool.nranks, self.one_shot_max, self.low_latency_max);
         if kernel.shape() != c.shape() {
             return Err(Error::Internal(format!(
                 "a {} call of shape {:?} for a kernel of shape {:?}",
@@ -69,10 +67,6 @@ impl CudaEngine {
         if self.on_copy_engines(c) {
             return self.launch_copy(c);
         }
-        let family = match kernel {
-            Kernel::Reduce(f) if c.kind == Kind::AllReduce => Some(f),
-            _ => None,
-        };
         let func = self.kernels.get(kernel, c.dtype, c.op).ok_or_else(|| {
             Error::InvalidType(format!("rsccl's CUDA {} does not support {} with {}", c.kind.name(), c.dtype.name(), c.op.name()))
         })?;
@@ -104,11 +98,11 @@ impl CudaEngine {
         if let Some(heap) = &self.heap {
             let own = self.pool.block_addr(self.pool.me);
             let in_pool = |ptr: u64, len: u64| heap.contains(ptr, len).then(|| ptr - own);
-            (a.place_in, a.place_out) = placement(c, family, self.pool.nranks, self.inplace_min, &in_pool);
+            (a.place_in, a.place_out) = placement(c, kernel, self.pool.nranks, self.inplace_min, &in_pool);
         }
         // Small calls on a small grid (`decide::grid`); the kernels put it in the descriptor
         // they compare (NOTE [Grids] in csrc_kernels/protocol.cuh).
-        let blocks = grid(c.kind, message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks), self.blocks);
+        let blocks = grid(kernel, message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks), self.blocks);
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
         let (l, admitted) = self.begin(&mut o, c, sms_of(blocks, self.sm.collective_per_sm))?;

@@ -95,6 +95,8 @@ pub struct CudaEngine {
     /// Ranks of this group on this rank's GPU (itself included; 1 unless allow_shared_gpu).
     gpu_sharers: u32,
     one_shot_max: usize,
+    /// cuda_low_latency_max_bytes (0: never), `decide::kernel`.
+    low_latency_max: usize,
     sync_on_caller: bool,
     local_ranks: Vec<usize>,
     collectives: std::sync::atomic::AtomicU64,

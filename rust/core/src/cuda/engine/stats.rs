@@ -8,10 +8,9 @@ use cudarc::driver::sys as cu;
 
 use super::status::HostWords;
 use super::CudaEngine;
-use crate::collective::Kind;
 use crate::cuda::decide::{grid, SMALL_GRID_MAX_BYTES};
 use crate::cuda::driver::{check, is_capturing};
-use crate::cuda::kernels::{STAGE_OFF, STATS_OFF};
+use crate::cuda::kernels::{Kernel, STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
 
@@ -41,6 +40,10 @@ pub struct CudaStats {
     /// `blocks`.
     pub small_blocks: u32,
     pub small_max_bytes: u64,
+    /// cuda_low_latency_max_bytes: all_reduce, reduce_scatter (output) and all_gather
+    /// (input) up to this size per rank run the low-latency kernels, on the small grid
+    /// (0: never).
+    pub low_latency_max_bytes: u64,
     /// cuda_copy_engine_min_bytes: all_gather, reduce_scatter, broadcast and send/recv from
     /// this size move on the copy engines (0: never), with one-CTA barrier or signal kernels
     /// (and reduce_scatter's local reduce kernel) (NOTE [Copy engines], NOTE [Copy-engine
@@ -139,7 +142,8 @@ impl CudaEngine {
             staged_bytes: total_b.saturating_sub(inplace_b),
             p2p_blocks: self.p2p_blocks,
             blocks: self.blocks,
-            small_blocks: grid(Kind::AllReduce, SMALL_GRID_MAX_BYTES, self.blocks),
+            small_blocks: grid(Kernel::Barrier, 0, self.blocks),
+            low_latency_max_bytes: self.low_latency_max as u64,
             small_max_bytes: SMALL_GRID_MAX_BYTES,
             copy_engine_min_bytes: self.copy_engine_min,
             gpu_sharers: self.gpu_sharers,

@@ -126,10 +126,13 @@ mod tests {
             // Each engine's one launch entry routes by what the kind is to it: rsccl's kernel
             // takes the call's shape, and NCCL's call is the pair communicators' for one
             // peer and a group of sends and receives for chunks.
-            let kernel = decide::kernel(k, 64, 4, 0, true);
-            assert_eq!(kernel.shape(), c.shape(), "{k:?}: rsccl's kernel takes the call's shape");
-            let name = kernels::kernel_name(kernel, DType::BF16).unwrap();
-            assert!(kernels::required_kernels().iter().any(|e| e.1 == name), "{k:?}: its kernel {name} is in the table");
+            // Both of a kind's kernels where it has a low-latency one (`low_latency_max`).
+            for ll in [0, kernels::LL_MAX_BYTES] {
+                let kernel = decide::kernel(k, 64, 2, 4, 0, ll);
+                assert_eq!(kernel.shape(), c.shape(), "{k:?}: rsccl's kernel takes the call's shape");
+                let name = kernels::kernel_name(kernel, DType::BF16).unwrap();
+                assert!(kernels::required_kernels().iter().any(|e| e.1 == name), "{k:?}: its kernel {name} is in the table");
+            }
             let nccl = decide::nccl_call(k);
             assert_eq!(
                 (nccl == NcclCall::P2p, nccl == NcclCall::AllToAll),

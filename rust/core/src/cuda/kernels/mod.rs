@@ -64,7 +64,8 @@ pub mod abi {
 pub const THREADS: u32 = abi::THREADS as u32;
 /// Offsets inside a rank's block (the source's layout constants).
 pub const STAGE_OFF: usize = abi::STAGE_OFF as usize;
-/// The largest all_reduce (bytes) of the low-latency kernel (Family::LowLatency).
+/// The most bytes per sender of the low-latency kernels (`Kernel::is_low_latency`): what
+/// their slots hold, the bound of the setting cuda_low_latency_max_bytes.
 pub const LL_MAX_BYTES: usize = abi::LL_MAX_BYTES as usize;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
@@ -89,11 +90,13 @@ pub const DESC0_COPY_ENGINE_BIT: u32 = abi::DESC0_COPY_ENGINE_BIT as u32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
     /// all_reduce of at most LL_MAX_BYTES without a barrier's wait on a release ({data,
-    /// epoch} words: NOTE [Low latency] in csrc_kernels/all_reduce.cu).
+    /// epoch} words: NOTE [Low latency] in csrc_kernels/common.cuh).
     LowLatency,
     OneShot,
     TwoShot,
     ReduceScatter,
+    /// reduce_scatter of at most LL_MAX_BYTES of output, as `LowLatency`.
+    ReduceScatterLowLatency,
     /// reduce to a root
     Reduce,
     /// One round's reduction of reduce_scatter on the copy engines, in local memory
@@ -102,8 +105,15 @@ pub enum Family {
     CopyEngineReduce,
 }
 
-pub const FAMILIES: [Family; 6] =
-    [Family::LowLatency, Family::OneShot, Family::TwoShot, Family::ReduceScatter, Family::Reduce, Family::CopyEngineReduce];
+pub const FAMILIES: [Family; 7] = [
+    Family::LowLatency,
+    Family::OneShot,
+    Family::TwoShot,
+    Family::ReduceScatter,
+    Family::ReduceScatterLowLatency,
+    Family::Reduce,
+    Family::CopyEngineReduce,
+];
 
 /// An entry point of rsccl's kernels as the launch path picks it (`cuda::decide::kernel`):
 /// the index of the kernels' table (`Kernels::get`). A reduction family has an entry point
@@ -113,6 +123,8 @@ pub enum Kernel {
     /// A reduction family, instantiated per dtype (the op comes with the call).
     Reduce(Family),
     AllGather,
+    /// all_gather of at most LL_MAX_BYTES of input, as `Family::LowLatency`.
+    AllGatherLowLatency,
     Broadcast,
     Gather,
     Scatter,
@@ -143,8 +155,9 @@ pub enum Shape {
 
 impl Kernel {
     /// The kernels with one entry point, in the loader's order (the families follow).
-    pub const PLAIN: [Kernel; 9] = [
+    pub const PLAIN: [Kernel; 10] = [
         Kernel::AllGather,
+        Kernel::AllGatherLowLatency,
         Kernel::Broadcast,
         Kernel::Gather,
         Kernel::Scatter,
@@ -162,9 +175,11 @@ impl Kernel {
             Kernel::Reduce(Family::OneShot) => ("all_reduce", "rs_ar_oneshot"),
             Kernel::Reduce(Family::TwoShot) => ("all_reduce", "rs_ar_twoshot"),
             Kernel::Reduce(Family::ReduceScatter) => ("reduce_scatter", "rs_reduce_scatter"),
+            Kernel::Reduce(Family::ReduceScatterLowLatency) => ("reduce_scatter", "rs_reduce_scatter_ll"),
             Kernel::Reduce(Family::Reduce) => ("rooted", "rs_reduce_root"),
             Kernel::Reduce(Family::CopyEngineReduce) => ("reduce_scatter", "rs_ce_reduce"),
             Kernel::AllGather => ("all_gather", "rs_all_gather"),
+            Kernel::AllGatherLowLatency => ("all_gather", "rs_all_gather_ll"),
             Kernel::Broadcast => ("rooted", "rs_broadcast"),
             Kernel::Gather => ("rooted", "rs_gather"),
             Kernel::Scatter => ("rooted", "rs_scatter"),
@@ -181,10 +196,21 @@ impl Kernel {
         match self {
             Kernel::AllToAll => Shape::Chunks,
             Kernel::Send | Kernel::Recv | Kernel::P2pSignal => Shape::Peer,
-            Kernel::Reduce(_) | Kernel::AllGather | Kernel::Broadcast | Kernel::Gather | Kernel::Scatter | Kernel::Barrier => {
-                Shape::Collective
-            }
+            Kernel::Reduce(_)
+            | Kernel::AllGather
+            | Kernel::AllGatherLowLatency
+            | Kernel::Broadcast
+            | Kernel::Gather
+            | Kernel::Scatter
+            | Kernel::Barrier => Shape::Collective,
         }
+    }
+
+    /// Whether it is one of the low-latency kernels ({data, epoch} words, no barrier wait:
+    /// NOTE [Low latency] in csrc_kernels/common.cuh), which run on the small grid and never
+    /// in place.
+    pub fn is_low_latency(self) -> bool {
+        matches!(self, Kernel::Reduce(Family::LowLatency | Family::ReduceScatterLowLatency) | Kernel::AllGatherLowLatency)
     }
 
     /// Whether a call's descriptor carries its dtype, op, root and count besides its kind,
@@ -443,8 +469,8 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let required = required_kernels();
-        // 6 families x 5 dtypes (the op comes with the call) + 9 plain kernels.
-        assert_eq!(required.len(), 6 * 5 + 9);
+        // 7 families x 5 dtypes (the op comes with the call) + 10 plain kernels.
+        assert_eq!(required.len(), 7 * 5 + 10);
         for (module, name) in &required {
             let src = MODULES.iter().find(|m| m.0 == *module).unwrap_or_else(|| panic!("{module}")).1;
             let plain = format!("void __launch_bounds__(THREADS) {name}(");
@@ -454,6 +480,8 @@ mod tests {
         }
         assert!(kernel_name(Kernel::Reduce(Family::OneShot), DType::F64).is_none());
         assert_eq!(kernel_name(Kernel::Reduce(Family::LowLatency), DType::F32).unwrap(), "rs_ar_ll_f32");
+        assert_eq!(kernel_name(Kernel::Reduce(Family::ReduceScatterLowLatency), DType::BF16).unwrap(), "rs_reduce_scatter_ll_bf16");
+        assert_eq!(kernel_name(Kernel::AllGatherLowLatency, DType::BF16).unwrap(), "rs_all_gather_ll");
         assert_eq!(kernel_name(Kernel::Reduce(Family::TwoShot), DType::BF16).unwrap(), "rs_ar_twoshot_bf16");
         assert_eq!(kernel_name(Kernel::Reduce(Family::Reduce), DType::I64).unwrap(), "rs_reduce_root_i64");
         assert_eq!(kernel_name(Kernel::Reduce(Family::CopyEngineReduce), DType::F16).unwrap(), "rs_ce_reduce_f16");
