@@ -348,6 +348,25 @@ pub fn kernel(kind: Kind, count: u64, elem: usize, local_ranks: usize, one_shot_
     }
 }
 
+/// Every kernel a `kind` call may run on one host (what `kernel` picks at some size or
+/// setting): the warm-up launches each (`CudaEngine::warm_up`), so that none is loaded or
+/// first run inside a user's call.
+pub fn kernels_of(kind: Kind) -> &'static [Kernel] {
+    match kind {
+        Kind::AllReduce => &[Kernel::Reduce(Family::LowLatency), Kernel::Reduce(Family::OneShot), Kernel::Reduce(Family::TwoShot)],
+        Kind::ReduceScatter => &[Kernel::Reduce(Family::ReduceScatterLowLatency), Kernel::Reduce(Family::ReduceScatter)],
+        Kind::AllGather => &[Kernel::AllGatherLowLatency, Kernel::AllGather],
+        Kind::Reduce => &[Kernel::Reduce(Family::Reduce)],
+        Kind::Broadcast => &[Kernel::Broadcast],
+        Kind::Gather => &[Kernel::Gather],
+        Kind::Scatter => &[Kernel::Scatter],
+        Kind::Barrier | Kind::Invalid => &[Kernel::Barrier],
+        Kind::AllToAll => &[Kernel::AllToAll],
+        Kind::Send => &[Kernel::Send],
+        Kind::Recv => &[Kernel::Recv],
+    }
+}
+
 /// The grid (CUDA blocks) of collective kernel `k` for a call of `bytes`
 /// (`message_bytes`), in a group whose collective grid is `blocks`: SMALL_GRID blocks up to
 /// SMALL_GRID_MAX_BYTES and for every low-latency kernel, the group's grid above (a pure

@@ -197,6 +197,26 @@ fn allreduce_algorithm_follows_threshold() {
     assert_eq!(choose_allreduce(512 << 10, 8, 0, LL), Family::TwoShot);
 }
 
+/// `kernels_of` lists every kernel `kernel` picks for a kind, whatever the size and the
+/// settings, with no repeat.
+#[test]
+fn kernels_of_a_kind_cover_every_choice() {
+    for k in Kind::ALL {
+        let all = kernels_of(k);
+        for (i, x) in all.iter().enumerate() {
+            assert!(!all[i + 1..].contains(x), "{k:?}: {x:?} twice");
+        }
+        for count in [0u64, 1, 4096, 1 << 20, 1 << 30] {
+            for (one_shot, ll) in [(0, LL), (0, 0), (1, LL), (1 << 40, LL), (1 << 40, 0)] {
+                for ranks in [2, 4, 8] {
+                    let got = kernel(k, count, 2, ranks, one_shot, ll);
+                    assert!(all.contains(&got), "{k:?} of {count} at {ranks} ranks ({one_shot}, {ll}): {got:?} not in {all:?}");
+                }
+            }
+        }
+    }
+}
+
 /// reduce_scatter and all_gather take their low-latency kernels by what each rank sends
 /// each peer (reduce_scatter: its output shard, in elements; all_gather: its input, in
 /// bytes), up to the setting; never at 0. Those kernels run on the small grid whatever the

@@ -17,7 +17,7 @@ use crate::collective::op::Chunks;
 use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::budget::{sms_of, SmShare};
-use crate::cuda::decide::{check_peer_access, grids_that_fit, p2p_chunk, stage_per_block, LocalGpu, Reach};
+use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, kernels_of, p2p_chunk, stage_per_block, LocalGpu, Reach};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::order::{EndMark, EventHome, Order};
@@ -405,19 +405,27 @@ impl CudaEngine {
         Ok(engine)
     }
 
-    /// One collective of every kernel family, on the internal stream, then wait: the
-    /// first real collective finds the kernels resident and the signal pads in use.
+    /// One collective of every kernel, on the internal stream, then wait: the first real
+    /// collective finds the kernels resident and the signal pads in use.
     pub(super) fn warm_up(self: &Arc<Self>) -> Result<()> {
         let stream = self.internal.raw() as u64;
         let n = self.pool.nranks;
         // Zero-length calls run every barrier path without touching user memory: every
         // kind but send/recv (below) and the invalid call (the barrier's kernel), in
-        // `Kind::ALL` order on every rank, a kind with chunks with an empty chunk per rank.
-        // A new kind is warmed up with no line here.
+        // `Kind::ALL` order on every rank, a kind with chunks with an empty chunk per rank;
+        // a kind with several kernels (`decide::kernels_of`: all_reduce's one-shot,
+        // two-shot and low-latency ones) runs each, in that order on every rank. A new kind
+        // is warmed up with no line here.
         for kind in Kind::ALL.into_iter().filter(|&k| k != Kind::Invalid && !k.is_p2p()) {
             let dtype = if kind.has_op() { DType::BF16 } else { DType::U8 };
             let chunks = kind.has_chunks().then(|| Chunks::empty(n));
-            self.launch(&CudaCall { dtype, chunks, ..CudaCall::bare(kind, 0, stream, false) })?;
+            let call = CudaCall { dtype, chunks, ..CudaCall::bare(kind, 0, stream, false) };
+            self.launch(&call)?;
+            let picked = kernel(kind, 0, dtype.size(), n, self.one_shot_max, self.low_latency_max);
+            for &k in kernels_of(kind).iter().filter(|&&k| k != picked) {
+                let ev = self.launch_inner(&call, k)?;
+                self.checked(ev)?;
+            }
         }
         // An empty send to every peer and recv from every peer: one step each, so the
         // pairs' sequence numbers stay in step. Each is a blocking launch on the internal

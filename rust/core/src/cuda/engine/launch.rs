@@ -63,7 +63,7 @@ impl CudaEngine {
     }
 
     /// A collective or a call with chunks on `kernel` (its shape is the call's: `launch`).
-    fn launch_inner(&self, c: &CudaCall, kernel: Kernel) -> Result<Option<CudaEvent>> {
+    pub(super) fn launch_inner(&self, c: &CudaCall, kernel: Kernel) -> Result<Option<CudaEvent>> {
         if self.on_copy_engines(c) {
             return self.launch_copy(c);
         }
