@@ -104,6 +104,10 @@ typedef long long i64;
 // on past a failed collective before the host has acted on the report (cuda_on_error =
 // "teardown": the host ends the process; NOTE [Bounded waits]).
 #define FLAG_HOLD_ON_ERROR 1
+// Bits 8-15: the grid of the group's low-latency kernels (decide::low_latency_grid), which
+// sizes each block's region of their slots: every kernel's barrier keeps those regions
+// fresh (NOTE [Low latency epochs] in protocol.cuh).
+#define FLAG_LL_GRID_SHIFT 8
 
 struct Args {
     u64 peer[MAX_RANKS];   // symmetric block of each local rank, as mapped here

@@ -565,7 +565,8 @@ __device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, u32
 //      its own block (all_gather).
 // Why the words are this call's: block b's region of slot [k][j] (what the block's range
 // takes at LL_MAX_BYTES, ceil(LL_MAX_BYTES / 16 / grid) lines of 32 bytes whatever T:
-// ll_region) is written by block b of
+// ll_region_at in protocol.cuh; the grid is the group's, in Args::flags, which the host
+// launches these kernels with) is written by block b of
 // rank j only, at block b's epochs, and block b's epoch is the same on every rank (NOTE
 // [Lockstep blocks]), whatever other blocks' epochs are (the copy engines' one-block
 // barriers move block 0 alone; the stand-in moves blocks beyond the small grid). A word
@@ -581,34 +582,14 @@ __device__ __forceinline__ void tma_copies(TmaBufs& t, u32& use, u32 pieces, u32
 // the wrap too). Where e - 1 was a stand-in's (NOTE [Grids]: a copy-engine call's one-block
 // barrier moves blocks 1.. along), the stand-in ran after its block waited on every peer's
 // block 0 in that call, whose kernels had then finished every earlier kernel of theirs,
-// with their reads of buffer k. The desc slots are used as by a barrier.
-// Known limit (not handled yet): the epoch is 32 bits. A line of a region that no call
-// rewrote for 2^32 of its block's epochs (or never wrote, its epoch word 0, when the epoch
-// wraps to 0) holds a value a reader of that epoch takes as this call's before the
-// sender's store lands. Days of a busy group; a fix needs an epoch that does not wrap, or
-// every region rewritten at least once per 2^31 epochs (issue 27's note).
-static_assert(LL_SLOT >= 2 * LL_MAX_BYTES + 32 * MAX_BLOCKS, "LL_SLOT: a region per block (ll_region)");
+// with their reads of buffer k. The desc slots are used as by a barrier. Epochs are 32
+// bits: what keeps a word of 2^32 epochs ago from being taken is NOTE [Low latency epochs]
+// (protocol.cuh).
 static_assert(LL_BUFS == 2, "LL_BUFS: consecutive epochs must pick different buffers across the u32 wrap");
-__device__ __forceinline__ void st_ll(u64 addr, u32 d0, u32 d1, u32 e) {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(addr), "r"(d0), "r"(e), "r"(d1) : "memory");
-}
 __device__ __forceinline__ uint4 ld_ll(u64 addr) {
     uint4 v;
     asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(addr) : "memory");
     return v;
-}
-// Block b's region of slot [k][src] of `rank`'s block: the lines of the block's range at
-// the largest message (LL_MAX_BYTES of T), so that a region never depends on the call's
-// size. The grid's regions take at most 2 * LL_MAX_BYTES + 32 * grid bytes (a range is
-// rounded up to a pack), within LL_SLOT (static_assert above).
-template <typename T>
-__device__ __forceinline__ u64 ll_region(const Args& a, u32 rank, u32 k, u32 src) {
-    constexpr u64 P = Pack<T>::N, NMAX = LL_MAX_BYTES / sizeof(T);
-    const u64 per_max = round_up((NMAX + gridDim.x - 1) / gridDim.x, P);
-    return a.peer[rank] + LL_OFF + ((u64)k * MAX_RANKS + src) * LL_SLOT + (u64)blockIdx.x * (per_max / P * 32);
-}
-__device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src) {
-    return a.peer[rank] + LL_HDR_OFF + (((u64)k * MAX_RANKS + src) * MAX_BLOCKS + blockIdx.x) * 16;
 }
 
 // Spin until the LL line at `addr` holds epoch e in both words; false if the wait failed
@@ -683,7 +664,7 @@ enum LlKind : u32 { LL_ALL_REDUCE, LL_REDUCE_SCATTER, LL_ALL_GATHER };
 template <typename T, LlKind K>
 __device__ void ll_call(const Args& a, u32 op) {
     __shared__ BlockState s;
-    if (!load_state(a, &s)) return;
+    if (!load_state(a, &s, true)) return;
     const u32 W = a.world, me = a.rank, t = threadIdx.x;
     const u32 e = s.epoch + 1, k = e % LL_BUFS;
     const u64 n = a.count, P = Pack<T>::N;
@@ -716,7 +697,7 @@ __device__ void ll_call(const Args& a, u32 op) {
                 const u32 j = (me + j0) % W;
                 if (shard != 0) load_pack(p, in + j * shard, i, hi);
                 const uint4 w = *reinterpret_cast<const uint4*>(&p);
-                const u64 dst = ll_region<T>(a, j, k, me) + line;
+                const u64 dst = ll_region_at(a, j, k, me, blockIdx.x) + line;
                 st_ll(dst, w.x, w.y, e);
                 st_ll(dst + 16, w.z, w.w, e);
             }
@@ -742,7 +723,7 @@ __device__ void ll_call(const Args& a, u32 op) {
                     if (j == me) {
                         if (in == out + me * n) continue;  // in place: already there
                         load_pack(q, in, i, hi);
-                    } else if (!ll_read(a, ll_region<T>(a, me, k, j) + line, e, j, q)) {
+                    } else if (!ll_read(a, ll_region_at(a, me, k, j, blockIdx.x) + line, e, j, q)) {
                         s.abort = 1;  // reported; every thread returns after the bar.sync
                         break;
                     }
@@ -755,7 +736,7 @@ __device__ void ll_call(const Args& a, u32 op) {
                     Pack<T> q;
                     if (j == me) {
                         load_pack(q, in + me * shard, i, hi);
-                    } else if (!ll_read(a, ll_region<T>(a, me, k, j) + line, e, j, q)) {
+                    } else if (!ll_read(a, ll_region_at(a, me, k, j, blockIdx.x) + line, e, j, q)) {
                         s.abort = 1;  // reported; every thread returns after the bar.sync
                         break;
                     }
@@ -770,6 +751,10 @@ __device__ void ll_call(const Args& a, u32 op) {
         }
     }
     __syncthreads();
+    if (!s.abort && s.ll_due) {  // NOTE [Low latency epochs]: this call's buffer, now read
+        ll_refresh(a, k, e);
+        if (t == 0) *ll_refreshed(a) = s.epoch;
+    }
     if (!s.abort && t == 0) s.epoch = e;
     save_state(a, &s, 1);  // after an abort: counters unsaved, the busy word released
     if (!s.abort) note_call(a, (K == LL_ALL_REDUCE ? 1 : W) * n * sizeof(T), 2);

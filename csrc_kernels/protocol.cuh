@@ -13,6 +13,7 @@
 //   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
 //   NOTE [Low latency]        common.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
+//   NOTE [Low latency epochs] at ll_refresh (their words never taken from an old call)
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
 //
 // NOTE [Code size]
@@ -48,6 +49,7 @@ struct BlockState {
     u32 place_differs;  // some rank's in-place offsets differ from mine (first barrier)
     u32 any_attempt;    // some rank offered to run in place (first barrier)
     u32 grid_max;       // the largest grid of a mismatched peer's call (first barrier)
+    u32 ll_due;         // the low-latency regions are due for a rewrite (NOTE [Low latency epochs])
 };
 
 __device__ __forceinline__ u32* flag_ptr(u64 block_base, u32 cuda_block, u32 src) {
@@ -222,15 +224,90 @@ __device__ __forceinline__ u32 own_poison(const Args& a) {
     return *reinterpret_cast<volatile const u32*>(a.peer[a.rank] + POISON_OFF);
 }
 
+// ---------------------------------------------------------------------------------------
+// The low-latency kernels' slots (NOTE [Low latency] in common.cuh): here, because every
+// kernel's barrier keeps them fresh.
+
+static_assert(LL_MAX_BYTES % 16 == 0, "LL_MAX_BYTES: whole 16-byte packs");
+__device__ __forceinline__ void st_ll(u64 addr, u32 d0, u32 d1, u32 e) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(addr), "r"(d0), "r"(e), "r"(d1) : "memory");
+}
+// The grid of the group's low-latency kernels (Args::flags, FLAG_LL_GRID_SHIFT).
+__device__ __forceinline__ u32 ll_grid(const Args& a) { return (a.flags >> FLAG_LL_GRID_SHIFT) & 0xff; }
+// Block b's region of slot [k][src] of `rank`'s block: what a block's range of
+// LL_MAX_BYTES takes as LL lines (32 bytes per 16-byte pack) on the low-latency grid, so
+// that a region depends neither on the call's size nor on its dtype. The grid's regions take
+// at most 2 * LL_MAX_BYTES + 32 * grid bytes, within LL_SLOT.
+__device__ __forceinline__ u64 ll_region_at(const Args& a, u32 rank, u32 k, u32 src, u32 b) {
+    const u32 G = ll_grid(a);
+    return a.peer[rank] + LL_OFF + ((u64)k * MAX_RANKS + src) * LL_SLOT + (u64)b * ((LL_MAX_BYTES / 16 + G - 1) / G) * 32;
+}
+static_assert(LL_SLOT >= 2 * LL_MAX_BYTES + 32 * MAX_BLOCKS, "LL_SLOT: a region per block (ll_region_at)");
+
+__device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src) {
+    return a.peer[rank] + LL_HDR_OFF + (((u64)k * MAX_RANKS + src) * MAX_BLOCKS + blockIdx.x) * 16;
+}
+
+// NOTE [Low latency epochs]
+// A low-latency word carries the 32-bit epoch of the call that wrote it, and a reader takes
+// a word whose epoch equals its own (NOTE [Low latency] in common.cuh). A word left from a
+// call 2^32 epochs before (or never written: epoch word 0, when the epoch wraps to 0) would
+// be taken too, before the sender's store lands: a silent wrong result, after days of a
+// busy group; a header likewise would be taken as a call's, and a mismatch reported. So
+// block b rewrites its own regions and headers (every sender's, both buffers) with data 0
+// and a recent epoch word whenever LL_REFRESH_EPOCHS or more epochs passed since it last
+// did (`ll_refresh`), at the start of a kernel (load_state), the only place every kernel
+// passes: the epoch it last did so is kept in its own header slot [0][this rank][b], which
+// no peer writes (a peer p writes [k][p][b]). A kernel takes at most a few million epochs
+// (a step each), so every word then holds an epoch less than 2^31 old, never equal
+// (mod 2^32) to a later reader's.
+// Why a rewrite never overwrites words a reader will take: at the start of a kernel whose
+// block b's epoch is e0, no peer writes buffer e0 % 2 before this block signals e0 + 1
+// (a peer writes it at its epoch e0 + 2, LL_BUFS = 2), and none writes the other buffer
+// either unless the kernel is a low-latency one (its call e0 + 1 uses that buffer): any
+// other kernel signals before a peer's block b can leave it. So a low-latency kernel
+// rewrites buffer e0 % 2 at its start and the other at its end, once its reads are done
+// (ll_call); any other kernel rewrites both at its start. The rewrite's stores come before
+// anything a peer must see before it writes that buffer again: at a kernel's start, each
+// thread's fence.sc.sys and a bar.sync follow its rewrite, before any store of the call
+// (data words, signals); at a low-latency kernel's end, the next signals are in later
+// kernels, ordered after this one's stores on this GPU. A peer's store of a mismatched or
+// aborted call that lands after the rewrite holds a recent epoch: harmless.
+#define LL_REFRESH_EPOCHS 0x40000000u
+__device__ __forceinline__ u32* ll_refreshed(const Args& a) {
+    return reinterpret_cast<u32*>(ll_header(a, a.rank, 0, a.rank));
+}
+// Rewrite block blockIdx.x's regions and headers of buffer k (both: k = LL_BUFS) with
+// epoch word e (a header of contents 0 is no call's: a reader that took one would report a
+// mismatch, but none takes it, its epoch being old).
+__device__ __noinline__ void ll_refresh(const Args& a, u32 k, u32 e) {
+    const u32 G = ll_grid(a);
+    const u32 lines = (LL_MAX_BYTES / 16 + G - 1) / G * 2;  // 16-byte stores per region
+    for (u32 kk = 0; kk < LL_BUFS; kk++) {
+        if (k != LL_BUFS && kk != k) continue;
+        for (u32 src = 0; src < a.world; src++) {
+            if (src == a.rank) continue;
+            const u64 base = ll_region_at(a, a.rank, kk, src, blockIdx.x);
+            for (u32 i = threadIdx.x; i < lines; i += blockDim.x) st_ll(base + 16 * (u64)i, 0, 0, e);
+            if (threadIdx.x == 0) st_ll(ll_header(a, a.rank, kk, src), 0, 0, e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
 // Returns false when the kernel must return at once (nothing written, counters unsaved).
-__device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
+// `low_latency`: the kernel is one of the low-latency ones (NOTE [Low latency epochs]).
+__device__ __forceinline__ bool load_state(const Args& a, BlockState* s, bool low_latency = false) {
     if (threadIdx.x == 0) {
         const u64 own = a.peer[a.rank];
         const u32* c = reinterpret_cast<const u32*>(own + CTR_OFF) + 2 * blockIdx.x;
         u32* busy = reinterpret_cast<u32*>(own + BUSY_OFF) + blockIdx.x;
         const u32 was_busy = atomicAdd(busy, 1u);
         const u32 poison = own_poison(a);
+        const u32 refreshed = blockIdx.x < ll_grid(a) ? *ll_refreshed(a) : c[0];
         s->epoch = c[0];
+        s->ll_due = c[0] - refreshed >= LL_REFRESH_EPOCHS;
         s->step = c[1];
         s->first = 1;
         s->mismatch = 0;
@@ -248,7 +325,14 @@ __device__ __forceinline__ bool load_state(const Args& a, BlockState* s) {
         }
     }
     __syncthreads();
-    return !s->abort;
+    if (s->abort) return false;
+    if (s->ll_due) {  // block-uniform (NOTE [Low latency epochs])
+        ll_refresh(a, low_latency ? s->epoch % LL_BUFS : LL_BUFS, s->epoch);
+        if (!low_latency && threadIdx.x == 0) *ll_refreshed(a) = s->epoch;
+        __threadfence_system();  // the rewrite before any store of this call, seen from any GPU
+        __syncthreads();
+    }
+    return true;
 }
 
 // Store the counters back (not after an abort: the group is unusable then) and leave the

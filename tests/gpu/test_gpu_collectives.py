@@ -112,6 +112,82 @@ def test_small_collectives_at_the_low_latency_bound(gpus, seed, config):
     assert gpus.run(body_small_bounds, seed, config, timeout=120)[0] == 3 * 5 * 3
 
 
+def body_epoch_wrap(ctx, seed: int) -> int:
+    """The low-latency kernels 2^32 epochs after a call, and across the wrap of the 32-bit
+    barrier epochs, with every rank's epochs set by a test hook: calls at epochs from S0 on;
+    a barrier-kernel call 2^31 epochs later; the same calls again at S0 + 2^32, which reads
+    S0 as 32 bits, with one rank late to each call (a different one each round) so that the
+    others read their slots before its words land. The first calls' words and headers are
+    still in the slots, with the same epochs: a reader that took them would return the
+    first calls' data (NOTE [Low latency epochs] in csrc_kernels/protocol.cuh). Then the
+    calls through the wrap itself (epochs from 2^32 - 5). Every result is checked against
+    float64 or the inputs."""
+    g = dist.new_group(backend="rsccl")
+    w, me, f32 = ctx.world, ctx.rank, torch.float32
+    checks = 0
+
+    def set_epochs(epoch: int) -> None:
+        torch.cuda.synchronize()
+        g._comm._set_cuda_epochs_for_test(epoch % 2**32)
+        ref_call(dist.barrier, group=ctx.nccl)  # no rank launches before every rank set its flags
+        torch.cuda.synchronize()
+
+    def large(tag: str) -> None:
+        nonlocal checks
+        y = rand(seed, me, 1 << 20, f32, salt=f"{tag} large")  # 4 MiB: the barrier kernels
+        ys = gather_inputs(ctx, y)
+        dist.all_reduce(y, group=g)
+        check_reduction(y, ys, "SUM", f"{tag}: all_reduce of 4 MiB")
+        checks += 1
+
+    def calls(tag: str, late: int | None = None) -> None:
+        nonlocal checks
+
+        def wait() -> None:
+            if me == late:
+                torch.cuda._sleep(1_000_000)  # about 0.5 ms of the GPU: the others start first
+
+        for n in (4096, 1000, 7):  # float32 per rank: 16 KiB (the bound), 4000 and 28 bytes
+            x = rand(seed, me, n, f32, salt=f"{tag} ar {n}")
+            xs = gather_inputs(ctx, x)
+            wait()
+            dist.all_reduce(x, group=g)
+            check_reduction(x, xs, "SUM", f"{tag}: all_reduce of {n}")
+            u = rand(seed, me, w * n, f32, salt=f"{tag} rs {n}")
+            us = gather_inputs(ctx, u)
+            shard = torch.empty(n, dtype=f32, device=ctx.device)
+            wait()
+            dist.reduce_scatter_tensor(shard, u, group=g)
+            check_reduction(shard, [r[me * n : (me + 1) * n] for r in us], "SUM", f"{tag}: reduce_scatter of {n}")
+            v = rand(seed, me, n, f32, salt=f"{tag} ag {n}")
+            vs = gather_inputs(ctx, v)
+            gathered = torch.empty(w * n, dtype=f32, device=ctx.device)
+            wait()
+            dist.all_gather_into_tensor(gathered, v, group=g)
+            assert_equal(gathered, vs.reshape(-1), f"{tag}: all_gather of {n}")
+            checks += 3
+
+    s0 = 1000
+    set_epochs(s0)
+    calls("first")
+    for r in range(2):  # each round passes 2^31 epochs later on its way, as real epochs do
+        set_epochs(s0 + 2**31)
+        large(f"2^31 epochs later, round {r}")
+        set_epochs(s0)  # s0 + 2^32
+        calls(f"2^32 epochs later, round {r}", late=r % w)
+    set_epochs(2**32 - 5)
+    for r in range(6):
+        calls(f"across the wrap, round {r}", late=r % w)
+        large(f"across the wrap, round {r}")
+    torch.cuda.synchronize()
+    dist.destroy_process_group(g)
+    return checks
+
+
+def test_collectives_across_the_epoch_wrap(gpus, seed):
+    assert gpus.run(body_epoch_wrap, seed, timeout=180)[0] == 9 * 9 + 8
+
+
 def body_broadcast(ctx, seed: int, config: str, sizes: list[int]) -> None:
     for dtype in DTYPES:
         for n in sizes:

@@ -234,6 +234,14 @@ impl Communicator {
         self.0.cuda().map(|c| c.pool_bytes() as u64).unwrap_or(0)
     }
 
+    /// For the GPU tests only: every CUDA block's barrier epoch and this rank's barrier flags
+    /// set to `epoch` (CudaEngine::set_epochs_for_test: every rank, between the same two
+    /// collectives, then a host barrier before any launches again).
+    fn _set_cuda_epochs_for_test(&self, py: Python<'_>, epoch: u32) -> PyResult<()> {
+        let engine = self.0.cuda().py()?;
+        py.detach(|| engine.set_epochs_for_test(epoch)).py()
+    }
+
     /// The (alloc, free) C function addresses of this group's pool, for
     /// torch._C._cuda_customAllocator; raises if the group has no pool.
     fn pool_allocator(&self) -> PyResult<(usize, usize)> {

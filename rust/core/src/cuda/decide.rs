@@ -376,7 +376,7 @@ pub fn kernels_of(kind: Kind) -> &'static [Kernel] {
 /// (`p2p_blocks`).
 pub fn grid(k: Kernel, bytes: u64, blocks: u32) -> u32 {
     let small = match k {
-        _ if k.is_low_latency() => true,
+        _ if k.is_low_latency() => return low_latency_grid(blocks),
         Kernel::Reduce(_)
         | Kernel::AllGather
         | Kernel::AllGatherLowLatency
@@ -391,6 +391,14 @@ pub fn grid(k: Kernel, bytes: u64, blocks: u32) -> u32 {
     } else {
         blocks
     }
+}
+
+/// The grid of every low-latency kernel in a group whose collective grid is `blocks`: the
+/// small grid. The kernels size each block's region of their slots by it, and every kernel
+/// gets it in `Args::flags` (FLAG_LL_GRID_SHIFT) to keep those regions fresh (NOTE [Low
+/// latency epochs] in csrc_kernels/protocol.cuh).
+pub fn low_latency_grid(blocks: u32) -> u32 {
+    blocks.min(SMALL_GRID)
 }
 
 /// The grid of a small collective (`grid`), and the largest message that gets it. On 4

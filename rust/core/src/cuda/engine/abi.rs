@@ -66,6 +66,7 @@ pub(super) const ERR_A2A: u32 = kabi::ERR_A2A as u32;
 pub(super) const ERR_CONCURRENT: u32 = kabi::ERR_CONCURRENT as u32;
 /// Args::flags: a kernel that reports an error holds its stream until the host acts.
 pub(super) const FLAG_HOLD_ON_ERROR: u32 = kabi::FLAG_HOLD_ON_ERROR as u32;
+pub(super) const FLAG_LL_GRID_SHIFT: u32 = kabi::FLAG_LL_GRID_SHIFT as u32;
 
 // Compile-time: every struct above has the size and field offsets build.rs computed from
 // csrc_kernels/abi.cuh (which the kernel compiler checks with its static_asserts).

@@ -17,7 +17,9 @@ use crate::collective::op::Chunks;
 use crate::collective::Kind;
 use crate::config::Config;
 use crate::cuda::budget::{sms_of, SmShare};
-use crate::cuda::decide::{check_peer_access, grids_that_fit, kernel, kernels_of, p2p_chunk, stage_per_block, LocalGpu, Reach};
+use crate::cuda::decide::{
+    check_peer_access, grids_that_fit, kernel, kernels_of, low_latency_grid, p2p_chunk, stage_per_block, LocalGpu, Reach,
+};
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::order::{EndMark, EventHome, Order};
@@ -349,6 +351,7 @@ impl CudaEngine {
             me: mesh.local_index(),
             timeout,
             teardown: cfg.cuda_error_teardown,
+            ll_grid: low_latency_grid(blocks),
             armed: AtomicBool::new(false),
         });
         // Cyclic: the order hands out events that come back to the engine (`EventHome`).

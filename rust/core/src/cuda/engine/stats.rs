@@ -10,7 +10,7 @@ use super::status::HostWords;
 use super::CudaEngine;
 use crate::cuda::decide::{grid, SMALL_GRID_MAX_BYTES};
 use crate::cuda::driver::{check, is_capturing};
-use crate::cuda::kernels::{Kernel, STAGE_OFF, STATS_OFF};
+use crate::cuda::kernels::{Kernel, CTR_OFF, FLAGS_BYTES, MAX_BLOCKS, STAGE_OFF, STATS_OFF};
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
 
@@ -163,5 +163,39 @@ impl CudaEngine {
     /// The pool behind rsccl.mem_pool(), if the group has one.
     pub fn heap(&self) -> Option<&Arc<Heap>> {
         self.heap.as_ref()
+    }
+
+    /// For the GPU tests only (the epoch wrap, NOTE [Low latency epochs] in
+    /// csrc_kernels/protocol.cuh): once every kernel of the device is done, set every CUDA
+    /// block's barrier epoch to `epoch`, and every barrier flag of this rank's block to it,
+    /// as if every block of every rank had just passed barrier `epoch`. Every rank of the
+    /// group must call it between the same two collectives, with the same `epoch`, and
+    /// none may launch again before all did (the caller's host barrier): a peer's signal
+    /// that landed before this rank's flags were set would be lost.
+    pub fn set_epochs_for_test(&self, epoch: u32) -> Result<()> {
+        let _ctx = self.sh.dev.bind()?;
+        // SAFETY: no arguments; the context is current.
+        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize (set_epochs_for_test)")?;
+        let own = self.pool.block_addr(self.pool.me);
+        let mut ctr = vec![0u32; 2 * MAX_BLOCKS as usize];
+        let ctr_bytes = ctr.len() * 4;
+        // SAFETY: `ctr` holds ctr_bytes bytes; the counters are ctr_bytes bytes of our own
+        // block at CTR_OFF (abi.cuh), mapped in this context; synchronous copies.
+        check(
+            unsafe { cu::cuMemcpyDtoH_v2(ctr.as_mut_ptr() as *mut std::ffi::c_void, own + CTR_OFF as u64, ctr_bytes) },
+            "cuMemcpyDtoH (counters)",
+        )?;
+        for b in 0..MAX_BLOCKS as usize {
+            ctr[2 * b] = epoch;
+        }
+        // SAFETY: as above.
+        check(
+            unsafe { cu::cuMemcpyHtoD_v2(own + CTR_OFF as u64, ctr.as_ptr() as *const std::ffi::c_void, ctr_bytes) },
+            "cuMemcpyHtoD (counters)",
+        )?;
+        let flags = vec![epoch; FLAGS_BYTES / 4];
+        // SAFETY: the flags are the first FLAGS_BYTES bytes of our own block (abi.cuh),
+        // mapped in this context; `flags` holds that many bytes.
+        check(unsafe { cu::cuMemcpyHtoD_v2(own, flags.as_ptr() as *const std::ffi::c_void, FLAGS_BYTES) }, "cuMemcpyHtoD (flags)")
     }
 }

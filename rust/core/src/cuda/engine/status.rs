@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
-use super::abi::{ERR_A2A, ERR_ABORTED, ERR_CONCURRENT, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT, FLAG_HOLD_ON_ERROR};
+use super::abi::{
+    ERR_A2A, ERR_ABORTED, ERR_CONCURRENT, ERR_MISMATCH, ERR_P2P_SIZE, ERR_PEER, ERR_TIMEOUT, FLAG_HOLD_ON_ERROR, FLAG_LL_GRID_SHIFT,
+};
 use super::CudaEngine;
 use crate::bootstrap::LocalMesh;
 use crate::collective::Kind;
@@ -152,6 +154,9 @@ pub(super) struct Shared {
     /// (`tear_down`), once the group is made (`armed`: a failure while it is created is
     /// raised by the creation).
     pub(super) teardown: bool,
+    /// The grid of the group's low-latency kernels (`decide::low_latency_grid`), which
+    /// every launch passes in Args::flags (NOTE [Low latency epochs]).
+    pub(super) ll_grid: u32,
     pub(super) armed: AtomicBool,
 }
 
@@ -290,11 +295,8 @@ impl Shared {
 
     /// The kernels' FLAG_* bits for a launch now.
     pub(super) fn launch_flags(&self) -> u32 {
-        if self.teardown && self.armed.load(Ordering::Acquire) {
-            FLAG_HOLD_ON_ERROR
-        } else {
-            0
-        }
+        let hold = if self.teardown && self.armed.load(Ordering::Acquire) { FLAG_HOLD_ON_ERROR } else { 0 };
+        hold | self.ll_grid << FLAG_LL_GRID_SHIFT
     }
 
     /// A failure that a kernel of this rank reported (its result was not computed): with

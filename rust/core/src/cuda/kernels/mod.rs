@@ -70,6 +70,10 @@ pub const LL_MAX_BYTES: usize = abi::LL_MAX_BYTES as usize;
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = abi::STATS_OFF as usize;
+/// Every CUDA block's {barrier epoch, step} counters (u32 each), and the barrier flags
+/// ([CUDA block][sender] u32 epochs) at the start of a rank's block.
+pub const CTR_OFF: usize = abi::CTR_OFF as usize;
+pub const FLAGS_BYTES: usize = abi::FLAGS_BYTES as usize;
 /// 1 + the local index of a rank that stopped the group, 0 = none: read by this rank's
 /// kernels (in their waits and at entry), written by a failing rank (its kernels, or its
 /// host: Shared::poison_peers, Shared::poison_own).
