@@ -244,6 +244,13 @@ def test_rsccl_ctas_come_from_the_engines_stats():
     assert ctas.rsccl_cell([sm, sm], "send_recv") == "8"
     assert ctas.rsccl_cell([{**sm, "cuda_small_blocks": 24}] * 2, "all_reduce") == "24"
     assert ctas.rsccl_cell([sm, st], "all_reduce") == "24"
+    # The low-latency kernels take the small grid up to 16 KiB per rank: in the bench's sizes
+    # 128 KiB of all_gather output or reduce_scatter input at 8 ranks, 16 KiB of all_reduce.
+    ll = {**sm, "cuda_low_latency_max_bytes": 16 << 10}
+    assert ctas.rsccl_cell([ll] * 8, "all_gather_into_tensor") == "16 up to 128 KiB, 24 above"
+    assert ctas.rsccl_cell([ll] * 8, "reduce_scatter_tensor") == "16 up to 128 KiB, 24 above"
+    assert ctas.rsccl_cell([ll] * 8, "all_reduce") == "16 up to 64 KiB, 24 above"
+    assert ctas.rsccl_cell([ll] * 2, "all_gather_into_tensor") == "16 up to 64 KiB, 24 above"
     sm_ce = {**sm, "cuda_copy_engine_min_bytes": 4 << 20}
     assert ctas.rsccl_cell([sm_ce], "all_gather_into_tensor") == (
         "16 up to 64 KiB, 24 above; from 4 MiB: 0 (copy engines; 1-CTA barrier kernels)"

@@ -40,11 +40,13 @@ def test_every_arch_and_every_kernel_is_in_the_fat_binary(module):
 
 def test_the_loader_finds_every_required_kernel_in_some_module():
     required = rsccl._rsccl.required_kernels()
-    # 6 reduce families x 5 dtypes (one entry point serves every op, read from the call's
-    # descriptor: issue 30; rs_ce_reduce: reduce_scatter on the copy engines) + 9 kernels
-    # without a dtype (rs_p2p_signal: send/recv on the copy engines).
-    assert len(required) == 6 * 5 + 9
+    # 7 reduce families x 5 dtypes (one entry point serves every op, read from the call's
+    # descriptor: issue 30; rs_ce_reduce: reduce_scatter on the copy engines;
+    # rs_reduce_scatter_ll: the low-latency reduce_scatter) + 10 kernels without a dtype
+    # (rs_p2p_signal: send/recv on the copy engines; rs_all_gather_ll).
+    assert len(required) == 7 * 5 + 10
     assert ("send_recv", "rs_p2p_signal") in required
+    assert ("reduce_scatter", "rs_reduce_scatter_ll_bf16") in required and ("all_gather", "rs_all_gather_ll") in required
     assert ("reduce_scatter", "rs_ce_reduce_bf16") in required
     assert ("all_reduce", "rs_ar_twoshot_bf16") in required and ("rooted", "rs_reduce_root_i64") in required
     assert {m for m, _ in required} == set(MODULES)

@@ -5,7 +5,6 @@
 
 use std::ffi::{OsStr, OsString};
 
-use crate::cuda::kernels::LL_MAX_BYTES;
 use crate::error::{Error, Result};
 
 /// How the resolvers look a variable up: the raw value, as `std::env::var_os` gives it
@@ -38,6 +37,10 @@ pub struct Setting {
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
+
+/// The most cuda_low_latency_max_bytes may be: what the low-latency kernels' slots hold
+/// (LL_MAX_BYTES in csrc_kernels/abi.cuh; cuda/kernels holds the two equal).
+pub const CUDA_LOW_LATENCY_MAX_BYTES: u64 = 16 * KIB;
 
 /// The table users see in README.md (`python -c "import rsccl; rsccl.print_settings()"`).
 pub const SETTINGS: &[Setting] = &[
@@ -137,9 +140,9 @@ pub const SETTINGS: &[Setting] = &[
         // 1 MiB area of each rank's block): up to 16 KiB the all_reduce took 6.5-7.3 us
         // under CUDA graphs on 2 H100s against the one-shot's 8.2-8.7 (2026-11-27,
         // docs/performance.md).
-        default: LL_MAX_BYTES as u64,
+        default: CUDA_LOW_LATENCY_MAX_BYTES,
         min: 0,
-        max: LL_MAX_BYTES as u64,
+        max: CUDA_LOW_LATENCY_MAX_BYTES,
         is_size: true,
         help: "CUDA all_reduce (the message), reduce_scatter (the output) and all_gather (the \
                input) up to this size per rank run rsccl's low-latency kernels, which need no \

@@ -84,19 +84,30 @@ def copy_engine_from(stats: Mapping[str, object], collective: str) -> int | None
     return v
 
 
+# The bench's size of each collective with low-latency kernels, in what each rank sends each
+# peer (cuda_low_latency_max_bytes' unit) times this factor: the all_reduce tensor (1), the
+# all_gather output and the reduce_scatter input (world).
+LOW_LATENCY_SIZE_PER_RANK = {"all_reduce": False, "all_gather_into_tensor": True, "reduce_scatter_tensor": True}
+
+
 def small_grid(per_rank: list[Mapping[str, object]], collective: str) -> tuple[int, int] | None:
     """(blocks, up to bytes) of the small grid rsccl runs `collective` on up to a size
-    (memory_stats' cuda_small_blocks and cuda_small_max_bytes; rust/core/src/cuda/decide.rs
+    (memory_stats' cuda_small_blocks and cuda_small_max_bytes, and the low-latency kernels,
+    which take it up to cuda_low_latency_max_bytes per rank: rust/core/src/cuda/decide.rs
     `grid`), when every rank reports the same one below the group's grid; None otherwise, and
-    for all_to_all and send/recv, which always take their group's grid."""
+    for all_to_all and send/recv, which always take their group's grid. Sizes are the
+    bench's (per world of ranks: len(per_rank))."""
     if collective in (P2P, "all_to_all_single") or not per_rank:
         return None
-    got = {(s.get("cuda_small_blocks"), s.get("cuda_small_max_bytes"), s.get("cuda_blocks")) for s in per_rank}
+    keys = ("cuda_small_blocks", "cuda_small_max_bytes", "cuda_blocks")
+    got = {(*(s.get(k) for k in keys), s.get("cuda_low_latency_max_bytes", 0)) for s in per_rank}
     if len(got) != 1:
         return None
-    blocks, upto, full = got.pop()
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (blocks, upto, full)) or blocks >= full:
+    blocks, upto, full, ll = got.pop()
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (blocks, upto, full, ll)) or blocks >= full:
         return None
+    if collective in LOW_LATENCY_SIZE_PER_RANK:
+        upto = max(upto, ll * (len(per_rank) if LOW_LATENCY_SIZE_PER_RANK[collective] else 1))
     return blocks, upto
 
 

@@ -67,6 +67,7 @@ pub const STAGE_OFF: usize = abi::STAGE_OFF as usize;
 /// The most bytes per sender of the low-latency kernels (`Kernel::is_low_latency`): what
 /// their slots hold, the bound of the setting cuda_low_latency_max_bytes.
 pub const LL_MAX_BYTES: usize = abi::LL_MAX_BYTES as usize;
+const _: () = assert!(crate::config::CUDA_LOW_LATENCY_MAX_BYTES == LL_MAX_BYTES as u64, "the setting's bound is the slots'");
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = abi::STATS_OFF as usize;
