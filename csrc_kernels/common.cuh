@@ -754,6 +754,7 @@ __device__ void ll_call(const Args& a, u32 op) {
     if (!s.abort && s.ll_due) {  // NOTE [Low latency epochs]: this call's buffer, now read
         ll_refresh(a, k, e);
         if (t == 0) *ll_refreshed(a) = s.epoch;
+        __threadfence_system();  // belt and braces beside the kernel boundary (rare path)
     }
     if (!s.abort && t == 0) s.epoch = e;
     save_state(a, &s, 1);  // after an abort: counters unsaved, the busy word released

@@ -257,7 +257,7 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 // block b rewrites its own regions and headers (every sender's, both buffers) with data 0
 // and a recent epoch word whenever LL_REFRESH_EPOCHS or more epochs passed since it last
 // did (`ll_refresh`), at the start of a kernel (load_state), the only place every kernel
-// passes: the epoch it last did so is kept in its own header slot [0][this rank][b], which
+// that moves an epoch passes (a stand-in moves another block's by one): the epoch it last did so is kept in its own header slot [0][this rank][b], which
 // no peer writes (a peer p writes [k][p][b]). A kernel takes at most a few million epochs
 // (a step each), so every word then holds an epoch less than 2^31 old, never equal
 // (mod 2^32) to a later reader's.
@@ -265,7 +265,11 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 // block b's epoch is e0, no peer writes buffer e0 % 2 before this block signals e0 + 1
 // (a peer writes it at its epoch e0 + 2, LL_BUFS = 2), and none writes the other buffer
 // either unless the kernel is a low-latency one (its call e0 + 1 uses that buffer): any
-// other kernel signals before a peer's block b can leave it. So a low-latency kernel
+// other kernel signals before a peer's block b can leave it. (A peer's block b can reach
+// e0 + 1 by a stand-in, NOTE [Grids], before this block's kernel starts, only after a
+// copy-engine call's one-block barrier, whose next barrier needs this rank's block 0 in a
+// later kernel, after this one's rewrite; stand-ins after a kernel's barrier move only
+// blocks beyond the small grid, which have no regions.) So a low-latency kernel
 // rewrites buffer e0 % 2 at its start and the other at its end, once its reads are done
 // (ll_call); any other kernel rewrites both at its start. The rewrite's stores come before
 // anything a peer must see before it writes that buffer again: at a kernel's start, each

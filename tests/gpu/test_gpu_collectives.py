@@ -115,13 +115,15 @@ def test_small_collectives_at_the_low_latency_bound(gpus, seed, config):
 def body_epoch_wrap(ctx, seed: int) -> int:
     """The low-latency kernels 2^32 epochs after a call, and across the wrap of the 32-bit
     barrier epochs, with every rank's epochs set by a test hook: calls at epochs from S0 on;
-    a barrier-kernel call 2^31 epochs later; the same calls again at S0 + 2^32, which reads
-    S0 as 32 bits, with one rank late to each call (a different one each round) so that the
-    others read their slots before its words land. The first calls' words and headers are
-    still in the slots, with the same epochs: a reader that took them would return the
-    first calls' data (NOTE [Low latency epochs] in csrc_kernels/protocol.cuh). Then the
-    calls through the wrap itself (epochs from 2^32 - 5). Every result is checked against
-    float64 or the inputs."""
+    twice, a barrier-kernel call 2^31 epochs later, then the same calls again at S0 + 2^32,
+    which reads S0 as 32 bits, with one rank late to each call (a different one each round)
+    so that the others poll their slots while its stores are in flight. Words of the first
+    calls are still in the slots, with the same epochs: a reader that took one would return
+    the first calls' data (NOTE [Low latency epochs] in csrc_kernels/protocol.cuh). A race,
+    not a certainty: a call's header goes first, so only words read between a late rank's
+    header and its data can be stale (on 2 H200s without the rewrite the body hung,
+    2026-11-27). Then the calls through the wrap itself (epochs from 2^32 - 5). Every result
+    is checked against float64 or the inputs."""
     g = dist.new_group(backend="rsccl")
     w, me, f32 = ctx.world, ctx.rank, torch.float32
     checks = 0

@@ -171,7 +171,9 @@ impl CudaEngine {
     /// as if every block of every rank had just passed barrier `epoch`. Every rank of the
     /// group must call it between the same two collectives, with the same `epoch`, and
     /// none may launch again before all did (the caller's host barrier): a peer's signal
-    /// that landed before this rank's flags were set would be lost.
+    /// that landed before this rank's flags were set would be lost. The epoch at which
+    /// each block last rewrote its low-latency regions stays as it was: a test that jumps
+    /// by 2^32 - x must pass an epoch 2^30 or more from it on its way, as real epochs do.
     pub fn set_epochs_for_test(&self, epoch: u32) -> Result<()> {
         let _ctx = self.sh.dev.bind()?;
         // SAFETY: no arguments; the context is current.
@@ -196,6 +198,10 @@ impl CudaEngine {
         let flags = vec![epoch; FLAGS_BYTES / 4];
         // SAFETY: the flags are the first FLAGS_BYTES bytes of our own block (abi.cuh),
         // mapped in this context; `flags` holds that many bytes.
-        check(unsafe { cu::cuMemcpyHtoD_v2(own, flags.as_ptr() as *const std::ffi::c_void, FLAGS_BYTES) }, "cuMemcpyHtoD (flags)")
+        check(unsafe { cu::cuMemcpyHtoD_v2(own, flags.as_ptr() as *const std::ffi::c_void, FLAGS_BYTES) }, "cuMemcpyHtoD (flags)")?;
+        // A copy from pageable memory may return before it landed: wait for it, so that a
+        // peer's signal after the caller's host barrier is never overwritten.
+        // SAFETY: no arguments; the context is current.
+        check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize (set_epochs_for_test)")
     }
 }
