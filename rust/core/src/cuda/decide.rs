@@ -15,7 +15,7 @@
 //! (`check_peer_access`).
 
 use super::call::CudaCall;
-use super::kernels::{self, Family, Kernel, STAGE_OFF};
+use super::kernels::{self, Family, Kernel, Shape, STAGE_OFF};
 use crate::collective::Kind;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -375,18 +375,12 @@ pub fn kernels_of(kind: Kind) -> &'static [Kernel] {
 /// grid: its size is in its chunks, not in its descriptor. send/recv never come here
 /// (`p2p_blocks`).
 pub fn grid(k: Kernel, bytes: u64, blocks: u32) -> u32 {
-    let small = match k {
-        _ if k.is_low_latency() => return low_latency_grid(blocks),
-        Kernel::Reduce(_)
-        | Kernel::AllGather
-        | Kernel::AllGatherLowLatency
-        | Kernel::Broadcast
-        | Kernel::Gather
-        | Kernel::Scatter
-        | Kernel::Barrier => bytes <= SMALL_GRID_MAX_BYTES,
-        Kernel::AllToAll | Kernel::Send | Kernel::Recv | Kernel::P2pSignal => false,
-    };
-    if small {
+    if k.is_low_latency() {
+        return low_latency_grid(blocks);
+    }
+    // The kernels whose size is in the descriptor (`Shape::Collective`); not those with a
+    // chunk per peer nor send/recv.
+    if k.shape() == Shape::Collective && bytes <= SMALL_GRID_MAX_BYTES {
         blocks.min(SMALL_GRID)
     } else {
         blocks
