@@ -43,7 +43,7 @@ typedef long long i64;
 //                             (CUDA block, sender, inbox slot) (NOTE [Point to point])
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
-//   [LL_OFF, +LL_BYTES)       low-latency kernels (NOTE [Low latency] in common.cuh):
+//   [LL_OFF, +LL_BYTES)       low-latency kernels (NOTE [Low latency] in low_latency.cuh):
 //                             ll[LL_BUFS][MAX_RANKS] slots of LL_SLOT bytes ({4 data
 //                             bytes, u32 epoch} words, written by the sender named by the
 //                             slot, a region per CUDA block), then headers
@@ -72,7 +72,7 @@ typedef long long i64;
 // number modulo it, and u32 wrap-around keeps that consistent).
 #define P2P_DEPTH 4
 #define A2A_OFF 180224
-// The low-latency kernels (NOTE [Low latency] in common.cuh): at most LL_MAX_BYTES per
+// The low-latency kernels (NOTE [Low latency] in low_latency.cuh): at most LL_MAX_BYTES per
 // sender (cuda_low_latency_max_bytes may lower it), in LL_BUFS buffers picked by the
 // block's epoch (a power of two, so that consecutive epochs pick different buffers across
 // the u32 wrap); a slot holds a sender's bytes twice over ({data, epoch} words), in a region

@@ -1,6 +1,7 @@
 // all_gather (rs_all_gather, and its low-latency form rs_all_gather_ll).
 
 #include "common.cuh"
+#include "low_latency.cuh"
 
 // all_gather in place (out, world * count bytes, in the pool): push my input into slot
 // `rank` of every rank's output (my own too, unless the input already is that slot, as in
@@ -166,5 +167,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather(const __grid
     save_state(a, &s, steps);
 }
 
-// The low-latency all_gather, in bytes: NOTE [Low latency] in common.cuh.
+// The low-latency all_gather, in bytes: NOTE [Low latency] in low_latency.cuh.
 extern "C" __global__ void __launch_bounds__(THREADS) rs_all_gather_ll(const __grid_constant__ Args a) { ll_call<u8, LL_ALL_GATHER>(a, 0); }

@@ -1,6 +1,7 @@
 // all_reduce: one-shot, two-shot and low-latency (rs_ar_oneshot_*, rs_ar_twoshot_*, rs_ar_ll_*).
 
 #include "common.cuh"
+#include "low_latency.cuh"
 
 // all_reduce, one-shot: count elements in `in`, result in `out` (may alias in).
 // Each step, block b takes m elements and writes them into its slot of every peer's
@@ -193,7 +194,7 @@ __device__ void ar_twoshot(const Args& a, u32 op) {
     save_state(a, &s, steps);
 }
 
-// The low-latency all_reduce (rs_ar_ll_*): NOTE [Low latency] in common.cuh.
+// The low-latency all_reduce (rs_ar_ll_*): NOTE [Low latency] in low_latency.cuh.
 template <typename T>
 __device__ void ar_ll(const Args& a, u32 op) {
     ll_call<T, LL_ALL_REDUCE>(a, op);

@@ -12,7 +12,7 @@
 //   NOTE [Point to point]     send_recv.cu
 //   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
-//   NOTE [Low latency]        common.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
+//   NOTE [Low latency]        low_latency.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
 //   NOTE [Low latency epochs] at ll_refresh (their words never taken from an old call)
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
 //
@@ -225,7 +225,7 @@ __device__ __forceinline__ u32 own_poison(const Args& a) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The low-latency kernels' slots (NOTE [Low latency] in common.cuh): here, because every
+// The low-latency kernels' slots (NOTE [Low latency] in low_latency.cuh): here, because every
 // kernel's barrier keeps them fresh.
 
 static_assert(LL_MAX_BYTES % 16 == 0, "LL_MAX_BYTES: whole 16-byte packs");
@@ -250,7 +250,7 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 
 // NOTE [Low latency epochs]
 // A low-latency word carries the 32-bit epoch of the call that wrote it, and a reader takes
-// a word whose epoch equals its own (NOTE [Low latency] in common.cuh). A word left from a
+// a word whose epoch equals its own (NOTE [Low latency] in low_latency.cuh). A word left from a
 // call 2^32 epochs before (or never written: epoch word 0, when the epoch wraps to 0) would
 // be taken too, before the sender's store lands: a silent wrong result, after days of a
 // busy group; a header likewise would be taken as a call's, and a mismatch reported. So

@@ -2,6 +2,7 @@
 // reduction of reduce_scatter on the copy engines (rs_ce_reduce_*).
 
 #include "common.cuh"
+#include "low_latency.cuh"
 
 // reduce_scatter in place (in, world * count elements, in the pool): pull shard `rank` of
 // every peer's input, reduce in rank order into my output; barrier (peers are done reading
@@ -145,7 +146,7 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
 
 RS_TYPES(reduce_scatter)
 
-// The low-latency reduce_scatter (rs_reduce_scatter_ll_*): NOTE [Low latency] in common.cuh.
+// The low-latency reduce_scatter (rs_reduce_scatter_ll_*): NOTE [Low latency] in low_latency.cuh.
 template <typename T>
 __device__ void reduce_scatter_ll(const Args& a, u32 op) {
     ll_call<T, LL_REDUCE_SCATTER>(a, op);

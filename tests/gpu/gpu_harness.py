@@ -51,7 +51,7 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     "copy-engines-from-16MiB": {"cuda_copy_engine_min_bytes": "16MiB"},
     "no-copy-engines": {"cuda_copy_engine_min_bytes": 0},
     # Small all_reduce, reduce_scatter and all_gather on the barrier kernels, as above the
-    # low-latency kernels' bound (NOTE [Low latency] in csrc_kernels/common.cuh).
+    # low-latency kernels' bound (NOTE [Low latency] in csrc_kernels/low_latency.cuh).
     "no-low-latency": {"cuda_low_latency_max_bytes": 0},
 }
 

@@ -258,7 +258,7 @@ def body_mixed(ctx, seed: int, rounds: int) -> int:
     all_reduces, all_gathers and reduce_scatters of decreasing small sizes, on the
     low-latency kernels: the copy engines' one-block barriers move block 0's counters alone,
     so each block must read only words of its own epoch (a region of its own in every slot:
-    NOTE [Low latency] in csrc_kernels/common.cuh)."""
+    NOTE [Low latency] in csrc_kernels/low_latency.cuh)."""
     g = rsccl_group(ctx, "copy-engines-from-16MiB")
     w, me = ctx.world, ctx.rank
     n = 8 << 20  # bfloat16: 16 MiB per rank, several rounds through the default staging

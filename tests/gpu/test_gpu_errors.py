@@ -46,7 +46,7 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     x = None
     call = lambda: dist.all_reduce(x, group=g)  # noqa: E731
     if case in ("ll_kinds", "ll_gather_count", "ll_gather_across_grids"):
-        # The low-latency kernels (NOTE [Low latency] in csrc_kernels/common.cuh): rank 1 a
+        # The low-latency kernels (NOTE [Low latency] in csrc_kernels/low_latency.cuh): rank 1 a
         # reduce_scatter against the others' all_reduce, both low-latency; an all_gather
         # of another size, both low-latency; a 64 KiB all_gather input (the barrier kernel
         # on the group's grid) against 4 KB ones (the low-latency kernel on 16 blocks).

@@ -251,7 +251,7 @@ pub fn auto_one_shot_max(local_ranks: usize) -> usize {
 /// Which all_reduce kernel runs a message of `bytes` (a pure function: tested without a GPU).
 /// `one_shot_max` 0 means auto (`auto_one_shot_max`). Up to `low_latency_max` (the setting
 /// cuda_low_latency_max_bytes, at most LL_MAX_BYTES; 0: never) the one-shot's low-latency
-/// form (NOTE [Low latency] in csrc_kernels/common.cuh), where the one-shot applies at all (a
+/// form (NOTE [Low latency] in csrc_kernels/low_latency.cuh), where the one-shot applies at all (a
 /// `one_shot_max` below it keeps two-shot). On 4 H100s under CUDA graphs (2026-11-27,
 /// docs/performance.md) it took 6.5-7.3 us at 2 GPUs up to 16 KiB against the one-shot's
 /// 8.2-8.7, and 8.5-9.1 at 4 GPUs against 9.4-10.4.
@@ -326,7 +326,7 @@ pub fn blocks_per_rank(kind: Kind) -> Option<Blocks> {
 /// `Kernels::get`), for a `kind` call of `count` (`CudaCall::count`) of `elem`-byte
 /// elements. all_reduce picks its kernel by its bytes with `one_shot_max` and
 /// `low_latency_max` (`choose_allreduce`); reduce_scatter and all_gather take their
-/// low-latency kernels (NOTE [Low latency] in csrc_kernels/common.cuh) where what each rank
+/// low-latency kernels (NOTE [Low latency] in csrc_kernels/low_latency.cuh) where what each rank
 /// sends each peer, the output shard or the input, is at most `low_latency_max` (0: never).
 pub fn kernel(kind: Kind, count: u64, elem: usize, local_ranks: usize, one_shot_max: usize, low_latency_max: usize) -> Kernel {
     let low_latency = |bytes: u64| low_latency_max > 0 && bytes <= low_latency_max as u64;

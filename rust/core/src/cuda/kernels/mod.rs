@@ -35,10 +35,11 @@ pub use fatbin::{
 pub use nvrtc::{cache_dir, cache_paths, compile, compile_module, cubin_for, Cubins};
 
 /// The headers every family includes, by the name its `#include` uses.
-pub const HEADERS: [(&str, &str); 3] = [
+pub const HEADERS: [(&str, &str); 4] = [
     ("abi.cuh", include_str!("../../../../../csrc_kernels/abi.cuh")),
     ("protocol.cuh", include_str!("../../../../../csrc_kernels/protocol.cuh")),
     ("common.cuh", include_str!("../../../../../csrc_kernels/common.cuh")),
+    ("low_latency.cuh", include_str!("../../../../../csrc_kernels/low_latency.cuh")),
 ];
 
 /// The families: module name (csrc_kernels/<name>.cu) and source. Largest first: NVRTC
@@ -95,7 +96,7 @@ pub const DESC0_COPY_ENGINE_BIT: u32 = abi::DESC0_COPY_ENGINE_BIT as u32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
     /// all_reduce of at most LL_MAX_BYTES without a barrier's wait on a release ({data,
-    /// epoch} words: NOTE [Low latency] in csrc_kernels/common.cuh).
+    /// epoch} words: NOTE [Low latency] in csrc_kernels/low_latency.cuh).
     LowLatency,
     OneShot,
     TwoShot,
@@ -212,7 +213,7 @@ impl Kernel {
     }
 
     /// Whether it is one of the low-latency kernels ({data, epoch} words, no barrier wait:
-    /// NOTE [Low latency] in csrc_kernels/common.cuh), which run on the small grid and never
+    /// NOTE [Low latency] in csrc_kernels/low_latency.cuh), which run on the small grid and never
     /// in place.
     pub fn is_low_latency(self) -> bool {
         matches!(self, Kernel::Reduce(Family::LowLatency | Family::ReduceScatterLowLatency) | Kernel::AllGatherLowLatency)
