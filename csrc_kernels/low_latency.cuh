@@ -160,11 +160,7 @@ __device__ void ll_call(const Args& a, u32 op) {
     const u32 nt = blockDim.x - 32, tid = t - 32;  // the workers: every warp but warp 0
     if (t < 32) {
         if (t < W) {  // 1.
-            u64* d = desc_ptr(a.peer[t], e, blockIdx.x, me);
-            d[0] = desc0_with_grid(a);
-            d[1] = a.desc1;
-            d[2] = a.place_in;
-            d[3] = a.place_out;
+            put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
             st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
         }
         if (t < W && t != me) ll_check_peer(a, &s, t, e, h0, h1);  // 3.

@@ -409,6 +409,17 @@ __device__ __forceinline__ u64 desc0_with_grid(const Args& a) {
     return a.desc0 | ((u64)gridDim.x << DESC0_GRID_SHIFT);
 }
 
+// This rank's descriptor of its call (`desc0`: with a grid) into rank t's desc slot for
+// block b at epoch e: what a barrier's first signal publishes before its release (NOTE
+// [Agreement]); the stand-in and the low-latency kernels publish it too.
+__device__ __forceinline__ void put_desc(const Args& a, u32 t, u32 e, u32 b, u64 desc0) {
+    u64* d = desc_ptr(a.peer[t], e, b, a.rank);
+    d[0] = desc0;
+    d[1] = a.desc1;
+    d[2] = a.place_in;
+    d[3] = a.place_out;
+}
+
 // NOTE [Grids]
 // A call's grid depends on its size (decide::grid: 16 blocks up to 64 KiB, the group's
 //   grid above), so two ranks whose calls differ may run different grids: block b of the
@@ -448,11 +459,7 @@ __device__ __noinline__ void stand_in(const Args& a, u32 grid_max) {
     if (t < a.world) {
         for (u32 b = gridDim.x; b < grid_max && b < MAX_BLOCKS; b++) {
             const u32 e = ctr[2 * b] + 1;
-            u64* d = desc_ptr(a.peer[t], e, b, a.rank);
-            d[0] = mine0;
-            d[1] = a.desc1;
-            d[2] = a.place_in;
-            d[3] = a.place_out;
+            put_desc(a, t, e, b, mine0);
             st_release_sys(flag_ptr(a.peer[t], b, a.rank), e);
         }
     }
@@ -474,11 +481,7 @@ __device__ bool barrier(const Args& a, BlockState* s) {
     const bool first = s->first;
     if (t < a.world) {
         if (first) {
-            u64* d = desc_ptr(a.peer[t], e, blockIdx.x, a.rank);
-            d[0] = desc0_with_grid(a);
-            d[1] = a.desc1;
-            d[2] = a.place_in;
-            d[3] = a.place_out;
+            put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
         }
         // Signal rank t: the release publishes this block's stores of the step (ordered
         // before it by the bar.sync above; release is cumulative), NOTE [Barrier protocol].
