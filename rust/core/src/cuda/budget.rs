@@ -394,7 +394,7 @@ impl SmShare {
     /// first (NOTE [SM budget]). The returned admission holds the device's ledger until
     /// `hold` records the launch's end; dropped without it (the launch failed), it records
     /// nothing.
-    pub fn admit<M>(&self, o: &mut Order<M>, l: &Launch, sms: u32) -> Result<Admission<'_>> {
+    pub fn admit(&self, o: &mut Order, l: &Launch, sms: u32) -> Result<Admission<'_>> {
         let mut g = self.budget.ledger.lock();
         // Alone on the device: nothing to count (the module's note, "Cost").
         if g.live.len() == 1 && g.held.is_empty() && g.parked.is_empty() {
@@ -468,7 +468,7 @@ pub struct Admission<'a> {
 impl Admission<'_> {
     /// After the launch was enqueued: record its end on its target, with an event of the
     /// group's pool `o`, and count it until that event completes.
-    pub fn hold<M>(mut self, o: &mut Order<M>) -> Result<()> {
+    pub fn hold(mut self, o: &mut Order) -> Result<()> {
         if self.alone {
             return Ok(());
         }

@@ -25,10 +25,11 @@
 //! engine's lock on its `Order`. Shutdown sets the engine's stop flag under that lock, and
 //! `begin` refuses once it is set, so no launch starts after shutdown began. What the
 //! engines do differently stays with them, in the hook `end` runs after the launch:
-//! rsccl's engine marks the end of its collectives (`EndMark`, for its health check) or,
-//! while capturing, hands the graph what its kernels use; the NCCL engine records the end
-//! event its watchdog tracks the launch by (the start event, recorded between `begin` and
-//! the enqueue, is its own step).
+//! rsccl's engine, while capturing, hands the graph what its kernels use (and records
+//! nothing when not capturing: its health check records its own event on the chain's last
+//! stream, only when it must wait, `CudaEngine::wait_collectives`); the NCCL engine records
+//! the end event its watchdog tracks the launch by (the start event, recorded between
+//! `begin` and the enqueue, is its own step).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -85,9 +86,8 @@ pub trait EventHome: Send + Sync {
 }
 
 /// One engine's ordering state, held under its lock: the stream of the previous collective,
-/// a pool of events, and what the Work's events need. `M` is what the engine marks after
-/// each launch besides (`EndMark` for rsccl's engine; nothing for the NCCL engine).
-pub struct Order<M = ()> {
+/// a pool of events, and what the Work's events need.
+pub struct Order {
     /// The stream of the previous collective (None before the first).
     last_stream: Option<u64>,
     free: Vec<Event>,
@@ -96,14 +96,13 @@ pub struct Order<M = ()> {
     /// group timeout).
     home: Weak<dyn EventHome>,
     timeout: Duration,
-    pub marks: M,
 }
 
-impl<M> Order<M> {
+impl Order {
     /// `events`: the pool to start with (made at group creation rather than at the first
     /// launches; more are made when it runs dry). `home` is the engine that holds this order.
-    pub fn new(dev: Arc<Device>, events: Vec<Event>, timeout: Duration, home: Weak<dyn EventHome>, marks: M) -> Order<M> {
-        Order { last_stream: None, free: events, dev, home, timeout, marks }
+    pub fn new(dev: Arc<Device>, events: Vec<Event>, timeout: Duration, home: Weak<dyn EventHome>) -> Order {
+        Order { last_stream: None, free: events, dev, home, timeout }
     }
 
     /// The stream of the previous collective (None before the first).
@@ -175,7 +174,7 @@ impl<M> Order<M> {
     }
 
     /// After the launch was enqueued on `l.target`: a collective becomes the chain's last;
-    /// then the engine's own marks (`mark`, under this lock); then the caller's ordering:
+    /// then the engine's own step (`mark`, under this lock); then the caller's ordering:
     /// nothing when the launch ran on the caller's stream, else the Work's event for an
     /// asynchronous call, or the caller's stream made to wait.
     pub fn end(&mut self, l: &Launch, mark: impl FnOnce(&mut Self) -> Result<()>) -> Result<Option<CudaEvent>> {
@@ -191,34 +190,6 @@ impl<M> Order<M> {
             return Ok(Some(CudaEvent { ev: Some(ev), home: self.home.clone(), dev: self.dev.clone(), timeout: self.timeout }));
         }
         self.wait_then_free(ev, l.caller).map(|_| None)
-    }
-}
-
-/// rsccl's engine's mark: an event recorded right after every collective launch that is
-/// not being captured into a graph, complete once every collective queued so far has
-/// finished (each is ordered after the previous one), whatever else the streams hold after
-/// them. send/recv, on their own streams, are not behind it.
-pub struct EndMark {
-    event: Event,
-    /// False before the first record.
-    recorded: bool,
-}
-
-impl EndMark {
-    pub fn new(event: Event) -> EndMark {
-        EndMark { event, recorded: false }
-    }
-
-    /// Mark the end of the collectives queued so far on `stream`, the last one's.
-    pub fn record(&mut self, stream: u64) -> Result<()> {
-        record_on(&self.event, stream, "cuEventRecord (end of collectives)")?;
-        self.recorded = true;
-        Ok(())
-    }
-
-    /// The event, once recorded (valid while this mark lives).
-    pub fn recorded(&self) -> Option<CUevent> {
-        self.recorded.then(|| self.event.raw())
     }
 }
 

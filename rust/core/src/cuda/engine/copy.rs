@@ -99,7 +99,7 @@ use crate::cuda::driver::{check, CUstream, Event, Function};
 use crate::cuda::kernels::{
     Family, Kernel, DESC0_COPY_ENGINE_BIT, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, STAGE_OFF, THREADS,
 };
-use crate::cuda::order::{CudaEvent, EndMark, Order};
+use crate::cuda::order::{CudaEvent, Order};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -192,7 +192,7 @@ impl CudaEngine {
         self.end(&mut o, &l, admitted)
     }
 
-    fn queue_copy(&self, o: &mut Order<EndMark>, c: &CudaCall, plan: CopyPlan, a: &Args, reduce: Option<Function>, t: u64) -> Result<()> {
+    fn queue_copy(&self, o: &mut Order, c: &CudaCall, plan: CopyPlan, a: &Args, reduce: Option<Function>, t: u64) -> Result<()> {
         let (n, me) = (self.pool.nranks, self.pool.me);
         // Bytes each sender moves to each receiver: every rank's block (all_gather), the
         // root's tensor (broadcast), a block of the output (reduce_scatter).
@@ -221,7 +221,7 @@ impl CudaEngine {
         // Round j's pushes, queued after the barrier last queued on T; the events that mark
         // their end on each peer's stream (T waits on them before B_j, when later pushes
         // may already be queued behind them).
-        let push = |o: &mut Order<EndMark>, j: usize| -> Result<Vec<Event>> {
+        let push = |o: &mut Order, j: usize| -> Result<Vec<Event>> {
             let (off, len) = rounds[j];
             let mut ends = Vec::with_capacity(pushes.len());
             for &p in &pushes {

@@ -22,7 +22,7 @@ use crate::cuda::decide::{
 };
 use crate::cuda::driver::{check, Device, Event, Stream};
 use crate::cuda::kernels::{Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
-use crate::cuda::order::{EndMark, EventHome, Order};
+use crate::cuda::order::{EventHome, Order};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::device_heap::Heap;
@@ -274,9 +274,8 @@ impl CudaEngine {
         let _ctx = dev.bind()?;
         let words = HostWords::new(&dev)?;
         // Each of these owns its handle: a failure on the way drops (releases) what was made.
-        // The launch order's pool of 8, and the end-of-collectives mark's event.
+        // The launch order's pool of 8 (the health check's wait takes one too).
         let free_events = (0..8).map(|_| Event::new(&dev)).collect::<Result<Vec<Event>>>()?;
-        let end_event = Event::new(&dev)?;
         let internal = Stream::non_blocking(&dev, "cuStreamCreate")?;
         let poison_stream = Stream::non_blocking(&dev, "cuStreamCreate (abort)")?;
         // One stream per (peer, direction) for send/recv: index 2 * peer + (1 for recv).
@@ -364,13 +363,7 @@ impl CudaEngine {
             kernels: std::mem::ManuallyDrop::new(kernels),
             undrained: AtomicBool::new(false),
             internal,
-            order: Mutex::new(Order::new(
-                dev.clone(),
-                free_events,
-                timeout,
-                me.clone() as std::sync::Weak<dyn EventHome>,
-                EndMark::new(end_event),
-            )),
+            order: Mutex::new(Order::new(dev.clone(), free_events, timeout, me.clone() as std::sync::Weak<dyn EventHome>)),
             base,
             blocks,
             sm,

@@ -15,7 +15,7 @@ use crate::cuda::budget::{sms_of, Admission};
 use crate::cuda::decide::{grid, kernel, message_bytes, placement};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event, Function};
 use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
-use crate::cuda::order::{CudaEvent, EndMark, EventHome, Launch, Order};
+use crate::cuda::order::{CudaEvent, EventHome, Launch, Order};
 use crate::error::{Error, Result};
 
 impl CudaEngine {
@@ -138,7 +138,7 @@ impl CudaEngine {
     /// the internal one after it), ordered after the caller's queued work and after the
     /// group's previous launch, and after what must end first for its `sms` SMs to fit
     /// beside the other groups' kernels (`admit`).
-    pub(super) fn begin(&self, o: &mut Order<EndMark>, c: &CudaCall, sms: u32) -> Result<(Launch, Option<Admission<'_>>)> {
+    pub(super) fn begin(&self, o: &mut Order, c: &CudaCall, sms: u32) -> Result<(Launch, Option<Admission<'_>>)> {
         let l = Launch::collective(c.stream, c.asynchronous, self.sync_on_caller, self.internal.raw() as u64);
         o.begin(&l, &self.sh.stop)?;
         let admitted = self.admit(o, &l, sms)?;
@@ -150,7 +150,7 @@ impl CudaEngine {
     /// captured kernel runs only at replay, ordered by the user's streams, and an eager
     /// event cannot be waited on inside a capture. An error (the legacy stream during a
     /// global-mode capture) counts as capturing, as in `end`.
-    pub(super) fn admit<M>(&self, o: &mut Order<M>, l: &Launch, sms: u32) -> Result<Option<Admission<'_>>> {
+    pub(super) fn admit(&self, o: &mut Order, l: &Launch, sms: u32) -> Result<Option<Admission<'_>>> {
         if is_capturing(l.target).unwrap_or(true) {
             return Ok(None);
         }
@@ -158,9 +158,11 @@ impl CudaEngine {
     }
 
     /// After the launch (or the copies and barriers of a copy-engine collective) on
-    /// `l.target`: its end in the device's ledger (`admitted`), this engine's marks, then
-    /// the caller's ordering (`Order::end`).
-    pub(super) fn end(&self, o: &mut Order<EndMark>, l: &Launch, admitted: Option<Admission<'_>>) -> Result<Option<CudaEvent>> {
+    /// `l.target`: its end in the device's ledger (`admitted`), what a graph keeps, then
+    /// the caller's ordering (`Order::end`). Nothing is recorded for the health check: it
+    /// records its own event when it must wait (`wait_collectives`), so an eager blocking
+    /// call costs one driver launch and one capture query (issue 27).
+    pub(super) fn end(&self, o: &mut Order, l: &Launch, admitted: Option<Admission<'_>>) -> Result<Option<CudaEvent>> {
         // Admitted: an eager launch (`admit` asked), so no second capture query.
         let capturing = match admitted {
             Some(a) => {
@@ -170,17 +172,12 @@ impl CudaEngine {
             None => is_capturing(l.target),
         };
         self.collectives.fetch_add(1, Ordering::Relaxed);
-        o.end(l, |o| {
-            // Mark the end of the collectives queued so far (health waits on it). Not while
-            // capturing: a captured record cannot be queried, and a captured kernel runs
-            // only at replay; the event then keeps marking the last launch that really ran
-            // (torch synchronizes the device before a capture begins). An error here (the
+        o.end(l, |_| {
+            // The graph keeps what the kernel uses alive (graphs.rs). An error here (the
             // legacy stream during a global-mode capture) counts as capturing.
             match capturing {
-                Ok(false) => o.marks.record(l.target),
-                // The graph keeps what the kernel uses alive (graphs.rs).
                 Ok(true) => self.keep_for_graph(l.target),
-                Err(_) => Ok(()),
+                Ok(false) | Err(_) => Ok(()),
             }
         })
     }

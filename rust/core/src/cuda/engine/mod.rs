@@ -5,9 +5,8 @@
 //! stream (the caller's for blocking calls with `cuda_sync_stream = 1`, else the internal
 //! one), the chain that orders every collective after the previous one (the kernels'
 //! per-block counters assume it, NOTE [Lockstep blocks] in csrc_kernels/protocol.cuh),
-//! and the caller's ordering after it. This engine adds, after each collective, its
-//! end-of-collectives mark (`EndMark`, which `health` waits on), or while capturing, the
-//! references a graph takes (graphs.rs).
+//! and the caller's ordering after it. This engine adds, after each collective captured
+//! into a graph, the references the graph takes (graphs.rs); after an eager one, nothing.
 //! Each eager launch is also admitted to its device's ledger of SMs, shared by every group
 //! of the process (`admit`, cuda/budget.rs, NOTE [SM budget]): it may wait there on the GPU
 //! for other groups' kernels, so that the kernels in flight at once always fit.
@@ -61,7 +60,7 @@ pub use super::decide::{
 };
 use super::driver::Stream;
 use super::kernels::{Family, Kernel, Kernels};
-use super::order::{EndMark, Order};
+use super::order::Order;
 use crate::dtype::{DType, ReduceOp};
 use crate::memory::device_heap::Heap;
 use crate::memory::device_pool::SymmetricPool;
@@ -84,7 +83,7 @@ pub struct CudaEngine {
     kernels: std::mem::ManuallyDrop<Arc<Kernels>>,
     undrained: AtomicBool,
     internal: Stream,
-    order: Mutex<Order<EndMark>>,
+    order: Mutex<Order>,
     base: Args,
     /// Blocks of every collective kernel: cuda_blocks, or fewer where ranks share a GPU
     /// (`grids_that_fit`).

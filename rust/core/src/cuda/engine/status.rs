@@ -522,39 +522,48 @@ impl CudaEngine {
         Err(err)
     }
 
-    /// Wait until every collective kernel launched so far has finished (the event recorded
-    /// after the last launch; each launch is ordered after the previous one), at most the
-    /// group timeout and a second: the kernels bound their own waits by the timeout, so a
-    /// longer wait means something else is wrong, which `fatal` then reports, if the
-    /// kernels did. Another thread's launch may re-record the event meanwhile: the wait
-    /// then also covers that later collective, which is bounded the same way.
+    /// Wait until every collective kernel launched so far has finished, at most the group
+    /// timeout and a second: the kernels bound their own waits by the timeout, so a longer
+    /// wait means something else is wrong, which `fatal` then reports, if the kernels did.
+    ///
+    /// The wait is on an event recorded now, under the order's lock, on the stream of the
+    /// last collective: each collective is ordered after the previous one, so that event
+    /// completes once all of them finished. Launches record nothing for this (it runs only
+    /// after a kernel reported a mismatch), so an eager call pays one driver launch. The
+    /// event also covers what the caller queued on that stream after the last collective:
+    /// work bounded like any kernel, or a blocking send/recv waiting for its partner, which
+    /// its own kernel bounds by the group timeout too; either way the deadline below ends
+    /// the wait. A later launch on another thread is ordered after the record, not before:
+    /// its kernel, if it mismatches as well, reports again at the next check.
     pub(super) fn wait_collectives(&self) -> Result<()> {
         let _ctx = self.sh.dev.bind()?;
         let ev = {
-            let o = self.order.lock();
-            // The last launch is being captured (so the mismatch came from a kernel that ran
-            // before the capture began, and torch synchronized the device then): nothing to
-            // wait for, and querying an event is not allowed during a global-mode capture.
-            if o.last_stream().is_some_and(|l| is_capturing(l).unwrap_or(true)) {
-                return Ok(());
+            let mut o = self.order.lock();
+            match o.last_stream() {
+                None => return Ok(()),
+                // The last launch is being captured (so the mismatch came from a kernel that
+                // ran before the capture began, and torch synchronized the device then):
+                // nothing to wait for, and recording into a capture would add to the graph.
+                Some(l) if is_capturing(l).unwrap_or(true) => return Ok(()),
+                Some(l) => o.record(l)?,
             }
-            o.marks.recorded()
         };
-        let Some(ev) = ev else { return Ok(()) };
         let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
         let mut pause = Duration::from_micros(5);
-        loop {
-            // SAFETY: our own event, alive until Drop (which `&self` outlives).
-            match unsafe { cu::cuEventQuery(ev) } {
-                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+        let done = loop {
+            // SAFETY: an event of the order's pool, recorded above; it goes back below.
+            match unsafe { cu::cuEventQuery(ev.raw()) } {
+                cu::CUresult::CUDA_SUCCESS => break Ok(()),
                 cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_micros(500));
                 }
-                cu::CUresult::CUDA_ERROR_NOT_READY => return Ok(()),
-                e => return check(e, "cuEventQuery (end of collectives)"),
+                cu::CUresult::CUDA_ERROR_NOT_READY => break Ok(()),
+                e => break check(e, "cuEventQuery (end of collectives)"),
             }
-        }
+        };
+        self.order.lock().give_back(ev);
+        done
     }
 }
 

@@ -369,7 +369,7 @@ impl NcclEngine {
             rank: topo.rank,
             timeout,
             gate: RwLock::new(()),
-            order: Mutex::new(Order::new(order_dev, events, timeout, me.clone() as std::sync::Weak<dyn EventHome>, ())),
+            order: Mutex::new(Order::new(order_dev, events, timeout, me.clone() as std::sync::Weak<dyn EventHome>)),
             pending: Mutex::new(VecDeque::new()),
             poisoned: Mutex::new(None),
             abort_requested: AtomicBool::new(false),
