@@ -64,6 +64,7 @@ def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> bac
     pg._gloo = None
     pg._cuda_engine = _ops.Route.RSCCL if cuda else None
     pg._cuda_device = -1 if cuda else None  # a CPU tensor's get_device()
+    pg._fast_device = pg._cuda_device
     pg._done = backend.DoneWork([])
     pg._coalesced = None
     pg._pending = None
@@ -284,6 +285,47 @@ def test_op_code_maps_every_torch_op_by_name():
         assert _ops.op_code(opts.reduceOp) == want, name
         assert _ops.op_code(member) == want, name
     assert _ops.op_code(dist.ReduceOp.SUM) == _ops.SUM
+
+
+def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
+    """The blocking all_reduce's fast path (its table keyed by `fast_op_key`) makes the same
+    op as the full path for every dtype and op the CUDA kernels reduce, and leaves to the
+    full path what it must not take: PREMUL_SUM, a dtype or op the kernels lack, a
+    non-contiguous tensor, another device, an asynchronous call, and every call while a
+    profiler runs (which records it)."""
+    g = torch.Generator().manual_seed(seed)
+    print(f"seed {seed}")
+    pg = _group(monkeypatch, cuda=True)
+    dtypes = sorted(backend.REDUCE_DTYPES, key=str)
+    for dt in dtypes:
+        x = (torch.randn(48, generator=g) * 8).to(dt).as_subclass(_Cuda)
+        for name in backend.REDUCE_OPS:
+            if name == "AVG" and not dt.is_floating_point:
+                continue
+            before = len(pg._comm.ops)
+            pg.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=getattr(dist.ReduceOp, name)))
+            pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=getattr(dist.ReduceOp, name)))
+            fast, full = pg._comm.ops[before:]
+            want = (_ops.ALL_REDUCE, x.data_ptr(), x.nbytes, x.data_ptr(), x.nbytes, _ops.DTYPE_CODES[dt], _ops.OP_CODES[name], 0, 77, True)
+            assert fast == want, (dt, name)
+            assert full[:10] == want[:9] + (False,), (dt, name)
+    # What the fast path leaves to the full path (which stages, refuses, or records).
+    monkeypatch.setattr(pg, "_allreduce", lambda tensors, opts=None: "full")
+    x = torch.randn(64, generator=g).as_subclass(_Cuda)
+    sum_ = _opts(dist.AllreduceOptions)
+    premul = _opts(dist.AllreduceOptions, reduceOp=dist._make_nccl_premul_sum(2.0))
+    assert pg.allreduce([x], premul) == "full"
+    assert pg.allreduce([x.view(8, 8).t()], sum_) == "full"
+    assert pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True)) == "full"
+    assert pg.allreduce([x.to(torch.complex64).as_subclass(_Cuda)], sum_) == "full"
+    assert pg.allreduce([x, x], sum_) == "full" and pg.allreduce([[1.0]], sum_) == "full"
+    pg._fast_device = 0  # the group's GPU is another than the tensor's
+    assert pg.allreduce([x], sum_) == "full"
+    pg._fast_device = -1
+    monkeypatch.setattr(backend, "_profiling", lambda: True)
+    assert pg.allreduce([x], sum_) == "full"
+    monkeypatch.setattr(backend, "_profiling", lambda: False)
+    assert pg.allreduce([x], sum_) is pg._done
 
 
 def test_arguments_too_broken_to_route_join_the_side_of_their_first_tensor(monkeypatch, seed):

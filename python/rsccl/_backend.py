@@ -49,6 +49,8 @@ from ._ops import (
     ErrorClass,
     Route,
     dtype_code,
+    fast_op_key,
+    fast_op_keys,
     op_code,
     op_name,
 )
@@ -61,10 +63,18 @@ from .options import as_items
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
 # (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce: the
-# blocking fast paths of all_reduce and reduce_scatter take these (others take the plan).
+# blocking fast path of reduce_scatter takes these (others take the plan).
 _FAST_ALLREDUCE = {
     (dt, OP_CODES[name]): DTYPE_CODES[dt] for dt in REDUCE_DTYPES for name in REDUCE_OPS if name != "AVG" or dt.is_floating_point
 }
+# all_reduce's fast path looks its op up by `fast_op_key(opts.reduceOp)` (_ops.py): key ->
+# (op code, {dtype: dtype code}) for the same combinations.
+_FAST_REDUCE = {
+    key: (code, {dt: c for (dt, o), c in _FAST_ALLREDUCE.items() if o == code}) for key, code in fast_op_keys(REDUCE_OPS).items()
+}
+_STRIDED = torch.strided
+_Tensor = torch.Tensor
+_profiling = torch._C._autograd._profiler_enabled
 
 
 def _reduce_op(opts: Any) -> int | str:
@@ -109,6 +119,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         self._gloo = None
         if self._route == Route.GLOO:
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("rsccl-gloo/", store), rank, size, timeout)
+        # The GPU whose tensors this group's CUDA engine takes (`_on_cuda`), or None: what the
+        # fast paths compare `t.get_device()` with.
+        self._fast_device = self._cuda_device if self._gloo is None or self._cuda_engine == Route.NCCL else None
         self._group_name = ""
         self._group_desc = ""
         self._pool: torch.cuda.MemPool | None = None
@@ -243,17 +256,26 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     # -- collectives: each builds its plan (_plans.py) and hands it to the seam, `_call` ---
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = op_code(opts.reduceOp) if opts is not None else SUM  # inline: the fast path's cost
+        # The blocking fast path: one dense, contiguous tensor on the group's GPU, of a dtype
+        # and op the kernels reduce, with the profiler off. Nothing to check beyond this (the
+        # core checks the rest), nothing to keep. Every attribute read here costs 0.05-0.3 us
+        # (issue 27), so each is read once, cheapest first.
+        if opts is not None and len(tensors) == 1 and not _profiling():
+            t = tensors[0]
+            if isinstance(t, _Tensor) and t.get_device() == self._fast_device and t.layout is _STRIDED and opts.asyncOp is False:
+                fast = _FAST_REDUCE.get(fast_op_key(opts.reduceOp))
+                dt = fast[1].get(t.dtype) if fast is not None else None
+                if dt is not None and t.is_contiguous():
+                    p, nbytes = t.data_ptr(), t.nbytes
+                    self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, fast[0], 0, raw_stream(self._fast_device), True)
+                    return self._done
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """all_reduce off the fast path (profiled under torch's name, _profile.EVENTS)."""
+        op = _reduce_op(opts)
         if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
             return self._sparse_allreduce(tensors, op, opts)
-        if len(tensors) == 1 and self._on_cuda(tensors[0]):
-            t = tensors[0]
-            # The blocking call's fast path: nothing to check beyond this, nothing to keep.
-            dt = _FAST_ALLREDUCE.get((t.dtype, op))
-            if dt is not None and opts is not None and opts.asyncOp is False and t.get_device() == self._cuda_device and t.is_contiguous():
-                p, nbytes = t.data_ptr(), t.nbytes
-                self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, op, 0, raw_stream(self._cuda_device), True)
-                return self._done
         prepare = lambda s: plans.all_reduce(s, tensors, op)  # noqa: E731
         return self._call(ALL_REDUCE, _first(tensors), prepare, opts, gloo=lambda g: g.allreduce(tensors, opts), args=(tensors,))
 
@@ -330,16 +352,20 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return (None,) if self._gloo is None and inp.device.type == "cpu" and out.device.type == "cpu" else None
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        fast = self._fast_stream(output, input, opts)
+        fast = None if _profiling() else self._fast_stream(output, input, opts)
         dt = DTYPE_CODES.get(input.dtype) if fast is not None else None
         if dt is not None:
             self._comm.run(ALL_GATHER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, SUM, 0, fast[0], True)
             return self._done
+        return self._allgather_into(output, input, opts)
+
+    all_gather_single = _allgather_base
+
+    def _allgather_into(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        """all_gather_into_tensor off the fast path (profiled under torch's name, _profile.EVENTS)."""
         prepare = lambda s: plans.all_gather_into(s, output, input, [output])  # noqa: E731
         gloo = lambda g: g._allgather_base(output, input, opts)  # noqa: E731
         return self._call(ALL_GATHER, input, prepare, opts, gloo=gloo, args=(output, input))
-
-    all_gather_single = _allgather_base
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         prepare = lambda s: plans.all_gather(s, output_tensors, input_tensors)  # noqa: E731
@@ -357,17 +383,22 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         return self._call(ALL_GATHER, _first(input_list), prepare, opts, gloo=gloo, args=(output_lists, input_list))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        fast = None if _profiling() else self._fast_stream(output, input, opts)
         op = _reduce_op(opts)
-        fast = self._fast_stream(output, input, opts)
         dt = _FAST_ALLREDUCE.get((input.dtype, op)) if fast is not None else None
         if dt is not None:
             self._comm.run(REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, op, 0, fast[0], True)
             return self._done
+        return self._reduce_scatter_into(output, input, opts)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def _reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        """reduce_scatter_tensor off the fast path (profiled under torch's name, _profile.EVENTS)."""
+        op = _reduce_op(opts)
         prepare = lambda s: plans.reduce_scatter_into(s, output, input, op, [output])  # noqa: E731
         gloo = lambda g: g._reduce_scatter_base(output, input, opts)  # noqa: E731
         return self._call(REDUCE_SCATTER, input, prepare, opts, gloo=gloo, args=(output, input))
-
-    reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
         op = _reduce_op(opts)

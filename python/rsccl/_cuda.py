@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,5 +99,10 @@ def nccl_baseline(group: Any) -> str:
     return f"{impl} (NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, torch {torch.__version__})"
 
 
-def raw_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)
+def _no_cuda_stream(device: int) -> int:
+    raise RuntimeError(f"rsccl: this torch has no CUDA, so no current stream on cuda:{device}")
+
+
+# The caller's current stream on `device`, a raw handle: torch's own function, bound once
+# (a Python wrapper around it costs every eager call a frame, issue 27).
+raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _no_cuda_stream)

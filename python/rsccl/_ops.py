@@ -7,6 +7,7 @@ dtype.rs, group.rs) and the classes of argument errors. The hot path passes thes
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -58,6 +59,34 @@ def op_code(op: Any) -> int | str:
         return _TORCH_OPS[int(inner)]
     except (KeyError, TypeError, ValueError):
         return getattr(inner, "name", str(inner))
+
+
+def _hash_is_op() -> bool:
+    """Whether hash() of a ReduceOp is its RedOpType value, as torch's binding defines it
+    (`__hash__` returns `op_`): then all_reduce's fast path keys its table by it, the
+    cheapest read of an op (0.15 us, where `op == SUM` takes 0.2 and `.op` 0.3)."""
+    o = dist.AllreduceOptions()
+    try:
+        for v in dist.ReduceOp.RedOpType.__members__.values():
+            if v != dist.ReduceOp.RedOpType.PREMUL_SUM:
+                o.reduceOp = v
+                if hash(o.reduceOp) != int(v):
+                    return False
+    except Exception:  # noqa: BLE001 - another torch: key by op_code
+        return False
+    return True
+
+
+fast_op_key: Callable[[Any], Any] = hash if _hash_is_op() else op_code
+
+
+def fast_op_keys(names: Iterable[str]) -> dict[Any, int]:
+    """`fast_op_key` of each torch ReduceOp named in `names` -> its rsccl op code."""
+    o, keys = dist.AllreduceOptions(), {}
+    for name in names:
+        o.reduceOp = dist.ReduceOp.RedOpType.__members__[name]
+        keys[fast_op_key(o.reduceOp)] = OP_CODES[name]
+    return keys
 
 
 def op_name(code: int | str) -> str:

@@ -1,7 +1,9 @@
 """torch.profiler events for rsccl's collectives, as gloo records them.
 
 While a torch profiler (torch.profiler.profile or torch.autograd.profiler.profile) is on,
-every call of the ProcessGroup methods in `EVENTS` opens a RecordFunction named
+every call of the ProcessGroup methods in `EVENTS` (the blocking fast paths of all_reduce,
+all_gather_into_tensor and reduce_scatter_tensor, which are not wrapped, step aside for
+them while a profiler runs) opens a RecordFunction named
 "rsccl:<collective>" with the call's input tensors (their shapes show with
 record_shapes=True), and closes it when the operation completes, from another thread: the
 event is asynchronous and spans issue to completion, as gloo's "gloo:all_reduce" does. On
@@ -30,18 +32,16 @@ from ._work import DoneWork
 # ProcessGroup method -> (event name after "rsccl:", index of the argument whose tensors
 # the event records, or None). The names are gloo's (its tests match them).
 EVENTS: dict[str, tuple[str, int | None]] = {
-    "allreduce": ("all_reduce", 0),
+    "_allreduce": ("all_reduce", 0),  # allreduce's fast path skips itself while profiling
     "allreduce_coalesced": ("all_reduce", 0),
     "broadcast": ("broadcast", 0),
     "reduce": ("reduce", 0),
     "allgather": ("all_gather", 1),
     "allgather_coalesced": ("all_gather", 1),
-    "_allgather_base": ("all_gather_into_tensor", 1),
-    "all_gather_single": ("all_gather_into_tensor", 1),
+    "_allgather_into": ("all_gather_into_tensor", 1),  # _allgather_base's fast path skips itself too
     "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 1),
     "reduce_scatter": ("reduce_scatter", 0),
-    "_reduce_scatter_base": ("reduce_scatter_tensor", 0),
-    "reduce_scatter_single": ("reduce_scatter_tensor", 0),
+    "_reduce_scatter_into": ("reduce_scatter_tensor", 0),  # as _reduce_scatter_base's
     "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 0),
     "alltoall_base": ("all_to_all", 1),
     "all_to_all_single": ("all_to_all", 1),

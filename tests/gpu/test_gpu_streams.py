@@ -9,6 +9,7 @@ late, so that nobody's collective can finish early."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from gpu_harness import capture, needs_gpus, warm_up_aside
 from gpu_refs import check_vs_nccl, gather_inputs, rand, ref_call, refill
 from refs import assert_equal, check_reduction
+from rsccl import _profile
 
 pytestmark = needs_gpus
 
@@ -121,6 +123,35 @@ def body_side_stream(ctx, seed: int) -> None:
 
 def test_collectives_on_a_side_stream(gpus, seed):
     gpus.run(body_side_stream, seed, timeout=60)
+
+
+def body_profiled_blocking_all_reduce(ctx, seed: int) -> None:
+    """A blocking CUDA all_reduce made while a profiler runs leaves the fast path (which
+    records nothing) for the recorded one: one async "rsccl:all_reduce" event per call, and
+    the results of both paths are right."""
+    n = 4099
+    fresh = rand(seed, ctx.rank, n, torch.bfloat16, salt="profiled")
+    xs = gather_inputs(ctx, fresh)
+    x = fresh.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(x)
+        # A CUDA call's record ends on rsccl's closer thread once the GPU finished it:
+        # wait for that (the thread takes its queue in order) before the profiler stops.
+        torch.cuda.synchronize()
+        ended = threading.Event()
+        _profile._closer.put(ended.set)
+        assert ended.wait(30), "the profiler's closer thread did not end the record"
+    y = fresh.clone()
+    dist.all_reduce(y)  # the fast path, the profiler off
+    torch.cuda.synchronize()
+    check_reduction(x, xs, "SUM", "blocking all_reduce while profiling")
+    check_reduction(y, xs, "SUM", "blocking all_reduce after profiling")
+    names = [e.name for e in prof.events() if e.name.startswith("rsccl:")]
+    assert names == ["rsccl:all_reduce"], names
+
+
+def test_profiled_blocking_all_reduce(gpus, seed):
+    gpus.run(body_profiled_blocking_all_reduce, seed, timeout=60)
 
 
 def body_cuda_graph(ctx, seed: int, replays: int) -> None:
