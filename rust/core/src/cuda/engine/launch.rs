@@ -149,9 +149,13 @@ impl CudaEngine {
     /// device's ledger of SMs (NOTE [SM budget] in cuda/budget.rs). Not while capturing: a
     /// captured kernel runs only at replay, ordered by the user's streams, and an eager
     /// event cannot be waited on inside a capture. An error (the legacy stream during a
-    /// global-mode capture) counts as capturing, as in `end`.
+    /// global-mode capture) counts as capturing, as in `end`. The legacy default stream
+    /// (handle 0, torch's default stream) is never captured itself, so a launch there
+    /// skips the query (issue 27: an eager call's only driver calls are then the launch and
+    /// the context check); during another thread's global-mode capture its launch fails as
+    /// any launch on that stream does, with or without the query.
     pub(super) fn admit(&self, o: &mut Order, l: &Launch, sms: u32) -> Result<Option<Admission<'_>>> {
-        if is_capturing(l.target).unwrap_or(true) {
+        if l.target != 0 && is_capturing(l.target).unwrap_or(true) {
             return Ok(None);
         }
         self.sm.admit(o, l, sms).map(Some)
