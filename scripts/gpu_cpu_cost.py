@@ -1,6 +1,8 @@
 """Where an eager CUDA all_reduce and all_to_all_single spend their CPU time: wall time per
 call of each layer (torch.distributed, the ProcessGroup method, the Rust launch), 2 ranks,
-1 KiB bf16; and all_gather_into_tensor and reduce_scatter_tensor through torch.distributed.
+1 KiB bf16; all_gather_into_tensor and reduce_scatter_tensor through torch.distributed; and,
+with a GPU per rank, what single driver calls, an empty kernel's launch and torch's
+symmetric-memory all_reduce cost on the same machine.
 
     python3 scripts/gpu_cpu_cost.py
 
@@ -77,6 +79,8 @@ def rank_main(rank, world, port, q):
     )
     if shared:
         cases = {k: v for k, v in cases.items() if "group=nccl" not in k}
+    else:
+        cases.update(_baselines(dev, nccl.group_name))
     cases = {k: v for k, v in cases.items() if "(Rust launch)" not in k or hasattr(comm, k.split(".")[1].split(" ")[0])}
     out = {}
     for name, fn in cases.items():
@@ -102,6 +106,49 @@ def rank_main(rank, world, port, q):
         out[name] = rows[len(rows) // 2]
     q.put((rank, out))
     dist.destroy_process_group()
+
+
+def _baselines(dev, group_name):
+    """What a launch itself costs here, for reading the rows above: single driver calls
+    through ctypes (cuCtxGetCurrent is about ctypes' own cost), an empty kernel launched
+    with cuLaunchKernel (compiled by CuPy, where it is installed), and torch's
+    symmetric-memory two-shot all_reduce (a torch op, no ProcessGroup), 1 KiB bf16."""
+    import ctypes
+
+    import torch
+
+    cases = {}
+    cu = ctypes.CDLL("libcuda.so.1")
+    vp = ctypes.c_void_p
+    ctx, ev, st = vp(), vp(), ctypes.c_int()
+    cu.cuCtxGetCurrent(ctypes.byref(ctx))
+    cu.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
+    stream = vp(torch._C._cuda_getCurrentRawStream(dev))
+    get_ctx, record, capturing = cu.cuCtxGetCurrent, cu.cuEventRecord, cu.cuStreamIsCapturing
+    record.argtypes = capturing.argtypes = [vp, vp]
+    ctx_ref, st_ref = ctypes.byref(ctx), ctypes.byref(st)
+    cases["ctypes cuCtxGetCurrent (ctypes' own cost)"] = lambda: get_ctx(ctx_ref)
+    cases["ctypes cuEventRecord"] = lambda: record(ev, stream)
+    cases["ctypes cuStreamIsCapturing"] = lambda: capturing(stream, st_ref)
+    try:
+        import cupy
+
+        kernel = cupy.RawKernel('extern "C" __global__ void k() {}', "k")
+        kernel((1,), (32,), ())
+        func, launch = vp(kernel.kernel.ptr), cu.cuLaunchKernel
+        launch.argtypes = [vp] + [ctypes.c_uint] * 7 + [vp, vp, vp]
+        cases["ctypes cuLaunchKernel, empty kernel, 16 x 512"] = lambda: launch(func, 16, 1, 1, 512, 1, 1, 0, stream, None, None)
+    except Exception as e:  # noqa: BLE001 - a row less
+        print(f"no empty-kernel row (CuPy: {e})", flush=True)
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(512, dtype=torch.bfloat16, device=dev)
+        symm_mem.rendezvous(buf, group_name)
+        cases["torch symm-mem two_shot_all_reduce_"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group_name)
+    except Exception as e:  # noqa: BLE001 - a row less
+        print(f"no symmetric-memory row: {e}", flush=True)
+    return cases
 
 
 def main():

@@ -65,6 +65,7 @@ def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> bac
     pg._cuda_engine = _ops.Route.RSCCL if cuda else None
     pg._cuda_device = -1 if cuda else None  # a CPU tensor's get_device()
     pg._fast_device = pg._cuda_device
+    pg._group_size, pg._group_rank = size, rank
     pg._done = backend.DoneWork([])
     pg._coalesced = None
     pg._pending = None
@@ -215,6 +216,37 @@ def test_cuda_ops(monkeypatch, seed):
     # The peer is the core's to check (collective/validate.rs): it travels as the rank gave it.
     pg.send([y], 9)
     assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 9)
+
+
+def test_all_to_all_single_fast_path_agrees_with_the_plan(monkeypatch, seed):
+    """The blocking all_to_all_single's fast path makes the op the full plan makes (the
+    plan stages the output, so only its input side and the byte counts compare), for even
+    splits (no lists) and explicit ones, and leaves to the plan what it must not take."""
+    g = torch.Generator().manual_seed(seed)
+    print(f"seed {seed}")
+    pg = _group(monkeypatch, cuda=True)
+    rows = 4 * int(torch.randint(1, 6, (1,), generator=g))
+    i = torch.randn(rows, 3, generator=g).as_subclass(_Cuda)
+    o = torch.empty(rows, 3).as_subclass(_Cuda)
+    r = rows // 4
+    uneven = [r - 1, r + 2, r, r - 1] if r > 1 else [0, 2, 1, 1]
+    for outs, ins in (([], []), ([r] * 4, [r] * 4), (uneven, uneven)):
+        pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions))
+        pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions, asynchronous=True))
+        fast, full = pg._comm.ops[-2:]
+        assert fast[9] is True and full[9] is False
+        assert fast[:3] == full[:3] and fast[4:8] == full[4:8], (outs, ins)
+        assert fast[10][0] == full[10][0] and fast[10][1] == full[10][1] and fast[10][3] == full[10][3], (outs, ins)
+        assert fast[3] == o.data_ptr() and fast[10][2][0] == o.data_ptr()
+    monkeypatch.setattr(pg, "_alltoall_full", lambda *a, **k: "full")
+    blocking = _opts(dist.AllToAllOptions)
+    assert pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True)) == "full"
+    assert pg.alltoall_base(o[:-1], i[:-1], [], [], blocking) == "full"  # rows not divisible by 4
+    assert pg.alltoall_base(o[:-4], i, [], [], blocking) == "full"  # own chunks differ
+    assert pg.alltoall_base(i, i, [], [], blocking) == "full"  # in place
+    assert pg.alltoall_base(o, i, [r] * 3, [r] * 4, blocking) == "full"  # bad splits
+    assert pg.alltoall_base(o.double().as_subclass(_Cuda), i, [], [], blocking) == "full"
+    assert pg.alltoall_base(o, i, [], [], blocking) is pg._done
 
 
 def test_cuda_coalesced_all_reduce_is_one_op_per_dtype(monkeypatch, seed):

@@ -240,30 +240,31 @@ def all_to_all_single(side: Side, output: Any, input: Any, output_split_sizes: A
     return _Plan([_op(i, s.buf, splits=splits)], [output], (input, i, s), s.post)
 
 
-def all_to_all_single_fast(side: Side, output: Any, input: Any, out_splits: Any, in_splits: Any, device: int) -> tuple | None:
+def all_to_all_single_fast(n: int, me: int, output: Any, input: Any, out_splits: Any, in_splits: Any) -> tuple | None:
     """The blocking all_to_all_single's fast path on CUDA, for the common case only: both
-    buffers contiguous on the group's `device`, one dtype, disjoint, valid splits. Returns
-    the op's (inp, inp_bytes, out, out_bytes, splits), or None for anything else, which
-    the full plan then checks and reports."""
-    if (
-        not isinstance(output, torch.Tensor)
-        or output.dtype != input.dtype
-        or input.get_device() != device
-        or output.get_device() != device
-        or input.dim() == 0
-        or output.dim() == 0
-        or not input.is_contiguous()
-        or not output.is_contiguous()
-    ):
+    buffers contiguous (on the group's GPU: the caller checked), one dtype, disjoint, valid
+    splits, in a group of `n` ranks where this one is `me`. Returns the op's (inp,
+    inp_bytes, out, out_bytes, splits), or None for anything else, which the full plan then
+    checks and reports. Even splits (no split lists, the common case) take a few integer
+    operations: this path costs an eager call microseconds otherwise (issue 27)."""
+    if output.dtype != input.dtype or input.dim() == 0 or output.dim() == 0 or not input.is_contiguous() or not output.is_contiguous():
         return None
-    send = _split_bytes(input, in_splits, side.size, None)
-    recv = _split_bytes(output, out_splits, side.size, None)
-    if send is None or recv is None:
-        return None
-    me = side.rank
+    ib, ob = input.nbytes, output.nbytes
+    if not in_splits and not out_splits:
+        # Rows divide evenly, so each peer's chunk is a 1/n of the bytes (rows_i / n rows of
+        # ib / rows_i bytes each); a rank's own chunks are then equal on both sides when
+        # the two buffers are of one size.
+        if ib == 0 or ib != ob or input.shape[0] % n or output.shape[0] % n:
+            return None
+        chunk = ib // n
+        send = recv = [chunk] * n
+    else:
+        send = _split_bytes(input, in_splits, n, None)
+        recv = _split_bytes(output, out_splits, n, None)
+        if send is None or recv is None or send[me] != recv[me]:
+            return None
     ip, op = input.data_ptr(), output.data_ptr()
-    ib, ob = sum(send), sum(recv)
-    if send[me] != recv[me] or (ip < op + ob and op < ip + ib):
+    if ip < op + ob and op < ip + ib:
         return None
     return ip, ib, op, ob, ([ip + o for o in _offsets(send)], send, [op + o for o in _offsets(recv)], recv)
 

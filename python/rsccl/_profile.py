@@ -43,8 +43,7 @@ EVENTS: dict[str, tuple[str, int | None]] = {
     "reduce_scatter": ("reduce_scatter", 0),
     "_reduce_scatter_into": ("reduce_scatter_tensor", 0),  # as _reduce_scatter_base's
     "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 0),
-    "alltoall_base": ("all_to_all", 1),
-    "all_to_all_single": ("all_to_all", 1),
+    "_alltoall_full": ("all_to_all", 1),  # as _allgather_into
     "alltoall": ("all_to_all", 1),
     "gather": ("gather", 1),
     "scatter": ("scatter", 0),
