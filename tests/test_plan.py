@@ -337,10 +337,15 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
             before = len(pg._comm.ops)
             pg.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=getattr(dist.ReduceOp, name)))
             pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=getattr(dist.ReduceOp, name)))
-            fast, full = pg._comm.ops[before:]
+            fast, full = pg._comm.ops[before : before + 2]
             want = (_ops.ALL_REDUCE, x.data_ptr(), x.nbytes, x.data_ptr(), x.nbytes, _ops.DTYPE_CODES[dt], _ops.OP_CODES[name], 0, 77, True)
             assert fast == want, (dt, name)
             assert full[:10] == want[:9] + (False,), (dt, name)
+            # reduce_scatter's fast path takes the same table.
+            shard = torch.empty(12, dtype=dt).as_subclass(_Cuda)
+            pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=getattr(dist.ReduceOp, name)))
+            rs = pg._comm.ops[-1]
+            assert rs == (_ops.REDUCE_SCATTER, x.data_ptr(), x.nbytes, shard.data_ptr(), shard.nbytes) + want[5:], (dt, name)
     # What the fast path leaves to the full path (which stages, refuses, or records).
     monkeypatch.setattr(pg, "_allreduce", lambda tensors, opts=None: "full")
     x = torch.randn(64, generator=g).as_subclass(_Cuda)

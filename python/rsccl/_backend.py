@@ -36,7 +36,6 @@ from ._ops import (
     GATHER,
     KIND_NAMES,
     KINDS,
-    OP_CODES,
     RECV,
     REDUCE,
     REDUCE_SCATTER,
@@ -62,15 +61,13 @@ from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
-# (dtype, op code) -> dtype code, for every combination rsccl's CUDA kernels reduce: the
-# blocking fast path of reduce_scatter takes these (others take the plan).
-_FAST_ALLREDUCE = {
-    (dt, OP_CODES[name]): DTYPE_CODES[dt] for dt in REDUCE_DTYPES for name in REDUCE_OPS if name != "AVG" or dt.is_floating_point
-}
-# all_reduce's fast path looks its op up by `fast_op_key(opts.reduceOp)` (_ops.py): key ->
-# (op code, {dtype: dtype code}) for the same combinations.
+# The blocking fast paths of all_reduce and reduce_scatter look the call's op up by
+# `fast_op_key(opts.reduceOp)` (_ops.py): key -> (op code, {dtype: dtype code}) for every
+# combination rsccl's CUDA kernels reduce (others take the plan).
 _FAST_REDUCE = {
-    key: (code, {dt: c for (dt, o), c in _FAST_ALLREDUCE.items() if o == code}) for key, code in fast_op_keys(REDUCE_OPS).items()
+    key: (code, {dt: DTYPE_CODES[dt] for dt in REDUCE_DTYPES if name != "AVG" or dt.is_floating_point})
+    for name in REDUCE_OPS
+    for key, code in fast_op_keys([name]).items()
 }
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
@@ -387,10 +384,10 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         fast = None if _profiling() else self._fast_stream(output, input, opts)
-        op = _reduce_op(opts)
-        dt = _FAST_ALLREDUCE.get((input.dtype, op)) if fast is not None else None
+        ops = _FAST_REDUCE.get(fast_op_key(opts.reduceOp)) if fast is not None else None
+        dt = ops[1].get(input.dtype) if ops is not None else None
         if dt is not None:
-            self._comm.run(REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, op, 0, fast[0], True)
+            self._comm.run(REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, ops[0], 0, fast[0], True)
             return self._done
         return self._reduce_scatter_into(output, input, opts)
 
