@@ -85,12 +85,8 @@ use cudarc::driver::sys as cu;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::driver::{check, CUstream, Device, Event};
-use super::order::{Launch, Order};
+use super::order::{Launch, Order, PER_THREAD_STREAM};
 use crate::error::Result;
-
-/// CU_STREAM_PER_THREAD: one handle for a different stream on each thread, so never "the
-/// same stream" as another launch's.
-const PER_THREAD_STREAM: u64 = 2;
 
 /// SMs a kernel of `blocks` blocks holds, `per_sm` of them resident per SM (whole SMs, as
 /// `decide::grids_that_fit` counts them).

@@ -40,6 +40,10 @@ use cudarc::driver::sys as cu;
 use super::driver::{check, is_capturing, CUevent, CUstream, Device, Event};
 use crate::error::{Error, Result};
 
+/// CU_STREAM_PER_THREAD: one handle for a different stream on each thread, so never "the
+/// same stream" as another launch's, and never a stream to name from another thread.
+pub const PER_THREAD_STREAM: u64 = 2;
+
 /// Where one launch runs and what it follows: made before the engine takes its lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -57,9 +61,12 @@ pub struct Launch {
 
 impl Launch {
     /// A collective (or barrier, or all_to_all): on the caller's stream when blocking and
-    /// `sync_on_caller` (cuda_sync_stream), else on the engine's `internal` stream.
+    /// `sync_on_caller` (cuda_sync_stream), else on the engine's `internal` stream. A
+    /// caller on the per-thread default stream also runs on the internal stream: the
+    /// chain's last stream is named later, maybe from another thread (the next launch's
+    /// join, the health check's wait), where that handle means another stream.
     pub fn collective(caller: u64, asynchronous: bool, sync_on_caller: bool, internal: u64) -> Launch {
-        let target = if asynchronous || !sync_on_caller { internal } else { caller };
+        let target = if asynchronous || !sync_on_caller || caller == PER_THREAD_STREAM { internal } else { caller };
         Launch { caller, target, asynchronous, chained: true }
     }
 
@@ -289,8 +296,10 @@ mod tests {
         // cuda_sync_stream = 0: always the internal stream.
         assert_eq!(Launch::collective(caller, false, false, internal).target, internal);
         assert_eq!(Launch::collective(caller, true, false, internal).target, internal);
-        // The legacy default stream (0) is a caller's stream like any other.
+        // The legacy default stream (0) is a caller's stream like any other; the per-thread
+        // default stream is not (another thread's handle names another stream).
         assert_eq!(Launch::collective(0, false, true, internal).target, 0);
+        assert_eq!(Launch::collective(PER_THREAD_STREAM, false, true, internal).target, internal);
         // send/recv: their own stream, outside the chain of collectives.
         let p = Launch::send_recv(caller, 11, false);
         assert_eq!((p.target, p.chained), (11, false));

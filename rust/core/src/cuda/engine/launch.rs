@@ -152,8 +152,9 @@ impl CudaEngine {
     /// global-mode capture) counts as capturing, as in `end`. The legacy default stream
     /// (handle 0, torch's default stream) is never captured itself, so a launch there
     /// skips the query (issue 27: an eager call's only driver calls are then the launch and
-    /// the context check); during another thread's global-mode capture its launch fails as
-    /// any launch on that stream does, with or without the query.
+    /// the context check); a launch there during another thread's capture behaves as
+    /// before, with or without the query (legal beside torch's non-blocking capture
+    /// streams; an error beside a blocking one, now raised by the ledger or the launch).
     pub(super) fn admit(&self, o: &mut Order, l: &Launch, sms: u32) -> Result<Option<Admission<'_>>> {
         if l.target != 0 && is_capturing(l.target).unwrap_or(true) {
             return Ok(None);

@@ -533,8 +533,11 @@ impl CudaEngine {
     /// event also covers what the caller queued on that stream after the last collective:
     /// work bounded like any kernel, or a blocking send/recv waiting for its partner, which
     /// its own kernel bounds by the group timeout too; either way the deadline below ends
-    /// the wait. A later launch on another thread is ordered after the record, not before:
-    /// its kernel, if it mismatches as well, reports again at the next check.
+    /// the wait (if that send/recv times out meanwhile, `fatal` then raises its timeout
+    /// rather than the mismatch). The chain's stream is never the per-thread default
+    /// stream (`Launch::collective`), so naming it from this thread is right. A later
+    /// launch on another thread is ordered after the record, not before: its kernel, if
+    /// it mismatches as well, reports again at the next check.
     pub(super) fn wait_collectives(&self) -> Result<()> {
         let _ctx = self.sh.dev.bind()?;
         let ev = {
@@ -544,6 +547,8 @@ impl CudaEngine {
                 // The last launch is being captured (so the mismatch came from a kernel that
                 // ran before the capture began, and torch synchronized the device then):
                 // nothing to wait for, and recording into a capture would add to the graph.
+                // (A capture begun without that synchronization, CUDAGraph.capture_begin
+                // called alone, may see the mismatch reported once more, at a later call.)
                 Some(l) if is_capturing(l).unwrap_or(true) => return Ok(()),
                 Some(l) => o.record(l)?,
             }
