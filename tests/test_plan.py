@@ -24,6 +24,14 @@ class _Cuda(torch.Tensor):
     is_cuda = True
 
 
+class _OtherDevice(torch.Tensor):
+    """A CPU tensor whose get_device() is the index the ProcessGroup takes for its GPU's,
+    as another accelerator's tensor may be, but not a CUDA tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = False
+
+
 class _DoneWork:
     """What the Communicator returns for an asynchronous host op: here, already done."""
 
@@ -246,6 +254,7 @@ def test_all_to_all_single_fast_path_agrees_with_the_plan(monkeypatch, seed):
     assert pg.alltoall_base(i, i, [], [], blocking) == "full"  # in place
     assert pg.alltoall_base(o, i, [r] * 3, [r] * 4, blocking) == "full"  # bad splits
     assert pg.alltoall_base(o.double().as_subclass(_Cuda), i, [], [], blocking) == "full"
+    assert pg.alltoall_base(o, i.as_subclass(_OtherDevice), [], [], blocking) == "full"
     assert pg.alltoall_base(o, i, [], [], blocking) is pg._done
 
 
@@ -359,6 +368,8 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
     pg._fast_device = 0  # the group's GPU is another than the tensor's
     assert pg.allreduce([x], sum_) == "full"
     pg._fast_device = -1
+    # Not a CUDA tensor, though on the group's device index (another accelerator's).
+    assert pg.allreduce([x.as_subclass(_OtherDevice)], sum_) == "full"
     monkeypatch.setattr(backend, "_profiling", lambda: True)
     assert pg.allreduce([x], sum_) == "full"
     monkeypatch.setattr(backend, "_profiling", lambda: False)

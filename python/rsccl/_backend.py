@@ -262,7 +262,13 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         # (issue 27), so each is read once, cheapest first.
         if opts is not None and len(tensors) == 1 and not _profiling():
             t = tensors[0]
-            if isinstance(t, _Tensor) and t.get_device() == self._fast_device and t.layout is _STRIDED and opts.asyncOp is False:
+            if (
+                isinstance(t, _Tensor)
+                and t.is_cuda
+                and t.get_device() == self._fast_device
+                and t.layout is _STRIDED
+                and opts.asyncOp is False
+            ):
                 fast = _FAST_REDUCE.get(fast_op_key(opts.reduceOp))
                 dt = fast[1].get(t.dtype) if fast is not None else None
                 if dt is not None and t.is_contiguous():
@@ -419,7 +425,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         # takes the plan).
         if opts is not None and not _profiling() and isinstance(input, _Tensor) and isinstance(output, _Tensor):
             dev = self._fast_device
-            if input.get_device() == dev and output.get_device() == dev and opts.asyncOp is False:
+            if input.is_cuda and output.is_cuda and input.get_device() == dev == output.get_device() and opts.asyncOp is False:
                 fast = plans.all_to_all_single_fast(
                     self._group_size, self._group_rank, output, input, output_split_sizes, input_split_sizes
                 )
