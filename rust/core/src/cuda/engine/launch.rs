@@ -166,7 +166,7 @@ impl CudaEngine {
     /// `l.target`: its end in the device's ledger (`admitted`), what a graph keeps, then
     /// the caller's ordering (`Order::end`). Nothing is recorded for the health check: it
     /// records its own event when it must wait (`wait_collectives`), so an eager blocking
-    /// call costs one driver launch and one capture query (issue 27).
+    /// call costs one driver launch, and a capture query off the legacy stream (issue 27).
     pub(super) fn end(&self, o: &mut Order, l: &Launch, admitted: Option<Admission<'_>>) -> Result<Option<CudaEvent>> {
         // Admitted: an eager launch (`admit` asked), so no second capture query.
         let capturing = match admitted {
