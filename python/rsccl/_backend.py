@@ -353,8 +353,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if not (out.is_contiguous() and inp.is_contiguous()):
             return None
         if inp.is_cuda:
-            ok = out.is_cuda and self._on_cuda(inp) and inp.get_device() == self._cuda_device == out.get_device()
-            return (raw_stream(self._cuda_device),) if ok else None
+            dev = self._fast_device
+            ok = out.is_cuda and inp.get_device() == dev == out.get_device()
+            return (raw_stream(dev),) if ok else None
         return (None,) if self._gloo is None and inp.device.type == "cpu" and out.device.type == "cpu" else None
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
