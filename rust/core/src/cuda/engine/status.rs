@@ -61,6 +61,14 @@ pub(super) fn fatal_fields(code: u32) -> (u32, usize, u32, usize) {
     ((code >> 16) & 0xf, (code & 0xffff) as usize, (code >> 20) & 0xf, (code >> 24) as usize)
 }
 
+/// The poison value that tells the peers of local rank `me` why it stops the group, for a
+/// mismatch its kernel reported (ERR word `code`: the kind in bits 16-19, the rank it names
+/// in the low bits): 1 + `me`, the kind as the cause, 1 + that rank, as fail() in
+/// csrc_kernels/protocol.cuh packs a timeout's (`Shared::mismatch_failed`).
+pub(super) fn cause_poison(me: usize, code: u32) -> u32 {
+    (1 + me as u32) | (((code >> 16) & 0xf) << 16) | ((1 + (code & 0xff)) << 24)
+}
+
 impl HostWords {
     /// A mismatch between ranks' calls (reported once, then cleared).
     pub(super) const ERR: usize = 0;
@@ -188,13 +196,61 @@ impl Shared {
     /// blocks belong to this group alone (a new group maps new ones), so nothing else ever
     /// sees this value.
     pub(super) fn poison_peers(&self, culprit: usize) {
+        self.poison_peers_with(1 + culprit as u32);
+    }
+
+    /// `poison_peers` with the whole poison value: 1 + the culprit's local index, and in
+    /// the high bits the culprit's cause and the rank it names, as fail() packs them
+    /// (`cause_poison`). False if the peers were poisoned already (or there are none).
+    fn poison_peers_with(&self, value: u32) -> bool {
         if self.peer_poison.is_empty() || self.peers_poisoned.swap(true, Ordering::AcqRel) {
-            return;
+            return false;
         }
         // Once (the swap above), before the copies that read it.
-        self.words.write(HostWords::POISON_SRC, 1 + culprit as u32);
+        self.words.write(HostWords::POISON_SRC, value);
         for &dst in &self.peer_poison {
             self.copy_word(HostWords::POISON_SRC, dst);
+        }
+        true
+    }
+
+    /// A mismatch this rank's kernel reported (ERR word `code`: different collectives, or
+    /// all_to_all splits that disagree), as the error to raise; with cuda_error_teardown the
+    /// process ends here (`kernel_failed`).
+    ///
+    /// Before it ends, the local peers' poison words get the cause (`cause_poison`), and the
+    /// copies are waited for (at most OWN_WORD_WAIT). Every rank compares every peer's
+    /// descriptor, but not at the same moment: a peer whose kernel has not reached that
+    /// barrier yet (ranks time-sliced on one GPU, say) would otherwise see this process
+    /// gone and name its exit, not the mismatch behind it. With the cause in its word, its
+    /// kernel stops with ERR_PEER naming the mismatch (fail() packs the cause into its fatal
+    /// word), and its watchdog, if it sees this process gone first, reads the cause from its
+    /// own word (`cause_in_own_word`). Ordering: the copies complete (cuStreamQuery) before
+    /// this process ends, so the word is in the peer's memory before the peer can see the
+    /// exit; the rest is `poison_peers`'s argument. Without teardown nothing is poisoned:
+    /// the counters stayed in step and the group stays usable (`CudaEngine::health`).
+    pub(super) fn mismatch_failed(&self, code: u32) -> Error {
+        let err = self.mismatch_error(code);
+        if self.teardown && self.armed.load(Ordering::Acquire) && self.poison_peers_with(cause_poison(self.me, code)) {
+            self.poison_stream_done(OWN_WORD_WAIT);
+        }
+        self.kernel_failed(err)
+    }
+
+    /// Whether the copies queued on the poison stream have completed, polled for at most
+    /// `within` (never a blocking synchronize: a wedged driver or MPS server must not keep
+    /// the watchdog or a teardown waiting). Completion makes the copies' bytes visible to
+    /// the host and their stores to the GPUs' later readers.
+    fn poison_stream_done(&self, within: Duration) -> bool {
+        let Ok(_ctx) = self.dev.bind() else { return false };
+        let deadline = Instant::now() + within;
+        loop {
+            // SAFETY: a live stream of the context bound above.
+            match unsafe { cu::cuStreamQuery(self.poison_stream.raw()) } {
+                cu::CUresult::CUDA_SUCCESS => return true,
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+                _ => return false,
+            }
         }
     }
 
@@ -237,7 +293,8 @@ impl Shared {
     }
 
     /// The failure another rank's kernel recorded in this rank's own poison word (a
-    /// timeout, a send/recv size mismatch, two collectives at once), as the error a kernel of
+    /// timeout, a send/recv size mismatch, two collectives at once; or a mismatch of calls,
+    /// which its host wrote before its teardown: `mismatch_failed`), as the error a kernel of
     /// this rank reports on finding it (`fatal_error`); None when the word is empty, was set
     /// by a host (no cause: an abort, a dead peer), or could not be read.
     ///
@@ -266,14 +323,8 @@ impl Shared {
         // MPS server would keep it from reading the kernels' reports and its shutdown from
         // joining it). A copy not done by then is left to finish into a word nobody reads
         // again (the watchdog asks once).
-        let deadline = Instant::now() + OWN_WORD_WAIT;
-        loop {
-            // SAFETY: a live stream of the context bound above.
-            match unsafe { cu::cuStreamQuery(self.poison_stream.raw()) } {
-                cu::CUresult::CUDA_SUCCESS => break,
-                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
-                _ => return None,
-            }
+        if !self.poison_stream_done(OWN_WORD_WAIT) {
+            return None;
         }
         let p = self.words.read(HostWords::OWN_POISON_READ);
         let peer = p.checked_sub(1).filter(|_| p != POISON_DESTROYED)?;
@@ -363,6 +414,19 @@ impl Shared {
             ERR_PEER if cause == ERR_P2P_SIZE && gnamed.is_some() => Error::Mismatch(format!(
                 "a recv on rank {grank} found that rank {} sent a different number of bytes, which stopped the group \
                  (send/recv sizes must match): this CUDA call on rank {me} did not complete",
+                gnamed.unwrap_or(peer)
+            )),
+            // A peer's kernel found that it and rank `named` called different collectives,
+            // and its host stopped the group before ending the process (`mismatch_failed`).
+            ERR_PEER if cause == ERR_MISMATCH && gnamed.is_some() => Error::Mismatch(format!(
+                "ranks called different CUDA collectives: rank {grank} found that rank {} called another collective \
+                 than it did, and stopped the group (see rank {grank}'s error for both calls): this CUDA call on rank \
+                 {me} did not complete",
+                gnamed.unwrap_or(peer)
+            )),
+            ERR_PEER if cause == ERR_A2A && gnamed.is_some() => Error::Mismatch(format!(
+                "all_to_all: rank {grank} found that the ranks' split sizes disagree (rank {} among them), and stopped \
+                 the group (see rank {grank}'s error for the sizes): this CUDA call on rank {me} did not complete",
                 gnamed.unwrap_or(peer)
             )),
             ERR_PEER if cause == ERR_CONCURRENT => Error::Aborted(format!(
@@ -505,10 +569,9 @@ impl CudaEngine {
         if code >> 16 != ERR_MISMATCH && code >> 16 != ERR_A2A {
             return Err(self.abort_group(Error::Internal(format!("unknown CUDA kernel error code {code:#x}"))));
         }
-        let err = self.sh.mismatch_error(code);
         // With cuda_error_teardown the kernel holds its stream until the host acts: the
         // process ends here (or in the watchdog, whichever reads the word first).
-        let err = self.sh.kernel_failed(err);
+        let err = self.sh.mismatch_failed(code);
         // Counters stayed in step: report once and keep the group usable. Every block of
         // the mismatched kernel may write the code: wait for the collectives queued so far
         // before clearing it, so it is reported once; a timeout or abort found meanwhile
@@ -574,7 +637,9 @@ impl CudaEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::{describe, fatal_fields, DESC0_COPY_ENGINE_BIT, ERR_CONCURRENT, ERR_PEER, ERR_TIMEOUT};
+    use super::{
+        cause_poison, describe, fatal_fields, DESC0_COPY_ENGINE_BIT, ERR_A2A, ERR_CONCURRENT, ERR_MISMATCH, ERR_PEER, ERR_TIMEOUT,
+    };
     use crate::collective::Kind;
     use crate::cuda::decide::message_bytes;
     use crate::dtype::{DType, ReduceOp};
@@ -592,6 +657,18 @@ mod tests {
         assert_eq!(fatal_fields((ERR_PEER << 16) | 2), (ERR_PEER, 2, 0, 0));
         assert_eq!(fatal_fields((ERR_TIMEOUT << 16) | 3), (ERR_TIMEOUT, 3, 0, 0));
         assert_eq!(fatal_fields((ERR_CONCURRENT << 16) | 15), (ERR_CONCURRENT, 15, 0, 0));
+    }
+
+    #[test]
+    fn a_mismatch_reaches_the_peers_with_its_cause() {
+        // Local rank 2's kernel found that local rank 5 called something else (ERR word
+        // ERR_MISMATCH << 16 | 5); its host poisons the peers with cause_poison, and a peer's
+        // fail() packs that word less one as it does a timeout's.
+        for (kind, named) in [(ERR_MISMATCH, 5u32), (ERR_A2A, 0), (ERR_MISMATCH, 7)] {
+            let who = cause_poison(2, (kind << 16) | named) - 1;
+            let code = (ERR_PEER << 16) | (((who >> 16) & 0xf) << 20) | ((who >> 24) << 24) | (who & 0xffff);
+            assert_eq!(fatal_fields(code), (ERR_PEER, 2, kind, 1 + named as usize));
+        }
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub(super) fn watchdog(sh: Arc<Shared>) {
         // next call's health check, which clears it.
         let code = sh.words.read(HostWords::ERR);
         if code != 0 && sh.teardown && sh.armed.load(Ordering::Acquire) {
-            sh.kernel_failed(sh.mismatch_error(code));
+            sh.mismatch_failed(code);
         }
         if peers_done || tick % PEERS_EVERY != 0 {
             continue;
