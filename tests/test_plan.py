@@ -45,6 +45,20 @@ class _DoneWork:
         return True
 
 
+class _EndEvent:
+    """What the Communicator returns for an asynchronous CUDA op: its end event."""
+
+
+class _Pending:
+    """Stands in for the group's list of pending CUDA Works (which asks the GPU)."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def add(self, w) -> None:
+        self.works.append(w)
+
+
 class _Recorder:
     """Stands in for rsccl._rsccl.Communicator: records each op, runs nothing."""
 
@@ -54,7 +68,9 @@ class _Recorder:
     def run(self, *args):
         self.ops.append(args)
         kind, stream, blocking = args[0], args[8], args[9]
-        return _DoneWork() if stream is None and (not blocking or kind in (_ops.SEND, _ops.RECV)) else None
+        if stream is None:
+            return _DoneWork() if not blocking or kind in (_ops.SEND, _ops.RECV) else None
+        return None if blocking else _EndEvent()
 
     def invalid(self, kind, error_class, message, stream=None):
         self.ops.append(("invalid", kind, error_class, message, stream))
@@ -76,7 +92,7 @@ def _group(monkeypatch, rank: int = 1, size: int = 4, cuda: bool = False) -> bac
     pg._group_size, pg._group_rank = size, rank
     pg._done = backend.DoneWork([])
     pg._coalesced = None
-    pg._pending = None
+    pg._pending = _Pending()
     if cuda:
         # Device checks need a GPU; they have their own tests (tests/gpu).
         monkeypatch.setattr(pg, "_cuda_check", lambda t, what: None)
@@ -184,12 +200,14 @@ def test_cuda_ops(monkeypatch, seed):
     pg = _group(monkeypatch, cuda=True)
     x = torch.randn(64, generator=g).bfloat16().as_subclass(_Cuda)
     bf16, f32 = _ops.DTYPE_CODES[torch.bfloat16], _ops.DTYPE_CODES[torch.float32]
-    # The blocking all_reduce's fast path and its full path make the same op.
+    # all_reduce's fast path and its full path make the same op, blocking or not.
     pg.allreduce([x], _opts(dist.AllreduceOptions))
-    pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True))
+    pg._allreduce([x], _opts(dist.AllreduceOptions))
     fast, full = pg._comm.ops
     assert fast == (_ops.ALL_REDUCE, x.data_ptr(), 128, x.data_ptr(), 128, bf16, _ops.SUM, 0, 77, True)
-    assert full[:10] == fast[:9] + (False,)
+    assert full[:10] == fast
+    _same_work(pg, lambda: pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True)), [x], x)
+    pg._comm.ops = pg._comm.ops[:2]
     y = torch.randn(8, generator=g).as_subclass(_Cuda)
     pg.broadcast([y], _opts(dist.BroadcastOptions, rootRank=3))
     pg.reduce([y], _opts(dist.ReduceOptions, rootRank=2, reduceOp=dist.ReduceOp.MIN))
@@ -214,7 +232,7 @@ def test_cuda_ops(monkeypatch, seed):
         ([ip, ip + 16, ip + 32, ip + 48], [16] * 4, [op_, op_ + 16, op_ + 32, op_ + 48], [16] * 4),
     )
     # The full path makes the same op.
-    pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True))
+    pg._alltoall_full(o, i, [], [], _opts(dist.AllToAllOptions))
     assert pg._comm.ops[-1][:8] == a2a[:8] and pg._comm.ops[-1][10] == a2a[10]
     # send/recv: the peer in the root field.
     pg.send([y], 3)
@@ -226,10 +244,26 @@ def test_cuda_ops(monkeypatch, seed):
     assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 9)
 
 
+def _same_work(pg, fast, result, *kept) -> None:
+    """An asynchronous call through a fast path: the op is the full path's with blocking
+    off (the call ran it last), and its Work is the full path's kind, pending in the
+    group, reporting `result` and keeping `kept` (the tensors the kernel reads and writes)
+    until a stream is ordered after it."""
+    w = fast()
+    op = pg._comm.ops[-1]
+    assert op[9] is False and isinstance(w, backend.CudaWork) and w in pg._pending.works
+    assert w._result == result and all(any(k is t for t in _flatten(w._keep)) for k in kept)
+    assert w._event is not None and w._stream == 77 and w._post is None
+
+
+def _flatten(x):
+    return [t for y in x for t in _flatten(y)] if isinstance(x, (tuple, list)) else [x]
+
+
 def test_all_to_all_single_fast_path_agrees_with_the_plan(monkeypatch, seed):
-    """The blocking all_to_all_single's fast path makes the op the full plan makes (the
-    plan stages the output, so only its input side and the byte counts compare), for even
-    splits (no lists) and explicit ones, and leaves to the plan what it must not take."""
+    """all_to_all_single's fast path makes the op the full plan makes (the plan stages the
+    output, so only its input side and the byte counts compare), for even splits (no lists)
+    and explicit ones, blocking or not, and leaves to the plan what it must not take."""
     g = torch.Generator().manual_seed(seed)
     print(f"seed {seed}")
     pg = _group(monkeypatch, cuda=True)
@@ -240,15 +274,17 @@ def test_all_to_all_single_fast_path_agrees_with_the_plan(monkeypatch, seed):
     uneven = [r - 1, r + 2, r, r - 1] if r > 1 else [0, 2, 1, 1]
     for outs, ins in (([], []), ([r] * 4, [r] * 4), (uneven, uneven)):
         pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions))
-        pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions, asynchronous=True))
+        pg._alltoall_full(o, i, outs, ins, _opts(dist.AllToAllOptions))
         fast, full = pg._comm.ops[-2:]
-        assert fast[9] is True and full[9] is False
+        assert fast[9] is True and full[9] is True
         assert fast[:3] == full[:3] and fast[4:8] == full[4:8], (outs, ins)
         assert fast[10][0] == full[10][0] and fast[10][1] == full[10][1] and fast[10][3] == full[10][3], (outs, ins)
         assert fast[3] == o.data_ptr() and fast[10][2][0] == o.data_ptr()
+        _same_work(pg, lambda: pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions, asynchronous=True)), [o], o, i)
+        assert pg._comm.ops[-1][:9] + pg._comm.ops[-1][10:] == fast[:9] + fast[10:]
     monkeypatch.setattr(pg, "_alltoall_full", lambda *a, **k: "full")
     blocking = _opts(dist.AllToAllOptions)
-    assert pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True)) == "full"
+    assert isinstance(pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True)), backend.CudaWork)
     assert pg.alltoall_base(o[:-1], i[:-1], [], [], blocking) == "full"  # rows not divisible by 4
     assert pg.alltoall_base(o[:-4], i, [], [], blocking) == "full"  # own chunks differ
     assert pg.alltoall_base(i, i, [], [], blocking) == "full"  # in place
@@ -329,11 +365,11 @@ def test_op_code_maps_every_torch_op_by_name():
 
 
 def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
-    """The blocking all_reduce's fast path (its table keyed by `fast_op_key`) makes the same
-    op as the full path for every dtype and op the CUDA kernels reduce, and leaves to the
-    full path what it must not take: PREMUL_SUM, a dtype or op the kernels lack, a
-    non-contiguous tensor, another device, an asynchronous call, and every call while a
-    profiler runs (which records it)."""
+    """all_reduce's fast path (its table keyed by `fast_op_key`) makes the same op as the
+    full path for every dtype and op the CUDA kernels reduce, blocking or not, and leaves to
+    the full path what it must not take: PREMUL_SUM, a dtype or op the kernels lack, a
+    non-contiguous tensor, another device, and every call while a profiler runs (which
+    records it). reduce_scatter's and all_gather's fast paths likewise."""
     g = torch.Generator().manual_seed(seed)
     print(f"seed {seed}")
     pg = _group(monkeypatch, cuda=True)
@@ -344,17 +380,40 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
             if name == "AVG" and not dt.is_floating_point:
                 continue
             before = len(pg._comm.ops)
-            pg.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=getattr(dist.ReduceOp, name)))
-            pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=getattr(dist.ReduceOp, name)))
+            op = getattr(dist.ReduceOp, name)
+            pg.allreduce([x], _opts(dist.AllreduceOptions, reduceOp=op))
+            pg._allreduce([x], _opts(dist.AllreduceOptions, reduceOp=op))
             fast, full = pg._comm.ops[before : before + 2]
             want = (_ops.ALL_REDUCE, x.data_ptr(), x.nbytes, x.data_ptr(), x.nbytes, _ops.DTYPE_CODES[dt], _ops.OP_CODES[name], 0, 77, True)
             assert fast == want, (dt, name)
-            assert full[:10] == want[:9] + (False,), (dt, name)
+            assert full[:10] == want, (dt, name)
+            _same_work(pg, lambda: pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=op)), [x], x)
+            assert pg._comm.ops[-1] == want[:9] + (False,), (dt, name)
             # reduce_scatter's fast path takes the same table.
             shard = torch.empty(12, dtype=dt).as_subclass(_Cuda)
-            pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=getattr(dist.ReduceOp, name)))
+            pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=op))
             rs = pg._comm.ops[-1]
             assert rs == (_ops.REDUCE_SCATTER, x.data_ptr(), x.nbytes, shard.data_ptr(), shard.nbytes) + want[5:], (dt, name)
+            pg._reduce_scatter_into(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=op))
+            assert pg._comm.ops[-1][:10] == rs, (dt, name)
+            rs_async = lambda: pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, asynchronous=True, reduceOp=op))  # noqa: E731
+            _same_work(pg, rs_async, [shard], shard, x)
+            assert pg._comm.ops[-1] == rs[:9] + (False,), (dt, name)
+    # all_gather's fast path, blocking or not, makes the full path's op.
+    y = torch.randn(12, generator=g).as_subclass(_Cuda)
+    gathered = torch.empty(48).as_subclass(_Cuda)
+    pg._allgather_base(gathered, y, _opts(AllgatherOptions))
+    pg._allgather_into(gathered, y, _opts(AllgatherOptions))
+    ag, ag_full = pg._comm.ops[-2:]
+    assert ag == (_ops.ALL_GATHER, y.data_ptr(), 48, gathered.data_ptr(), 192, _ops.DTYPE_CODES[torch.float32], _ops.SUM, 0, 77, True)
+    assert ag_full[:10] == ag
+    _same_work(pg, lambda: pg._allgather_base(gathered, y, _opts(AllgatherOptions, asynchronous=True)), [gathered], gathered, y)
+    assert pg._comm.ops[-1] == ag[:9] + (False,)
+    monkeypatch.setattr(pg, "_allgather_into", lambda *a: "full")
+    monkeypatch.setattr(pg, "_reduce_scatter_into", lambda *a: "full")
+    assert isinstance(pg._allgather_base(gathered, y, _opts(AllgatherOptions, asynchronous=True)), backend.CudaWork)
+    assert isinstance(pg._reduce_scatter_base(y, gathered, _opts(dist.ReduceScatterOptions, asynchronous=True)), backend.CudaWork)
+    assert pg._allgather_base(gathered, y.double().as_subclass(_Cuda), _opts(AllgatherOptions, asynchronous=True)) == "full"
     # What the fast path leaves to the full path (which stages, refuses, or records).
     monkeypatch.setattr(pg, "_allreduce", lambda tensors, opts=None: "full")
     x = torch.randn(64, generator=g).as_subclass(_Cuda)
@@ -362,7 +421,7 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
     premul = _opts(dist.AllreduceOptions, reduceOp=dist._make_nccl_premul_sum(2.0))
     assert pg.allreduce([x], premul) == "full"
     assert pg.allreduce([x.view(8, 8).t()], sum_) == "full"
-    assert pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True)) == "full"
+    assert isinstance(pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True)), backend.CudaWork)  # fast
     assert pg.allreduce([x.to(torch.complex64).as_subclass(_Cuda)], sum_) == "full"
     assert pg.allreduce([x, x], sum_) == "full" and pg.allreduce([[1.0]], sum_) == "full"
     pg._fast_device = 0  # the group's GPU is another than the tensor's

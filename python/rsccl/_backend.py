@@ -256,26 +256,27 @@ class ProcessGroupRsccl(dist.ProcessGroup):
 
     # -- collectives: each builds its plan (_plans.py) and hands it to the seam, `_call` ---
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        # The blocking fast path: one dense, contiguous tensor on the group's GPU, of a dtype
-        # and op the kernels reduce, with the profiler off. Nothing to check beyond this (the
-        # core checks the rest), nothing to keep. Every attribute read here costs 0.05-0.3 us
-        # (issue 27), so each is read once, cheapest first.
+        # The fast path: one dense, contiguous tensor on the group's GPU, of a dtype and op
+        # the kernels reduce, with the profiler off. Nothing to check beyond this (the core
+        # checks the rest); an asynchronous call keeps the tensor in its Work (`_fast_work`).
+        # Every attribute read here costs 0.05-0.3 us (issue 27), so each is read once,
+        # cheapest first.
         if opts is not None and len(tensors) == 1 and not _profiling():
             t = tensors[0]
-            if (
-                isinstance(t, _Tensor)
-                and t.is_cuda
-                and t.get_device() == self._fast_device
-                and t.layout is _STRIDED
-                and opts.asyncOp is False
-            ):
+            if isinstance(t, _Tensor) and t.is_cuda and t.get_device() == self._fast_device and t.layout is _STRIDED:
                 fast = _FAST_REDUCE.get(fast_op_key(opts.reduceOp))
                 dt = fast[1].get(t.dtype) if fast is not None else None
                 if dt is not None and t.is_contiguous():
-                    p, nbytes = t.data_ptr(), t.nbytes
-                    self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, fast[0], 0, raw_stream(self._fast_device), True)
-                    return self._done
+                    p, nbytes, stream = t.data_ptr(), t.nbytes, raw_stream(self._fast_device)
+                    ev = self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, fast[0], 0, stream, opts.asyncOp is False)
+                    return self._done if ev is None else self._fast_work(ev, stream, tensors, t)
         return self._allreduce(tensors, opts)
+
+    def _fast_work(self, ev: Any, stream: int, result: Any, keep: Any) -> Any:
+        """The Work of an asynchronous call made by a fast path on the group's GPU: what the
+        plan's path (`_call`, `_cuda_finish`) returns for the same call, whose plan would
+        have had nothing to copy back."""
+        return self._cuda_finish(ev, self._fast_device, stream, result, keep, None)
 
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         """all_reduce off the fast path (profiled under torch's name, _profile.EVENTS)."""
@@ -340,30 +341,34 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         prepare = lambda s: plans.reduce(s, tensors, op, root)  # noqa: E731
         return self._call(REDUCE, _first(tensors), prepare, opts, gloo=lambda g: g.reduce(tensors, opts), args=(tensors,))
 
-    def _fast_stream(self, out: Any, inp: Any, opts: Any) -> tuple[int | None] | None:
-        """The blocking fast path of the calls on one input and one output tensor (all_gather
-        and reduce_scatter into a tensor), as all_reduce has one: `(stream,)` when the call
-        needs no plan (blocking; both tensors dense, contiguous, of one dtype, on the group's
-        GPU, or on the CPU of a group within one host), else None. The core checks the sizes,
-        on this path as on the plan's (and joins a bad call as invalid), so messages agree."""
-        if opts is None or opts.asyncOp is not False or not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
+    def _fast_stream(self, out: Any, inp: Any, opts: Any) -> tuple[int | None, bool] | None:
+        """The fast path of the calls on one input and one output tensor (all_gather and
+        reduce_scatter into a tensor), as all_reduce has one: `(stream, blocking)` when the
+        call needs no plan (both tensors dense, contiguous, of one dtype, on the group's GPU,
+        blocking or not; or blocking on the CPU of a group within one host), else None. The
+        core checks the sizes, on this path as on the plan's (and joins a bad call as
+        invalid), so messages agree."""
+        if opts is None or not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
             return None
         if out.dtype != inp.dtype or out.layout != torch.strided or inp.layout != torch.strided:
             return None
         if not (out.is_contiguous() and inp.is_contiguous()):
             return None
+        blocking = opts.asyncOp is False
         if inp.is_cuda:
             dev = self._fast_device
             ok = out.is_cuda and inp.get_device() == dev == out.get_device()
-            return (raw_stream(dev),) if ok else None
-        return (None,) if self._gloo is None and inp.device.type == "cpu" and out.device.type == "cpu" else None
+            return (raw_stream(dev), blocking) if ok else None
+        host = blocking and self._gloo is None and inp.device.type == "cpu" and out.device.type == "cpu"
+        return (None, True) if host else None
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         fast = None if _profiling() else self._fast_stream(output, input, opts)
         dt = DTYPE_CODES.get(input.dtype) if fast is not None else None
         if dt is not None:
-            self._comm.run(ALL_GATHER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, SUM, 0, fast[0], True)
-            return self._done
+            stream, blocking = fast
+            ev = self._comm.run(ALL_GATHER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, SUM, 0, stream, blocking)
+            return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
         return self._allgather_into(output, input, opts)
 
     all_gather_single = _allgather_base
@@ -394,8 +399,11 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         ops = _FAST_REDUCE.get(fast_op_key(opts.reduceOp)) if fast is not None else None
         dt = ops[1].get(input.dtype) if ops is not None else None
         if dt is not None:
-            self._comm.run(REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, ops[0], 0, fast[0], True)
-            return self._done
+            stream, blocking = fast
+            ev = self._comm.run(
+                REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, ops[0], 0, stream, blocking
+            )
+            return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
         return self._reduce_scatter_into(output, input, opts)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -422,18 +430,19 @@ class ProcessGroupRsccl(dist.ProcessGroup):
     def alltoall_base(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None
     ) -> Any:
-        # The blocking call's fast path (the common case, the profiler off; anything else
-        # takes the plan).
+        # The fast path on the group's GPU (the common case, the profiler off; anything else
+        # takes the plan); an asynchronous call keeps both tensors in its Work.
         if opts is not None and not _profiling() and isinstance(input, _Tensor) and isinstance(output, _Tensor):
             dev = self._fast_device
-            if input.is_cuda and output.is_cuda and input.get_device() == dev == output.get_device() and opts.asyncOp is False:
+            if input.is_cuda and output.is_cuda and input.get_device() == dev == output.get_device():
                 fast = plans.all_to_all_single_fast(
                     self._group_size, self._group_rank, output, input, output_split_sizes, input_split_sizes
                 )
                 if fast is not None:
                     ip, ib, op, ob, splits = fast
-                    self._comm.run(ALL_TO_ALL, ip, ib, op, ob, dtype_code(input), SUM, 0, raw_stream(dev), True, splits)
-                    return self._done
+                    stream = raw_stream(dev)
+                    ev = self._comm.run(ALL_TO_ALL, ip, ib, op, ob, dtype_code(input), SUM, 0, stream, opts.asyncOp is False, splits)
+                    return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
         return self._alltoall_full(output, input, output_split_sizes, input_split_sizes, opts)
 
     all_to_all_single = alltoall_base

@@ -241,7 +241,7 @@ def all_to_all_single(side: Side, output: Any, input: Any, output_split_sizes: A
 
 
 def all_to_all_single_fast(n: int, me: int, output: Any, input: Any, out_splits: Any, in_splits: Any) -> tuple | None:
-    """The blocking all_to_all_single's fast path on CUDA, for the common case only: both
+    """all_to_all_single's fast path on CUDA, blocking or not, for the common case only: both
     buffers contiguous (on the group's GPU: the caller checked), one dtype, disjoint, valid
     splits, in a group of `n` ranks where this one is `me`. Returns the op's (inp,
     inp_bytes, out, out_bytes, splits), or None for anything else, which the full plan then
