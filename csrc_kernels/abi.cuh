@@ -33,7 +33,9 @@ typedef long long i64;
 //                             stopped the group (a peer's kernel, this rank's own kernel,
 //                             or a host's abort); bits 16-23: that kernel's ERR_* cause and
 //                             bits 24-31: 1 + the rank it names (the one a timed-out wait
-//                             waited for), both 0 when the host wrote it;
+//                             waited for), both 0 when a host wrote it for an abort or a
+//                             dead peer (a host that found a mismatch before its teardown
+//                             writes the mismatch's kind and the rank it names);
 //                             POISON_DESTROYED once the group was destroyed;
 //                             0 = none (NOTE [Bounded waits], NOTE [Kernel entry])
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
@@ -89,7 +91,7 @@ typedef long long i64;
 // mismatch into the first u32, a timeout or abort into the second, so that neither kind
 // overwrites the other (the host clears a reported mismatch but never a fatal error).
 // ERR_PEER also carries what the poison word said of the culprit: bits 20-23 its cause
-// (an ERR_* code, 0 if the host poisoned), bits 24-31 1 + the rank that cause names.
+// (an ERR_* code, 0 if a host poisoned with none), bits 24-31 1 + the rank that cause names.
 #define ERR_TIMEOUT 1u
 #define ERR_ABORTED 2u
 #define ERR_MISMATCH 3u

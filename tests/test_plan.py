@@ -141,6 +141,13 @@ def test_host_ops(monkeypatch, seed):
     assert ops[5] == (_ops.BARRIER, 0, 0, 0, 0, _ops.UINT8, s, 0, None, False, None, 0)
     pg.recv([x], 3, 5)
     assert ops[6] == (_ops.RECV, 0, 0, x.data_ptr(), 120, f32, s, 3, None, False, None, 5)
+    # Asynchronous host calls take the plan (an RsWork): the fast paths' host side is for
+    # blocking calls only.
+    for call in (
+        lambda: pg._allgather_base(out, x.reshape(-1), _opts(AllgatherOptions, asynchronous=True)),
+        lambda: pg._reduce_scatter_base(x.reshape(-1)[:5], out[:20], _opts(dist.ReduceScatterOptions, asynchronous=True)),
+    ):
+        assert isinstance(call(), backend.RsWork) and ops[-1][8:10] == (None, False)
 
 
 @pytest.mark.parametrize("cuda", [False, True])
@@ -206,7 +213,8 @@ def test_cuda_ops(monkeypatch, seed):
     fast, full = pg._comm.ops
     assert fast == (_ops.ALL_REDUCE, x.data_ptr(), 128, x.data_ptr(), 128, bf16, _ops.SUM, 0, 77, True)
     assert full[:10] == fast
-    _same_work(pg, lambda: pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True)), [x], x)
+    async_sum = _opts(dist.AllreduceOptions, asynchronous=True)
+    _same_work(pg, lambda: pg.allreduce([x], async_sum), lambda: pg._allreduce([x], async_sum), x)
     pg._comm.ops = pg._comm.ops[:2]
     y = torch.randn(8, generator=g).as_subclass(_Cuda)
     pg.broadcast([y], _opts(dist.BroadcastOptions, rootRank=3))
@@ -244,16 +252,24 @@ def test_cuda_ops(monkeypatch, seed):
     assert pg._comm.ops[-1][:8] == (_ops.SEND, y.data_ptr(), 32, 0, 0, f32, _ops.SUM, 9)
 
 
-def _same_work(pg, fast, result, *kept) -> None:
-    """An asynchronous call through a fast path: the op is the full path's with blocking
-    off (the call ran it last), and its Work is the full path's kind, pending in the
-    group, reporting `result` and keeping `kept` (the tensors the kernel reads and writes)
-    until a stream is ordered after it."""
+def _same_work(pg, fast, full, *kept, same_op: bool = True) -> None:
+    """An asynchronous call through a fast path (`fast`) and through the full path
+    (`full`): the same op, with blocking off, and the same kind of Work, pending in the
+    group, on the same device and stream, reporting the same tensors; the fast path's
+    keeps `kept` (the tensors the kernel reads and writes) until a stream is ordered after
+    it, and has nothing to copy back. `same_op=False` where the plan stages the output
+    (all_to_all_single), so that only the Works compare."""
     w = fast()
     op = pg._comm.ops[-1]
-    assert op[9] is False and isinstance(w, backend.CudaWork) and w in pg._pending.works
-    assert w._result == result and all(any(k is t for t in _flatten(w._keep)) for k in kept)
-    assert w._event is not None and w._stream == 77 and w._post is None
+    v = full()
+    assert op[9] is False and pg._comm.ops[-1][9] is False
+    if same_op:
+        assert op == pg._comm.ops[-1][: len(op)]
+    for x in (w, v):
+        assert isinstance(x, backend.CudaWork) and x in pg._pending.works
+        assert isinstance(x._event, _EndEvent) and (x._device, x._stream) == (v._device, 77)
+    assert len(w._result) == len(v._result) and all(a is b for a, b in zip(w._result, v._result))
+    assert all(any(k is t for t in _flatten(w._keep)) for k in kept) and w._post is None
 
 
 def _flatten(x):
@@ -280,8 +296,10 @@ def test_all_to_all_single_fast_path_agrees_with_the_plan(monkeypatch, seed):
         assert fast[:3] == full[:3] and fast[4:8] == full[4:8], (outs, ins)
         assert fast[10][0] == full[10][0] and fast[10][1] == full[10][1] and fast[10][3] == full[10][3], (outs, ins)
         assert fast[3] == o.data_ptr() and fast[10][2][0] == o.data_ptr()
-        _same_work(pg, lambda: pg.alltoall_base(o, i, outs, ins, _opts(dist.AllToAllOptions, asynchronous=True)), [o], o, i)
-        assert pg._comm.ops[-1][:9] + pg._comm.ops[-1][10:] == fast[:9] + fast[10:]
+        a2a_async = _opts(dist.AllToAllOptions, asynchronous=True)
+        fast_call = lambda: pg.alltoall_base(o, i, outs, ins, a2a_async)  # noqa: E731
+        _same_work(pg, fast_call, lambda: pg._alltoall_full(o, i, outs, ins, a2a_async), o, i, same_op=False)
+        assert pg._comm.ops[-2][:9] + pg._comm.ops[-2][10:] == fast[:9] + fast[10:]
     monkeypatch.setattr(pg, "_alltoall_full", lambda *a, **k: "full")
     blocking = _opts(dist.AllToAllOptions)
     assert isinstance(pg.alltoall_base(o, i, [], [], _opts(dist.AllToAllOptions, asynchronous=True)), backend.CudaWork)
@@ -387,8 +405,9 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
             want = (_ops.ALL_REDUCE, x.data_ptr(), x.nbytes, x.data_ptr(), x.nbytes, _ops.DTYPE_CODES[dt], _ops.OP_CODES[name], 0, 77, True)
             assert fast == want, (dt, name)
             assert full[:10] == want, (dt, name)
-            _same_work(pg, lambda: pg.allreduce([x], _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=op)), [x], x)
-            assert pg._comm.ops[-1] == want[:9] + (False,), (dt, name)
+            ar_async = _opts(dist.AllreduceOptions, asynchronous=True, reduceOp=op)
+            _same_work(pg, lambda: pg.allreduce([x], ar_async), lambda: pg._allreduce([x], ar_async), x)
+            assert pg._comm.ops[-1][:10] == want[:9] + (False,), (dt, name)
             # reduce_scatter's fast path takes the same table.
             shard = torch.empty(12, dtype=dt).as_subclass(_Cuda)
             pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=op))
@@ -396,9 +415,10 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
             assert rs == (_ops.REDUCE_SCATTER, x.data_ptr(), x.nbytes, shard.data_ptr(), shard.nbytes) + want[5:], (dt, name)
             pg._reduce_scatter_into(shard, x, _opts(dist.ReduceScatterOptions, reduceOp=op))
             assert pg._comm.ops[-1][:10] == rs, (dt, name)
-            rs_async = lambda: pg._reduce_scatter_base(shard, x, _opts(dist.ReduceScatterOptions, asynchronous=True, reduceOp=op))  # noqa: E731
-            _same_work(pg, rs_async, [shard], shard, x)
-            assert pg._comm.ops[-1] == rs[:9] + (False,), (dt, name)
+            rs_opts = _opts(dist.ReduceScatterOptions, asynchronous=True, reduceOp=op)
+            rs_async = lambda: pg._reduce_scatter_base(shard, x, rs_opts)  # noqa: E731
+            _same_work(pg, rs_async, lambda: pg._reduce_scatter_into(shard, x, rs_opts), shard, x)
+            assert pg._comm.ops[-1][:10] == rs[:9] + (False,), (dt, name)
     # all_gather's fast path, blocking or not, makes the full path's op.
     y = torch.randn(12, generator=g).as_subclass(_Cuda)
     gathered = torch.empty(48).as_subclass(_Cuda)
@@ -407,8 +427,9 @@ def test_all_reduce_fast_path_takes_what_the_kernels_reduce(monkeypatch, seed):
     ag, ag_full = pg._comm.ops[-2:]
     assert ag == (_ops.ALL_GATHER, y.data_ptr(), 48, gathered.data_ptr(), 192, _ops.DTYPE_CODES[torch.float32], _ops.SUM, 0, 77, True)
     assert ag_full[:10] == ag
-    _same_work(pg, lambda: pg._allgather_base(gathered, y, _opts(AllgatherOptions, asynchronous=True)), [gathered], gathered, y)
-    assert pg._comm.ops[-1] == ag[:9] + (False,)
+    ag_async = _opts(AllgatherOptions, asynchronous=True)
+    _same_work(pg, lambda: pg._allgather_base(gathered, y, ag_async), lambda: pg._allgather_into(gathered, y, ag_async), gathered, y)
+    assert pg._comm.ops[-1][:10] == ag[:9] + (False,)
     monkeypatch.setattr(pg, "_allgather_into", lambda *a: "full")
     monkeypatch.setattr(pg, "_reduce_scatter_into", lambda *a: "full")
     assert isinstance(pg._allgather_base(gathered, y, _opts(AllgatherOptions, asynchronous=True)), backend.CudaWork)

@@ -61,7 +61,7 @@ from .options import as_items
 
 _LIVE: weakref.WeakSet[ProcessGroupRsccl] = weakref.WeakSet()
 
-# The blocking fast paths of all_reduce and reduce_scatter look the call's op up by
+# The fast paths of all_reduce and reduce_scatter look the call's op up by
 # `fast_op_key(opts.reduceOp)` (_ops.py): key -> (op code, {dtype: dtype code}) for every
 # combination rsccl's CUDA kernels reduce (others take the plan).
 _FAST_REDUCE = {
@@ -267,15 +267,15 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 fast = _FAST_REDUCE.get(fast_op_key(opts.reduceOp))
                 dt = fast[1].get(t.dtype) if fast is not None else None
                 if dt is not None and t.is_contiguous():
-                    p, nbytes, stream = t.data_ptr(), t.nbytes, raw_stream(self._fast_device)
-                    ev = self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, fast[0], 0, stream, opts.asyncOp is False)
-                    return self._done if ev is None else self._fast_work(ev, stream, tensors, t)
+                    p, nbytes, stream, blocking = t.data_ptr(), t.nbytes, raw_stream(self._fast_device), opts.asyncOp is False
+                    ev = self._comm.run(ALL_REDUCE, p, nbytes, p, nbytes, dt, fast[0], 0, stream, blocking)
+                    return self._done if blocking else self._fast_work(ev, stream, tensors, t)
         return self._allreduce(tensors, opts)
 
     def _fast_work(self, ev: Any, stream: int, result: Any, keep: Any) -> Any:
-        """The Work of an asynchronous call made by a fast path on the group's GPU: what the
-        plan's path (`_call`, `_cuda_finish`) returns for the same call, whose plan would
-        have had nothing to copy back."""
+        """The Work of an asynchronous call made by a fast path on the group's GPU (`ev`: the
+        launch's end event): what the plan's path (`_call`, `_cuda_finish`) returns for the
+        same call, whose plan would have had nothing to copy back."""
         return self._cuda_finish(ev, self._fast_device, stream, result, keep, None)
 
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -368,7 +368,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
         if dt is not None:
             stream, blocking = fast
             ev = self._comm.run(ALL_GATHER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, SUM, 0, stream, blocking)
-            return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
+            return self._done if blocking else self._fast_work(ev, stream, [output], (output, input))
         return self._allgather_into(output, input, opts)
 
     all_gather_single = _allgather_base
@@ -403,7 +403,7 @@ class ProcessGroupRsccl(dist.ProcessGroup):
             ev = self._comm.run(
                 REDUCE_SCATTER, input.data_ptr(), input.nbytes, output.data_ptr(), output.nbytes, dt, ops[0], 0, stream, blocking
             )
-            return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
+            return self._done if blocking else self._fast_work(ev, stream, [output], (output, input))
         return self._reduce_scatter_into(output, input, opts)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -440,9 +440,9 @@ class ProcessGroupRsccl(dist.ProcessGroup):
                 )
                 if fast is not None:
                     ip, ib, op, ob, splits = fast
-                    stream = raw_stream(dev)
-                    ev = self._comm.run(ALL_TO_ALL, ip, ib, op, ob, dtype_code(input), SUM, 0, stream, opts.asyncOp is False, splits)
-                    return self._done if ev is None else self._fast_work(ev, stream, [output], (output, input))
+                    stream, blocking = raw_stream(dev), opts.asyncOp is False
+                    ev = self._comm.run(ALL_TO_ALL, ip, ib, op, ob, dtype_code(input), SUM, 0, stream, blocking, splits)
+                    return self._done if blocking else self._fast_work(ev, stream, [output], (output, input))
         return self._alltoall_full(output, input, output_split_sizes, input_split_sizes, opts)
 
     all_to_all_single = alltoall_base

@@ -1,9 +1,9 @@
 """torch.profiler events for rsccl's collectives, as gloo records them.
 
 While a torch profiler (torch.profiler.profile or torch.autograd.profiler.profile) is on,
-every call of the ProcessGroup methods in `EVENTS` (the blocking fast paths of all_reduce,
-all_gather_into_tensor and reduce_scatter_tensor, which are not wrapped, step aside for
-them while a profiler runs) opens a RecordFunction named
+every call of the ProcessGroup methods in `EVENTS` (the fast paths of all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single, which are not
+wrapped, step aside for them while a profiler runs) opens a RecordFunction named
 "rsccl:<collective>" with the call's input tensors (their shapes show with
 record_shapes=True), and closes it when the operation completes, from another thread: the
 event is asynchronous and spans issue to completion, as gloo's "gloo:all_reduce" does. On

@@ -352,6 +352,7 @@ impl CudaEngine {
             teardown: cfg.cuda_error_teardown,
             ll_grid: low_latency_grid(blocks),
             armed: AtomicBool::new(false),
+            telling_peers: Mutex::new(()),
         });
         // Cyclic: the order hands out events that come back to the engine (`EventHome`).
         let engine = Arc::new_cyclic(|me: &std::sync::Weak<CudaEngine>| CudaEngine {

@@ -55,8 +55,9 @@ const OWN_WORD_WAIT: Duration = Duration::from_millis(500);
 
 /// The fields of a FATAL code (abi.cuh, at the error codes): (kind, peer, cause, named).
 /// Bits 16-19 are the kind and the low 16 the peer; for ERR_PEER, bits 20-23 are the
-/// culprit's cause (an ERR_* code, 0 when the host poisoned) and bits 24-31 are 1 + the rank
-/// that cause names (0: none), as fail() in csrc_kernels/protocol.cuh packs them.
+/// culprit's cause (an ERR_* code; 0 when a host poisoned with no cause, a mismatch's kind
+/// when the host of the rank that found it did, `cause_poison`) and bits 24-31 are 1 + the
+/// rank that cause names (0: none), as fail() in csrc_kernels/protocol.cuh packs them.
 pub(super) fn fatal_fields(code: u32) -> (u32, usize, u32, usize) {
     ((code >> 16) & 0xf, (code & 0xffff) as usize, (code >> 20) & 0xf, (code >> 24) as usize)
 }
@@ -79,8 +80,8 @@ impl HostWords {
     pub(super) const ABORT: usize = 512;
     /// u64 index of 4 words the collective counters are copied into (bytes 3072..3104).
     pub(super) const COUNTS: usize = 384;
-    /// u32 index of 1 + this rank's local index, the value copied into peers' poison words
-    /// (bytes 3200..3204).
+    /// u32 index of the value copied into peers' poison words: 1 + the culprit's local
+    /// index, and a mismatch's cause above it (`cause_poison`; bytes 3200..3204).
     pub(super) const POISON_SRC: usize = 800;
     /// u32 index of the value copied into this rank's own poison word (1 + the culprit's
     /// local index, or POISON_DESTROYED at a clean destroy; bytes 3204..3208).
@@ -166,6 +167,11 @@ pub(super) struct Shared {
     /// every launch passes in Args::flags (NOTE [Low latency epochs]).
     pub(super) ll_grid: u32,
     pub(super) armed: AtomicBool,
+    /// Held by the thread that tells the peers of a mismatch before the teardown, until the
+    /// process ends (`mismatch_failed`): the watchdog and a caller's health check may both
+    /// find the mismatch, and the second must not end the process before the first's
+    /// copies landed.
+    pub(super) telling_peers: Mutex<()>,
 }
 
 impl Shared {
@@ -184,7 +190,8 @@ impl Shared {
     /// would turn a clean teardown into errors on healthy peers. Kernel-reported errors
     /// do not come here either: a timeout or size mismatch poisoned the peers on the GPU
     /// already (fail() in the kernel source), and an abort or a peer's poison came from a
-    /// host or peer that did.
+    /// host or peer that did. (A mismatch of calls, which no kernel poisons for, reaches the
+    /// peers with its cause before a teardown: `mismatch_failed`.)
     ///
     /// Ordering: the word carries no data. Each peer's kernels poll their own word with
     /// ld.volatile every 256 spins (stop_reason) and read it at entry (NOTE [Kernel
@@ -231,10 +238,16 @@ impl Shared {
     /// the counters stayed in step and the group stays usable (`CudaEngine::health`).
     pub(super) fn mismatch_failed(&self, code: u32) -> Error {
         let err = self.mismatch_error(code);
-        if self.teardown && self.armed.load(Ordering::Acquire) && self.poison_peers_with(cause_poison(self.me, code)) {
-            self.poison_stream_done(OWN_WORD_WAIT);
+        if self.teardown && self.armed.load(Ordering::Acquire) {
+            // Held until the process ends (kernel_failed below): a second thread that found
+            // the mismatch waits here rather than end the process before the copies land.
+            let _telling = self.telling_peers.lock();
+            if self.poison_peers_with(cause_poison(self.me, code)) {
+                self.poison_stream_done(OWN_WORD_WAIT);
+            }
+            return self.kernel_failed(err);
         }
-        self.kernel_failed(err)
+        err
     }
 
     /// Whether the copies queued on the poison stream have completed, polled for at most
@@ -418,13 +431,15 @@ impl Shared {
             )),
             // A peer's kernel found that it and rank `named` called different collectives,
             // and its host stopped the group before ending the process (`mismatch_failed`).
-            ERR_PEER if cause == ERR_MISMATCH && gnamed.is_some() => Error::Mismatch(format!(
+            // Aborted, not Mismatch: the group is stopped (a mismatch this rank found itself
+            // leaves it usable where the ranks do not tear down).
+            ERR_PEER if cause == ERR_MISMATCH && gnamed.is_some() => Error::Aborted(format!(
                 "ranks called different CUDA collectives: rank {grank} found that rank {} called another collective \
                  than it did, and stopped the group (see rank {grank}'s error for both calls): this CUDA call on rank \
                  {me} did not complete",
                 gnamed.unwrap_or(peer)
             )),
-            ERR_PEER if cause == ERR_A2A && gnamed.is_some() => Error::Mismatch(format!(
+            ERR_PEER if cause == ERR_A2A && gnamed.is_some() => Error::Aborted(format!(
                 "all_to_all: rank {grank} found that the ranks' split sizes disagree (rank {} among them), and stopped \
                  the group (see rank {grank}'s error for the sizes): this CUDA call on rank {me} did not complete",
                 gnamed.unwrap_or(peer)
