@@ -14,36 +14,52 @@
 // on a release (docs/performance.md, 2026-11-27: of a one-shot's 8-10 us under CUDA graphs,
 // 5.7-7.5 are its pushes and its one barrier). Block b of the grid, e = its epoch + 1 (the
 // call counts as one barrier epoch, NOTE [Lockstep blocks]), buffer k = e % LL_BUFS:
-//   1. warp 0, lane j < world: what a barrier's first signal does (this rank's descriptor,
-//      with the grid, into rank j's desc slot, then a st.release.sys of e into rank j's
-//      flags[b][me]), so that a peer whose mismatched call took a barrier path passes its
-//      barrier and sees the mismatch (NOTE [Agreement]), and NOTE [Grids] holds. It runs
-//      beside the data stores (no bar.sync before it): its release covers the descriptor.
-//   2. the other threads ("workers"): lane j < world of warp 1 first stores this block's
-//      header {desc0's low 24 bits | grid << 24, e, count, e} into peer j's header
+//   1. every thread but warp 0's ("workers"): lane j < world of warp 1 first stores this
+//      block's header {desc0's low 24 bits | grid << 24, e, count, e} into peer j's header
 //      [k][me][b]; then every worker stores its packs of the block's range of what goes to
 //      peer j (all_reduce, all_gather: the input; reduce_scatter: the input's shard j) as
 //      LL words {4 bytes of data, e} (two 16-byte stores per 16-byte pack) into block b's
 //      region of peer j's slot [k][me]. No fence: each 8-byte word is written whole
 //      (single-copy atomic, aligned) and carries its own epoch.
-//   3. warp 0, lane j < world, j != me: spins (ld.volatile, 16 bytes) on its header from j
+//   2. warp 0, lane j < world, j != me: spins (ld.volatile, 16 bytes) on its header from j
 //      until both epochs read e, then compares it with this call's: another call is a
 //      mismatch (reported as the barrier reports one). Every 256 spins it also looks at the
-//      barrier's flag from j (ld.acquire.sys): once it is >= e, j has signalled this epoch,
-//      and its descriptor in the desc slot (written before that release) is exact: if it
-//      differs, j's call took another path (or another size): a mismatch, found without a
-//      header; if it is the same, j's header is on its way. And the stop checks of every
-//      bounded wait (NOTE [Bounded waits]).
-//   4. bar.sync. A mismatch: block 0 stands in for blocks beyond this grid (NOTE [Grids]),
-//      the counters move as a mismatched block's do ({e, step + 1}), and nothing is written.
-//   5. the workers read, for each peer j, the two LL stores per pack that j made into their
+//      barrier's flag from j (ld.acquire.sys), for a peer whose call took a barrier path
+//      (another size, or another collective), which writes no header: once the flag is >=
+//      e, it reads the header once more, and if that holds e either, goes on as above;
+//      if not, j's descriptor in the desc slot of e is exact (below), and if it differs
+//      from this call's, that is a mismatch, found without a header; if it is the same,
+//      j's header is on its way. And the stop checks of every bounded wait (NOTE [Bounded
+//      waits]).
+//   3. bar.sync. A mismatch: lane j < world of warp 0 does what a barrier's first signal
+//      does (this rank's descriptor, with the grid, into rank j's desc slot of e, then a
+//      st.release.sys of e into rank j's flags[b][me]), so that a peer whose call took a
+//      barrier path passes its barrier and sees the mismatch (NOTE [Agreement]); block 0
+//      stands in for blocks beyond this grid (NOTE [Grids]); the counters move as a
+//      mismatched block's do ({e, step + 1}), and nothing is written.
+//   4. the workers read, for each peer j, the two LL stores per pack that j made into their
 //      block's region of slot [k][j], spun on (ld.volatile) until both epochs read e, and
 //      this rank's own part from its input: all_reduce and reduce_scatter reduce them in
 //      rank order (every rank computes the same bits), all_gather stores each into its
 //      block of the output. The thread that writes an output pack read every input pack
-//      that may alias it (its own part, in 2 or here) itself, before, so the output may be
+//      that may alias it (its own part, in 1 or here) itself, before, so the output may be
 //      the input (all_reduce), the input's own shard (reduce_scatter) or hold the input as
 //      its own block (all_gather).
+// No signal when the calls agree: a release at system scope waits for this thread's remote
+// stores to be acknowledged, a round trip over NVLink, and signalling e at the start of
+// every call (as a barrier does) cost 1.5-2 us of the 7-9 (docs/performance.md,
+// 2026-11-27 17:45 UTC). The flags are read by barriers (a wait for >= e') and by 2 only,
+// and only grow: a later barrier's wait for e' > e is met by that barrier's signal, and a
+// barrier-path peer at e that waits for this rank's e gets it in 3, since this rank's 2
+// finds the mismatch from that peer's flag (a barrier signals before it waits).
+// Why, in 2, a flag >= e with no header of e means that j's desc slot of e holds j's call
+// of e: j's flag reached e or more by a release that j made (a) at a barrier or stand-in of
+// epoch e, after storing its descriptor there; or (b) in 3 of its own low-latency call of
+// e, or (c) in a kernel after its call of e. In (b) and (c) j's call of e was a low-latency
+// one, whose header store (1) is ordered before that release: by the bar.sync of 3, or by
+// the kernel boundary; the release is cumulative, so the header read after the acquire
+// holds e, and the slot is not read. In (a) the slot holds j's descriptor of e until j
+// writes that parity again at e + 2, which needs this rank's e + 1.
 // Why the words are this call's: block b's region of slot [k][j] (what the block's range
 // takes at LL_MAX_BYTES, ceil(LL_MAX_BYTES / 16 / grid) lines of 32 bytes whatever T:
 // ll_region_at in protocol.cuh; the grid is the group's, in Args::flags, which the host
@@ -53,7 +69,7 @@
 // barriers move block 0 alone; the stand-in moves blocks beyond the small grid). A word
 // there holds epoch e only if j's block b wrote it in its call of epoch e (epochs only
 // grow, once per barrier; equal values come back after 2^32 of them), and that call is this
-// one: its header, in the same buffer with the same epoch, matched in 3. The grid is in the
+// one: its header, in the same buffer with the same epoch, matched in 2. The grid is in the
 // header, so two calls whose grids (and so regions) differ mismatch there.
 // Buffer reuse: block b of rank r writes buffer k = e % LL_BUFS at its epoch e only after it
 // left epoch e - 1, for which it waited on every peer's block b (a barrier, or this path's
@@ -89,7 +105,7 @@ __device__ __forceinline__ bool ll_wait(const Args& a, u64 addr, u32 e, u32 peer
     if (v->y == e && v->w == e) return true;
     return ll_wait_slow(a, addr, e, peer, v);
 }
-// The pack peer `j` stored as the two LL lines at `src` (step 5); false if the wait failed.
+// The pack peer `j` stored as the two LL lines at `src` (step 4); false if the wait failed.
 template <typename T>
 __device__ __forceinline__ bool ll_read(const Args& a, u64 src, u32 e, u32 j, Pack<T>& q) {
     uint4 v0, v1;
@@ -106,7 +122,7 @@ __device__ __forceinline__ void ll_mismatch(const Args& a, BlockState* s, u32 j,
     s->mismatch = 1;
 }
 
-// Step 3 for peer j: s->abort set if the wait failed (reported); a mismatch is reported
+// Step 2 for peer j: s->abort set if the wait failed (reported); a mismatch is reported
 // and marked in `s`.
 __device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, u32 e, u32 h0, u32 h1) {
     const u64 hdr = ll_header(a, a.rank, e % LL_BUFS, j);
@@ -120,9 +136,12 @@ __device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, 
             if (v.x != h0 || v.z != h1) ll_mismatch(a, s, j, theirs);
             return;
         }
-        // At the stop checks' pace: j signalled this epoch through a barrier's flag, so its
-        // descriptor (stored before that release) is exact.
+        // At the stop checks' pace: j's flag reached e. A header of e that the acquire
+        // made visible is taken at the top of the loop; without one, j's descriptor of e is
+        // exact (NOTE [Low latency]: (a)).
         if ((spins & 255) == 255 && (i32)(ld_acquire_sys(flag) - e) >= 0) {
+            const uint4 w = ld_ll(hdr);
+            if (w.y == e && w.w == e) continue;
             const u64* d = desc_ptr(a.peer[a.rank], e, blockIdx.x, j);
             const u64 theirs[2] = {d[0], d[1]};
             if (theirs[0] != desc0_with_grid(a) || theirs[1] != a.desc1) {
@@ -141,7 +160,7 @@ __device__ __noinline__ void ll_check_peer(const Args& a, BlockState* s, u32 j, 
 enum LlKind : u32 { LL_ALL_REDUCE, LL_REDUCE_SCATTER, LL_ALL_GATHER };
 
 // A low-latency call of `count` elements of T per sender (all_gather: bytes, T = u8):
-// NOTE [Low latency], steps 1-5.
+// NOTE [Low latency], steps 1-4.
 template <typename T, LlKind K>
 __device__ void ll_call(const Args& a, u32 op) {
     __shared__ BlockState s;
@@ -159,13 +178,9 @@ __device__ void ll_call(const Args& a, u32 op) {
     const u64 shard = K == LL_REDUCE_SCATTER ? n : 0;
     const u32 nt = blockDim.x - 32, tid = t - 32;  // the workers: every warp but warp 0
     if (t < 32) {
-        if (t < W) {  // 1.
-            put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
-            st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
-        }
-        if (t < W && t != me) ll_check_peer(a, &s, t, e, h0, h1);  // 3.
+        if (t < W && t != me) ll_check_peer(a, &s, t, e, h0, h1);  // 2.
     } else {
-        if (tid < W && tid != me) st_ll(ll_header(a, tid, k, me), h0, h1, e);  // 2.
+        if (tid < W && tid != me) st_ll(ll_header(a, tid, k, me), h0, h1, e);  // 1.
         for (u64 i = lo + tid * P; i < hi; i += (u64)nt * P) {
             const u64 line = (i - lo) / P * 32;
             Pack<T> p;
@@ -180,18 +195,22 @@ __device__ void ll_call(const Args& a, u32 op) {
             }
         }
     }
-    __syncthreads();  // 4.
+    __syncthreads();  // 3.
     if (s.abort) {  // counters unsaved; the busy word released (save_state)
         save_state(a, &s, 1);
         return;
     }
     if (s.mismatch) {
+        if (t < W) {
+            put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
+            st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
+        }
         if (blockIdx.x == 0 && s.grid_max > gridDim.x) stand_in(a, s.grid_max);
         if (t == 0) s.epoch = e;
         save_state(a, &s, 1);
         return;
     }
-    if (t >= 32) {  // 5.
+    if (t >= 32) {  // 4.
         for (u64 i = lo + tid * P; i < hi; i += (u64)nt * P) {
             const u64 line = (i - lo) / P * 32;
             if constexpr (K == LL_ALL_GATHER) {
