@@ -31,12 +31,14 @@
 //      from this call's, that is a mismatch, found without a header; if it is the same,
 //      j's header is on its way. And the stop checks of every bounded wait (NOTE [Bounded
 //      waits]).
-//   3. bar.sync. A mismatch: lane j < world of warp 0 does what a barrier's first signal
-//      does (this rank's descriptor, with the grid, into rank j's desc slot of e, then a
-//      st.release.sys of e into rank j's flags[b][me]), so that a peer whose call took a
-//      barrier path passes its barrier and sees the mismatch (NOTE [Agreement]); block 0
-//      stands in for blocks beyond this grid (NOTE [Grids]); the counters move as a
-//      mismatched block's do ({e, step + 1}), and nothing is written.
+//   3. bar.sync. After a mismatch, or when e is a multiple of LL_SIGNAL_EPOCHS: lane j <
+//      world of warp 0 does what a barrier's first signal does (this rank's descriptor,
+//      with the grid, into rank j's desc slot of e, then a st.release.sys of e into rank
+//      j's flags[b][me]), so that a peer whose call took a barrier path passes its barrier
+//      and sees the mismatch (NOTE [Agreement]), and so that no flag falls 2^31 epochs
+//      behind (below). A mismatch: block 0 stands in for blocks beyond this grid (NOTE
+//      [Grids]); the counters move as a mismatched block's do ({e, step + 1}), and nothing
+//      is written.
 //   4. the workers read, for each peer j, the two LL stores per pack that j made into their
 //      block's region of slot [k][j], spun on (ld.volatile) until both epochs read e, and
 //      this rank's own part from its input: all_reduce and reduce_scatter reduce them in
@@ -45,13 +47,17 @@
 //      that may alias it (its own part, in 1 or here) itself, before, so the output may be
 //      the input (all_reduce), the input's own shard (reduce_scatter) or hold the input as
 //      its own block (all_gather).
-// No signal when the calls agree: a release at system scope waits for this thread's remote
-// stores to be acknowledged, a round trip over NVLink, and signalling e at the start of
-// every call (as a barrier does) cost 1.5-2 us of the 7-9 (docs/performance.md,
-// 2026-11-27 17:45 UTC). The flags are read by barriers (a wait for >= e') and by 2 only,
-// and only grow: a later barrier's wait for e' > e is met by that barrier's signal, and a
-// barrier-path peer at e that waits for this rank's e gets it in 3, since this rank's 2
-// finds the mismatch from that peer's flag (a barrier signals before it waits).
+// No signal when the calls agree (but once every LL_SIGNAL_EPOCHS): a release at system
+// scope waits for this thread's remote stores to be acknowledged, a round trip over
+// NVLink, and signalling e in every call (as a barrier does) cost 1.5-2 us of the 7-9 under
+// CUDA graphs (docs/performance.md, "4 H100s, 2026-11-27, 17:44-18:12 UTC"). The flags are
+// read by barriers (a wait for >= e') and by 2 only: a later barrier's wait for e' > e is
+// met by that barrier's signal, and a barrier-path peer at e that waits for this rank's e
+// gets it in 3, since this rank's 2 finds the mismatch from that peer's flag (a barrier
+// signals before it waits). Those reads compare wrap-safe ((i32)(flag - e) >= 0), which
+// is exact while a flag is less than 2^31 behind: every epoch of block b is moved by a
+// barrier, a stand-in or a low-latency call, and each of them signals the multiples of
+// LL_SIGNAL_EPOCHS (2^20: one release per million calls), so a flag is less than 2^20 behind.
 // Why, in 2, a flag >= e with no header of e means that j's desc slot of e holds j's call
 // of e: j's flag reached e or more by a release that j made (a) at a barrier or stand-in of
 // epoch e, after storing its descriptor there; or (b) in 3 of its own low-latency call of
@@ -79,9 +85,11 @@
 // the wrap too). Where e - 1 was a stand-in's (NOTE [Grids]: a copy-engine call's one-block
 // barrier moves blocks 1.. along), the stand-in ran after its block waited on every peer's
 // block 0 in that call, whose kernels had then finished every earlier kernel of theirs,
-// with their reads of buffer k. The desc slots are used as by a barrier. Epochs are 32
+// with their reads of buffer k. The desc slots are written as by a barrier's first signal
+// when 3 signals, and read in 2 in case (a) only. Epochs are 32
 // bits: what keeps a word of 2^32 epochs ago from being taken is NOTE [Low latency epochs]
 // (protocol.cuh).
+#define LL_SIGNAL_EPOCHS (1u << 20)
 static_assert(LL_BUFS == 2, "LL_BUFS: consecutive epochs must pick different buffers across the u32 wrap");
 __device__ __forceinline__ uint4 ld_ll(u64 addr) {
     uint4 v;
@@ -200,11 +208,11 @@ __device__ void ll_call(const Args& a, u32 op) {
         save_state(a, &s, 1);
         return;
     }
+    if ((s.mismatch || e % LL_SIGNAL_EPOCHS == 0) && t < W) {  // 3. (a block-uniform condition)
+        put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
+        st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
+    }
     if (s.mismatch) {
-        if (t < W) {
-            put_desc(a, t, e, blockIdx.x, desc0_with_grid(a));
-            st_release_sys(flag_ptr(a.peer[t], blockIdx.x, me), e);
-        }
         if (blockIdx.x == 0 && s.grid_max > gridDim.x) stand_in(a, s.grid_max);
         if (t == 0) s.epoch = e;
         save_state(a, &s, 1);

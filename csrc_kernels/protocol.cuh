@@ -262,10 +262,11 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 // (a step each), so every word then holds an epoch less than 2^31 old, never equal
 // (mod 2^32) to a later reader's.
 // Why a rewrite never overwrites words a reader will take: at the start of a kernel whose
-// block b's epoch is e0, no peer writes buffer e0 % 2 before this block signals e0 + 1
-// (a peer writes it at its epoch e0 + 2, LL_BUFS = 2), and none writes the other buffer
-// either unless the kernel is a low-latency one (its call e0 + 1 uses that buffer): any
-// other kernel signals before a peer's block b can leave it. (A peer's block b can reach
+// block b's epoch is e0, no peer writes buffer e0 % 2 before this block signals e0 + 1 or
+// stores its low-latency words of e0 + 1 (a peer writes it at its epoch e0 + 2, LL_BUFS =
+// 2), and none writes the other buffer either unless the kernel is a low-latency one (its
+// call e0 + 1 uses that buffer): any other kernel signals before a peer's block b can
+// leave it. (A peer's block b can reach
 // e0 + 1 by a stand-in, NOTE [Grids], before this block's kernel starts, only after a
 // copy-engine call's one-block barrier, whose next barrier needs this rank's block 0 in a
 // later kernel, after this one's rewrite; stand-ins after a kernel's barrier move only
@@ -274,8 +275,8 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 // (ll_call); any other kernel rewrites both at its start. The rewrite's stores come before
 // anything a peer must see before it writes that buffer again: at a kernel's start, each
 // thread's fence.sc.sys and a bar.sync follow its rewrite, before any store of the call
-// (data words, signals); at a low-latency kernel's end, the next signals are in later
-// kernels, ordered after this one's stores on this GPU. A peer's store of a mismatched or
+// (data words, signals); at a low-latency kernel's end, the next signals and low-latency
+// words are in later kernels, ordered after this one's stores on this GPU. A peer's store of a mismatched or
 // aborted call that lands after the rewrite holds a recent epoch: harmless.
 #define LL_REFRESH_EPOCHS 0x40000000u
 __device__ __forceinline__ u32* ll_refreshed(const Args& a) {
@@ -386,7 +387,11 @@ __device__ __noinline__ void report_mismatch(const Args& a, u32 peer, const u64*
 //   release (release is cumulative over what happened-before it); the waiter's acquire
 //   synchronizes-with that release at system scope, and the second bar.sync extends it to
 //   the block's later loads. A peer can run at most one barrier ahead (it cannot pass
-//   barrier e before my signal e), so flags only grow and ">= e" is exact.
+//   barrier e before my signal e), so flags only grow and ">= e" is exact. Low-latency
+//   calls move the epoch without a signal (NOTE [Low latency]): a flag may then be behind
+//   its block's epoch, by less than 2^20, so the wrap-safe comparison stays exact; a peer
+//   in such a call at my barrier's epoch called something else, and signals e once it
+//   finds that (NOTE [Low latency], 2 and 3).
 //
 // NOTE [Buffer reuse]
 // Buffer reuse: staging is double-buffered by step parity. A block writes parity p at
@@ -411,7 +416,8 @@ __device__ __forceinline__ u64 desc0_with_grid(const Args& a) {
 
 // This rank's descriptor of its call (`desc0`: with a grid) into rank t's desc slot for
 // block b at epoch e: what a barrier's first signal publishes before its release (NOTE
-// [Agreement]); the stand-in and the low-latency kernels publish it too.
+// [Agreement]); the stand-in too, and the low-latency kernels when they signal (NOTE [Low
+// latency], 3).
 __device__ __forceinline__ void put_desc(const Args& a, u32 t, u32 e, u32 b, u64 desc0) {
     u64* d = desc_ptr(a.peer[t], e, b, a.rank);
     d[0] = desc0;
@@ -445,8 +451,9 @@ __device__ __forceinline__ void put_desc(const Args& a, u32 t, u32 e, u32 b, u64
 //   peer that does not run b stands in for it the same way. So every rank's block b ends
 //   at e_b, every flags[b][*] holds e_b, and barrier e_b + 1 waits as ever: no wait is
 //   needed here, since the stand-in only signals what block b would have. (4) The desc slot
-//   of e_b's parity is free: a peer's block b last read it at its barrier e_b - 2, before
-//   it signalled e_b - 1, which this rank's block b waited for (NOTE [Agreement]).
+//   of e_b's parity is free: a peer's block b last read it at its epoch e_b - 2 (a barrier,
+//   or a low-latency call's check), before it moved to e_b - 1, for which this rank's block
+//   b waited on it (its signal, or its low-latency words: NOTE [Agreement]).
 //   With FLAG_HOLD_ON_ERROR (teardown) report_mismatch holds block 0 before this, until the
 //   host ends the process; the peers' waits then end with the process (NOTE [Bounded
 //   waits]). A copy-engine collective's barriers run one block (NOTE [Copy engines]): a
