@@ -137,9 +137,11 @@ pub const SETTINGS: &[Setting] = &[
         field: "cuda_low_latency_max_bytes",
         env: "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES",
         // The low-latency kernels' slots hold at most LL_MAX_BYTES per sender (16 KiB, a
-        // 1 MiB area of each rank's block): up to 16 KiB the all_reduce took 6.5-7.3 us
-        // under CUDA graphs on 2 H100s against the one-shot's 8.2-8.7 (2026-11-27,
-        // docs/performance.md).
+        // 1 MiB area of each rank's block): up to 16 KiB, all_reduce, all_gather and
+        // reduce_scatter took 4.8-5.9 us under CUDA graphs on 2 H100s and 6.7-8.4 on 4,
+        // where the barrier kernels took 7.7-10.4 at 64 KiB (docs/performance.md,
+        // 2026-11-27 17:44-18:12 UTC). A 64 KiB bound was faster at 64 KiB, but slots laid
+        // out for MAX_RANKS senders would take 4.1 MiB of every block.
         default: CUDA_LOW_LATENCY_MAX_BYTES,
         min: 0,
         max: CUDA_LOW_LATENCY_MAX_BYTES,
