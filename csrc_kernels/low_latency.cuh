@@ -57,7 +57,8 @@
 // signals before it waits). Those reads compare wrap-safe ((i32)(flag - e) >= 0), which
 // is exact while a flag is less than 2^31 behind: every epoch of block b is moved by a
 // barrier, a stand-in or a low-latency call, and each of them signals the multiples of
-// LL_SIGNAL_EPOCHS (2^20: one release per million calls), so a flag is less than 2^20 behind.
+// LL_SIGNAL_EPOCHS (2^20: one release per million calls), so a flag is less than 2^20
+// behind.
 // Why, in 2, a flag >= e with no header of e means that j's desc slot of e holds j's call
 // of e: j's flag reached e or more by a release that j made (a) at a barrier or stand-in of
 // epoch e, after storing its descriptor there; or (b) in 3 of its own low-latency call of
@@ -86,9 +87,8 @@
 // barrier moves blocks 1.. along), the stand-in ran after its block waited on every peer's
 // block 0 in that call, whose kernels had then finished every earlier kernel of theirs,
 // with their reads of buffer k. The desc slots are written as by a barrier's first signal
-// when 3 signals, and read in 2 in case (a) only. Epochs are 32
-// bits: what keeps a word of 2^32 epochs ago from being taken is NOTE [Low latency epochs]
-// (protocol.cuh).
+// when 3 signals, and read in 2 in case (a) only. Epochs are 32 bits: what keeps a word of
+// 2^32 epochs ago from being taken is NOTE [Low latency epochs] (protocol.cuh).
 #define LL_SIGNAL_EPOCHS (1u << 20)
 static_assert(LL_BUFS == 2, "LL_BUFS: consecutive epochs must pick different buffers across the u32 wrap");
 __device__ __forceinline__ uint4 ld_ll(u64 addr) {

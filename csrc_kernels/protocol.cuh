@@ -266,18 +266,18 @@ __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src
 // stores its low-latency words of e0 + 1 (a peer writes it at its epoch e0 + 2, LL_BUFS =
 // 2), and none writes the other buffer either unless the kernel is a low-latency one (its
 // call e0 + 1 uses that buffer): any other kernel signals before a peer's block b can
-// leave it. (A peer's block b can reach
-// e0 + 1 by a stand-in, NOTE [Grids], before this block's kernel starts, only after a
-// copy-engine call's one-block barrier, whose next barrier needs this rank's block 0 in a
-// later kernel, after this one's rewrite; stand-ins after a kernel's barrier move only
-// blocks beyond the small grid, which have no regions.) So a low-latency kernel
-// rewrites buffer e0 % 2 at its start and the other at its end, once its reads are done
-// (ll_call); any other kernel rewrites both at its start. The rewrite's stores come before
-// anything a peer must see before it writes that buffer again: at a kernel's start, each
-// thread's fence.sc.sys and a bar.sync follow its rewrite, before any store of the call
-// (data words, signals); at a low-latency kernel's end, the next signals and low-latency
-// words are in later kernels, ordered after this one's stores on this GPU. A peer's store of a mismatched or
-// aborted call that lands after the rewrite holds a recent epoch: harmless.
+// leave it. (A peer's block b can reach e0 + 1 by a stand-in, NOTE [Grids], before this
+// block's kernel starts, only after a copy-engine call's one-block barrier, whose next
+// barrier needs this rank's block 0 in a later kernel, after this one's rewrite; stand-ins
+// after a kernel's barrier move only blocks beyond the small grid, which have no
+// regions.) So a low-latency kernel rewrites buffer e0 % 2 at its start and the other at
+// its end, once its reads are done (ll_call); any other kernel rewrites both at its start.
+// The rewrite's stores come before anything a peer must see before it writes that buffer
+// again: at a kernel's start, each thread's fence.sc.sys and a bar.sync follow its rewrite,
+// before any store of the call (data words, signals); at a low-latency kernel's end, the
+// next signals and low-latency words are in later kernels, ordered after this one's stores
+// on this GPU. A peer's store of a mismatched or aborted call that lands after the rewrite
+// holds a recent epoch: harmless.
 #define LL_REFRESH_EPOCHS 0x40000000u
 __device__ __forceinline__ u32* ll_refreshed(const Args& a) {
     return reinterpret_cast<u32*>(ll_header(a, a.rank, 0, a.rank));
