@@ -46,9 +46,10 @@ typedef long long i64;
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
 //                             send sizes then receive sizes, MAX_RANKS u64 each
 //   [LL_OFF, +LL_BYTES)       low-latency kernels (NOTE [Low latency] in low_latency.cuh):
-//                             ll[LL_BUFS][MAX_RANKS] slots of LL_SLOT bytes ({4 data
-//                             bytes, u32 epoch} words, written by the sender named by the
-//                             slot, a region per CUDA block), then headers
+//                             LL_BUFS buffers of LL_BUF_BYTES, each a slot of
+//                             ll_slot(world) bytes per sender ({4 data bytes, u32 epoch}
+//                             words, written by the sender named by the slot, a region per
+//                             CUDA block), then headers
 //                             [LL_BUFS][MAX_RANKS][MAX_BLOCKS] of 16 bytes
 //   [STAGE_OFF, stage end)    staging: for CUDA block b and parity p, `stage_per_block`
 //                             bytes at STAGE_OFF + (2*b + p) * stage_per_block
@@ -74,17 +75,22 @@ typedef long long i64;
 // number modulo it, and u32 wrap-around keeps that consistent).
 #define P2P_DEPTH 4
 #define A2A_OFF 180224
-// The low-latency kernels (NOTE [Low latency] in low_latency.cuh): at most LL_MAX_BYTES per
-// sender (cuda_low_latency_max_bytes may lower it), in LL_BUFS buffers picked by the
-// block's epoch (a power of two, so that consecutive epochs pick different buffers across
-// the u32 wrap); a slot holds a sender's bytes twice over ({data, epoch} words), in a region
-// per CUDA block, each rounded up to a 16-byte pack (32 bytes of words).
-#define LL_MAX_BYTES 16384
+// The low-latency kernels (NOTE [Low latency] in low_latency.cuh): at most
+// ll_max_bytes(world) per sender (protocol.cuh: LL_MAX_BYTES in groups of up to 4 ranks,
+// half of it up to 8, LL_MAX_BYTES_16 up to MAX_RANKS; cuda_low_latency_max_bytes may lower
+// it), in LL_BUFS buffers picked by the block's epoch (a power of two, so that consecutive
+// epochs pick different buffers across the u32 wrap). A buffer of LL_BUF_BYTES holds a slot
+// per sender of the group, of ll_slot(world) bytes: a sender's bytes twice over ({data,
+// epoch} words), in a region per CUDA block, each rounded up to a 16-byte pack (32 bytes of
+// words). The slots are as large as the group's ranks leave room for: the buffer holds
+// MAX_RANKS slots of LL_MAX_BYTES_16, 4 of LL_MAX_BYTES, or 8 of half of it.
+#define LL_MAX_BYTES 65536
+#define LL_MAX_BYTES_16 16384
 #define LL_BUFS 2
-#define LL_SLOT (2 * LL_MAX_BYTES + 32 * MAX_BLOCKS)
+#define LL_BUF_BYTES (MAX_RANKS * (2 * LL_MAX_BYTES_16 + 32 * MAX_BLOCKS))
 #define LL_OFF 262144
-#define LL_HDR_OFF (LL_OFF + LL_BUFS * MAX_RANKS * LL_SLOT)
-#define LL_BYTES (LL_BUFS * MAX_RANKS * LL_SLOT + LL_BUFS * MAX_RANKS * MAX_BLOCKS * 16)
+#define LL_HDR_OFF (LL_OFF + LL_BUFS * LL_BUF_BYTES)
+#define LL_BYTES (LL_BUFS * LL_BUF_BYTES + LL_BUFS * MAX_RANKS * MAX_BLOCKS * 16)
 #define STAGE_OFF (LL_OFF + LL_BYTES)
 
 // Error codes written to Args::err_host (bits 16-19: kind, low 16: peer local index): a

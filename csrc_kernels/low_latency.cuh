@@ -10,7 +10,7 @@
 // NOTE [Low latency]
 // all_reduce, reduce_scatter and all_gather whose data per sender (all_reduce: the message;
 // reduce_scatter: the output shard; all_gather: the input) is at most the group's
-// cuda_low_latency_max_bytes (<= LL_MAX_BYTES; decide::kernel), without the barrier's wait
+// cuda_low_latency_max_bytes (<= ll_max_bytes(world); decide::kernel), without the barrier's wait
 // on a release (docs/performance.md, 2026-11-27: of a one-shot's 8-10 us under CUDA graphs,
 // 5.7-7.5 are its pushes and its one barrier). Block b of the grid, e = its epoch + 1 (the
 // call counts as one barrier epoch, NOTE [Lockstep blocks]), buffer k = e % LL_BUFS:
@@ -68,7 +68,7 @@
 // holds e, and the slot is not read. In (a) the slot holds j's descriptor of e until j
 // writes that parity again at e + 2, which needs this rank's e + 1.
 // Why the words are this call's: block b's region of slot [k][j] (what the block's range
-// takes at LL_MAX_BYTES, ceil(LL_MAX_BYTES / 16 / grid) lines of 32 bytes whatever T:
+// takes at ll_max_bytes(world), ceil(ll_max_bytes(world) / 16 / grid) lines of 32 bytes whatever T:
 // ll_region_at in protocol.cuh; the grid is the group's, in Args::flags, which the host
 // launches these kernels with) is written by block b of
 // rank j only, at block b's epochs, and block b's epoch is the same on every rank (NOTE

@@ -228,21 +228,33 @@ __device__ __forceinline__ u32 own_poison(const Args& a) {
 // The low-latency kernels' slots (NOTE [Low latency] in low_latency.cuh): here, because every
 // kernel's barrier keeps them fresh.
 
-static_assert(LL_MAX_BYTES % 16 == 0, "LL_MAX_BYTES: whole 16-byte packs");
+// The most bytes per sender of the low-latency kernels in a group of `world` ranks, and a
+// sender's slot in each buffer (abi.cuh; rust/core/src/cuda/kernels/mod.rs has the same
+// rule, ll_max_bytes).
+__host__ __device__ constexpr u32 ll_max_bytes(u32 world) {
+    return world <= 4 ? LL_MAX_BYTES : world <= 8 ? LL_MAX_BYTES / 2 : LL_MAX_BYTES_16;
+}
+__host__ __device__ constexpr u64 ll_slot(u32 world) { return 2 * (u64)ll_max_bytes(world) + 32 * MAX_BLOCKS; }
+static_assert(LL_MAX_BYTES_16 % 16 == 0 && LL_MAX_BYTES % 32 == 0, "ll_max_bytes: whole 16-byte packs");
+static_assert(4 * ll_slot(4) <= LL_BUF_BYTES && 8 * ll_slot(8) <= LL_BUF_BYTES && MAX_RANKS * ll_slot(MAX_RANKS) <= LL_BUF_BYTES,
+              "LL_BUF_BYTES: a slot per sender (ll_region_at)");
 __device__ __forceinline__ void st_ll(u64 addr, u32 d0, u32 d1, u32 e) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(addr), "r"(d0), "r"(e), "r"(d1) : "memory");
 }
 // The grid of the group's low-latency kernels (Args::flags, FLAG_LL_GRID_SHIFT).
 __device__ __forceinline__ u32 ll_grid(const Args& a) { return (a.flags >> FLAG_LL_GRID_SHIFT) & 0xff; }
-// Block b's region of slot [k][src] of `rank`'s block: what a block's range of
-// LL_MAX_BYTES takes as LL lines (32 bytes per 16-byte pack) on the low-latency grid, so
-// that a region depends neither on the call's size nor on its dtype. The grid's regions take
-// at most 2 * LL_MAX_BYTES + 32 * grid bytes, within LL_SLOT.
-__device__ __forceinline__ u64 ll_region_at(const Args& a, u32 rank, u32 k, u32 src, u32 b) {
+// The 16-byte stores of a block's region: what a block's range of ll_max_bytes(world) takes
+// as LL lines (32 bytes per 16-byte pack) on the low-latency grid, so that a region depends
+// neither on the call's size nor on its dtype.
+__device__ __forceinline__ u32 ll_region_stores(const Args& a) {
     const u32 G = ll_grid(a);
-    return a.peer[rank] + LL_OFF + ((u64)k * MAX_RANKS + src) * LL_SLOT + (u64)b * ((LL_MAX_BYTES / 16 + G - 1) / G) * 32;
+    return (ll_max_bytes(a.world) / 16 + G - 1) / G * 2;
 }
-static_assert(LL_SLOT >= 2 * LL_MAX_BYTES + 32 * MAX_BLOCKS, "LL_SLOT: a region per block (ll_region_at)");
+// Block b's region of slot [k][src] of `rank`'s block. The grid's regions take at most
+// 2 * ll_max_bytes(world) + 32 * grid bytes, within ll_slot(world).
+__device__ __forceinline__ u64 ll_region_at(const Args& a, u32 rank, u32 k, u32 src, u32 b) {
+    return a.peer[rank] + LL_OFF + (u64)k * LL_BUF_BYTES + src * ll_slot(a.world) + (u64)b * ll_region_stores(a) * 16;
+}
 
 __device__ __forceinline__ u64 ll_header(const Args& a, u32 rank, u32 k, u32 src) {
     return a.peer[rank] + LL_HDR_OFF + (((u64)k * MAX_RANKS + src) * MAX_BLOCKS + blockIdx.x) * 16;
@@ -286,8 +298,7 @@ __device__ __forceinline__ u32* ll_refreshed(const Args& a) {
 // epoch word e (a header of contents 0 is no call's: a reader that took one would report a
 // mismatch, but none takes it, its epoch being old).
 __device__ __noinline__ void ll_refresh(const Args& a, u32 k, u32 e) {
-    const u32 G = ll_grid(a);
-    const u32 lines = (LL_MAX_BYTES / 16 + G - 1) / G * 2;  // 16-byte stores per region
+    const u32 lines = ll_region_stores(a);
     for (u32 kk = 0; kk < LL_BUFS; kk++) {
         if (k != LL_BUFS && kk != k) continue;
         for (u32 src = 0; src < a.world; src++) {

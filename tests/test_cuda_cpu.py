@@ -65,12 +65,13 @@ def test_cuda_settings_resolve_and_reject_bad_values(monkeypatch):
 
 
 def test_low_latency_bound_resolves_within_the_slots(monkeypatch):
-    """cuda_low_latency_max_bytes: 16 KiB by default (what the kernels' slots hold, and its
-    largest value), 0 turns the low-latency kernels off, more is refused naming it."""
-    assert resolve()["cuda_low_latency_max_bytes"] == 16 << 10
+    """cuda_low_latency_max_bytes: 64 KiB by default (what the kernels' slots hold in groups
+    of up to 4 GPUs, and its largest value), 0 turns the low-latency kernels off, more is
+    refused naming it."""
+    assert resolve()["cuda_low_latency_max_bytes"] == 64 << 10
     assert resolve(rsccl.Options(cuda_low_latency_max_bytes=0).items())["cuda_low_latency_max_bytes"] == 0
     assert resolve([("cuda_low_latency_max_bytes", "4KiB")])["cuda_low_latency_max_bytes"] == 4096
-    assert_bad_values_named(monkeypatch, "cuda_low_latency_max_bytes", "32KiB", "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES", "tiny")
+    assert_bad_values_named(monkeypatch, "cuda_low_latency_max_bytes", "128KiB", "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES", "tiny")
 
 
 def test_nccl_settings_resolve_and_reject_bad_values(monkeypatch):

@@ -87,17 +87,26 @@ def test_all_gather(gpus, seed, config):
     gpus.run(body_all_gather, seed, config, SIZES, timeout=200)
 
 
-# The low-latency kernels' bound (cuda_low_latency_max_bytes, 16 KiB per rank: the
-# all_reduce message, the reduce_scatter output, the all_gather input): 1 element, an odd
-# count, and one element under, at and over the bound, per element size; with the kernels on
-# (default) and off (the barrier kernels at the same sizes).
-LL_BOUND = 16 << 10
+def ll_bound(ctx) -> int:
+    """The low-latency kernels' bound in the default group (cuda_low_latency_max_bytes per
+    rank: the all_reduce message, the reduce_scatter output, the all_gather input): what
+    their slots hold at this many ranks (ll_max_bytes in rust/core/src/cuda/kernels/mod.rs)."""
+    import rsccl
+
+    got = rsccl.memory_stats()["cuda_low_latency_max_bytes"]
+    want = (64 << 10) if ctx.world <= 4 else (32 << 10) if ctx.world <= 8 else (16 << 10)
+    assert got == want, f"the default group's low-latency bound at {ctx.world} ranks is {got}, not {want}"
+    return got
 
 
+# At the low-latency kernels' bound: 1 element, an odd count, and one element under, at and
+# over the bound, per element size; with the kernels on (default) and off (the barrier
+# kernels at the same sizes).
 def body_small_bounds(ctx, seed: int, config: str) -> int:
     checks = 0
+    bound = ll_bound(ctx)
     for dtype, op in ((torch.bfloat16, "SUM"), (torch.float32, "AVG"), (torch.int64, "MAX")):
-        at = LL_BOUND // dtype.itemsize
+        at = bound // dtype.itemsize
         for n in (1, 7, at - 1, at, at + 1):
             for kind in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
                 what = f"{kind} {op} {dtype} n={n} (low-latency bound) group={config}"
@@ -127,6 +136,7 @@ def body_epoch_wrap(ctx, seed: int) -> int:
     g = dist.new_group(backend="rsccl")
     w, me, f32 = ctx.world, ctx.rank, torch.float32
     checks = 0
+    bound = ll_bound(ctx)
 
     def set_epochs(epoch: int) -> None:
         torch.cuda.synchronize()
@@ -149,7 +159,7 @@ def body_epoch_wrap(ctx, seed: int) -> int:
             if me == late:
                 torch.cuda._sleep(1_000_000)  # about 0.5 ms of the GPU: the others start first
 
-        for n in (4096, 1000, 7):  # float32 per rank: 16 KiB (the bound), 4000 and 28 bytes
+        for n in (bound // 4, 1000, 7):  # float32 per rank: the bound, 4000 and 28 bytes
             x = rand(seed, me, n, f32, salt=f"{tag} ar {n}")
             xs = gather_inputs(ctx, x)
             wait()

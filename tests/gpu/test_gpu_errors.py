@@ -48,14 +48,15 @@ def body_mismatch(ctx, seed: int, case: str) -> tuple[str, str]:
     if case in ("ll_kinds", "ll_gather_count", "ll_gather_across_grids"):
         # The low-latency kernels (NOTE [Low latency] in csrc_kernels/low_latency.cuh): rank 1 a
         # reduce_scatter against the others' all_reduce, both low-latency; an all_gather
-        # of another size, both low-latency; a 64 KiB all_gather input (the barrier kernel
-        # on the group's grid) against 4 KB ones (the low-latency kernel on 16 blocks).
+        # of another size, both low-latency; a 128 KiB all_gather input (above every
+        # group's low-latency bound: the barrier kernel on the group's grid) against 4 KB
+        # ones (the low-latency kernel on 16 blocks).
         x = rand(seed, ctx.rank, n, torch.float32)
         if case == "ll_kinds" and ctx.rank == 1:
             xin = rand(seed, ctx.rank, w * n // 4, torch.float32)
             call = lambda: dist.reduce_scatter_tensor(torch.empty(n // 4, device=xin.device), xin, group=g)  # noqa: E731
         elif case != "ll_kinds":
-            m = {"ll_gather_count": n + 4, "ll_gather_across_grids": 16 << 10}[case] if ctx.rank == 1 else n
+            m = {"ll_gather_count": n + 4, "ll_gather_across_grids": 32 << 10}[case] if ctx.rank == 1 else n
             xg = rand(seed, ctx.rank, m, torch.float32)
             call = lambda: dist.all_gather_into_tensor(torch.empty(w * m, device=xg.device), xg, group=g)  # noqa: E731
     elif case == "dtype":

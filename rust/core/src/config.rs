@@ -38,9 +38,10 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// The most cuda_low_latency_max_bytes may be: what the low-latency kernels' slots hold
-/// (LL_MAX_BYTES in csrc_kernels/abi.cuh; cuda/kernels holds the two equal).
-pub const CUDA_LOW_LATENCY_MAX_BYTES: u64 = 16 * KIB;
+/// The most cuda_low_latency_max_bytes may be: what the low-latency kernels' slots hold in
+/// groups of up to 4 local ranks (LL_MAX_BYTES in csrc_kernels/abi.cuh; cuda/kernels holds
+/// the two equal, and lowers the bound for larger groups: ll_max_bytes).
+pub const CUDA_LOW_LATENCY_MAX_BYTES: u64 = 64 * KIB;
 
 /// The table users see in README.md (`python -c "import rsccl; rsccl.print_settings()"`).
 pub const SETTINGS: &[Setting] = &[
@@ -136,12 +137,13 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "cuda_low_latency_max_bytes",
         env: "RSCCL_CUDA_LOW_LATENCY_MAX_BYTES",
-        // The low-latency kernels' slots hold at most LL_MAX_BYTES per sender (16 KiB, a
-        // 1 MiB area of each rank's block): up to 16 KiB, all_reduce, all_gather and
-        // reduce_scatter took 4.8-5.9 us under CUDA graphs on 2 H100s and 6.7-8.4 on 4,
-        // where the barrier kernels took 7.7-10.4 at 64 KiB (docs/performance.md,
-        // 2026-11-27 17:44-18:12 UTC). A 64 KiB bound was faster at 64 KiB, but slots laid
-        // out for MAX_RANKS senders would take 4.1 MiB of every block.
+        // The low-latency kernels' slots (a 1 MiB area of each rank's block) hold 64 KiB per
+        // sender in groups of up to 4 local ranks, 32 KiB up to 8, 16 KiB up to 16
+        // (ll_max_bytes; the setting lowers it, never raises it). Up to 16 KiB, all_reduce,
+        // all_gather and reduce_scatter took 4.8-5.9 us under CUDA graphs on 2 H100s and
+        // 6.7-8.4 on 4; at 64 KiB the barrier kernels took 7.7-10.4, the low-latency ones
+        // 5.2-5.7 at 2 GPUs and 8.4-9.3 at 4 (docs/performance.md, 2026-11-27 17:44-18:12
+        // UTC).
         default: CUDA_LOW_LATENCY_MAX_BYTES,
         min: 0,
         max: CUDA_LOW_LATENCY_MAX_BYTES,
@@ -149,7 +151,8 @@ pub const SETTINGS: &[Setting] = &[
         help: "CUDA all_reduce (the message), reduce_scatter (the output) and all_gather (the \
                input) up to this size per rank run rsccl's low-latency kernels, which need no \
                barrier (each word carries its call's epoch); larger ones the barrier kernels. \
-               0: never",
+               Their slots bound it at 64 KiB in groups of up to 4 GPUs, 32 KiB up to 8 and \
+               16 KiB above. 0: never",
     },
     Setting {
         field: "cuda_copy_engine_min_bytes",

@@ -16,7 +16,7 @@ fn every_kind_has_a_kernel_and_an_nccl_call() {
     }
     assert_eq!(kernel(Kind::AllReduce, 32 << 20, 2, 2, 0, LL), Kernel::Reduce(Family::TwoShot));
     assert_eq!(kernel(Kind::AllReduce, 2048, 2, 2, 0, LL), Kernel::Reduce(Family::LowLatency));
-    assert_eq!(kernel(Kind::AllReduce, 32 << 10, 2, 2, 0, LL), Kernel::Reduce(Family::OneShot));
+    assert_eq!(kernel(Kind::AllReduce, 64 << 10, 2, 2, 0, LL), Kernel::Reduce(Family::OneShot));
     assert_eq!(cuda_count(Kind::ReduceScatter, 4096, 1024, 4), 256);
     assert_eq!(cuda_count(Kind::Scatter, 400, 100, 8), 100);
 }
@@ -172,6 +172,17 @@ fn gpus_without_peer_access_are_named() {
         assert_eq!(Reach::from_code(r as u8), r);
     }
     assert_eq!(Reach::from_code(9), Unknown);
+}
+
+#[test]
+fn low_latency_slots_shrink_with_the_group() {
+    // A slot per sender in each buffer (abi.cuh): 64 KiB up to 4 local ranks, 32 KiB up to
+    // 8, 16 KiB up to 16; the engine bounds the setting by it.
+    use crate::cuda::kernels::ll_max_bytes;
+    assert_eq!([2, 3, 4].map(ll_max_bytes), [LL; 3]);
+    assert_eq!([5, 8].map(ll_max_bytes), [32 << 10; 2]);
+    assert_eq!([9, 16].map(ll_max_bytes), [16 << 10; 2]);
+    assert_eq!(LL, 64 << 10);
 }
 
 #[test]

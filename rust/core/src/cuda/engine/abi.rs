@@ -107,7 +107,7 @@ mod tests {
             (def(kabi::DESC_OFF), 2 * max_blocks * max_ranks * def(kabi::DESC_WORDS) * 8),
             (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * def(kabi::P2P_DEPTH) * 8),
             (def(kabi::A2A_OFF), 2 * max_blocks * 2 * max_ranks * 8),
-            (def(kabi::LL_OFF), def(kabi::LL_BUFS) * max_ranks * def(kabi::LL_SLOT)),
+            (def(kabi::LL_OFF), def(kabi::LL_BUFS) * def(kabi::LL_BUF_BYTES)),
             (def(kabi::LL_HDR_OFF), def(kabi::LL_BUFS) * max_ranks * max_blocks * 16),
         ];
         assert_eq!(areas[0].1, max_blocks * max_ranks * 4);

@@ -21,7 +21,7 @@ use crate::cuda::decide::{
     check_peer_access, grids_that_fit, kernel, kernels_of, low_latency_grid, p2p_chunk, stage_per_block, LocalGpu, Reach,
 };
 use crate::cuda::driver::{check, Device, Event, Stream};
-use crate::cuda::kernels::{Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
+use crate::cuda::kernels::{ll_max_bytes, Kernels, Shape, MAX_BLOCKS, MAX_RANKS, POISON_OFF};
 use crate::cuda::order::{EventHome, Order};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -370,7 +370,7 @@ impl CudaEngine {
             sm,
             gpu_sharers: sharers,
             one_shot_max: cfg.cuda_allreduce_one_shot_max_bytes,
-            low_latency_max: cfg.cuda_low_latency_max_bytes,
+            low_latency_max: cfg.cuda_low_latency_max_bytes.min(ll_max_bytes(n)),
             sync_on_caller: cfg.cuda_sync_stream,
             local_ranks: local_ranks.clone(),
             collectives: Default::default(),

@@ -65,10 +65,33 @@ pub mod abi {
 pub const THREADS: u32 = abi::THREADS as u32;
 /// Offsets inside a rank's block (the source's layout constants).
 pub const STAGE_OFF: usize = abi::STAGE_OFF as usize;
-/// The most bytes per sender of the low-latency kernels (`Kernel::is_low_latency`): what
-/// their slots hold, the bound of the setting cuda_low_latency_max_bytes.
+/// The most bytes per sender of the low-latency kernels (`Kernel::is_low_latency`) in any
+/// group: the bound of the setting cuda_low_latency_max_bytes.
 pub const LL_MAX_BYTES: usize = abi::LL_MAX_BYTES as usize;
 const _: () = assert!(crate::config::CUDA_LOW_LATENCY_MAX_BYTES == LL_MAX_BYTES as u64, "the setting's bound is the slots'");
+
+/// The most bytes per sender that the low-latency kernels' slots hold in a group of
+/// `local_ranks`: each buffer has a slot per sender, so larger groups get smaller slots
+/// (ll_max_bytes and LL_BUF_BYTES in csrc_kernels: the same rule).
+pub const fn ll_max_bytes(local_ranks: usize) -> usize {
+    if local_ranks <= 4 {
+        LL_MAX_BYTES
+    } else if local_ranks <= 8 {
+        LL_MAX_BYTES / 2
+    } else {
+        abi::LL_MAX_BYTES_16 as usize
+    }
+}
+/// A sender's slot in each of the low-latency buffers, in a group of `local_ranks`: its
+/// bytes twice over ({data, epoch} words), with a 16-byte pack of rounding per block.
+const fn ll_slot(local_ranks: usize) -> usize {
+    2 * ll_max_bytes(local_ranks) + 32 * abi::MAX_BLOCKS as usize
+}
+// A slot per sender fits each buffer at the largest group of each bound (the kernels'
+// static_assert says the same).
+const _: () = assert!(4 * ll_slot(4) <= abi::LL_BUF_BYTES as usize);
+const _: () = assert!(8 * ll_slot(8) <= abi::LL_BUF_BYTES as usize);
+const _: () = assert!(MAX_RANKS * ll_slot(MAX_RANKS) <= abi::LL_BUF_BYTES as usize);
 /// {in-place collectives, their bytes, all collectives, their bytes}: u64 counters this
 /// rank's kernels keep (memory_stats).
 pub const STATS_OFF: usize = abi::STATS_OFF as usize;
