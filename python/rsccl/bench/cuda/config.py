@@ -33,9 +33,13 @@ GRAPH_CALLS = 20  # calls captured in one graph
 GRAPH_REPLAYS = 5  # replays of it per repeat
 
 
-# Small messages take 300 calls per repeat: a start-up skew between ranks of ~100 us
-# then adds well under 1 us per call.
-ITERS_MAX, ITERS_MIN, ITERS_FULL_UP_TO = 300, 5, 4 * MiB
+# Small messages take 1000 calls per repeat: a start-up skew between ranks of ~100 us then
+# adds 0.1 us per call, and a host hiccup of a few ms (eager calls are bound by the host)
+# a few us. With 300 calls and 3 repeats, each of five runs had an eager rsccl row that took
+# 1.6-10x the next larger size's time, at sizes that changed from run to run (the "64 KiB
+# cliff" of issue 27); with 1000 calls and 5 repeats, every size up to 4 MiB took at most
+# 1.19x the next one's (4 H100s, 2026-11-27 19:26-19:40 UTC, docs/performance.md).
+ITERS_MAX, ITERS_MIN, ITERS_FULL_UP_TO = 1000, 5, 4 * MiB
 
 
 SMALL_PLOT_BYTES = 1 << 20  # the latency panels show sizes up to this (or --graph-max-bytes)
