@@ -239,7 +239,11 @@ pub fn grids_that_fit(
 /// even at 4 MiB (26.6 vs 26.0 us), two-shot from 16 MiB; at 4 ranks the two were within
 /// noise up to 1 MiB and two-shot won from 4 MiB (33.9 vs 60.5 us). One-shot moves
 /// (ranks - 1) x the message over each GPU's links, so its range shrinks with more ranks;
-/// beyond 4 ranks nothing was measured yet and 256 KiB is a guess on that trend.
+/// beyond 4 ranks nothing was measured yet and 256 KiB is a guess on that trend. Under CUDA
+/// graphs on 4 H100s (2026-11-27, docs/performance.md, `--sweep-one-shot`) these limits still
+/// pick the faster kernel or one within 0.7 us: at 2 ranks one-shot took 16.1 us against
+/// two-shot's 17.6 at 1 MiB and 28.7 against 29.3 at 4 MiB; at 4 ranks 11.6 against 18.8 at
+/// 256 KiB and 23.6 against 20.3 at 1 MiB.
 pub fn auto_one_shot_max(local_ranks: usize) -> usize {
     match local_ranks {
         0..=2 => 2 << 20,
