@@ -35,8 +35,8 @@
 //   writes no output. A2A_ONE_BARRIER_BYTES: a chunk up to it moves in one step of a
 //   group's staging (64 MiB over 64 CUDA blocks and 3 peers: 170 KiB per slot), where the
 //   second barrier is most of a small call's time. all_to_all_single under CUDA graphs on
-//   4 H100s (docs/performance.md, 2026-11-27), 1 KiB-1 MiB per rank: 12.6-14.3 us at 2
-//   GPUs and 16.6-17.6 at 4 with two barriers, 9.9-15.5 and 12.2-13.5 with one.
+//   4 H100s (docs/performance.md, 2026-11-27), 1 KiB-256 KiB per rank: 12.6-13.8 us at 2
+//   GPUs and 17.1-17.6 at 4 with two barriers, 9.9-10.5 and 12.2-13.2 with one.
 #define A2A_ONE_BARRIER_BYTES (256u << 10)
 
 // all_to_all (bytes; NOTE [all_to_all]). Rank me's chunk for peer j is
