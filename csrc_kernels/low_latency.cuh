@@ -10,10 +10,11 @@
 // NOTE [Low latency]
 // all_reduce, reduce_scatter and all_gather whose data per sender (all_reduce: the message;
 // reduce_scatter: the output shard; all_gather: the input) is at most the group's
-// cuda_low_latency_max_bytes (<= ll_max_bytes(world); decide::kernel), without the barrier's wait
-// on a release (docs/performance.md, 2026-11-27: of a one-shot's 8-10 us under CUDA graphs,
-// 5.7-7.5 are its pushes and its one barrier). Block b of the grid, e = its epoch + 1 (the
-// call counts as one barrier epoch, NOTE [Lockstep blocks]), buffer k = e % LL_BUFS:
+// cuda_low_latency_max_bytes (<= ll_max_bytes(world); decide::kernel), without the
+// barrier's wait on a release (docs/performance.md, 2026-11-27: of a one-shot's 8-10 us
+// under CUDA graphs, 5.7-7.5 are its pushes and its one barrier). Block b of the grid, e =
+// its epoch + 1 (the call counts as one barrier epoch, NOTE [Lockstep blocks]), buffer k =
+// e % LL_BUFS:
 //   1. every thread but warp 0's ("workers"): lane j < world of warp 1 first stores this
 //      block's header {desc0's low 24 bits | grid << 24, e, count, e} into peer j's header
 //      [k][me][b]; then every worker stores its packs of the block's range of what goes to
@@ -68,12 +69,12 @@
 // holds e, and the slot is not read. In (a) the slot holds j's descriptor of e until j
 // writes that parity again at e + 2, which needs this rank's e + 1.
 // Why the words are this call's: block b's region of slot [k][j] (what the block's range
-// takes at ll_max_bytes(world), ceil(ll_max_bytes(world) / 16 / grid) lines of 32 bytes whatever T:
-// ll_region_at in protocol.cuh; the grid is the group's, in Args::flags, which the host
-// launches these kernels with) is written by block b of
-// rank j only, at block b's epochs, and block b's epoch is the same on every rank (NOTE
-// [Lockstep blocks]), whatever other blocks' epochs are (the copy engines' one-block
-// barriers move block 0 alone; the stand-in moves blocks beyond the small grid). A word
+// takes at ll_max_bytes(world), ceil(ll_max_bytes(world) / 16 / grid) lines of 32 bytes
+// whatever T: ll_region_at in protocol.cuh; the grid is the group's, in Args::flags, which
+// the host launches these kernels with) is written by block b of rank j only, at block b's
+// epochs, and block b's epoch is the same on every rank (NOTE [Lockstep blocks]), whatever
+// other blocks' epochs are (the copy engines' one-block barriers move block 0 alone; the
+// stand-in moves blocks beyond the small grid). A word
 // there holds epoch e only if j's block b wrote it in its call of epoch e (epochs only
 // grow, once per barrier; equal values come back after 2^32 of them), and that call is this
 // one: its header, in the same buffer with the same epoch, matched in 2. The grid is in the
