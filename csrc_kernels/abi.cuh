@@ -41,6 +41,9 @@ typedef long long i64;
 //   [DESC_OFF, +64 KiB)       desc[2][MAX_BLOCKS][MAX_RANKS] 32-byte collective descriptors,
 //                             written by peers before their first signal of a kernel, in
 //                             the half picked by the barrier epoch's parity
+//   [RING_OFF, +512)          ring schedule words (NOTE [Ring] in ring.cuh): ready[MAX_BLOCKS]
+//                             u32 written by the previous rank of the ring, then
+//                             ack[MAX_BLOCKS] u32 written by the next
 //   [P2P_OFF, +48 KiB)        send/recv signals and counters, then the message sizes per
 //                             (CUDA block, sender, inbox slot) (NOTE [Point to point])
 //   [A2A_OFF, +32 KiB)        all_to_all split tables: [parity][CUDA block] this rank's
@@ -66,6 +69,7 @@ typedef long long i64;
 #define DESC_OFF 16384
 #define DESC_WORDS 4
 #define POISON_OFF (STATS_OFF + 256)
+#define RING_OFF 81920
 // The poison word's value once the group was destroyed (shutdown): a CUDA graph replayed
 // after destroy_process_group must not run a collective of it (NOTE [Kernel entry]).
 #define POISON_DESTROYED 4294967295u
@@ -145,6 +149,9 @@ struct Args {
 // Set in desc0 by the barriers of a copy-engine collective (NOTE [Copy engines], rust/core/
 // src/cuda/engine/copy.rs): a rank whose call took the other path is a mismatch.
 #define DESC0_COPY_ENGINE_BIT 48
+// Set in desc0 by the host for a call on the ring schedule (NOTE [Ring] in ring.cuh): a rank
+// whose call took the direct schedule is a mismatch.
+#define DESC0_RING_BIT 49
 // The call's grid (gridDim.x), in the descriptor the kernels publish and compare: put there
 // by barrier() itself, not by the host (NOTE [Grids] in protocol.cuh).
 #define DESC0_GRID_SHIFT 56

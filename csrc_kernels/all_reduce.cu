@@ -2,6 +2,7 @@
 
 #include "common.cuh"
 #include "low_latency.cuh"
+#include "ring.cuh"
 
 // all_reduce, one-shot: count elements in `in`, result in `out` (may alias in).
 // Each step, block b takes m elements and writes them into its slot of every peer's
@@ -143,6 +144,10 @@ template <typename T>
 __device__ void ar_twoshot(const Args& a, u32 op) {
     __shared__ BlockState s;
     if (!load_state(a, &s)) return;
+    if (ring_on(a)) {  // NOTE [Ring]
+        ring_call<T>(a, s, RING_AR, op, a.count * sizeof(T), [&] { ar_in_place<T>(a, s, op); });
+        return;
+    }
     const u32 W = a.world, me = a.rank;
     const u32 slots = W > 1 ? W - 1 : 1;
     const u64 shard = per_block<T>(a, 2 * slots, (a.count + W - 1) / W);

@@ -12,6 +12,7 @@
 //   NOTE [Point to point]     send_recv.cu
 //   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
+//   NOTE [Ring]               ring.cuh (large reduce_scatter, all_gather, all_reduce as a ring)
 //   NOTE [Low latency]        low_latency.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
 //   NOTE [Low latency epochs] at ll_refresh (their words never taken from an old call)
 // Included by common.cuh; no other headers: NVRTC's built-ins only.
@@ -70,6 +71,10 @@ __device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
 __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Named barriers of the whole block (id > 0; __syncthreads is 0): bar.arrive does not wait.
+// Both order memory as bar.sync does (send/recv's and the ring's signalling warps).
+__device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
+__device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 __device__ __forceinline__ u32 ld_volatile_host(u64 p) {
     u32 v;
     asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -3,6 +3,7 @@
 
 #include "common.cuh"
 #include "low_latency.cuh"
+#include "ring.cuh"
 
 // reduce_scatter in place (in, world * count elements, in the pool): pull shard `rank` of
 // every peer's input, reduce in rank order into my output; barrier (peers are done reading
@@ -98,6 +99,10 @@ __device__ void reduce_scatter(const Args& a, u32 op) {
     const u64 m = per_block<T>(a, W > 1 ? W - 1 : 1, n);
     const u64 per_step = m * gridDim.x;
     const u64 steps = steps_for(n, per_step);
+    if (ring_on(a)) {  // NOTE [Ring]
+        ring_call<T>(a, s, RING_RS, op, (u64)W * n * sizeof(T), [&] { rs_in_place<T>(a, s, op); });
+        return;
+    }
     const T* in = reinterpret_cast<const T*>(a.in);
     T* out = reinterpret_cast<T*>(a.out);
     if (!staged_start(

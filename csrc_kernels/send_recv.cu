@@ -84,8 +84,6 @@ __device__ __noinline__ void report_size(const Args& a, u64 got, u32 src) {
 // start step s + 1 before it releases step s; a FREE and a DONE are never in flight twice.
 #define BAR_FREE 1
 #define BAR_DONE 2
-__device__ __forceinline__ void bar_sync(u32 id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
-__device__ __forceinline__ void bar_arrive(u32 id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const __grid_constant__ P2pArgs x) {
     const Args& a = x.a;

@@ -75,6 +75,19 @@ def inputs(ctx, seed: int, c: Call, n: int | None = None) -> list[torch.Tensor]:
     return [my_input(seed, r, c, n) for r in range(ctx.world)]
 
 
+def cuda_roundings(ctx, group: Any, device: Any, message_bytes: int) -> int:
+    """How many times a float reduction of `message_bytes` on CUDA tensors may round its
+    partial sums (`refs.tolerance`): once, or once per hop where the group runs it as a ring
+    (from its cuda_ring_min_bytes, memory_stats; NOTE [Ring] in csrc_kernels/ring.cuh). An
+    upper bound: calls that take the ring's size but another kernel round once."""
+    if device is None or torch.device(device).type != "cuda" or ctx.world < 2:
+        return 1
+    import rsccl
+
+    ring_min = rsccl.memory_stats(group).get("cuda_ring_min_bytes", 0)
+    return ctx.world if ring_min and message_bytes >= ring_min else 1
+
+
 def my_block(t: torch.Tensor, ctx, n: int) -> torch.Tensor:
     return t[ctx.rank * n : (ctx.rank + 1) * n]
 
@@ -87,7 +100,7 @@ def all_reduce(ctx, seed: int, c: Call) -> torch.Tensor:
     out = xs[ctx.rank].clone()
     dist.all_reduce(out, op=OPS[c.op], group=c.group)
     what = c.what("all_reduce", ctx)
-    check_reduction(out, xs, c.op, what)
+    check_reduction(out, xs, c.op, what, cuda_roundings(ctx, c.group, c.device, out.numel() * out.element_size()))
     assert_identical_across_ranks(ctx, out, what)
     return out
 
@@ -141,7 +154,8 @@ def reduce_scatter_tensor(ctx, seed: int, c: Call) -> torch.Tensor:
     xs = inputs(ctx, seed, c, n=c.n * ctx.world)
     out = c.output(c.n)
     dist.reduce_scatter_tensor(out, xs[ctx.rank], op=OPS[c.op], group=c.group)
-    check_reduction(out, [my_block(x, ctx, c.n) for x in xs], c.op, c.what("reduce_scatter_tensor", ctx))
+    hops = cuda_roundings(ctx, c.group, c.device, xs[ctx.rank].numel() * out.element_size())
+    check_reduction(out, [my_block(x, ctx, c.n) for x in xs], c.op, c.what("reduce_scatter_tensor", ctx), hops)
     return out
 
 
@@ -152,7 +166,8 @@ def reduce_scatter(ctx, seed: int, c: Call) -> torch.Tensor:
     xs = inputs(ctx, seed, c, n=c.n * ctx.world)
     out = c.output(c.n)
     dist.reduce_scatter(out, list(xs[ctx.rank].chunk(ctx.world)), op=OPS[c.op], group=c.group)
-    check_reduction(out, [my_block(x, ctx, c.n) for x in xs], c.op, c.what("reduce_scatter (list)", ctx))
+    hops = cuda_roundings(ctx, c.group, c.device, xs[ctx.rank].numel() * out.element_size())
+    check_reduction(out, [my_block(x, ctx, c.n) for x in xs], c.op, c.what("reduce_scatter (list)", ctx), hops)
     return out
 
 

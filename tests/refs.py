@@ -113,10 +113,15 @@ F32_STEP = 5.5 * 2.0**-24
 CHUNK = 1 << 25  # elements compared at a time: 1 GiB messages need no float64 copy of everything
 
 
-def tolerance(dtype: torch.dtype, n_inputs: int, cuda: bool) -> tuple[float, float]:
+def tolerance(dtype: torch.dtype, n_inputs: int, cuda: bool, roundings: int = 1) -> tuple[float, float]:
     """(rtol, atol) of an engine's reduction of `n_inputs` rounded inputs against the exact
-    (float64) result: the CUDA engine's bound on CUDA tensors, the CPU engine's otherwise."""
+    (float64) result: the CUDA engine's bound on CUDA tensors, the CPU engine's otherwise.
+    `roundings` > 1: partial sums a few units in magnitude rounded to the element type up to
+    that many times (a ring's hops: NCCL's, and the CUDA engine's ring schedule, NOTE [Ring]
+    in csrc_kernels/ring.cuh)."""
     if cuda and dtype in ULP:
+        if roundings > 1:
+            return roundings * ULP[dtype], 4 * roundings * ULP[dtype] + 2 * n_inputs * n_inputs * F32_STEP
         return ULP[dtype], n_inputs * n_inputs * F32_STEP
     tol = _EPS[dtype] * max(n_inputs, 1) * 2
     return tol, tol
@@ -157,9 +162,9 @@ def assert_close(
         torch.testing.assert_close(got[lo:hi].double(), want[lo:hi].double(), rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
 
 
-def check_reduction(ours: torch.Tensor, xs: list[torch.Tensor] | torch.Tensor, op: str, what: str) -> None:
+def check_reduction(ours: torch.Tensor, xs: list[torch.Tensor] | torch.Tensor, op: str, what: str, roundings: int = 1) -> None:
     """`ours` is the reduction `op` of every rank's input `xs[rank]` (`reduce_ref`), computed
-    and compared chunk by chunk."""
+    and compared chunk by chunk; `roundings`: see `tolerance`."""
     w = len(xs)
     rows = [x.reshape(-1) for x in xs]
     got = ours.reshape(-1)
@@ -167,7 +172,8 @@ def check_reduction(ours: torch.Tensor, xs: list[torch.Tensor] | torch.Tensor, o
     for lo in range(0, max(got.numel(), 1), CHUNK):
         hi = min(lo + CHUNK, got.numel())
         where = what + (f" (elements {lo}..{hi})" if lo or hi < got.numel() else "")
-        assert_close(got[lo:hi], reduce_ref([r[lo:hi] for r in rows], op), where, w, op)
+        tol = tolerance(got.dtype, w, got.is_cuda, roundings) if roundings > 1 and got.dtype.is_floating_point else None
+        assert_close(got[lo:hi], reduce_ref([r[lo:hi] for r in rows], op), where, w, op, tol)
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:

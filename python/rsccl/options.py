@@ -32,6 +32,8 @@ class Options:
     cuda_low_latency_max_bytes: int | str | None = None
     #: CUDA all_gather (gathered output), reduce_scatter (input; reduced by a small local kernel), broadcast and send/recv size from which data moves on the copy engines, no SM (0: never, 1: always); RSCCL_CUDA_COPY_ENGINE_MIN_BYTES.
     cuda_copy_engine_min_bytes: int | str | None = None
+    #: CUDA reduce_scatter (input) and all_reduce size from which the call runs as a ring, each rank sending only to the next; float16/bfloat16 sums then round once per hop, as NCCL's (0: never); RSCCL_CUDA_RING_MIN_BYTES.
+    cuda_ring_min_bytes: int | str | None = None
     #: Cap on the GPU virtual address space one group reserves; RSCCL_MAX_CUDA_VA_BYTES.
     max_cuda_va_bytes: int | str | None = None
     #: 1 (default): warm-up collective at group creation; 0: skip it; RSCCL_CUDA_WARMUP.

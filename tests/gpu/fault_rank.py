@@ -92,6 +92,12 @@ def late_peer(rank: int, world: int, seed: int) -> None:
     checked_all_reduce("next_all_reduce", xs[rank].cuda(), xs)
 
 
+def ring_late_peer(rank: int, world: int, seed: int) -> None:
+    """late_peer with every all_reduce on the ring schedule (NOTE [Ring] in
+    csrc_kernels/ring.cuh; `main` sets the group's options)."""
+    late_peer(rank, world, seed)
+
+
 def graph_after_failure(rank: int, world: int, seed: int) -> None:
     """A CUDA graph of an all_reduce, captured while the group was healthy, replayed after a
     peer timed out: the replay must not compute (or pass off) a result."""
@@ -229,7 +235,8 @@ def replay_after_destroy(rank: int, world: int, seed: int) -> None:
 
 
 SCENARIOS = {
-    f.__name__: f for f in (late_peer, graph_after_failure, async_then_replay, mismatch, replay_after_destroy, ce_late_peer, ce_mismatch)
+    f.__name__: f
+    for f in (late_peer, ring_late_peer, graph_after_failure, async_then_replay, mismatch, replay_after_destroy, ce_late_peer, ce_mismatch)
 }
 
 
@@ -242,6 +249,9 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
     # ce_ scenarios: every all_gather on the copy engines (issue 28).
     ce = {"cuda_copy_engine_min_bytes": 1} if scenario.startswith("ce_") else {}
+    # ring_ scenarios: every all_reduce two-shot, as a ring.
+    if scenario.startswith("ring_"):
+        ce = {"cuda_ring_min_bytes": 1, "cuda_allreduce_one_shot_max_bytes": 1, "cuda_low_latency_max_bytes": 0}
     opts = rsccl.Options(cuda_error_teardown=teardown, allow_shared_gpu=shared, **ce)
     dist.init_process_group("rsccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S), pg_options=opts)
     say("READY")

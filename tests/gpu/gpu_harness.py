@@ -53,6 +53,17 @@ GROUP_CONFIGS: dict[str, dict | None] = {
     # Small all_reduce, reduce_scatter and all_gather on the barrier kernels, as above the
     # low-latency kernels' bound (NOTE [Low latency] in csrc_kernels/low_latency.cuh).
     "no-low-latency": {"cuda_low_latency_max_bytes": 0},
+    # reduce_scatter and all_reduce as a ring at every size (NOTE [Ring] in csrc_kernels/ring.cuh:
+    # by default from 64 MiB), every all_reduce two-shot and no low-latency kernel, so that
+    # odd, tiny and empty blocks and chunks take it; and through a small staging, whose
+    # slots of a few KiB wrap around many times per call.
+    "ring": {"cuda_ring_min_bytes": 1, "cuda_allreduce_one_shot_max_bytes": 1, "cuda_low_latency_max_bytes": 0},
+    "ring-small-buffer": {
+        "cuda_ring_min_bytes": 1,
+        "cuda_allreduce_one_shot_max_bytes": 1,
+        "cuda_low_latency_max_bytes": 0,
+        "cuda_buffer_bytes": "4MiB",
+    },
 }
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from refs import F32_STEP, ULP, assert_close, make
 from refs import OPS as RED  # noqa: F401 - the ReduceOp of each op name, for the GPU tests
+from refs import ULP, assert_close, make, tolerance
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
@@ -94,7 +94,7 @@ def gather_inputs(ctx, x: torch.Tensor) -> torch.Tensor:
 def nccl_tolerance(dtype: torch.dtype, world: int) -> tuple[float, float]:
     """(rtol, atol) of rsccl's result against NCCL's: up to `world` roundings to the element
     type of partial sums a few units in magnitude, on NCCL's side."""
-    return world * ULP[dtype], 4 * world * ULP[dtype] + 2 * world * world * F32_STEP
+    return tolerance(dtype, world, True, world)
 
 
 def check_vs_nccl(ours: torch.Tensor, theirs: torch.Tensor, op: str, what: str, world: int) -> None:

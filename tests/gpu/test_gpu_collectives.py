@@ -19,7 +19,7 @@ pytestmark = needs_gpus
 # 1 element; odd counts (7 x 2 bytes = 14 bytes: not a multiple of 16); 1.5 Mi + 3
 # elements = 3 to 12 MiB by dtype, several times the small-buffer config's staging.
 SIZES = [1, 7, 1023, 100_003, 1_572_867]
-ALL_REDUCE_CONFIGS = ["default", "small-buffer", "two-shot", "one-shot"]
+ALL_REDUCE_CONFIGS = ["default", "small-buffer", "two-shot", "one-shot", "ring", "ring-small-buffer"]
 OTHER_CONFIGS = ["default", "small-buffer"]  # the all_reduce algorithm choice does not apply
 
 
@@ -63,7 +63,7 @@ def body_reduce_scatter(ctx, seed: int, config: str, sizes: list[int]) -> None:
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("config", OTHER_CONFIGS)
+@pytest.mark.parametrize("config", [*OTHER_CONFIGS, "ring", "ring-small-buffer"])
 def test_reduce_scatter(gpus, seed, config):
     # The largest per-rank output, x world, is a multi-MiB input.
     gpus.run(body_reduce_scatter, seed, config, [1, 7, 1023, 100_003, 393_219], timeout=200)

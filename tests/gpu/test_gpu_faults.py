@@ -137,6 +137,12 @@ def test_late_peer_raise(world, seed):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_ring_late_peer_raise(world, seed):
+    """late_peer_raised with the all_reduce on the ring schedule (NOTE [Ring])."""
+    late_peer_raised("ring_late_peer", "all_reduce", world, seed)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_graph_replayed_after_a_failure_writes_nothing(world, seed):
     """A graph captured before a timeout and replayed after it (cuda_error_teardown = 0, so
     that the process lives to replay it): its kernels find the group failed at their entry

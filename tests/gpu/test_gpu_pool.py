@@ -37,6 +37,7 @@ import rsccl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cases import cuda_roundings
 from gpu_harness import capture, needs_gpus, needs_own_gpus, shares_gpus, warm_up_aside
 from gpu_refs import DTYPES, RED, check_vs_nccl, gather_inputs, nccl_result, ops_for, rand, ref_call, refill
 from refs import assert_equal, assert_identical_across_ranks, check_reduction
@@ -230,7 +231,8 @@ def _run_case(ctx, seed: int, g, counter: _Counter, case: tuple, place, expect: 
             return _take(buf)
 
         got = counter.run(what, exp, msg, fn)
-        check_reduction(got, gather_inputs(ctx, x), op, what)
+        # A staged call of the ring's size rounds at each hop (NOTE [Ring]).
+        check_reduction(got, gather_inputs(ctx, x), op, what, cuda_roundings(ctx, g, x.device, msg))
         theirs = x.clone()
         if nccl_result(dist.all_reduce, theirs, op=red, group=ctx.nccl):
             check_vs_nccl(got, theirs, op, what, w)
@@ -271,7 +273,7 @@ def _run_case(ctx, seed: int, g, counter: _Counter, case: tuple, place, expect: 
         kept = counter.run(what, exp, msg, fn)
         assert_equal(kept, x, f"{what}: the input changed (reduce_scatter must leave it as it was)")
         xs = gather_inputs(ctx, x)
-        check_reduction(out, xs[:, me * n_part : (me + 1) * n_part], op, what)
+        check_reduction(out, xs[:, me * n_part : (me + 1) * n_part], op, what, cuda_roundings(ctx, g, out.device, msg))
         theirs = torch.empty_like(out)
         if nccl_result(dist.reduce_scatter_tensor, theirs, x, op=red, group=ctx.nccl):
             check_vs_nccl(out, theirs, op, what, w)

@@ -294,6 +294,7 @@ impl Communicator {
             d.set_item("cuda_small_max_bytes", c.small_max_bytes)?;
             d.set_item("cuda_low_latency_max_bytes", c.low_latency_max_bytes)?;
             d.set_item("cuda_copy_engine_min_bytes", c.copy_engine_min_bytes)?;
+            d.set_item("cuda_ring_min_bytes", c.ring_min_bytes)?;
             d.set_item("cuda_gpu_sharers", c.gpu_sharers)?;
             d.set_item("cuda_sms", c.sms)?;
             d.set_item("cuda_sm_budget", c.sm_budget)?;

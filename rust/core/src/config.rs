@@ -177,6 +177,25 @@ pub const SETTINGS: &[Setting] = &[
                (docs/performance.md; reduce_scatter not measured yet)",
     },
     Setting {
+        field: "cuda_ring_min_bytes",
+        env: "RSCCL_CUDA_RING_MIN_BYTES",
+        // From 64 MiB the ring beat the direct kernels on 4 H100s by 4-9% (all_reduce 256
+        // MiB 1,187 against 1,256 us, reduce_scatter 1 GiB 2,392 against 2,545) and on 2 by
+        // up to 14%; at 16 MiB it lost (all_reduce 113 against 104 us at 4 GPUs); on 32
+        // CTAs it lost to the direct kernels on 64 (docs/performance.md, 2026-11-27
+        // 22:00-22:17 UTC).
+        default: 64 * MIB,
+        min: 0,
+        max: 1 << 40,
+        is_size: true,
+        help: "CUDA reduce_scatter (the input) and all_reduce messages from this size on run \
+               as a ring: each rank sends only to the next, in pipelined chunks with a ready \
+               and an ack flag per chunk (csrc_kernels/ring.cuh, NOTE [Ring]). Partial sums \
+               travel in the tensor's dtype, so float16/bfloat16 sums round once per hop (up \
+               to local ranks - 1 times), as NCCL's ring does; below this size they round \
+               once. 0: never",
+    },
+    Setting {
         field: "max_cuda_va_bytes",
         env: "RSCCL_MAX_CUDA_VA_BYTES",
         // Room for a pool of ~3.9 GiB per rank at 4 ranks (or ~1.9 GiB at 8) with the
@@ -454,6 +473,9 @@ pub struct Config {
     /// all_gather, reduce_scatter, broadcast, send/recv from this many bytes on the copy
     /// engines; 0: never (decide::copy_engine).
     pub cuda_copy_engine_min_bytes: u64,
+    /// reduce_scatter and two-shot all_reduce from this many bytes on the ring schedule;
+    /// 0: never (decide::ring).
+    pub cuda_ring_min_bytes: u64,
     pub max_cuda_va_bytes: usize,
     pub cuda_warmup: bool,
     pub cuda_sync_stream: bool,
@@ -555,6 +577,7 @@ impl Config {
             cuda_allreduce_one_shot_max_bytes: v("cuda_allreduce_one_shot_max_bytes") as usize,
             cuda_low_latency_max_bytes: v("cuda_low_latency_max_bytes") as usize,
             cuda_copy_engine_min_bytes: v("cuda_copy_engine_min_bytes"),
+            cuda_ring_min_bytes: v("cuda_ring_min_bytes"),
             max_cuda_va_bytes: v("max_cuda_va_bytes") as usize,
             cuda_warmup: v("cuda_warmup") != 0,
             cuda_sync_stream: v("cuda_sync_stream") != 0,
@@ -593,6 +616,8 @@ impl Config {
             ("cuda_low_latency_max_bytes", self.cuda_low_latency_max_bytes as u64),
             // Every rank must take the same path (kernel or copy engines) for the same call.
             ("cuda_copy_engine_min_bytes", self.cuda_copy_engine_min_bytes),
+            // Every rank must take the same schedule (ring or direct) for the same call.
+            ("cuda_ring_min_bytes", self.cuda_ring_min_bytes),
             // The warm-up launches kernels on every rank: a collective.
             ("cuda_warmup", self.cuda_warmup as u64),
             // Every rank must accept (or refuse) the same sharing of GPUs.

@@ -425,3 +425,24 @@ fn small_calls_take_the_small_grid() {
     assert_eq!(grid(rs, message_bytes(Kind::ReduceScatter, 8 << 10, 2, 4), 64), SMALL_GRID);
     assert_eq!(grid(Kernel::AllGather, message_bytes(Kind::AllGather, 32 << 10, 2, 4), 64), 64);
 }
+
+#[test]
+fn large_reduce_scatter_and_two_shot_all_reduce_take_the_ring() {
+    let (rs, ar, min) = (Kernel::Reduce(Family::ReduceScatter), Kernel::Reduce(Family::TwoShot), 64u64 << 20);
+    assert!(ring(rs, min, 4, min));
+    assert!(!ring(rs, min - 1, 4, min), "below the setting: the direct kernel");
+    assert!(ring(ar, 1 << 30, 2, min));
+    assert!(!ring(ar, 1 << 30, 1, min), "no peer to send to");
+    assert!(!ring(ar, 1 << 30, 4, 0), "0: never");
+    for k in [
+        Kernel::AllGather,
+        Kernel::Reduce(Family::OneShot),
+        Kernel::Reduce(Family::LowLatency),
+        Kernel::Reduce(Family::ReduceScatterLowLatency),
+        Kernel::Reduce(Family::Reduce),
+        Kernel::AllToAll,
+        Kernel::Broadcast,
+    ] {
+        assert!(!ring(k, 1 << 30, 4, 1), "{k:?} has no ring schedule");
+    }
+}

@@ -95,7 +95,7 @@ mod tests {
     #[test]
     fn control_areas_do_not_overlap() {
         // The block's control areas as abi.cuh defines them, in order, each with its size:
-        // flags, stats (+ poison word), counters, busy words, descriptors, send/recv, tables,
+        // flags, stats (+ poison word), counters, busy words, descriptors, ring words, send/recv, tables,
         // the low-latency kernels' slots and headers.
         let def = |v: u64| v as usize;
         let (max_blocks, max_ranks) = (MAX_BLOCKS as usize, MAX_RANKS);
@@ -105,6 +105,7 @@ mod tests {
             (def(kabi::CTR_OFF), max_blocks * 8),
             (def(kabi::BUSY_OFF), max_blocks * 4),
             (def(kabi::DESC_OFF), 2 * max_blocks * max_ranks * def(kabi::DESC_WORDS) * 8),
+            (def(kabi::RING_OFF), 2 * max_blocks * 4),
             (def(kabi::P2P_OFF), 4 * 4096 + max_blocks * max_ranks * def(kabi::P2P_DEPTH) * 8),
             (def(kabi::A2A_OFF), 2 * max_blocks * 2 * max_ranks * 8),
             (def(kabi::LL_OFF), def(kabi::LL_BUFS) * def(kabi::LL_BUF_BYTES)),

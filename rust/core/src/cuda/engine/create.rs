@@ -379,6 +379,7 @@ impl CudaEngine {
             p2p_streams,
             copy_streams,
             copy_engine_min: cfg.cuda_copy_engine_min_bytes,
+            ring_min: cfg.cuda_ring_min_bytes,
             inbox_off: inbox_off as u64,
             chunk: chunk as u64,
             p2p_blocks,

@@ -12,9 +12,9 @@ use super::abi::{A2aArgs, Args};
 use super::{CudaCall, CudaEngine};
 use crate::collective::Kind;
 use crate::cuda::budget::{sms_of, Admission};
-use crate::cuda::decide::{grid, kernel, message_bytes, placement};
+use crate::cuda::decide::{grid, kernel, message_bytes, placement, ring};
 use crate::cuda::driver::{check, is_capturing, CUstream, Event, Function};
-use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
+use crate::cuda::kernels::{Kernel, Shape, DESC0_DTYPE_SHIFT, DESC0_OP_SHIFT, DESC0_RING_BIT, DESC0_ROOT_SHIFT, MAX_RANKS, THREADS};
 use crate::cuda::order::{CudaEvent, EventHome, Launch, Order};
 use crate::error::{Error, Result};
 
@@ -102,7 +102,11 @@ impl CudaEngine {
         }
         // Small calls on a small grid (`decide::grid`); the kernels put it in the descriptor
         // they compare (NOTE [Grids] in csrc_kernels/protocol.cuh).
-        let blocks = grid(kernel, message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks), self.blocks);
+        let msg = message_bytes(c.kind, c.count, c.dtype.size(), self.pool.nranks);
+        if ring(kernel, msg, self.pool.nranks, self.ring_min) {
+            a.desc0 |= 1u64 << DESC0_RING_BIT;
+        }
+        let blocks = grid(kernel, msg, self.blocks);
         let _ctx = self.sh.dev.bind()?;
         let mut o = self.order.lock();
         let (l, admitted) = self.begin(&mut o, c, sms_of(blocks, self.sm.collective_per_sm))?;

@@ -109,6 +109,8 @@ pub struct CudaEngine {
     copy_streams: Vec<Stream>,
     /// cuda_copy_engine_min_bytes (0: never), `decide::copy_engine`.
     copy_engine_min: u64,
+    /// cuda_ring_min_bytes (0: never), `decide::ring`.
+    ring_min: u64,
     inbox_off: u64,
     chunk: u64,
     p2p_blocks: u32,

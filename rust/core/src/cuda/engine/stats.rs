@@ -49,6 +49,9 @@ pub struct CudaStats {
     /// (and reduce_scatter's local reduce kernel) (NOTE [Copy engines], NOTE [Copy-engine
     /// send/recv]).
     pub copy_engine_min_bytes: u64,
+    /// cuda_ring_min_bytes: reduce_scatter (input) and all_reduce from this size run as a
+    /// ring, rounding float16/bfloat16 partial sums at each hop (NOTE [Ring]; 0: never).
+    pub ring_min_bytes: u64,
     /// Ranks of this group on this rank's GPU, itself included (1: a GPU of its own).
     pub gpu_sharers: u32,
     /// The device's SMs, which rsccl's kernels of every group of the process draw from
@@ -146,6 +149,7 @@ impl CudaEngine {
             low_latency_max_bytes: self.low_latency_max as u64,
             small_max_bytes: SMALL_GRID_MAX_BYTES,
             copy_engine_min_bytes: self.copy_engine_min,
+            ring_min_bytes: self.ring_min,
             gpu_sharers: self.gpu_sharers,
             sms: self.sm.device_sms(),
             sm_budget: self.sm.limit,

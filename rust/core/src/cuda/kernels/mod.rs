@@ -35,11 +35,12 @@ pub use fatbin::{
 pub use nvrtc::{cache_dir, cache_paths, compile, compile_module, cubin_for, Cubins};
 
 /// The headers every family includes, by the name its `#include` uses.
-pub const HEADERS: [(&str, &str); 4] = [
+pub const HEADERS: [(&str, &str); 5] = [
     ("abi.cuh", include_str!("../../../../../csrc_kernels/abi.cuh")),
     ("protocol.cuh", include_str!("../../../../../csrc_kernels/protocol.cuh")),
     ("common.cuh", include_str!("../../../../../csrc_kernels/common.cuh")),
     ("low_latency.cuh", include_str!("../../../../../csrc_kernels/low_latency.cuh")),
+    ("ring.cuh", include_str!("../../../../../csrc_kernels/ring.cuh")),
 ];
 
 /// The families: module name (csrc_kernels/<name>.cu) and source. Largest first: NVRTC
@@ -114,6 +115,8 @@ pub const DESC0_OP_SHIFT: u32 = abi::DESC0_OP_SHIFT as u32;
 pub const DESC0_ROOT_SHIFT: u32 = abi::DESC0_ROOT_SHIFT as u32;
 /// desc0's bit that says the call runs on the copy engines (NOTE [Copy engines]).
 pub const DESC0_COPY_ENGINE_BIT: u32 = abi::DESC0_COPY_ENGINE_BIT as u32;
+/// desc0's bit that says the call runs on the ring schedule (NOTE [Ring] in csrc_kernels/ring.cuh).
+pub const DESC0_RING_BIT: u32 = abi::DESC0_RING_BIT as u32;
 
 /// The kernel families with an entry point per reduced dtype (the op comes with the call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
