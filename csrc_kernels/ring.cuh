@@ -72,6 +72,16 @@
 //   op i + 1 would need prev's op i, held back by prev's own waits for its op i + 1: a
 //   cycle around the ring. A model of this schedule, scripts/ring_model.py, runs every
 //   order of the ranks' steps at random and checks both: no deadlock, the right result.)
+// Fresh words: a wait compares with a signed 32-bit difference, and the block's step counter
+//   moves on in every call of the block (direct kernels by their steps, the others by one),
+//   while ready[b] and ack[b] change only in ring calls. Left alone, a word 2^31 steps old
+//   would pass a wait at once (read a slot before it landed, overwrite one not yet read),
+//   after hours of small calls between two ring calls. So each ring call first sets its own
+//   ready[b] and ack[b] to its base, with plain stores by thread 0 before its first
+//   barrier: the barrier's bar.sync and release order them before every peer's writes of
+//   this call (made after the peer acquired that barrier's signal), and the previous ring
+//   call's writes came before its last barrier, which this rank passed. A wait of this call
+//   then expects base + 1 or more, less than 2^31 ahead of any value the word holds.
 // Around the ring: the call starts with the group's barrier (NOTE [Agreement]: the
 //   descriptor, which carries DESC0_RING_BIT, so a rank that took the other schedule is a
 //   mismatch; and every peer's earlier kernels are done with its staging) and ends with
@@ -253,19 +263,28 @@ __device__ __forceinline__ bool ring_run(const Args& a, BlockState& s, u32 mode,
     if (t == 0) ok = 1;
     __syncthreads();
     if (t < 32) {
-        // Op i may start: its message arrived, its slot at next is empty (ok = 0: a wait
-        // failed; the data warps stop at the next FREE).
+        // Op i may start: its message arrived, its slot at next is empty (thread 0's `fine`
+        // = 0: a wait failed, and reported it).
+        u32 fine = 1;
         auto wait_for = [&](u64 i) {
             const RingOp o = ring_op(p, a.count, i);
-            if (t == 0 && ok) {
-                if (o.recv && !wait_geq(a, ring_word(a.peer[me], RING_READY, b), base + o.c + 1, prev)) ok = 0;
+            if (t == 0 && fine) {
+                if (o.recv && !wait_geq(a, ring_word(a.peer[me], RING_READY, b), base + o.c + 1, prev)) fine = 0;
                 else if (o.send && o.m >= RING_DEPTH && !wait_geq(a, ring_word(a.peer[me], RING_ACK, b), base + o.m - RING_DEPTH + 1, next))
-                    ok = 0;
+                    fine = 0;
             }
+        };
+        // `ok`, which the data warps read after each FREE, is written only here: before the
+        // first FREE, or after a DONE and before the next FREE, when no data warp reads it
+        // (they read it after FREE of op i, before arriving at DONE of op i). The data warps
+        // then stop at that FREE.
+        auto publish = [&] {
+            if (t == 0 && !fine) ok = 0;
             __syncwarp();
         };
         if (p.ops > 0) {
             wait_for(0);
+            publish();
             bar_arrive(RING_BAR_FREE);
         }
         for (u64 i = 0; i < p.ops && ok; i++) {
@@ -273,6 +292,7 @@ __device__ __forceinline__ bool ring_run(const Args& a, BlockState& s, u32 mode,
             // barrier's arrivals must not run ahead of its previous use).
             if (i + 1 < p.ops) wait_for(i + 1);
             bar_sync(RING_BAR_DONE);
+            publish();
             if (i + 1 < p.ops) bar_arrive(RING_BAR_FREE);
             if (t == 0) {
                 const RingOp o = ring_op(p, a.count, i);
@@ -305,6 +325,12 @@ __device__ __forceinline__ bool ring_run(const Args& a, BlockState& s, u32 mode,
 // rank pushed before the first barrier here, so no second barrier is needed).
 template <typename T, typename InPlace>
 __device__ void ring_call(const Args& a, BlockState& s, u32 mode, u32 op, u64 bytes, InPlace inplace) {
+    // The block's ring words to this call's base (NOTE [Ring], "Fresh words"), before the
+    // first barrier's signals: a peer writes them only after it passed that barrier.
+    if (threadIdx.x == 0) {
+        *ring_word(a.peer[a.rank], RING_READY, blockIdx.x) = s.step;
+        *ring_word(a.peer[a.rank], RING_ACK, blockIdx.x) = s.step;
+    }
     if (!barrier(a, &s)) {
         save_state(a, &s, 1);
         return;

@@ -9,6 +9,12 @@ which the ranks' steps may interleave (picked at random, many times):
 - the result: reduce_scatter gives each rank the sum of its block, all_reduce every rank the
   sum, with every message read from the slot its sender wrote, never an older one.
 
+Each case runs two calls on the same ring words and slots, the second at a base (the block's
+step counter) up to 2^32 further on, with the kernel's 32-bit wrap-safe comparisons and its
+reset of the words at a call's start (NOTE [Ring], "Fresh words"); every slot carries the
+sequence number it was sent with, so a read of an older call's data shows. The model does
+not follow the abort path, the named barriers or memory ordering.
+
 Integers stand for the data, so the sums are exact. A change of the kernel's plan, op order,
 slot or flag numbering should be made here too; `python scripts/ring_model.py` runs the
 default sweep (tests/test_ring_model.py runs a smaller one in CI).
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 
 DEPTH = 8  # RING_DEPTH
 GROUP = 2  # RING_GROUP
+RESET = True  # ring_call sets its block's ready and ack words to the call's base
+WRAP = 1 << 32
 MODES = ("RS", "AR")
 
 
@@ -96,19 +104,46 @@ def op(p: Plan, count: int, i: int) -> Op:
     return Op(lo, hi, blk, s, s >= 1, s < p.last, first + s * jg + j, first + (s - 1) * jg + j)
 
 
-def run(mode: str, world: int, count: int, grid: int, slot_bytes: int, elem: int, rng: random.Random) -> None:
-    """One call on every CUDA block, the ranks' steps interleaved at random; raises on a
-    deadlock, a stale slot or a wrong result."""
+def at_least(word: int, want: int) -> bool:
+    """wait_geq's test: the signed 32-bit difference."""
+    return (word - want) % WRAP < WRAP // 2
+
+
+class Block:
+    """What one CUDA block index keeps across calls on every rank: slots, ready and ack words."""
+
+    def __init__(self, world: int) -> None:
+        self.slots = [[None] * DEPTH for _ in range(world)]  # slots[r][d]: in rank r, written by r - 1
+        self.ready = [0] * world  # ready[r]: in rank r, written by r - 1
+        self.ack = [0] * world  # ack[r]: in rank r, written by r + 1
+
+
+def run(
+    mode: str,
+    world: int,
+    count: int,
+    grid: int,
+    slot_bytes: int,
+    elem: int,
+    rng: random.Random,
+    base: int = 0,
+    blocks: list | None = None,
+) -> None:
+    """One call on every CUDA block at step counter `base`, on `blocks` (kept across calls;
+    fresh ones if None), the ranks' steps interleaved at random; raises on a deadlock, a
+    stale slot or a wrong result."""
     n_in = world * count if mode == "RS" else count
     ins = [[rng.randint(-9, 9) for _ in range(n_in)] for _ in range(world)]
     outs = [[None] * count for _ in range(world)]
+    blocks = blocks if blocks is not None else [Block(world) for _ in range(grid)]
     for b in range(grid):
         plans = [plan(mode, world, r, count, grid, b, slot_bytes, elem) for r in range(world)]
         ops = plans[0].ops
         assert all(p.ops == ops for p in plans), "every rank runs the same operations"
-        slots = [[None] * DEPTH for _ in range(world)]  # slots[r][d]: in rank r, written by r - 1
-        ready = [0] * world  # ready[r]: in rank r, written by r - 1 (base 0)
-        ack = [0] * world  # ack[r]: in rank r, written by r + 1
+        slots, ready, ack = blocks[b].slots, blocks[b].ready, blocks[b].ack
+        if RESET:
+            for r in range(world):
+                ready[r] = ack[r] = base % WRAP
         # Each rank's sequence, in warp 0's order: waits of op 0, then per op i its data, the
         # waits of op i + 1, the releases of op i.
         progs = []
@@ -129,17 +164,17 @@ def run(mode: str, world: int, count: int, grid: int, slot_bytes: int, elem: int
                 p, o = plans[r], op(plans[r], count, i)
                 nxt, prv = (r + 1) % world, (r - 1) % world
                 if kind == "wait":
-                    if o.recv and ready[r] < o.c + 1:
+                    if o.recv and not at_least(ready[r], base + o.c + 1):
                         continue
-                    if o.send and o.m >= DEPTH and ack[r] < o.m - DEPTH + 1:
+                    if o.send and o.m >= DEPTH and not at_least(ack[r], base + o.m - DEPTH + 1):
                         continue
                 elif kind == "release":
                     if o.send:
-                        ready[nxt] = o.m + 1
+                        ready[nxt] = (base + o.m + 1) % WRAP
                     if o.recv:
-                        ack[prv] = o.c + 1
+                        ack[prv] = (base + o.c + 1) % WRAP
                 else:
-                    move(p, o, ins[r], outs[r], slots, r, nxt)
+                    move(p, o, ins[r], outs[r], slots, r, nxt, base)
                 pc[r] += 1
                 break
             else:
@@ -152,13 +187,14 @@ def run(mode: str, world: int, count: int, grid: int, slot_bytes: int, elem: int
         assert outs[r] == want, f"{mode} world={world} count={count} grid={grid}: rank {r}'s result is wrong"
 
 
-def move(p: Plan, o: Op, inp: list, out: list, slots: list, r: int, nxt: int) -> None:
-    """ring_move: the op's data (the slot it sends carries the message number, to catch a
-    read of an older message)."""
+def move(p: Plan, o: Op, inp: list, out: list, slots: list, r: int, nxt: int, base: int) -> None:
+    """ring_move: the op's data (the slot it sends carries its sequence number, to catch a
+    read of an older message, of this call or an earlier one)."""
     got = None
     if o.recv:
         got = slots[r][o.c % DEPTH]
-        assert got is not None and got[1] == o.c, f"rank {r} read message {got and got[1]} for {o.c}"
+        want = base + o.c + 1
+        assert got is not None and got[1] == want, f"rank {r} read message {got and got[1]} for {want}: a stale slot"
     vals = []
     reduce = p.mode == "RS" or o.step <= p.world - 1
     last_reduce = reduce and o.step == p.world - 1
@@ -173,7 +209,7 @@ def move(p: Plan, o: Op, inp: list, out: list, slots: list, r: int, nxt: int) ->
         elif p.mode == "AR" and (not reduce or last_reduce):
             out[o.blk * p.blk_elems + i] = v
     if o.send:
-        slots[nxt][o.m % DEPTH] = (vals, o.m)
+        slots[nxt][o.m % DEPTH] = (vals, base + o.m + 1)
 
 
 def sweep(worlds, counts, grids, slots, elems, rounds: int, seed: int) -> int:
@@ -186,8 +222,13 @@ def sweep(worlds, counts, grids, slots, elems, rounds: int, seed: int) -> int:
                     for slot in slots:
                         for elem in elems:
                             for _ in range(rounds):
-                                run(mode, world, count, grid, slot, elem, rng)
-                                calls += 1
+                                # Two calls on the same words; the second up to 2^32 steps on
+                                # (other calls of the block in between), so across the wrap too.
+                                blocks = [Block(world) for _ in range(grid)]
+                                first = rng.randrange(WRAP)
+                                run(mode, world, count, grid, slot, elem, rng, first, blocks)
+                                run(mode, world, count, grid, slot, elem, rng, first + 1 + rng.randrange(WRAP), blocks)
+                                calls += 2
     return calls
 
 
