@@ -12,7 +12,7 @@
 //   NOTE [Point to point]     send_recv.cu
 //   NOTE [Copy-engine send/recv]   send_recv.cu
 //   NOTE [all_to_all]         all_to_all.cu
-//   NOTE [Ring]               ring.cuh (large reduce_scatter, all_gather, all_reduce as a ring)
+//   NOTE [Ring]               ring.cuh (large reduce_scatter and all_reduce as a ring)
 //   NOTE [Low latency]        low_latency.cuh (small all_reduce, reduce_scatter, all_gather without a barrier)
 //   NOTE [Low latency epochs] at ll_refresh (their words never taken from an old call)
 // Included by common.cuh; no other headers: NVRTC's built-ins only.

@@ -11,11 +11,11 @@
 //   scripts/nvlink_ceiling.py, docs/performance.md, issue 26). So large calls run as a
 //   ring: rank r receives only from prev = r - 1 and sends only to next = r + 1 (mod W),
 //   with point-to-point readiness instead of all-peer barriers between steps. Measured
-//   (docs/performance.md, 2026-11-27 22:00-22:17 UTC): from 64 MiB, on 64 CTAs, 4-9% faster
-//   than the direct kernels at 4 H100s and up to 14% at 2 (reduce_scatter, all_reduce); on
-//   32 or 16 CTAs slower than the direct kernels on 64; all_gather gained nothing (it keeps
-//   its direct kernel); below 64 MiB the ring's per-chunk handshakes cost more than they
-//   save.
+//   (docs/performance.md, 2026-11-27 21:53-22:28 UTC): from 64 MiB, on 64 CTAs, 3-11%
+//   faster than the direct kernels at 4 H100s and up to 19% at 2 (reduce_scatter,
+//   all_reduce); on 32 or 16 CTAs slower than the direct kernels on 64; all_gather gained
+//   nothing (it keeps its direct kernel); below 64 MiB the ring's per-chunk handshakes cost
+//   more than they save.
 // Shape. A call's data is W blocks of B elements (reduce_scatter: the input's shards, B =
 //   count; all_reduce: count split in W blocks of B = ceil(count / W) rounded up to a cache
 //   line, the last ones shorter or empty). CUDA block b takes the same column

@@ -179,11 +179,11 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "cuda_ring_min_bytes",
         env: "RSCCL_CUDA_RING_MIN_BYTES",
-        // From 64 MiB the ring beat the direct kernels on 4 H100s by 4-9% (all_reduce 256
-        // MiB 1,187 against 1,256 us, reduce_scatter 1 GiB 2,392 against 2,545) and on 2 by
-        // up to 14%; at 16 MiB it lost (all_reduce 113 against 104 us at 4 GPUs); on 32
+        // From 64 MiB the ring beat the direct kernels on 4 H100s by 3-11% (all_reduce 256
+        // MiB 1,191 against 1,253 us, reduce_scatter 1 GiB 2,366 against 2,540) and on 2 by
+        // up to 19%; at 16 MiB it lost (all_reduce 113 against 104 us at 4 GPUs); on 32
         // CTAs it lost to the direct kernels on 64 (docs/performance.md, 2026-11-27
-        // 22:00-22:17 UTC).
+        // 21:53-22:28 UTC).
         default: 64 * MIB,
         min: 0,
         max: 1 << 40,

@@ -432,10 +432,9 @@ pub fn copy_engine(kind: Kind, bytes: u64, local_ranks: usize, min_bytes: u64) -
 /// on the group's grid: reduce_scatter and two-shot all_reduce whose message
 /// (`message_bytes`) is at least `min_bytes` (cuda_ring_min_bytes; 0: never), with a peer to
 /// send to. all_gather keeps its direct kernel: as a ring it was no faster (4 H100s,
-/// 2026-11-27, docs/performance.md). The kernel
-/// learns it from DESC0_RING_BIT, which its first barrier compares, so a rank that decided
-/// otherwise is a mismatch; every rank decides alike (the call and the setting are the
-/// same on every rank).
+/// 2026-11-27, docs/performance.md). The kernel learns it from DESC0_RING_BIT, which its
+/// first barrier compares, so a rank that decided otherwise is a mismatch; every rank
+/// decides alike (the call and the setting are the same on every rank).
 pub fn ring(k: Kernel, bytes: u64, local_ranks: usize, min_bytes: u64) -> bool {
     matches!(k, Kernel::Reduce(Family::ReduceScatter) | Kernel::Reduce(Family::TwoShot))
         && local_ranks > 1
