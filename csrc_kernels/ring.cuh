@@ -91,7 +91,7 @@
 //   its counters, like a failed barrier.
 #define RING_DEPTH 8
 #define RING_GROUP 2
-#define RING_UNROLL 4  // packs per thread in flight per source
+#define RING_UNROLL 4  // packs per thread in flight per source in a reducing step (UNROLL: copies)
 
 static_assert(RING_GROUP >= 2 && RING_DEPTH >= RING_GROUP + 2, "RING_GROUP, RING_DEPTH: see NOTE [Ring], deadlock");
 #define RING_READY 0
@@ -232,21 +232,12 @@ __device__ __forceinline__ void ring_move(const Args& a, const RingPlan& p, cons
         return;
     }
     // all_reduce's gather steps: the received slot, copied.
-    for (u64 base = lo + tid * P; base < hi; base += stride * RING_UNROLL) {
-        Pack<T> x[RING_UNROLL];
-#pragma unroll
-        for (int u = 0; u < RING_UNROLL; u++) {
-            const u64 i = base + u * stride;
-            if (i < hi) load_stage(x[u], slot_in, i - lo);
-        }
-#pragma unroll
-        for (int u = 0; u < RING_UNROLL; u++) {
-            const u64 i = base + u * stride;
-            if (i >= hi) continue;
-            if (o.send) store_stage(x[u], slot_out, i - lo);
-            store_pack(x[u], dst, i, hi);
-        }
-    }
+    for_packs_by<T>(
+        lo, hi, tid, nt, [&](Pack<T>& x, u64 i) { load_stage(x, slot_in, i - lo); },
+        [&](const Pack<T>& x, u64 i) {
+            if (o.send) store_stage(x, slot_out, i - lo);
+            store_pack(x, dst, i, hi);
+        });
 }
 
 // The ring part of a call, after its first barrier (every rank runs it, or none: the
