@@ -264,6 +264,7 @@ __device__ __forceinline__ bool ring_run(const Args& a, BlockState& s, u32 mode,
                 else if (o.send && o.m >= RING_DEPTH && !wait_geq(a, ring_word(a.peer[me], RING_ACK, b), base + o.m - RING_DEPTH + 1, next))
                     fine = 0;
             }
+            __syncwarp();  // the warp converged again before its next bar.sync / bar.arrive
         };
         // `ok`, which the data warps read after each FREE, is written only here: before the
         // first FREE, or after a DONE and before the next FREE, when no data warp reads it

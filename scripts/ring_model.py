@@ -222,12 +222,15 @@ def sweep(worlds, counts, grids, slots, elems, rounds: int, seed: int) -> int:
                     for slot in slots:
                         for elem in elems:
                             for _ in range(rounds):
-                                # Two calls on the same words; the second up to 2^32 steps on
-                                # (other calls of the block in between), so across the wrap too.
+                                # Two calls on the same words; the second at least the first's
+                                # messages on (a real counter moves that far) and up to 2^32
+                                # steps (other calls of the block in between), so across the
+                                # wrap too.
                                 blocks = [Block(world) for _ in range(grid)]
                                 first = rng.randrange(WRAP)
                                 run(mode, world, count, grid, slot, elem, rng, first, blocks)
-                                run(mode, world, count, grid, slot, elem, rng, first + 1 + rng.randrange(WRAP), blocks)
+                                gap = (1 << 20) + rng.randrange(WRAP - (1 << 21))
+                                run(mode, world, count, grid, slot, elem, rng, first + gap, blocks)
                                 calls += 2
     return calls
 
