@@ -8,8 +8,9 @@
 //   (peer, direction) has its own host stream, so a rank's sends to j run concurrently
 //   with its receives from j and with its collectives; the kernels touch none of the
 //   collectives' state (flags, counters, descriptors, staging). A message of n bytes goes
-//   in steps of `chunk` bytes per CUDA block (block b moves bytes [s*G*chunk + b*chunk, +chunk)
-//   of step s); each (block, sender, receiver) has a sequence number q, counted by both
+//   in steps of C <= `chunk` bytes per CUDA block (block b moves bytes [s*G*C + b*C, +C)
+//   of step s; C = p2p_step_bytes(n): the steps `chunk` needs, each spread over every
+//   block); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
 //   both agree without host round trips and under graph replay. Each (sender, receiver,
 //   block) has D = P2P_DEPTH inbox slots, step q using slot q % D. Step q:
@@ -62,6 +63,20 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
     return reinterpret_cast<u8*>(x.a.peer[receiver] + x.inbox_off) + ((slot * gridDim.x + blockIdx.x) * P2P_DEPTH + d) * x.chunk;
 }
 
+// The bytes each block moves per step of an n-byte message: the step count is the one the
+// slot capacity `cap` (x.chunk) gives, and the message is spread evenly over those steps and
+// the G blocks (rounded up to 256 bytes, so every block's share starts pack-aligned). So a
+// message smaller than G slots keeps every block busy (with a 64 MiB inbox at 4 ranks a
+// 1 MiB message would otherwise fill 5 of 22 blocks' slots), and a large one has no sliver
+// of a last step. Sender and receiver compute it from the same n. Slot addresses
+// (p2p_slot) keep `cap` as their stride, so messages of different sizes in flight at once
+// never share bytes of the inbox.
+__device__ __forceinline__ u64 p2p_step_bytes(u64 n, u64 cap, u64 G) {
+    if (n == 0) return cap;
+    const u64 steps = (n + cap * G - 1) / (cap * G);
+    return min64(cap, round_up((n + G * steps - 1) / (G * steps), 256));
+}
+
 // The sender `src` wrote a size `got` other than this recv's (`a.count`): both sizes for
 // the host (err_host + 384, status.rs), then the fatal report that poisons the group. Out
 // of line: it runs once per failure (NOTE [Code size]).
@@ -89,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_send(const __grid_const
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 r = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
-    const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
+    const u64 n = a.count, C = p2p_step_bytes(n, x.chunk, gridDim.x), per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_SEND, b, r);
@@ -144,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rs_recv(const __grid_const
     const Args& a = x.a;
     __shared__ u32 seq, ok;
     const u32 src = a.root, me = a.rank, b = blockIdx.x, t = threadIdx.x;
-    const u64 n = a.count, C = x.chunk, per_step = C * gridDim.x;
+    const u64 n = a.count, C = p2p_step_bytes(n, x.chunk, gridDim.x), per_step = C * gridDim.x;
     const u64 steps = steps_for(n, per_step);
     if (t == 0) {
         seq = *p2p_word(a.peer[me], P2P_RECV, b, src);
