@@ -231,7 +231,12 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         field: "cuda_p2p_bytes",
         env: "RSCCL_CUDA_P2P_BYTES",
-        default: 16 * MIB,
+        // A send's step is one chunk per block, chunk = this / (local peers x blocks x 4).
+        // On 4 H100s a 256 MiB send took 953 us at 4 ranks (22 blocks) with 16 MiB, 862
+        // with 32, 802 with 64 (NCCL 754-763 in the same runs); at 2 ranks 820 / 775 / 773
+        // (NCCL 758-766). 32 MiB takes most of the gain for 16 MiB more per rank (64: 48
+        // more) (docs/performance.md, 2026-11-28 00:04 UTC).
+        default: 32 * MIB,
         min: MIB,
         max: GIB,
         is_size: true,
