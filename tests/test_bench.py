@@ -164,3 +164,58 @@ def test_fsdp_learning_rate_scales_with_width_and_warms_up():
     fc = FsdpConfig(warmup=4)
     assert [fc.lr_factor(s) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
     assert [FsdpConfig(warmup=0).lr_factor(s) for s in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_fsdp_runs_each_backend_repeats_times_in_abba_order_and_reports_medians():
+    """The FSDP2 section runs each backend --fsdp-repeats times in ABBA order and reports the
+    median of its runs' step times with their spread (issue 26, target 5), so one slow run
+    (the machines drift 10-30% between runs) does not decide the verdict as a mean would:
+    here rsccl's mean (112.3 ms) is above NCCL's (110.7), its median (99) below NCCL's
+    (101)."""
+    from rsccl.bench.fsdp import FSDP_ALLOWANCE_S, FsdpConfig, add_run
+    from rsccl.bench.fsdp_report import fsdp_markdown, fsdp_summary_lines, verdicts
+
+    assert FsdpConfig().repeats == 3
+    assert FsdpConfig().order() == ["nccl", "rsccl", "rsccl", "nccl", "nccl", "rsccl"]
+    assert FsdpConfig(repeats=1).order() == ["nccl", "rsccl"]
+    assert FsdpConfig(repeats=4).allowance_s() == 4 * FSDP_ALLOWANCE_S
+
+    def row(ms: float, loss: float) -> dict:
+        mib = 1 << 20
+        return {
+            "mean_ms": ms,
+            "step_min_ms": ms - 1,
+            "step_max_ms": ms + 1,
+            "peak_reserved": 1000 * mib,
+            "reserved_start": 0,
+            "used_peak": 2000 * mib,
+            "used_added": 1500 * mib,
+            "group_init": 10 * mib,
+            "loss_first": 9.0,
+            "loss_final": loss,
+            "pool_alloc": True,
+            "inplace": 6,
+            "staged": 0,
+            "pool_bytes": 512 * mib,
+            "pool_peak_bytes": 256 * mib,
+        }
+
+    times = {"nccl": iter([100.0, 131.0, 101.0]), "rsccl": iter([99.0, 140.0, 98.0])}
+    runs: dict = {}
+    for k, backend in enumerate(FsdpConfig().order()):
+        entry = add_run(runs, backend, row(next(times[backend]), 2.5 + k))
+    assert entry is runs["rsccl"]
+    assert runs["nccl"]["round_ms"] == [100.0, 131.0, 101.0] and runs["nccl"]["step"]["median"] == 101.0
+    assert runs["rsccl"]["step"] == pytest.approx({"median": 99.0, "min": 98.0, "max": 140.0, "spread": 42.0 / 99.0, "n": 3})
+    # Memory and losses are the first run's: NCCL ran first (loss 2.5), rsccl second (3.5).
+    assert runs["nccl"]["loss_final"] == 2.5 and runs["rsccl"]["loss_final"] == 3.5
+    v = verdicts(runs)
+    assert v[0].startswith("step time (median) rsccl 99.00 ms (99.00 / 140.00 / 98.00, spread 42.4%) / nccl 101.00 ms"), v[0]
+    assert "nccl/rsccl 1.02x" in v[0] and "target rsccl <= nccl: met" in v[0], v[0]
+    fsdp = {"config": {"layers": 2, "dim": 64, "seq": 8, "batch": 1, "steps": 3}, "runs": runs, "errors": {}}
+    fsdp["order"] = FsdpConfig().order()
+    table = "\n".join(fsdp_markdown(fsdp, 2))
+    assert "| rsccl | 99.00 (99.00 / 140.00 / 98.00, spread 42.4%) |" in table, table
+    assert "| nccl | 101.00 (100.00 / 131.00 / 101.00, spread 30.7%) |" in table, table
+    assert "the median of a backend's runs" in table
+    assert "nccl/rsccl 1.02x" in fsdp_summary_lines(2, fsdp)[0]

@@ -3,7 +3,7 @@ with gloo (--device cpu) or with NCCL and torch's symmetric memory (--device cud
 
     python -m rsccl.bench [--world-sizes 2,4] [--max-bytes 64MiB] [--out-dir bench-results/]
     python -m rsccl.bench --device cuda [--quick] [--sweep-one-shot] [--rsccl-options KEY=VAL,...]
-                                        [--no-pool] [--no-fsdp] [--fsdp-steps N]
+                                        [--no-pool] [--no-fsdp] [--fsdp-steps N] [--fsdp-repeats N]
                                         [--no-overlap] [--overlap-matmul N] [--overlap-bytes 64MiB,256MiB]
 
 --device cpu is described in rsccl/bench/cpu.py, --device cuda in rsccl/bench/cuda/__init__.py.
@@ -22,6 +22,7 @@ from .common import COLLECTIVES, CUDA_ONLY_COLLECTIVES, TOLERANCES, human
 from .cpu import MAX_ITERS, MIN_ITERS, TARGET_SECONDS
 from .cuda.overlap_config import QUICK as OVERLAP_QUICK
 from .cuda.overlap_config import OverlapConfig, config_problems
+from .fsdp import REPEATS_DEFAULT
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -227,6 +228,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     g.add_argument("--fsdp-steps", type=int, default=20, help="timed FSDP2 steps per backend; default: %(default)s")
     g.add_argument("--fsdp-warmup", type=int, default=5, help="untimed FSDP2 steps before them; default: %(default)s")
+    g.add_argument(
+        "--fsdp-repeats",
+        type=int,
+        default=REPEATS_DEFAULT,
+        help="FSDP2 runs per backend, in ABBA order; the step time is their median, reported with their spread; default: %(default)s",
+    )
     g.add_argument("--fsdp-layers", type=int, default=8, help="transformer layers of the FSDP2 model; default: %(default)s")
     g.add_argument("--fsdp-dim", type=int, default=2048, help="d_model of the FSDP2 model (a multiple of 64); default: %(default)s")
     g.add_argument(
@@ -336,8 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.overlap_config = overlap_config(args)
     if args.overlap and (problems := config_problems(args.overlap_config)):
         p.error("; ".join(problems))
-    if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1:
-        p.error("--fsdp-steps and --fsdp-layers must be at least 1, --fsdp-warmup at least 0")
+    if args.fsdp_steps < 1 or args.fsdp_warmup < 0 or args.fsdp_layers < 1 or args.fsdp_repeats < 1:
+        p.error("--fsdp-steps, --fsdp-layers and --fsdp-repeats must be at least 1, --fsdp-warmup at least 0")
     if args.fsdp_lr < 0:
         p.error(f"--fsdp-lr {args.fsdp_lr}: give a positive rate, or 0 for the default")
     if args.fsdp_dim < 64 or args.fsdp_dim % 64:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import socket
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,3 +162,20 @@ def size_axis(ax: Any) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v).replace(" ", "")))
     ax.set_xlabel("message size per rank")
     ax.grid(True, which="both", alpha=0.3)
+
+
+def abba_order(names: tuple[str, ...] | list[str], repeats: int) -> list[str]:
+    """The backends' runs: `names` in order, then reversed, and so on, `repeats` times
+    (A B B A A B for two and 3 repeats), so that a drift over the section weighs on each
+    backend alike."""
+    names = list(names)
+    return [n for k in range(repeats) for n in (names if k % 2 == 0 else names[::-1])]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min, max of a backend's runs, and the spread (max - min) / median."""
+    if not values:
+        raise ValueError("spread() of no values")
+    med = statistics.median(values)
+    lo, hi = min(values), max(values)
+    return {"median": med, "min": lo, "max": hi, "spread": (hi - lo) / med if med else float("nan"), "n": len(values)}

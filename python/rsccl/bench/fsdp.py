@@ -7,8 +7,9 @@ Per backend: a group of its own is created (new_group, so that what the library 
 at creation and at first use counts in that backend's figures), the same seeded model is
 sharded over DeviceMesh.from_group(group, "cuda") with MixedPrecisionPolicy(bfloat16 params,
 float32 reductions), and trained --fsdp-warmup untimed then --fsdp-steps timed steps on
-the same data. NCCL runs first, rsccl second (the second run starts with what the first
-left behind, see fsdp_report.fsdp_markdown). Each step of each phase is agreed among the
+the same data. The backends run `repeats` times each in ABBA order, NCCL first (each run
+starts with what the earlier ones left behind, see fsdp_report.fsdp_markdown); a backend's
+step time is the median of its runs, reported with their spread. Each step of each phase is agreed among the
 ranks (over the harness's gloo group), so a failure is recorded for that backend and the
 other still runs.
 """
@@ -29,18 +30,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .common import GRANULE, POOL_VA_FLOOR, describe, resolved, round_up
+from .common import GRANULE, POOL_VA_FLOOR, abba_order, describe, resolved, round_up, spread
 
 MiB = 1 << 20
-FSDP_ALLOWANCE_S = 300.0  # added to --timeout for a world size that runs this section
+FSDP_ALLOWANCE_S = 150.0  # added to --timeout per repeat, for a world size that runs this section
 GROUP_TIMEOUT_S = 120.0  # the section's own groups: a hang ends within this
 LOSS_RTOL = 0.02  # final losses of the two backends (same weights, same data) must agree this well
 RUN_ORDER = ("nccl", "rsccl")
 # Step times on the GPU machines drift by 10-30% between runs minutes apart (NCCL's own
 # FSDP2 step measured 30-40 ms at 4 ranks across runs of one day), so each backend runs
-# twice, in ABBA order, and the reported step time is the mean of its two runs. Memory is
-# the first run's (the second runs with the first runs' groups still alive).
-TIMED_ORDER = RUN_ORDER + tuple(reversed(RUN_ORDER))
+# `repeats` times (--fsdp-repeats, 3 by default: medians and a spread, as issue 26 asks),
+# in ABBA order (abba_order), and the reported step time is the median of its runs. Memory
+# is the first run's (the later ones run with the earlier runs' groups still alive).
+REPEATS_DEFAULT = 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,15 @@ class FsdpConfig:
     warmup: int = 5
     lr: float = 0.0  # AdamW's rate after the warm-up; 0: `learning_rate()`'s default for the width
     pool_bytes: int = 0  # cuda_pool_bytes of the rsccl group; 0: pool_bytes_for()
+    repeats: int = REPEATS_DEFAULT  # runs per backend, ABBA
+
+    def order(self) -> list[str]:
+        """The section's runs, backend by backend: RUN_ORDER, then reversed, `repeats` times."""
+        return abba_order(RUN_ORDER, self.repeats)
+
+    def allowance_s(self) -> float:
+        """What the section adds to --timeout for a world size: FSDP_ALLOWANCE_S per repeat."""
+        return FSDP_ALLOWANCE_S * self.repeats
 
     @property
     def head_dim(self) -> int:
@@ -384,6 +395,18 @@ def combine(per_rank: list[dict]) -> dict:
     return row
 
 
+def add_run(runs: dict[str, dict], backend: str, row: dict) -> dict:
+    """Count one run of `backend` (its `combine`d row) in `runs`: a backend's entry is its
+    first run's row (memory, losses, counts) with every run's mean step time in `round_ms`
+    and their spread() (median, min, max) in `step`. Returns the entry."""
+    entry = runs.get(backend)
+    if entry is None:
+        entry = runs[backend] = {**row, "round_ms": []}
+    entry["round_ms"].append(row["mean_ms"])
+    entry["step"] = spread(entry["round_ms"])
+    return entry
+
+
 def run_fsdp(r: Any) -> None:
     """The section, on every rank: results in r.meta["fsdp"] (rank 0's are saved)."""
     fc: FsdpConfig = r.cfg.fsdp
@@ -394,7 +417,7 @@ def run_fsdp(r: Any) -> None:
         "pool_bytes": pool,
         "runs": {},
         "errors": {},
-        "order": list(TIMED_ORDER),
+        "order": fc.order(),
     }
     r.meta["fsdp"] = res
     r.log(f"FSDP2: {fc.describe()}; rsccl group pool {pool / MiB:.0f} MiB")
@@ -425,20 +448,14 @@ def run_fsdp(r: Any) -> None:
         res["errors"]["setup"] = str(e)
         r.log(f"FSDP2 FAILED before training: {e}")
         return
-    for backend in TIMED_ORDER:
+    for backend in fc.order():
         start = time.perf_counter()
         if backend in res["errors"]:
             continue
         try:
             mine = train_one(r, backend, holder["master"], holder["ids"], holder["targets"], pool)
             row = combine(r.agree.gather(mine))
-            first = res["runs"].get(backend)
-            if first is None:
-                row["round_ms"] = [row["mean_ms"]]
-                res["runs"][backend] = row
-            else:
-                first["round_ms"].append(row["mean_ms"])
-                first["mean_ms"] = sum(first["round_ms"]) / len(first["round_ms"])
+            add_run(res["runs"], backend, row)
             r.log(
                 f"FSDP2 {backend}: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, "
                 f"device used {mib(row['used_peak'])} MiB, final loss {row['loss_final']:.4f}, in place / staged "

@@ -13,6 +13,23 @@ def ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
+def step_ms(row: dict) -> float:
+    """A backend's step time: the median of its runs' means (`step`, fsdp.run_fsdp)."""
+    return row["step"]["median"] if "step" in row else row["mean_ms"]
+
+
+def runs_text(row: dict) -> str:
+    """ " (run 1 / run 2 / ..., spread x%)" for a backend of more than one run; "" otherwise."""
+    r = row.get("round_ms") or []
+    if len(r) < 2:
+        return ""
+    return (
+        f" ({' / '.join(f'{v:.2f}' for v in r)}, spread {row['step']['spread']:.1%})"
+        if "step" in row
+        else f" ({' / '.join(f'{v:.2f}' for v in r)})"
+    )
+
+
 def loss_check(runs: dict) -> tuple[bool | None, str]:
     """(agree, text) for the final losses of the two backends; (None, ...) if one is missing."""
     a, b = runs.get("rsccl"), runs.get("nccl")
@@ -48,8 +65,8 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
             "the slowest rank at each step; final loss: the last timed step's, averaged over ranks"
         ),
         (
-            f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))} (step time: the mean of a backend's runs, "
-            "each run's in parentheses; memory: its first run's); before each: gc, torch.cuda.empty_cache(), "
+            f"- run order: {' then '.join(fsdp.get('order', RUN_ORDER))} (step time: the median of a backend's runs, "
+            "each run's in parentheses with their spread, (max - min) / median; memory and losses: its first run's); before each: gc, torch.cuda.empty_cache(), "
             "torch.cuda.reset_peak_memory_stats(); one unsharded layer ran forward and backward before both "
             "(kernels, math-library handles)"
         ),
@@ -73,7 +90,7 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
     if runs:
         out += [
             (
-                "| backend | step ms (mean, slowest rank) | per step min / max | peak reserved MiB | reserved at "
+                "| backend | step ms (median of runs, slowest rank) | per step min / max | peak reserved MiB | reserved at "
                 "start MiB | device used MiB | added MiB | group creation MiB | first / final loss | collectives in "
                 "place / staged | pool MiB (capacity / peak) |"
             ),
@@ -85,7 +102,7 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
                 continue
             pool = f"{mib(row['pool_bytes'])} / {mib(row['pool_peak_bytes'])}" if name == "rsccl" else "-"
             out.append(
-                f"| {name} | {ms(row['mean_ms'])} ({' / '.join(ms(v) for v in row.get('round_ms', []))}) | {ms(row['step_min_ms'])} / {ms(row['step_max_ms'])} "
+                f"| {name} | {ms(step_ms(row))}{runs_text(row)} | {ms(row['step_min_ms'])} / {ms(row['step_max_ms'])} "
                 f"| {mib(row['peak_reserved'])} | {mib(row['reserved_start'])} | {mib(row['used_peak'])} "
                 f"| {mib(row['used_added'])} | {mib(row['group_init'])} | {row['loss_first']:.4f} / {row['loss_final']:.4f} "
                 f"| {calls_text(row) if name == 'rsccl' else '-'} | {pool} |"
@@ -105,21 +122,17 @@ def verdicts(runs: dict) -> list[str]:
         return [
             f"{name} n/a (did not finish)"
             if not row
-            else f"{name} only: {row['mean_ms']:.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
+            else f"{name} only: {step_ms(row):.2f} ms per step, peak reserved {mib(row['peak_reserved'])} MiB, device "
             f"memory added {mib(row['used_added'])} MiB, final loss {row['loss_final']:.4f}"
             for name, row in (("rsccl", rs), ("nccl", nc))
         ]
     out = []
-    ratio = nc["mean_ms"] / rs["mean_ms"] if rs["mean_ms"] else float("nan")
-
-    def runs_of(row: dict) -> str:
-        r = row.get("round_ms") or []
-        return f" ({' / '.join(f'{v:.2f}' for v in r)})" if len(r) > 1 else ""
-
+    r_ms, n_ms = step_ms(rs), step_ms(nc)
+    ratio = n_ms / r_ms if r_ms else float("nan")
     out.append(
-        f"step time rsccl {rs['mean_ms']:.2f} ms{runs_of(rs)} / nccl {nc['mean_ms']:.2f} ms{runs_of(nc)} = "
+        f"step time (median) rsccl {r_ms:.2f} ms{runs_text(rs)} / nccl {n_ms:.2f} ms{runs_text(nc)} = "
         f"nccl/rsccl {ratio:.2f}x, "
-        f"target rsccl <= nccl: {'met' if rs['mean_ms'] <= nc['mean_ms'] else 'NOT MET'}"
+        f"target rsccl <= nccl: {'met' if r_ms <= n_ms else 'NOT MET'}"
     )
     if rs["peak_reserved"] is not None and nc["peak_reserved"] is not None:
         out.append(

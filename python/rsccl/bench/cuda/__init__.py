@@ -28,7 +28,8 @@ collectives, a transformer (--fsdp-layers 8, --fsdp-dim 2048, seq 1024, batch 4 
 bf16 params and float32 reductions, AdamW at 3e-4, scaled by 2048 / d_model above 2048 or
 --fsdp-lr, reached by a linear warm-up over the untimed steps) is trained --fsdp-warmup 5 +
 --fsdp-steps 20 steps with
-fully_shard over a new NCCL group, then over a new rsccl group whose pool
+fully_shard over a new NCCL group, then over a new rsccl group, --fsdp-repeats 3 times each
+in ABBA order (the step time: the median of a backend's runs, with their spread); rsccl's pool
 (--fsdp-pool-bytes, default sized from the model) holds FSDP's communication buffers
 (set_allocate_memory_from_process_group_for_comm(True) on every FSDP module); same seed and
 data for both. Details: rsccl/bench/fsdp.py.

@@ -24,26 +24,18 @@ benchmark's check does (exact for all_gather, bf16 tolerance for reduce_scatter)
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from ..common import abba_order, spread
 from .overlap_config import OverlapConfig
 
 OVERLAP_ALLOWANCE_S = 180.0  # added to --timeout for a world size that runs this section
 TARGET_RATIO = 0.95  # issue 17, target 4: rsccl's total <= 0.95 x NCCL's
 FIRST = "nccl"  # ABBA starts with NCCL, as the FSDP2 section does
 SECTION = "overlap"  # the name failures are printed under
-
-
-def abba_order(names: tuple[str, ...] | list[str], repeats: int) -> list[str]:
-    """The backends' runs: `names` in order, then reversed, and so on, `repeats` times
-    (A B B A A B for two and 3 repeats), so that a drift over the section weighs on each
-    backend alike."""
-    names = list(names)
-    return [n for k in range(repeats) for n in (names if k % 2 == 0 else names[::-1])]
 
 
 def interleave(matmuls: int, calls: int) -> list[str]:
@@ -53,15 +45,6 @@ def interleave(matmuls: int, calls: int) -> list[str]:
     A collective goes first on a tie, so the side stream starts at once."""
     slots = [(k / matmuls, 1, "m") for k in range(matmuls)] + [(k / calls, 0, "c") for k in range(calls)]
     return [what for _, _, what in sorted(slots)]
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, min, max of a backend's runs, and the spread (max - min) / median."""
-    if not values:
-        raise ValueError("spread() of no values")
-    med = statistics.median(values)
-    lo, hi = min(values), max(values)
-    return {"median": med, "min": lo, "max": hi, "spread": (hi - lo) / med if med else float("nan"), "n": len(values)}
 
 
 METRICS = ("matmul_ms", "collectives_ms", "total_ms", "matmul_in_overlap_ms", "wall_ms")

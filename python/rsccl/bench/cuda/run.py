@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from ..common import describe, human, message_sizes
-from ..fsdp import FSDP_ALLOWANCE_S, FsdpConfig
+from ..fsdp import FsdpConfig
 from ..fsdp_report import fsdp_problems, fsdp_summary_lines
 from .config import DONE_GRACE_S, GPU_ENV, Config, options_text, pool_options, pool_sizes
 from .ctas import PROFILE_ALLOWANCE_S, cta_summary_lines
@@ -49,7 +49,7 @@ def run_world(world: int, cfg: Config) -> tuple[dict | None, str]:
         deadline = (
             time.monotonic()
             + cfg.timeout_s
-            + (FSDP_ALLOWANCE_S if cfg.fsdp is not None else 0.0)
+            + (cfg.fsdp.allowance_s() if cfg.fsdp is not None else 0.0)
             + (OVERLAP_ALLOWANCE_S if cfg.overlap is not None else 0.0)
             + (PROFILE_ALLOWANCE_S if cfg.ctas_profile else 0.0)
         )
@@ -124,6 +124,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             dim=args.fsdp_dim,
             steps=args.fsdp_steps,
             warmup=args.fsdp_warmup,
+            repeats=args.fsdp_repeats,
             lr=args.fsdp_lr,
             pool_bytes=args.fsdp_pool_bytes or 0,
         )
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             if pooled
         )
         + f"; FSDP2 section: {cfg.fsdp.describe() + f', {cfg.fsdp.warmup}+{cfg.fsdp.steps} steps' if cfg.fsdp else 'off'}"
-        + (f" (--timeout +{FSDP_ALLOWANCE_S:.0f} s per world size)" if cfg.fsdp else "")
+        + (f", {cfg.fsdp.repeats} runs per backend (--timeout +{cfg.fsdp.allowance_s():.0f} s per world size)" if cfg.fsdp else "")
         + f"; overlap section: {cfg.overlap.describe() if cfg.overlap else 'off'}"
         + (f" (--timeout +{OVERLAP_ALLOWANCE_S:.0f} s per world size)" if cfg.overlap else ""),
         flush=True,
