@@ -9,8 +9,8 @@
 //   with its receives from j and with its collectives; the kernels touch none of the
 //   collectives' state (flags, counters, descriptors, staging). A message of n bytes goes
 //   in steps of C <= `chunk` bytes per CUDA block (block b moves bytes [s*G*C + b*C, +C)
-//   of step s; C = p2p_step_bytes(n): the steps `chunk` needs, each spread over every
-//   block); each (block, sender, receiver) has a sequence number q, counted by both
+//   of step s; C = p2p_step_bytes(n, chunk, G): the steps `chunk` needs, each spread
+//   over every block); each (block, sender, receiver) has a sequence number q, counted by both
 //   sides in their own blocks (send_seq / recv_seq), that advances by one per step, so
 //   both agree without host round trips and under graph replay. Each (sender, receiver,
 //   block) has D = P2P_DEPTH inbox slots, step q using slot q % D. Step q:
@@ -66,9 +66,9 @@ __device__ __forceinline__ u8* p2p_slot(const P2pArgs& x, u32 receiver, u32 send
 // The bytes each block moves per step of an n-byte message: the step count is the one the
 // slot capacity `cap` (x.chunk) gives, and the message is spread evenly over those steps and
 // the G blocks (rounded up to 256 bytes, so every block's share starts pack-aligned). So a
-// message smaller than G slots keeps every block busy (with a 64 MiB inbox at 4 ranks a
-// 1 MiB message would otherwise fill 5 of 22 blocks' slots), and a large one has no sliver
-// of a last step. Sender and receiver compute it from the same n. Slot addresses
+// message smaller than G slots (and of at least G x 256 bytes) keeps every block busy (with
+// a 64 MiB inbox at 4 ranks a 1 MiB message would otherwise fill 5 of 22 blocks' slots),
+// and a large one has no sliver of a last step. Sender and receiver compute it from the same n. Slot addresses
 // (p2p_slot) keep `cap` as their stride, so messages of different sizes in flight at once
 // never share bytes of the inbox.
 __device__ __forceinline__ u64 p2p_step_bytes(u64 n, u64 cap, u64 G) {
