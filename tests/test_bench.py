@@ -219,3 +219,88 @@ def test_fsdp_runs_each_backend_repeats_times_in_abba_order_and_reports_medians(
     assert "| nccl | 101.00 (100.00 / 131.00 / 101.00, spread 30.7%) |" in table, table
     assert "the median of a backend's runs" in table
     assert "nccl/rsccl 1.02x" in fsdp_summary_lines(2, fsdp)[0]
+
+
+def test_pool_all_gather_takes_its_output_from_the_groups_allocator():
+    """--fsdp-pool-comms all_gather: FSDP2's all-gather outputs come from the group backend's
+    allocator where it offers one (rsccl's pool), else from torch.empty."""
+    import torch
+    from rsccl.bench.fsdp import PoolAllGather
+
+    class Backend:
+        def __init__(self, alloc: bool):
+            self.alloc, self.calls = alloc, []
+
+        def supports_tensor_alloc(self, device):
+            return self.alloc
+
+        def allocate_tensor(self, numel, *, dtype, device):
+            self.calls.append((numel, dtype, device))
+            return torch.full((numel,), 7, dtype=dtype, device=device)
+
+    for alloc in (True, False):
+        be = Backend(alloc)
+        ag = PoolAllGather(SimpleNamespace(_get_backend=lambda device, be=be: be))
+        t = ag.allocate((3, 5), dtype=torch.bfloat16, device=torch.device("cpu"))
+        assert t.dtype == torch.bfloat16 and t.numel() == 15
+        if alloc:
+            assert be.calls == [(15, torch.bfloat16, torch.device("cpu"))] and ag.pool_allocations == 1
+            assert bool((t == 7).all())
+        else:
+            assert be.calls == [] and ag.pool_allocations == 0 and t.shape == (3, 5)
+
+
+def _fsdp_pool_comms_rank(rank: int, port: int, seed: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from rsccl.bench.fsdp import PoolAllGather, use_pool_for_comms
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        g = dist.new_group(backend="gloo")
+        x = torch.randn(4, 24, generator=torch.Generator().manual_seed(seed + rank))
+        results = {}
+        for which in (None, "all_gather", "both"):
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
+            mesh = DeviceMesh.from_group(g, "cpu")
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if which is not None:
+                use_pool_for_comms(model, g, which)
+            comms = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+            custom = [type(pg._all_gather_comm).__name__ for pg in comms if pg is not None]
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            results[which] = (loss.item(), grads, custom)
+        base = results[None]
+        for which in ("all_gather", "both"):
+            loss, grads, custom = results[which]
+            assert loss == base[0], (which, loss, base[0])
+            assert all(torch.equal(a, b) for a, b in zip(grads, base[1])), which
+        assert results["all_gather"][2] and set(results["all_gather"][2]) == {PoolAllGather.__name__}, results["all_gather"][2]
+        assert PoolAllGather.__name__ not in results["both"][2]
+        with open(f"{out}.{rank}", "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_pool_comms_all_gather_trains_as_fsdps_default(tmp_path):
+    """use_pool_for_comms on a real FSDP2 model (2 processes, gloo, CPU): "all_gather" puts a
+    PoolAllGather on every FSDP module, "both" the process-group allocation, and both give
+    FSDP's default loss and gradients bit for bit (random inputs, seed printed)."""
+    import random
+
+    import torch.multiprocessing as mp
+    from rsccl.bench.common import free_port
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    out = str(tmp_path / "done")
+    mp.start_processes(_fsdp_pool_comms_rank, args=(free_port(), seed, out), nprocs=2, start_method="spawn")
+    assert all((tmp_path / f"done.{r}").read_text() == "ok" for r in range(2))

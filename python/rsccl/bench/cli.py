@@ -22,7 +22,7 @@ from .common import COLLECTIVES, CUDA_ONLY_COLLECTIVES, TOLERANCES, human
 from .cpu import MAX_ITERS, MIN_ITERS, TARGET_SECONDS
 from .cuda.overlap_config import QUICK as OVERLAP_QUICK
 from .cuda.overlap_config import OverlapConfig, config_problems
-from .fsdp import REPEATS_DEFAULT
+from .fsdp import POOL_COMMS, REPEATS_DEFAULT
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -242,6 +242,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="AdamW's rate after the FSDP2 warm-up steps (linear warm-up over them); default: 3e-4 up to d_model 2048, "
         "scaled by 2048 / d_model above",
+    )
+    g.add_argument(
+        "--fsdp-pool-comms",
+        choices=POOL_COMMS,
+        default="both",
+        help="which of FSDP2's communication buffers the rsccl run takes from rsccl's pool: both (all-gather outputs, "
+        "reduce-scatter buffers and with them the gradient shards) or all_gather (its outputs only; the reduce-scatter "
+        "buffers from torch's allocator); default: %(default)s",
     )
     g.add_argument(
         "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"

@@ -30,6 +30,19 @@ def runs_text(row: dict) -> str:
     )
 
 
+def pool_comms_text(which: str) -> str:
+    """What the rsccl run took from its pool (fsdp.use_pool_for_comms)."""
+    if which == "all_gather":
+        return (
+            "`set_custom_all_gather(PoolAllGather(group))` on every FSDP module, so FSDP's all-gather outputs come "
+            "from rsccl's pool, its reduce-scatter buffers and float32 gradient shards from torch's allocator"
+        )
+    return (
+        "`set_allocate_memory_from_process_group_for_comm(True)` on every FSDP module, so FSDP's all-gather "
+        "outputs and reduce-scatter buffers, and with them its float32 gradient shards, come from rsccl's pool"
+    )
+
+
 def loss_check(runs: dict) -> tuple[bool | None, str]:
     """(agree, text) for the final losses of the two backends; (None, ...) if one is missing."""
     a, b = runs.get("rsccl"), runs.get("nccl")
@@ -53,9 +66,7 @@ def fsdp_markdown(fsdp: dict | None, world: int) -> list[str]:
             f"- model: {fsdp.get('describe', '?')}; float32 master weights, MixedPrecisionPolicy(param_dtype=bfloat16, "
             "reduce_dtype=float32), fully_shard on every layer and on the root, AdamW; DeviceMesh.from_group(group, "
             '"cuda") over a group created for this section (rsccl: `new_group(backend="rsccl")` with '
-            f"cuda_pool_bytes {mib(fsdp.get('pool_bytes'))} MiB and "
-            "`set_allocate_memory_from_process_group_for_comm(True)` on every FSDP module, so FSDP's all-gather "
-            "outputs and reduce-scatter buffers, and with them its float32 gradient shards, come from rsccl's pool; "
+            f"cuda_pool_bytes {mib(fsdp.get('pool_bytes'))} MiB and {pool_comms_text(c.get('pool_comms', 'both'))}; "
             'NCCL: `new_group(backend="nccl")`, FSDP\'s default buffers)'
         ),
         (

@@ -125,6 +125,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             steps=args.fsdp_steps,
             warmup=args.fsdp_warmup,
             repeats=args.fsdp_repeats,
+            pool_comms=args.fsdp_pool_comms,
             lr=args.fsdp_lr,
             pool_bytes=args.fsdp_pool_bytes or 0,
         )
