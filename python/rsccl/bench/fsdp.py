@@ -128,17 +128,11 @@ def pool_bytes_for(fc: FsdpConfig, world: int) -> int:
     if fc.pool_bytes:
         return fc.pool_bytes
     unit = max(fc.layer_params(), fc.root_params())
-    if fc.pool_comms == "all_gather":
-        # Only the all-gather outputs (use_pool_for_comms): no gradient shard, no
-        # reduce-scatter buffer. Not measured yet; sized as the all-gather part below.
-        return -(-int((2 * fc.root_params() + 2 * 2 * fc.layer_params() + 128 * MiB) * 1.15) // (2 * MiB)) * (2 * MiB)
-    need = (
-        4 * fc.params() // world  # gradient shards
-        + 2 * fc.root_params()
-        + 2 * 2 * fc.layer_params()  # all-gather outputs
-        + 4 * unit  # reduce-scatter input
-        + 128 * MiB
-    )
+    need = 2 * fc.root_params() + 2 * 2 * fc.layer_params() + 128 * MiB  # all-gather outputs
+    # With pool_comms "all_gather" (use_pool_for_comms) that is all: no gradient shard, no
+    # reduce-scatter buffer (not measured yet).
+    if fc.pool_comms != "all_gather":
+        need += 4 * fc.params() // world + 4 * unit  # gradient shards, reduce-scatter input
     return -(-int(need * 1.15) // (2 * MiB)) * (2 * MiB)
 
 
