@@ -19,6 +19,13 @@ rsccl's reduce_scatter, all_gather and two-shot all_reduce):
             barrier after each phase, so every phase is a permutation of the ranks
   steps-a2a the same steps, every peer one after another, one barrier per step (the order
             of rsccl's reduce_scatter pushes)
+  ring-ws   a ring reduce_scatter with readiness flags and slots, as rsccl's ring runs
+            (csrc_kernels/ring.cuh): per CTA, one warp waits for the next operation's flags
+            and releases the last one's while the others move data (--ring-chunk-kib,
+            --ring-depth, --ring-group, --ring-reduce, --ring-fence, --ring-lanes
+            pipelines per CTA); ring-ws1k the same for --threads 1024
+  ring-rs   the same schedule, each CTA's lane waits, moves data and releases in turn
+  ring-wp   ring-rs with every warp a pipeline of its own (no CTA-wide barrier)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
 The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on an NCCL
 group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
@@ -199,8 +206,186 @@ extern "C" __global__ void tma_split(Ptrs b, u64 n16, u32 W, u32 me) {
     const char* s[1] = {(const char*)b.p[me] + j * n16 * 16}; char* d[1] = {(char*)b.p[j] + (W + me) * n16 * 16};
     if (lo < hi) tma_run(s, d, 1, lo * 16, hi * 16);
 }
+// A ring reduce-scatter with readiness flags, as rsccl's ring runs (NOTE [Ring] in
+// csrc_kernels/ring.cuh), to find what its handshake costs against st-ring's bare stores.
+// Each CTA holds `lanes` independent pipelines ("lanes", blockDim / lanes threads each):
+// lane id = b * lanes + l takes its own columns of every block, in chunks of chunk16 words,
+// in groups of G chunks (s-major within a group, as NOTE [Ring]; rsccl: 2), with `depth` slots of a
+// chunk at next and two words: ready[id] (written by prev) and ack[id] (written by next).
+// Message numbers run on across launches (ctr[id]), so launches need no barrier between
+// them: message q goes to slot q % depth, its ready value is q + 1, and sending q waits
+// for ack >= q + 1 - depth (the receiver consumed q - depth, the slot's last message).
+// WS = 0: the lane's thread 0 waits for an op, a lane barrier, every thread moves data, a
+// lane barrier, thread 0 releases (st.release.sys, cumulative over the barrier).
+// WS = 1: rsccl's shape: the lane's first warp waits for op i + 1 while the others move op
+// i's data (named barriers FREE / DONE), then releases op i.
+// reduce = 1: a reduce_scatter's steps (input block + received slot, bf16 add in float);
+// 0: the same steps, copies only. Data are not checked; waits give up after about a second.
+__device__ __forceinline__ u32 ld_acq(const u32* p) { u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ void st_rel(u32* p, u32 v) { asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ void st_rlx(u32* p, u32 v) { asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
+// fence 1: each op's signals are releases (the protocol); 0: relaxed stores, no ordering (a
+// wrong protocol, to time what the releases cost); 2: releases after every second op only
+// (and the last), a signal then covering two messages (group >= 3).
+__device__ __forceinline__ void signal(u32 fence, u64 i, u64 ops, u32* p, u32 v) {
+    if (fence == 0) st_rlx(p, v);
+    else if (fence == 1 || (i & 1) || i + 1 == ops) st_rel(p, v);
+}
+__device__ __forceinline__ void spin_geq(const u32* p, u32 e) {
+    const long long t0 = clock64();
+    while ((int)(ld_acq(p) - e) < 0 && clock64() - t0 < 2000000000LL) {}
+}
+__device__ __forceinline__ u32 bf2(u32 a, u32 b) {  // two bf16 sums, rounded to nearest even
+    float a0 = __uint_as_float(a << 16), a1 = __uint_as_float(a & 0xffff0000u);
+    float b0 = __uint_as_float(b << 16), b1 = __uint_as_float(b & 0xffff0000u);
+    u32 x = __float_as_uint(a0 + b0), y = __float_as_uint(a1 + b1);
+    x += 0x7fffu + ((x >> 16) & 1); y += 0x7fffu + ((y >> 16) & 1);
+    return (x >> 16) | (y & 0xffff0000u);
+}
+__device__ __forceinline__ uint4 add8(uint4 a, uint4 b) { return make_uint4(bf2(a.x, b.x), bf2(a.y, b.y), bf2(a.z, b.z), bf2(a.w, b.w)); }
+struct ROp { u64 lo, hi; u32 blk; bool recv, send; u32 m, c; };
+__device__ __forceinline__ ROp rop(u64 i, u32 S, u32 W, u32 me, u64 lo0, u64 hi0, u64 C, u32 G) {
+    const u64 grp = (u64)(S + 1) * G, g = i / grp, r = i - g * grp;
+    const u32 s = (u32)(r / G), j = (u32)(r % G);
+    const u64 k = g * G + j;
+    ROp o;
+    o.blk = (me + 2 * W - 1 - s) % W;
+    o.hi = lo0 + (k + 1) * C < hi0 ? lo0 + (k + 1) * C : hi0;
+    o.lo = lo0 + k * C < o.hi ? lo0 + k * C : o.hi;
+    o.recv = s >= 1; o.send = s < S;
+    o.m = (u32)(g * S * G + s * G + j);
+    o.c = (u32)(g * S * G + (s - 1) * G + j);
+    return o;
+}
+__device__ __forceinline__ void rmove(const ROp& o, const uint4* in, u64 n16, const uint4* sin, uint4* sout, uint4* out, bool red, u32 t, u32 nt) {
+    for (u64 i = o.lo + t; i < o.hi; i += (u64)nt * U) {
+        uint4 x[U], y[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const u64 w = i + u * nt;
+            if (w < o.hi) {
+                if (red || !o.recv) x[u] = in[o.blk * n16 + w];
+                if (o.recv) y[u] = sin[w - o.lo];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const u64 w = i + u * nt;
+            if (w >= o.hi) continue;
+            const uint4 z = o.recv ? (red ? add8(x[u], y[u]) : y[u]) : x[u];
+            if (o.send) sout[w - o.lo] = z; else out[w] = z;
+        }
+    }
+}
+// WS = 2: every warp is a lane of its own (lanes = blockDim / 32), as WS = 0 with
+// __syncwarp for the lane barrier: no CTA-wide barrier at all.
+__device__ __forceinline__ void lane_sync(int ws, u32 id, u32 n) {
+    if (ws == 2) __syncwarp();
+    else asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+template <int WS>
+__device__ void ring_rs_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    __shared__ u32 base_s[32];
+    if (WS == 2) lanes = blockDim.x / 32;
+    const u32 nl = blockDim.x / lanes, l = threadIdx.x / nl, t = threadIdx.x % nl;
+    if (l >= lanes) return;
+    const u32 id = blockIdx.x * lanes + l, ids = gridDim.x * lanes;
+    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
+    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
+    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
+    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
+    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
+    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
+    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
+    const uint4* mine = (const uint4*)(b.p[me] + stage);
+    uint4* theirs = (uint4*)(b.p[next] + stage);
+    const uint4* in = (const uint4*)b.p[me];
+    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
+    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
+    const u64 len = hi0 - lo0;
+    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
+    const u64 ops = (u64)(S + 1) * K;
+    if (t == 0) base_s[l] = *ctr;
+    lane_sync(WS, 1 + 2 * l, nl);
+    const u32 base = base_s[l];
+    if (WS != 1) {
+        for (u64 i = 0; i < ops; i++) {
+            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            if (t == 0) {
+                if (o.recv) spin_geq(ready, base + o.c + 1);
+                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
+            }
+            lane_sync(WS, 1 + 2 * l, nl);
+            rmove(o, in, n16, mine + ((base + o.c) % depth) * C, theirs + ((base + o.m) % depth) * C, out, red, t, nl);
+            lane_sync(WS, 1 + 2 * l, nl);
+            if (t == 0) {
+                if (o.send) signal(fence, i, ops, ready_next, base + o.m + 1);
+                if (o.recv) signal(fence, i, ops, ack_prev, base + o.c + 1);
+            }
+        }
+    } else if (t < 32) {
+        const u32 FREE = 1 + 2 * l, DONE = 2 + 2 * l;
+        auto waits = [&](u64 i) {
+            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            if (t == 0) {
+                if (o.recv) spin_geq(ready, base + o.c + 1);
+                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
+            }
+            __syncwarp();
+        };
+        if (ops) { waits(0); asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory"); }
+        for (u64 i = 0; i < ops; i++) {
+            if (i + 1 < ops) waits(i + 1);
+            asm volatile("bar.sync %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
+            if (i + 1 < ops) asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
+            if (t == 0) {
+                const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+                if (o.send) signal(fence, i, ops, ready_next, base + o.m + 1);
+                if (o.recv) signal(fence, i, ops, ack_prev, base + o.c + 1);
+            }
+            __syncwarp();
+        }
+    } else {
+        const u32 FREE = 1 + 2 * l, DONE = 2 + 2 * l;
+        for (u64 i = 0; i < ops; i++) {
+            asm volatile("bar.sync %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
+            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            rmove(o, in, n16, mine + ((base + o.c) % depth) * C, theirs + ((base + o.m) % depth) * C, out, red, t - 32, nl - 32);
+            asm volatile("bar.arrive %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
+        }
+    }
+    if (t == 0) *ctr = base + (u32)(S * K);
+}
+extern "C" __global__ void ring_rs(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_rs_body<0>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
+}
+extern "C" __global__ void ring_wp(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_rs_body<2>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
+}
+extern "C" __global__ void ring_ws(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_rs_body<1>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
+}
+// ring-ws for 1024 threads (at most 64 registers a thread).
+extern "C" __global__ void __launch_bounds__(1024, 1) ring_ws1k(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_rs_body<1>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
+}
 """
-KERNELS = ("st-peer", "st-inter", "st-split", "st-ring", "ld-peer", "tma-peer", "tma-split", "tma-ring", "steps-perm", "steps-a2a")
+KERNELS = (
+    "st-peer",
+    "st-inter",
+    "st-split",
+    "st-ring",
+    "ld-peer",
+    "tma-peer",
+    "tma-split",
+    "tma-ring",
+    "steps-perm",
+    "steps-a2a",
+    "ring-rs",
+    "ring-ws",
+    "ring-wp",
+    "ring-ws1k",
+)
 
 
 def _lib(names: list[str], pattern: str) -> ctypes.CDLL:
@@ -252,6 +437,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=512)
     ap.add_argument("--piece-kib", type=int, default=160, help="steps-*: KiB per CTA, peer and step")
     ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--ring-lanes", default="1", help="ring-*: pipelines per CTA (a list)")
+    ap.add_argument("--ring-chunk-kib", default="128", help="ring-*: KiB per chunk and slot (a list)")
+    ap.add_argument("--ring-depth", type=int, default=8, help="ring-*: slots per pipeline")
+    ap.add_argument("--ring-reduce", type=int, default=1, help="ring-*: 1 reduce (bf16 add), 0 copy")
+    ap.add_argument(
+        "--ring-fence", type=int, default=1, help="ring-*: 1 release per signal, 0 relaxed (wrong, for timing), 2 every second op"
+    )
+    ap.add_argument("--ring-group", default="2", help="ring-*: chunks per group (a list); slots: at least group + 2")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and stop (no GPU needed)")
     args = ap.parse_args()
     if args.compile_only:
@@ -266,7 +459,7 @@ def main() -> None:
 
     n = args.mib << 20
     fl = 2 * world * n  # the flag page of the steps-* kernels: flags, then epochs at +8 KiB
-    buf = symm_mem.empty(fl + 16384, dtype=torch.uint8, device=dev)
+    buf = symm_mem.empty(fl + 32768, dtype=torch.uint8, device=dev)
     name = dist.group.WORLD.group_name
     try:
         hdl = symm_mem.rendezvous(buf, name)
@@ -299,14 +492,45 @@ def main() -> None:
     params = (ctypes.c_void_p * 6)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in args6])
     stream = torch.cuda.current_stream(dev).cuda_stream
     rows = []
+    configs = []
     for name in args.kernels.split(","):
+        for g in [int(c) for c in args.ctas.split(",")]:
+            if not name.startswith("ring"):
+                configs.append((name, g, None))
+                continue
+            for lanes in [int(x) for x in args.ring_lanes.split(",")] if name != "ring-wp" else [args.threads // 32]:
+                for kib in [int(x) for x in args.ring_chunk_kib.split(",")]:
+                    for grp in [int(x) for x in args.ring_group.split(",")]:
+                        depth = max(args.ring_depth, grp + 2)
+                        fits = g * lanes * depth * kib * 1024 <= world * n and (lanes * 64 <= args.threads or name == "ring-wp")
+                        if fits and (not name.startswith("ring-ws") or 2 + 2 * lanes <= 16):
+                            configs.append((name, g, (lanes, kib, grp, depth)))
+    for name, g, ring in configs:
         f = ctypes.c_void_p()
         _check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.replace("-", "_").encode()), f"cuModuleGetFunction {name}")
-        for g in [int(c) for c in args.ctas.split(",")]:
+        if ring is not None:
+            lanes, kib, grp, depth = ring
+            rargs = (
+                ptrs,
+                n16,
+                W,
+                me,
+                ctypes.c_uint64(kib * 1024 // 16),
+                flo,
+                ctypes.c_uint32(lanes),
+                ctypes.c_uint32(depth),
+                ctypes.c_uint32(args.ring_reduce),
+                ctypes.c_uint32(grp),
+                ctypes.c_uint32(args.ring_fence),
+            )
+            rparams = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in rargs])
+        if True:
             threads = 32 if name.startswith("tma") else args.threads
+            kp = rparams if ring is not None else params
+            label = name if ring is None else f"{name} lanes {ring[0]} chunk {ring[1]} KiB group {ring[2]} depth {ring[3]}"
 
             def launch() -> None:
-                _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), params, None), f"launch {name}")
+                _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), kp, None), f"launch {name}")
 
             for _ in range(3):
                 launch()
@@ -322,7 +546,7 @@ def main() -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
             dist.barrier()
             gbs = (world - 1) * n / (t.item() * 1e-3) / 1e9
-            rows.append((name, g, t.item() * 1e3, gbs))
+            rows.append((label, g, t.item() * 1e3, gbs))
     if rank == 0:
         gpu = torch.cuda.get_device_name(dev)
         print(
