@@ -1,4 +1,4 @@
-"""FSDP2 whose all-gather and reduce-scatter buffers live in rsccl's symmetric pool.
+"""FSDP2 whose all-gather outputs live in rsccl's symmetric pool.
 
     python examples/fsdp2_pool.py [--world 2] [--steps 20]      (needs --world GPUs)
 
@@ -6,22 +6,21 @@ Two settings, nothing else changes in the training code:
 
 1. The group has a pool: `cuda_pool_bytes` (rsccl.Options field, or the environment
    variable RSCCL_CUDA_POOL_BYTES). It is allocated at init_process_group and mapped by
-   every local rank, next to rsccl's staging buffer. Size it for the communication
-   buffers alive at once (with FSDP2: about two layers' all-gather outputs in the
-   parameter dtype and two layers' reduce-scatter inputs in the reduce dtype, plus the
-   gradient shards, which FSDP2 keeps in its reduce-scatter outputs: parameters x 4 bytes
-   / world size with float32 reductions), with room to spare: torch's caching allocator
-   keeps the blocks it took from a pool, per stream. A pool that runs out makes rsccl
-   fall back to torch's allocator (with a warning), not fail.
+   every local rank, next to rsccl's staging buffer. Size it for the all-gather outputs
+   alive at once (with FSDP2: the root's and about two layers' in the parameter dtype),
+   with room to spare: torch's caching allocator keeps the blocks it took from a pool, per
+   stream. A pool that runs out makes rsccl fall back to torch's allocator (with a
+   warning), not fail.
 
-2. FSDP2 takes its communication buffers from the group:
-   `module.set_allocate_memory_from_process_group_for_comm(True)` on every module that
-   fully_shard was applied to (the setting covers that module's own parameters only).
+2. FSDP2 takes its all-gather outputs from the group: `rsccl.fsdp.use_pool(model)` after
+   fully_shard (a custom all-gather on every FSDP module). The reduce-scatter buffers stay
+   in torch's allocator, as under NCCL, where their memory is shared with the activations;
+   `use_pool(model, comms="both")` puts them in the pool too (docs/memory.md, "FSDP2").
 
 Every rank then allocates the same buffers in the same order, so they sit at the same
-offset of every rank's pool, and each all-gather / reduce-scatter reads and writes the
-other GPUs' buffers directly instead of copying through rsccl's staging buffer. The end
-of the run prints how many did (`rsccl.memory_stats()["cuda_inplace_collectives"]`).
+offset of every rank's pool, and each all-gather writes the other GPUs' outputs directly
+instead of copying through rsccl's staging buffer. The end of the run prints how many
+collectives did (`rsccl.memory_stats()["cuda_inplace_collectives"]`).
 """
 
 from __future__ import annotations
@@ -51,8 +50,9 @@ def model(d: int = 1024, layers: int = 4) -> nn.Module:
 
 def rank_main(rank: int, world: int, port: int, steps: int) -> None:
     import rsccl  # registers the "rsccl" backend
+    import rsccl.fsdp
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.cuda.set_device(rank)  # before init: the group's CUDA engine and pool go on this GPU
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
@@ -71,9 +71,7 @@ def rank_main(rank: int, world: int, port: int, steps: int) -> None:
     for layer in list(net)[:-1]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(net, mesh=mesh, mp_policy=policy)
-    for m in net.modules():  # setting 2, on every FSDP module
-        if isinstance(m, FSDPModule):
-            m.set_allocate_memory_from_process_group_for_comm(True)
+    rsccl.fsdp.use_pool(net)  # setting 2
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     g = torch.Generator(device="cuda").manual_seed(rank)  # each rank its own data

@@ -19,8 +19,8 @@ that peer wrong data, which the peer's check then reports.
 
 Also: CUDA graphs of in-place collectives; buffers at unequal offsets; pool and regular
 tensors mixed across ranks; pool exhaustion (torch.OutOfMemoryError) and the pool
-counters; FSDP2 with `set_allocate_memory_from_process_group_for_comm(True)` against the
-same training over NCCL; a hand-written tensor-parallel MLP whose all_reduce buffers come
+counters; FSDP2 with its buffers in the pool (rsccl.fsdp.use_pool: the all-gather outputs,
+or every communication buffer) against the same training over NCCL; a hand-written tensor-parallel MLP whose all_reduce buffers come
 from the pool, against NCCL, and its peak reserved memory.
 """
 
@@ -799,9 +799,10 @@ def _train(ctx, model: nn.Module, seed: int, steps: int) -> dict:
     return {"losses": losses, "peak_reserved_mib": torch.cuda.max_memory_reserved() / MiB, "step_ms": 1e3 * sum(warm) / len(warm)}
 
 
-def body_fsdp2(ctx, seed: int, steps: int) -> dict:
+def body_fsdp2(ctx, seed: int, steps: int, comms: str) -> dict:
+    import rsccl.fsdp
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)  # the same initial model on every rank, built on the CPU
     base = _Transformer(FSDP_DIM, FSDP_LAYERS, FSDP_HEADS)
@@ -814,10 +815,7 @@ def body_fsdp2(ctx, seed: int, steps: int) -> dict:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if name == "rsccl":
-            # The setting is per FSDP module (each covers its own parameter group only).
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_allocate_memory_from_process_group_for_comm(True)
+            rsccl.fsdp.use_pool(model, group, comms)
         before = _counts()
         runs[name] = _train(ctx, model, seed, steps)
         after = _counts()
@@ -836,17 +834,19 @@ def body_fsdp2(ctx, seed: int, steps: int) -> dict:
     )
     runs["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
     c = runs["rsccl"]["rsccl_counters"]
-    assert c["cuda_inplace_collectives"] > 0, (
-        f"FSDP2 with set_allocate_memory_from_process_group_for_comm(True): no collective ran in place: {c}"
-    )
+    assert c["cuda_inplace_collectives"] > 0, f"FSDP2 with rsccl.fsdp.use_pool(comms={comms!r}): no collective ran in place: {c}"
     return runs
 
 
-def test_fsdp2_allocates_from_the_pool(pool_gpus, seed, capsys):
+@pytest.mark.parametrize("comms", ["all_gather", "both"])
+def test_fsdp2_allocates_from_the_pool(pool_gpus, seed, capsys, comms):
     needs_own_gpus(pool_gpus.world)  # compared with FSDP2 over NCCL
-    res = pool_gpus.run(body_fsdp2, seed, FSDP_STEPS, timeout=300)
+    res = pool_gpus.run(body_fsdp2, seed, FSDP_STEPS, comms, timeout=300)
     with capsys.disabled():
-        print(f"\nFSDP2, {FSDP_LAYERS} layers d={FSDP_DIM}, bf16 params / fp32 reduce, {FSDP_STEPS} steps, world {pool_gpus.world}:")
+        print(
+            f"\nFSDP2 (use_pool comms={comms}), {FSDP_LAYERS} layers d={FSDP_DIM}, bf16 params / fp32 reduce, "
+            f"{FSDP_STEPS} steps, world {pool_gpus.world}:"
+        )
         for rank, r in enumerate(res):
             c = r["rsccl"]["rsccl_counters"]
             print(

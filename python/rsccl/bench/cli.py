@@ -18,11 +18,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..fsdp import POOL_COMMS
 from .common import COLLECTIVES, CUDA_ONLY_COLLECTIVES, TOLERANCES, human
 from .cpu import MAX_ITERS, MIN_ITERS, TARGET_SECONDS
 from .cuda.overlap_config import QUICK as OVERLAP_QUICK
 from .cuda.overlap_config import OverlapConfig, config_problems
-from .fsdp import POOL_COMMS, REPEATS_DEFAULT
+from .fsdp import REPEATS_DEFAULT
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -246,10 +247,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument(
         "--fsdp-pool-comms",
         choices=POOL_COMMS,
-        default="both",
-        help="which of FSDP2's communication buffers the rsccl run takes from rsccl's pool: both (all-gather outputs, "
-        "reduce-scatter buffers and with them the gradient shards) or all_gather (its outputs only; the reduce-scatter "
-        "buffers from torch's allocator); default: %(default)s",
+        default="all_gather",
+        help="which of FSDP2's communication buffers the rsccl run takes from rsccl's pool (rsccl.fsdp.use_pool): "
+        "all_gather (its outputs only; the reduce-scatter buffers from torch's allocator) or both (all-gather outputs, "
+        "reduce-scatter buffers and with them the gradient shards); default: %(default)s",
     )
     g.add_argument(
         "--fsdp-pool-bytes", type=parse_bytes, default=None, help="cuda_pool_bytes of the FSDP2 rsccl group; default: sized from the model"

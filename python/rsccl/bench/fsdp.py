@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..fsdp import use_pool
 from .common import GRANULE, POOL_VA_FLOOR, abba_order, describe, resolved, round_up, spread
 
 MiB = 1 << 20
@@ -43,9 +44,6 @@ RUN_ORDER = ("nccl", "rsccl")
 # in ABBA order (abba_order), and the reported step time is the median of its runs. Memory
 # is the first run's (the later ones run with the earlier runs' groups still alive).
 REPEATS_DEFAULT = 3
-# Which of FSDP2's communication buffers the rsccl run takes from rsccl's pool
-# (--fsdp-pool-comms, `use_pool_for_comms`).
-POOL_COMMS = ("both", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class FsdpConfig:
     lr: float = 0.0  # AdamW's rate after the warm-up; 0: `learning_rate()`'s default for the width
     pool_bytes: int = 0  # cuda_pool_bytes of the rsccl group; 0: pool_bytes_for()
     repeats: int = REPEATS_DEFAULT  # runs per backend, ABBA
-    pool_comms: str = "both"  # POOL_COMMS: FSDP's buffers from rsccl's pool (rsccl run)
+    pool_comms: str = "all_gather"  # rsccl.fsdp.use_pool's comms: FSDP's buffers from rsccl's pool (rsccl run)
 
     def order(self) -> list[str]:
         """The section's runs, backend by backend: RUN_ORDER, then reversed, `repeats` times."""
@@ -111,7 +109,7 @@ class FsdpConfig:
             f"{self.layers} layers, d_model {self.dim}, {self.heads} heads, FFN {self.ffn_mult * self.dim}, "
             f"vocab {self.vocab}, seq {self.seq}, batch {self.batch} per rank, "
             f"{self.params() / 1e6:.0f}M parameters, AdamW lr {self.learning_rate():.2g} after {self.warmup} warm-up steps"
-            + ("" if self.pool_comms == "both" else "; rsccl's pool for the all-gather outputs only")
+            + ("; rsccl's pool for all of FSDP's communication buffers" if self.pool_comms == "both" else "")
         )
 
 
@@ -129,8 +127,9 @@ def pool_bytes_for(fc: FsdpConfig, world: int) -> int:
         return fc.pool_bytes
     unit = max(fc.layer_params(), fc.root_params())
     need = 2 * fc.root_params() + 2 * 2 * fc.layer_params() + 128 * MiB  # all-gather outputs
-    # With pool_comms "all_gather" (use_pool_for_comms) that is all: no gradient shard, no
-    # reduce-scatter buffer (not measured yet).
+    # With pool_comms "all_gather" (rsccl.fsdp.use_pool's default) that is all: no gradient
+    # shard, no reduce-scatter buffer (4 H100s, 2026-11-28: 12 layers at d_model 4096 peaked
+    # at 902 MiB of the 1178 this gives).
     if fc.pool_comms != "all_gather":
         need += 4 * fc.params() // world + 4 * unit  # gradient shards, reduce-scatter input
     return -(-int(need * 1.15) // (2 * MiB)) * (2 * MiB)
@@ -250,63 +249,6 @@ def new_group(r: Any, backend: str, pool: int) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)  # the CPU dry run of this module
 
 
-def use_pool_for_comms(model: nn.Module, group: Any, which: str) -> None:
-    """Give FSDP2's communication buffers of every FSDP module of `model` from `group`'s
-    allocator (rsccl's pool, where its collectives run in place): `which` "both", the
-    all-gather outputs and the reduce-scatter inputs and outputs, with them the float32
-    gradient shards (set_allocate_memory_from_process_group_for_comm); "all_gather", only
-    the all-gather outputs (set_custom_all_gather with `PoolAllGather`), the reduce-scatter
-    buffers from torch's caching allocator, where they share memory with the activations
-    as under NCCL. (A reduce_scatter from 64 MiB of input runs as a ring, which reads each
-    rank's input only where it lives, so it loses nothing by staying out of the pool.)"""
-    from torch.distributed.fsdp import FSDPModule
-
-    if which not in POOL_COMMS:
-        raise ValueError(f"pool_comms {which!r}: one of {', '.join(POOL_COMMS)}")
-    all_gather = PoolAllGather(group) if which == "all_gather" else None
-    # The setting is per FSDP module (its own parameter group): every one gets it.
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            if all_gather is None:
-                m.set_allocate_memory_from_process_group_for_comm(True)
-            else:
-                m.set_custom_all_gather(all_gather)
-
-
-def _all_gather_base() -> type:
-    # FSDP2's comm interface lives in a private module (torch 2.11 to 2.15 at least); FSDP
-    # only calls its methods, so where the module moved a plain class does as well, and the
-    # bench still imports.
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-    except ImportError:  # pragma: no cover - a torch that moved it
-        return object
-    return AllGather
-
-
-class PoolAllGather(_all_gather_base()):  # type: ignore[misc]
-    """FSDP2's all-gather with its output from the group backend's allocator when it offers
-    one (supports_tensor_alloc: rsccl's pool), else torch.empty; the call itself is
-    dist.all_gather_into_tensor, as FSDP's default."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self.pool_allocations = 0  # outputs taken from the group's allocator
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        backend = self._group._get_backend(device)
-        if backend.supports_tensor_alloc(device):
-            self.pool_allocations += 1
-            numel = 1
-            for s in size:
-                numel *= int(s)
-            return backend.allocate_tensor(numel, dtype=dtype, device=device)
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
 def rsccl_counts(group: Any) -> dict[str, int]:
     """The rsccl group's in-place/staged counters and pool figures ({} if memory_stats() fails:
     they are only reported). Synchronizes the device."""
@@ -349,7 +291,7 @@ def train_one(r: Any, backend: str, master: Transformer, ids: torch.Tensor, targ
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         if backend == "rsccl":
-            use_pool_for_comms(model, group, fc.pool_comms)
+            use_pool(model, group, fc.pool_comms)
             try:
                 state["pool_alloc"] = bool(group._get_backend(dev).supports_tensor_alloc(dev))
             except Exception:  # noqa: BLE001 - only reported; FSDP's own call decides

@@ -31,7 +31,7 @@ def runs_text(row: dict) -> str:
 
 
 def pool_comms_text(which: str) -> str:
-    """What the rsccl run took from its pool (fsdp.use_pool_for_comms)."""
+    """What the rsccl run took from its pool (rsccl.fsdp.use_pool)."""
     if which == "all_gather":
         return (
             "`set_custom_all_gather(PoolAllGather(group))` on every FSDP module, so FSDP's all-gather outputs come "

@@ -30,10 +30,10 @@ bf16 params and float32 reductions, AdamW at 3e-4, scaled by 2048 / d_model abov
 --fsdp-steps 20 steps with
 fully_shard over a new NCCL group, then over a new rsccl group, --fsdp-repeats 3 times each
 in ABBA order (the step time: the median of a backend's runs, with their spread); rsccl's pool
-(--fsdp-pool-bytes, default sized from the model) holds FSDP's communication buffers
-(set_allocate_memory_from_process_group_for_comm(True) on every FSDP module; with
---fsdp-pool-comms all_gather only the all-gather outputs, the reduce-scatter buffers from
-torch's allocator); same seed and data for both. Details: rsccl/bench/fsdp.py.
+(--fsdp-pool-bytes, default sized from the model) holds FSDP's all-gather outputs
+(rsccl.fsdp.use_pool: a custom all-gather on every FSDP module; its reduce-scatter buffers
+come from torch's allocator; --fsdp-pool-comms both puts those in the pool too); same seed
+and data for both. Details: rsccl/bench/fsdp.py.
 
 Overlap (--overlap, the default for --device cuda, reduced with --quick; --no-overlap skips
 it): after the collectives and before FSDP2, a loop of bf16 matmuls (--overlap-matmul 8192,
