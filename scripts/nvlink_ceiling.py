@@ -26,6 +26,10 @@ rsccl's reduce_scatter, all_gather and two-shot all_reduce):
             pipelines per CTA); ring-ws1k the same for --threads 1024
   ring-rs   the same schedule, each CTA's lane waits, moves data and releases in turn
   ring-wp   ring-rs with every warp a pipeline of its own (no CTA-wide barrier)
+  ring-tma  ring-ws whose sends are bulk copies of shared-memory tiles (4 of 32 KiB;
+            ring-tma6: 6), the SM's own stores local only
+  ring-tmabare  st-ring's bytes by bulk copies through --ring-depth buffers of
+            --ring-chunk-kib (tma-ring: 4 of 8 KiB)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
 The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on an NCCL
 group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
@@ -369,6 +373,150 @@ extern "C" __global__ void ring_ws(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl
 extern "C" __global__ void __launch_bounds__(1024, 1) ring_ws1k(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_rs_body<1>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
 }
+// ring-tmabare: st-ring's bytes by bulk copies (one thread per CTA) through `depth` shared-
+// memory buffers of `C` words (dynamic shared memory), so that up to depth x C x 16 bytes
+// are in flight per CTA (tma-ring: 4 x 8 KiB).
+extern "C" __global__ void ring_tmabare(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    extern __shared__ __align__(128) char dsm[];
+    __shared__ alignas(8) u64 mb[32];
+    if (threadIdx.x != 0) return;
+    u64 lo, hi; slice((W - 1) * n16, blockIdx.x, gridDim.x, &lo, &hi);
+    if (lo >= hi) return;
+    const char* src = (const char*)b.p[me] + lo * 16;
+    char* dst = (char*)b.p[(me + 1) % W] + W * n16 * 16 + lo * 16;
+    const u64 bytes = (hi - lo) * 16, CHB = C * 16, NBUF = depth;
+    for (u32 k = 0; k < NBUF; k++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&mb[k])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const u64 NC = (bytes + CHB - 1) / CHB;
+    auto load = [&](u64 c) {
+        const u32 k = c % NBUF; const u64 off = c * CHB; const u32 n = (u32)(bytes - off < CHB ? bytes - off : CHB);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(&mb[k])), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(dsm + k * CHB)),
+                     "l"(__cvta_generic_to_global(src + off)), "r"(n), "r"(sa(&mb[k])) : "memory");
+    };
+    for (u64 c = 0; c < NC && c < NBUF; c++) load(c);
+    for (u64 c = 0; c < NC; c++) {
+        const u32 k = c % NBUF; const u32 ph = (c / NBUF) & 1;
+        u32 done = 0;
+        while (!done) asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(sa(&mb[k])), "r"(ph) : "memory");
+        const u64 off = c * CHB; const u32 n = (u32)(bytes - off < CHB ? bytes - off : CHB);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dst + off)), "r"(sa(dsm + k * CHB)), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if (c >= 1 && c - 1 + NBUF < NC) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            load(c - 1 + NBUF);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// ring-tma: ring-ws whose sends go by bulk copies: the data warps reduce into one of NT
+// shared-memory tiles of RT_TILE bytes and one of them bulk-copies the tile into next's
+// slot, so that the SM's own stores are local only; before its DONE it waits until the
+// op's bulk copies completed, so warp 0's release still follows them.
+#define RT_TILE 32768
+template <int NT>
+__device__ void ring_tma_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 depth, u32 red, u32 G) {
+    extern __shared__ __align__(128) char dsm[];
+    __shared__ u32 base_s;
+    const u32 t = threadIdx.x, nl = blockDim.x, id = blockIdx.x, ids = gridDim.x;
+    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
+    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
+    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
+    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
+    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
+    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
+    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
+    const uint4* mine = (const uint4*)(b.p[me] + stage);
+    uint4* theirs = (uint4*)(b.p[next] + stage);
+    const uint4* in = (const uint4*)b.p[me];
+    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
+    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
+    const u64 len = hi0 - lo0;
+    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
+    const u64 ops = (u64)(S + 1) * K;
+    if (t == 0) base_s = *ctr;
+    __syncthreads();
+    const u32 base = base_s;
+    if (t < 32) {
+        auto waits = [&](u64 i) {
+            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            if (t == 0) {
+                if (o.recv) spin_geq(ready, base + o.c + 1);
+                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
+            }
+            __syncwarp();
+        };
+        if (ops) { waits(0); asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory"); }
+        for (u64 i = 0; i < ops; i++) {
+            if (i + 1 < ops) waits(i + 1);
+            asm volatile("bar.sync 2, %0;" ::"r"(nl) : "memory");
+            if (i + 1 < ops) asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory");
+            if (t == 0) {
+                const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+                if (o.send) st_rel(ready_next, base + o.m + 1);
+                if (o.recv) st_rel(ack_prev, base + o.c + 1);
+            }
+            __syncwarp();
+        }
+    } else {
+        const u32 nd = nl - 32, dt = t - 32;
+        const u64 TW = RT_TILE / 16;
+        u64 tiles = 0;
+        for (u64 i = 0; i < ops; i++) {
+            asm volatile("bar.sync 1, %0;" ::"r"(nl) : "memory");
+            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            const uint4* sin = mine + ((base + o.c) % depth) * C;
+            uint4* sout = theirs + ((base + o.m) % depth) * C;
+            for (u64 w0 = o.lo; w0 < o.hi; w0 += TW) {
+                const u64 w1 = w0 + TW < o.hi ? w0 + TW : o.hi;
+                uint4* tile = (uint4*)(dsm + (tiles % NT) * RT_TILE);
+                if (o.send) {
+                    if (dt == 0 && tiles >= NT) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(NT - 1) : "memory");
+                    asm volatile("bar.sync 3, %0;" ::"r"(nd) : "memory");
+                }
+                for (u64 w = w0 + dt; w < w1; w += (u64)nd * U) {
+                    uint4 x[U], y[U];
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const u64 q = w + u * nd;
+                        if (q < w1) {
+                            if (red || !o.recv) x[u] = in[o.blk * n16 + q];
+                            if (o.recv) y[u] = sin[q - o.lo];
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const u64 q = w + u * nd;
+                        if (q >= w1) continue;
+                        const uint4 z = o.recv ? (red ? add8(x[u], y[u]) : y[u]) : x[u];
+                        if (o.send) tile[q - w0] = z; else out[q] = z;
+                    }
+                }
+                if (o.send) {
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    asm volatile("bar.sync 3, %0;" ::"r"(nd) : "memory");
+                    if (dt == 0) {
+                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(sout + (w0 - o.lo))),
+                                     "r"(sa(tile)), "r"((u32)((w1 - w0) * 16)) : "memory");
+                        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    }
+                    tiles++;
+                }
+            }
+            if (o.send && dt == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            asm volatile("bar.arrive 2, %0;" ::"r"(nl) : "memory");
+        }
+        if (dt == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+    if (t == 0) *ctr = base + (u32)(S * K);
+}
+extern "C" __global__ void ring_tma(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_tma_body<4>(b, n16, W, me, C, fl, depth, red, G);
+}
+extern "C" __global__ void ring_tma6(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_tma_body<6>(b, n16, W, me, C, fl, depth, red, G);
+}
 """
 KERNELS = (
     "st-peer",
@@ -524,29 +672,34 @@ def main() -> None:
                 ctypes.c_uint32(args.ring_fence),
             )
             rparams = (ctypes.c_void_p * 11)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in rargs])
-        if True:
-            threads = 32 if name.startswith("tma") else args.threads
-            kp = rparams if ring is not None else params
-            label = name if ring is None else f"{name} lanes {ring[0]} chunk {ring[1]} KiB group {ring[2]} depth {ring[3]}"
+        threads = 32 if name.startswith("tma") or name == "ring-tmabare" else args.threads
+        kp = rparams if ring is not None else params
+        # Dynamic shared memory: ring-tmabare's buffers (slots x chunk), ring-tma's tiles.
+        smem = {"ring-tmabare": ring[3] * ring[1] * 1024 if ring else 0, "ring-tma": 4 * 32768, "ring-tma6": 6 * 32768}.get(name, 0)
+        if smem > 227 * 1024:
+            continue
+        if smem:
+            _check(cuda.cuFuncSetAttribute(f, 8, smem), f"cuFuncSetAttribute {name}")  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+        label = name if ring is None else f"{name} lanes {ring[0]} chunk {ring[1]} KiB group {ring[2]} depth {ring[3]}"
 
-            def launch() -> None:
-                _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), kp, None), f"launch {name}")
+        def launch() -> None:
+            _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), kp, None), f"launch {name}")
 
-            for _ in range(3):
-                launch()
-            torch.cuda.synchronize()
-            dist.barrier()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(args.rounds):
-                launch()
-            b.record()
-            b.synchronize()
-            t = torch.tensor([a.elapsed_time(b) / args.rounds])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
-            dist.barrier()
-            gbs = (world - 1) * n / (t.item() * 1e-3) / 1e9
-            rows.append((label, g, t.item() * 1e3, gbs))
+        for _ in range(3):
+            launch()
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(args.rounds):
+            launch()
+        b.record()
+        b.synchronize()
+        t = torch.tensor([a.elapsed_time(b) / args.rounds])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
+        dist.barrier()
+        gbs = (world - 1) * n / (t.item() * 1e-3) / 1e9
+        rows.append((label, g, t.item() * 1e3, gbs))
     if rank == 0:
         gpu = torch.cuda.get_device_name(dev)
         print(
