@@ -28,6 +28,8 @@ rsccl's reduce_scatter, all_gather and two-shot all_reduce):
   ring-wp   ring-rs with every warp a pipeline of its own (no CTA-wide barrier)
   ring-tma  ring-ws whose sends are bulk copies of shared-memory tiles (4 of 32 KiB;
             ring-tma6: 6), the SM's own stores local only
+  ring-wsf  ring-ws on the fused schedule of scripts/ring_model.py (--fuse): each chunk's
+            last, local step runs interleaved with the next group's first step
   ring-tmabare  st-ring's bytes by bulk copies through --ring-depth buffers of
             --ring-chunk-kib (tma-ring: 4 of 8 KiB)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
@@ -516,6 +518,109 @@ extern "C" __global__ void ring_tma(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 f
 }
 extern "C" __global__ void ring_tma6(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_tma_body<6>(b, n16, W, me, C, fl, depth, red, G);
+}
+// ring-wsf: ring-ws on the fused schedule of scripts/ring_model.py (FUSE): each chunk's last
+// step (local only) runs in the operation of the next group's first step at the same
+// position, the two interleaved pack by pack, so that every operation but the last group's
+// sends and the CTA's stores to next never pause for a local step.
+__device__ __forceinline__ u32 fused_ops(u32 S, u32 G, u64 K, ROp* a, bool* ha, ROp* m, bool* hm, u64 i, u32 W, u32 me, u64 lo0, u64 hi0, u64 C) {
+    const u64 per = (u64)S * G, g = i / per, r = i - g * per;
+    const u32 s = (u32)(r / G), j = (u32)(r % G);
+    *ha = g >= 1 && s == 0;
+    *hm = g < K / G;
+    if (*ha) *a = rop((g - 1) * (S + 1) * G + (u64)S * G + j, S, W, me, lo0, hi0, C, G);
+    if (*hm) *m = rop(g * (S + 1) * G + (u64)s * G + j, S, W, me, lo0, hi0, C, G);
+    return 0;
+}
+__device__ __forceinline__ void rmove_one(const ROp& o, u64 r, const uint4* in, u64 n16, const uint4* sin, uint4* sout, uint4* out, bool red, uint4& x, uint4& y, int phase) {
+    if (phase == 0) {
+        if (red || !o.recv) x = in[o.blk * n16 + o.lo + r];
+        if (o.recv) y = sin[r];
+    } else {
+        const uint4 z = o.recv ? (red ? add8(x, y) : y) : x;
+        if (o.send) sout[r] = z; else out[o.lo + r] = z;
+    }
+}
+__device__ void ring_wsf_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 depth, u32 red, u32 G) {
+    __shared__ u32 base_s;
+    const u32 t = threadIdx.x, nl = blockDim.x, id = blockIdx.x, ids = gridDim.x;
+    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
+    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
+    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
+    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
+    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
+    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
+    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
+    const uint4* mine = (const uint4*)(b.p[me] + stage);
+    uint4* theirs = (uint4*)(b.p[next] + stage);
+    const uint4* in = (const uint4*)b.p[me];
+    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
+    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
+    const u64 len = hi0 - lo0;
+    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
+    const u64 ops = K ? (K / G) * S * G + G : 0;
+    if (t == 0) base_s = *ctr;
+    __syncthreads();
+    const u32 base = base_s;
+    if (t < 32) {
+        auto waits = [&](u64 i) {
+            ROp a, m; bool ha, hm;
+            fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
+            if (t == 0) {
+                if (ha && a.recv) spin_geq(ready, base + a.c + 1);
+                if (hm && m.recv) spin_geq(ready, base + m.c + 1);
+                if (hm && m.send) spin_geq(ack, base + m.m + 1 - depth);
+            }
+            __syncwarp();
+        };
+        if (ops) { waits(0); asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory"); }
+        for (u64 i = 0; i < ops; i++) {
+            if (i + 1 < ops) waits(i + 1);
+            asm volatile("bar.sync 2, %0;" ::"r"(nl) : "memory");
+            if (i + 1 < ops) asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory");
+            if (t == 0) {
+                ROp a, m; bool ha, hm;
+                fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
+                // Numbers grow in the order sent and received: the largest of each kind.
+                if (hm && m.send) st_rel(ready_next, base + m.m + 1);
+                if (hm && m.recv) st_rel(ack_prev, base + m.c + 1);
+                else if (ha && a.recv) st_rel(ack_prev, base + a.c + 1);
+            }
+            __syncwarp();
+        }
+    } else {
+        const u32 nd = nl - 32, dt = t - 32;
+        for (u64 i = 0; i < ops; i++) {
+            asm volatile("bar.sync 1, %0;" ::"r"(nl) : "memory");
+            ROp a, m; bool ha, hm;
+            fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
+            const u64 la = ha && a.hi > a.lo ? a.hi - a.lo : 0, lm = hm && m.hi > m.lo ? m.hi - m.lo : 0;
+            const u64 L = la > lm ? la : lm;
+            const uint4* sin_a = mine + ((base + a.c) % depth) * C;
+            const uint4* sin_m = mine + ((base + m.c) % depth) * C;
+            uint4* sout_m = theirs + ((base + m.m) % depth) * C;
+            for (u64 r = dt; r < L; r += (u64)nd * U) {
+                uint4 xa[U], ya[U], xm[U], ym[U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const u64 q = r + u * nd;
+                    if (q < lm) rmove_one(m, q, in, n16, sin_m, sout_m, out, red, xm[u], ym[u], 0);
+                    if (q < la) rmove_one(a, q, in, n16, sin_a, nullptr, out, red, xa[u], ya[u], 0);
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const u64 q = r + u * nd;
+                    if (q < lm) rmove_one(m, q, in, n16, sin_m, sout_m, out, red, xm[u], ym[u], 1);
+                    if (q < la) rmove_one(a, q, in, n16, sin_a, nullptr, out, red, xa[u], ya[u], 1);
+                }
+            }
+            asm volatile("bar.arrive 2, %0;" ::"r"(nl) : "memory");
+        }
+    }
+    if (t == 0) *ctr = base + (u32)(S * K);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) ring_wsf(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
+    ring_wsf_body(b, n16, W, me, C, fl, depth, red, G);
 }
 """
 KERNELS = (
