@@ -283,6 +283,57 @@ __device__ __forceinline__ void rmove(const ROp& o, const uint4* in, u64 n16, co
         }
     }
 }
+// What every ring-* pipeline `id` of `ids` works with: its neighbours, its words (ready and
+// ack in this rank, written by prev and next; ctr, its message count across launches), its
+// slots here and at next, the input, the output block, its columns and its chunk count.
+struct RingCtx {
+    u32 next, prev, S;
+    u32 *ready, *ack, *ctr, *ready_next, *ack_prev;
+    const uint4* mine;
+    uint4* theirs;
+    const uint4* in;
+    uint4* out;
+    u64 lo0, hi0, K;
+};
+__device__ __forceinline__ RingCtx ring_ctx(const Ptrs& b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 depth, u32 G, u32 id, u32 ids) {
+    RingCtx c;
+    c.next = (me + 1) % W; c.prev = (me + W - 1) % W; c.S = W - 1;
+    c.ready = (u32*)(b.p[me] + fl + 16384) + id;
+    c.ack = (u32*)(b.p[me] + fl + 20480) + id;
+    c.ctr = (u32*)(b.p[me] + fl + 24576) + id;
+    c.ready_next = (u32*)(b.p[c.next] + fl + 16384) + id;
+    c.ack_prev = (u32*)(b.p[c.prev] + fl + 20480) + id;
+    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
+    c.mine = (const uint4*)(b.p[me] + stage);
+    c.theirs = (uint4*)(b.p[c.next] + stage);
+    c.in = (const uint4*)b.p[me];
+    c.out = (uint4*)b.p[me] + (u64)me * n16;
+    slice(n16, id, ids, &c.lo0, &c.hi0);
+    const u64 len = c.hi0 - c.lo0;
+    c.K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
+    return c;
+}
+// The signalling warp of a ring-* pipeline (lane 0 of it, `t` = 0, waits and releases):
+// op i + 1's waits beside op i's data, FREE (arrive) once op i is DONE (sync), then op i's
+// releases; `waits(i)` and `release(i)` act for thread 0 only.
+template <typename Waits, typename Release>
+__device__ __forceinline__ void signal_warp(u64 ops, u32 FREE, u32 DONE, u32 nl, u32 t, Waits waits, Release release) {
+    auto step = [&](u64 i) {
+        if (t == 0) waits(i);
+        __syncwarp();
+    };
+    if (ops) {
+        step(0);
+        asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
+    }
+    for (u64 i = 0; i < ops; i++) {
+        if (i + 1 < ops) step(i + 1);
+        asm volatile("bar.sync %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
+        if (i + 1 < ops) asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
+        if (t == 0) release(i);
+        __syncwarp();
+    }
+}
 // WS = 2: every warp is a lane of its own (lanes = blockDim / 32), as WS = 0 with
 // __syncwarp for the lane barrier: no CTA-wide barrier at all.
 __device__ __forceinline__ void lane_sync(int ws, u32 id, u32 n) {
@@ -296,71 +347,46 @@ __device__ void ring_rs_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 
     const u32 nl = blockDim.x / lanes, l = threadIdx.x / nl, t = threadIdx.x % nl;
     if (l >= lanes) return;
     const u32 id = blockIdx.x * lanes + l, ids = gridDim.x * lanes;
-    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
-    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
-    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
-    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
-    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
-    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
-    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
-    const uint4* mine = (const uint4*)(b.p[me] + stage);
-    uint4* theirs = (uint4*)(b.p[next] + stage);
-    const uint4* in = (const uint4*)b.p[me];
-    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
-    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
-    const u64 len = hi0 - lo0;
-    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
-    const u64 ops = (u64)(S + 1) * K;
-    if (t == 0) base_s[l] = *ctr;
+    const RingCtx c = ring_ctx(b, n16, W, me, C, fl, depth, G, id, ids);
+    const u64 ops = (u64)(c.S + 1) * c.K;
+    if (t == 0) base_s[l] = *c.ctr;
     lane_sync(WS, 1 + 2 * l, nl);
     const u32 base = base_s[l];
     if (WS != 1) {
         for (u64 i = 0; i < ops; i++) {
-            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
             if (t == 0) {
-                if (o.recv) spin_geq(ready, base + o.c + 1);
-                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
+                if (o.recv) spin_geq(c.ready, base + o.c + 1);
+                if (o.send) spin_geq(c.ack, base + o.m + 1 - depth);
             }
             lane_sync(WS, 1 + 2 * l, nl);
-            rmove(o, in, n16, mine + ((base + o.c) % depth) * C, theirs + ((base + o.m) % depth) * C, out, red, t, nl);
+            rmove(o, c.in, n16, c.mine + ((base + o.c) % depth) * C, c.theirs + ((base + o.m) % depth) * C, c.out, red, t, nl);
             lane_sync(WS, 1 + 2 * l, nl);
             if (t == 0) {
-                if (o.send) signal(fence, i, ops, ready_next, base + o.m + 1);
-                if (o.recv) signal(fence, i, ops, ack_prev, base + o.c + 1);
+                if (o.send) signal(fence, i, ops, c.ready_next, base + o.m + 1);
+                if (o.recv) signal(fence, i, ops, c.ack_prev, base + o.c + 1);
             }
         }
     } else if (t < 32) {
-        const u32 FREE = 1 + 2 * l, DONE = 2 + 2 * l;
-        auto waits = [&](u64 i) {
-            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-            if (t == 0) {
-                if (o.recv) spin_geq(ready, base + o.c + 1);
-                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
-            }
-            __syncwarp();
-        };
-        if (ops) { waits(0); asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory"); }
-        for (u64 i = 0; i < ops; i++) {
-            if (i + 1 < ops) waits(i + 1);
-            asm volatile("bar.sync %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
-            if (i + 1 < ops) asm volatile("bar.arrive %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
-            if (t == 0) {
-                const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-                if (o.send) signal(fence, i, ops, ready_next, base + o.m + 1);
-                if (o.recv) signal(fence, i, ops, ack_prev, base + o.c + 1);
-            }
-            __syncwarp();
-        }
+        signal_warp(ops, 1 + 2 * l, 2 + 2 * l, nl, t, [&](u64 i) {
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            if (o.recv) spin_geq(c.ready, base + o.c + 1);
+            if (o.send) spin_geq(c.ack, base + o.m + 1 - depth);
+        }, [&](u64 i) {
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            if (o.send) signal(fence, i, ops, c.ready_next, base + o.m + 1);
+            if (o.recv) signal(fence, i, ops, c.ack_prev, base + o.c + 1);
+        });
     } else {
         const u32 FREE = 1 + 2 * l, DONE = 2 + 2 * l;
         for (u64 i = 0; i < ops; i++) {
             asm volatile("bar.sync %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
-            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-            rmove(o, in, n16, mine + ((base + o.c) % depth) * C, theirs + ((base + o.m) % depth) * C, out, red, t - 32, nl - 32);
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            rmove(o, c.in, n16, c.mine + ((base + o.c) % depth) * C, c.theirs + ((base + o.m) % depth) * C, c.out, red, t - 32, nl - 32);
             asm volatile("bar.arrive %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
         }
     }
-    if (t == 0) *ctr = base + (u32)(S * K);
+    if (t == 0) *c.ctr = base + (u32)(c.S * c.K);
 }
 extern "C" __global__ void ring_rs(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_rs_body<0>(b, n16, W, me, C, fl, lanes, depth, red, G, fence);
@@ -422,54 +448,30 @@ __device__ void ring_tma_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32
     extern __shared__ __align__(128) char dsm[];
     __shared__ u32 base_s;
     const u32 t = threadIdx.x, nl = blockDim.x, id = blockIdx.x, ids = gridDim.x;
-    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
-    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
-    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
-    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
-    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
-    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
-    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
-    const uint4* mine = (const uint4*)(b.p[me] + stage);
-    uint4* theirs = (uint4*)(b.p[next] + stage);
-    const uint4* in = (const uint4*)b.p[me];
-    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
-    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
-    const u64 len = hi0 - lo0;
-    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
-    const u64 ops = (u64)(S + 1) * K;
-    if (t == 0) base_s = *ctr;
+    const RingCtx c = ring_ctx(b, n16, W, me, C, fl, depth, G, id, ids);
+    const u64 ops = (u64)(c.S + 1) * c.K;
+    if (t == 0) base_s = *c.ctr;
     __syncthreads();
     const u32 base = base_s;
     if (t < 32) {
-        auto waits = [&](u64 i) {
-            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-            if (t == 0) {
-                if (o.recv) spin_geq(ready, base + o.c + 1);
-                if (o.send) spin_geq(ack, base + o.m + 1 - depth);
-            }
-            __syncwarp();
-        };
-        if (ops) { waits(0); asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory"); }
-        for (u64 i = 0; i < ops; i++) {
-            if (i + 1 < ops) waits(i + 1);
-            asm volatile("bar.sync 2, %0;" ::"r"(nl) : "memory");
-            if (i + 1 < ops) asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory");
-            if (t == 0) {
-                const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-                if (o.send) st_rel(ready_next, base + o.m + 1);
-                if (o.recv) st_rel(ack_prev, base + o.c + 1);
-            }
-            __syncwarp();
-        }
+        signal_warp(ops, 1, 2, nl, t, [&](u64 i) {
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            if (o.recv) spin_geq(c.ready, base + o.c + 1);
+            if (o.send) spin_geq(c.ack, base + o.m + 1 - depth);
+        }, [&](u64 i) {
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            if (o.send) st_rel(c.ready_next, base + o.m + 1);
+            if (o.recv) st_rel(c.ack_prev, base + o.c + 1);
+        });
     } else {
         const u32 nd = nl - 32, dt = t - 32;
         const u64 TW = RT_TILE / 16;
         u64 tiles = 0;
         for (u64 i = 0; i < ops; i++) {
             asm volatile("bar.sync 1, %0;" ::"r"(nl) : "memory");
-            const ROp o = rop(i, S, W, me, lo0, hi0, C, G);
-            const uint4* sin = mine + ((base + o.c) % depth) * C;
-            uint4* sout = theirs + ((base + o.m) % depth) * C;
+            const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
+            const uint4* sin = c.mine + ((base + o.c) % depth) * C;
+            uint4* sout = c.theirs + ((base + o.m) % depth) * C;
             for (u64 w0 = o.lo; w0 < o.hi; w0 += TW) {
                 const u64 w1 = w0 + TW < o.hi ? w0 + TW : o.hi;
                 uint4* tile = (uint4*)(dsm + (tiles % NT) * RT_TILE);
@@ -483,7 +485,7 @@ __device__ void ring_tma_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32
                     for (int u = 0; u < U; u++) {
                         const u64 q = w + u * nd;
                         if (q < w1) {
-                            if (red || !o.recv) x[u] = in[o.blk * n16 + q];
+                            if (red || !o.recv) x[u] = c.in[o.blk * n16 + q];
                             if (o.recv) y[u] = sin[q - o.lo];
                         }
                     }
@@ -492,7 +494,7 @@ __device__ void ring_tma_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32
                         const u64 q = w + u * nd;
                         if (q >= w1) continue;
                         const uint4 z = o.recv ? (red ? add8(x[u], y[u]) : y[u]) : x[u];
-                        if (o.send) tile[q - w0] = z; else out[q] = z;
+                        if (o.send) tile[q - w0] = z; else c.out[q] = z;
                     }
                 }
                 if (o.send) {
@@ -511,7 +513,7 @@ __device__ void ring_tma_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32
         }
         if (dt == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
-    if (t == 0) *ctr = base + (u32)(S * K);
+    if (t == 0) *c.ctr = base + (u32)(c.S * c.K);
 }
 extern "C" __global__ void ring_tma(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_tma_body<4>(b, n16, W, me, C, fl, depth, red, G);
@@ -544,80 +546,56 @@ __device__ __forceinline__ void rmove_one(const ROp& o, u64 r, const uint4* in, 
 __device__ void ring_wsf_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 depth, u32 red, u32 G) {
     __shared__ u32 base_s;
     const u32 t = threadIdx.x, nl = blockDim.x, id = blockIdx.x, ids = gridDim.x;
-    const u32 next = (me + 1) % W, prev = (me + W - 1) % W, S = W - 1;
-    u32* ready = (u32*)(b.p[me] + fl + 16384) + id;
-    u32* ack = (u32*)(b.p[me] + fl + 20480) + id;
-    u32* ctr = (u32*)(b.p[me] + fl + 24576) + id;
-    u32* ready_next = (u32*)(b.p[next] + fl + 16384) + id;
-    u32* ack_prev = (u32*)(b.p[prev] + fl + 20480) + id;
-    const u64 stage = (u64)W * n16 * 16 + (u64)id * depth * C * 16;
-    const uint4* mine = (const uint4*)(b.p[me] + stage);
-    uint4* theirs = (uint4*)(b.p[next] + stage);
-    const uint4* in = (const uint4*)b.p[me];
-    uint4* out = (uint4*)b.p[me] + (u64)me * n16;
-    u64 lo0, hi0; slice(n16, id, ids, &lo0, &hi0);
-    const u64 len = hi0 - lo0;
-    const u64 K = len ? ((len + C - 1) / C + G - 1) / G * G : 0;
-    const u64 ops = K ? (K / G) * S * G + G : 0;
-    if (t == 0) base_s = *ctr;
+    const RingCtx c = ring_ctx(b, n16, W, me, C, fl, depth, G, id, ids);
+    const u64 ops = c.K ? (c.K / G) * c.S * G + G : 0;
+    if (t == 0) base_s = *c.ctr;
     __syncthreads();
     const u32 base = base_s;
     if (t < 32) {
-        auto waits = [&](u64 i) {
+        signal_warp(ops, 1, 2, nl, t, [&](u64 i) {
             ROp a, m; bool ha, hm;
-            fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
-            if (t == 0) {
-                if (ha && a.recv) spin_geq(ready, base + a.c + 1);
-                if (hm && m.recv) spin_geq(ready, base + m.c + 1);
-                if (hm && m.send) spin_geq(ack, base + m.m + 1 - depth);
-            }
-            __syncwarp();
-        };
-        if (ops) { waits(0); asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory"); }
-        for (u64 i = 0; i < ops; i++) {
-            if (i + 1 < ops) waits(i + 1);
-            asm volatile("bar.sync 2, %0;" ::"r"(nl) : "memory");
-            if (i + 1 < ops) asm volatile("bar.arrive 1, %0;" ::"r"(nl) : "memory");
-            if (t == 0) {
-                ROp a, m; bool ha, hm;
-                fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
-                // Numbers grow in the order sent and received: the largest of each kind.
-                if (hm && m.send) st_rel(ready_next, base + m.m + 1);
-                if (hm && m.recv) st_rel(ack_prev, base + m.c + 1);
-                else if (ha && a.recv) st_rel(ack_prev, base + a.c + 1);
-            }
-            __syncwarp();
-        }
+            fused_ops(c.S, G, c.K, &a, &ha, &m, &hm, i, W, me, c.lo0, c.hi0, C);
+            if (ha && a.recv) spin_geq(c.ready, base + a.c + 1);
+            if (hm && m.recv) spin_geq(c.ready, base + m.c + 1);
+            if (hm && m.send) spin_geq(c.ack, base + m.m + 1 - depth);
+        }, [&](u64 i) {
+            ROp a, m; bool ha, hm;
+            fused_ops(c.S, G, c.K, &a, &ha, &m, &hm, i, W, me, c.lo0, c.hi0, C);
+            // Numbers grow in the order sent and received: the largest of each kind.
+            if (hm && m.send) st_rel(c.ready_next, base + m.m + 1);
+            if (hm && m.recv) st_rel(c.ack_prev, base + m.c + 1);
+            else if (ha && a.recv) st_rel(c.ack_prev, base + a.c + 1);
+        });
     } else {
         const u32 nd = nl - 32, dt = t - 32;
         for (u64 i = 0; i < ops; i++) {
             asm volatile("bar.sync 1, %0;" ::"r"(nl) : "memory");
             ROp a, m; bool ha, hm;
-            fused_ops(S, G, K, &a, &ha, &m, &hm, i, W, me, lo0, hi0, C);
+            fused_ops(c.S, G, c.K, &a, &ha, &m, &hm, i, W, me, c.lo0, c.hi0, C);
             const u64 la = ha && a.hi > a.lo ? a.hi - a.lo : 0, lm = hm && m.hi > m.lo ? m.hi - m.lo : 0;
             const u64 L = la > lm ? la : lm;
-            const uint4* sin_a = mine + ((base + a.c) % depth) * C;
-            const uint4* sin_m = mine + ((base + m.c) % depth) * C;
-            uint4* sout_m = theirs + ((base + m.m) % depth) * C;
+            const uint4* sin_a = c.mine + ((base + a.c) % depth) * C;
+            const uint4* sin_m = c.mine + ((base + m.c) % depth) * C;
+            uint4* sout_m = c.theirs + ((base + m.m) % depth) * C;
             for (u64 r = dt; r < L; r += (u64)nd * U) {
                 uint4 xa[U], ya[U], xm[U], ym[U];
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     const u64 q = r + u * nd;
-                    if (q < lm) rmove_one(m, q, in, n16, sin_m, sout_m, out, red, xm[u], ym[u], 0);
-                    if (q < la) rmove_one(a, q, in, n16, sin_a, nullptr, out, red, xa[u], ya[u], 0);
+                    if (q < lm) rmove_one(m, q, c.in, n16, sin_m, sout_m, c.out, red, xm[u], ym[u], 0);
+                    if (q < la) rmove_one(a, q, c.in, n16, sin_a, nullptr, c.out, red, xa[u], ya[u], 0);
                 }
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     const u64 q = r + u * nd;
-                    if (q < lm) rmove_one(m, q, in, n16, sin_m, sout_m, out, red, xm[u], ym[u], 1);
-                    if (q < la) rmove_one(a, q, in, n16, sin_a, nullptr, out, red, xa[u], ya[u], 1);
+                    if (q < lm) rmove_one(m, q, c.in, n16, sin_m, sout_m, c.out, red, xm[u], ym[u], 1);
+                    if (q < la) rmove_one(a, q, c.in, n16, sin_a, nullptr, c.out, red, xa[u], ya[u], 1);
                 }
             }
             asm volatile("bar.arrive 2, %0;" ::"r"(nl) : "memory");
         }
     }
-    if (t == 0) *ctr = base + (u32)(S * K);
+    if (t == 0) *c.ctr = base + (u32)(c.S * c.K);
 }
 extern "C" __global__ void __launch_bounds__(512, 1) ring_wsf(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_wsf_body(b, n16, W, me, C, fl, depth, red, G);
