@@ -382,7 +382,8 @@ __device__ void ring_rs_body(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 
         for (u64 i = 0; i < ops; i++) {
             asm volatile("bar.sync %0, %1;" ::"r"(FREE), "r"(nl) : "memory");
             const ROp o = rop(i, c.S, W, me, c.lo0, c.hi0, C, G);
-            rmove(o, c.in, n16, c.mine + ((base + o.c) % depth) * C, c.theirs + ((base + o.m) % depth) * C, c.out, red, t - 32, nl - 32);
+            if (red != 2 || o.send)  // --ring-reduce 2: each chunk's last (local) step moves nothing
+                rmove(o, c.in, n16, c.mine + ((base + o.c) % depth) * C, c.theirs + ((base + o.m) % depth) * C, c.out, red, t - 32, nl - 32);
             asm volatile("bar.arrive %0, %1;" ::"r"(DONE), "r"(nl) : "memory");
         }
     }
@@ -671,7 +672,13 @@ def main() -> None:
     ap.add_argument("--ring-lanes", default="1", help="ring-*: pipelines per CTA (a list)")
     ap.add_argument("--ring-chunk-kib", default="128", help="ring-*: KiB per chunk and slot (a list)")
     ap.add_argument("--ring-depth", type=int, default=8, help="ring-*: slots per pipeline")
-    ap.add_argument("--ring-reduce", type=int, default=1, help="ring-*: 1 reduce (bf16 add), 0 copy")
+    ap.add_argument(
+        "--ring-reduce",
+        type=int,
+        default=1,
+        help="ring-*: 1 reduce (bf16 add), 0 copy; 2 (ring-ws only): reduce, but each chunk's last, local step moves "
+        "nothing (its flags still run): what that step costs",
+    )
     ap.add_argument(
         "--ring-fence", type=int, default=1, help="ring-*: 1 release per signal, 0 relaxed (wrong, for timing), 2 every second op"
     )
