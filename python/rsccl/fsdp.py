@@ -72,8 +72,10 @@ class PoolAllGather(_all_gather_base()):  # type: ignore[misc]
 
 def use_pool(model: torch.nn.Module, group: Any = None, comms: str = "all_gather") -> None:
     """Give FSDP2's communication buffers of every FSDP module of `model` from `group`'s
-    allocator (default: the world group): `comms` "all_gather" or "both", as the module's
-    docstring says. Call it after fully_shard, before the first step."""
+    allocator: `comms` "all_gather" or "both", as the module's docstring says. `group` is
+    the group FSDP2 shards over (the mesh's shard dimension; default: the world group); a
+    buffer from another group's pool is still correct, but its collectives are staged, not
+    in place. Call it after fully_shard, before the first step."""
     from torch.distributed.fsdp import FSDPModule
 
     if comms not in POOL_COMMS:
