@@ -75,7 +75,8 @@ def use_pool(model: torch.nn.Module, group: Any = None, comms: str = "all_gather
     allocator: `comms` "all_gather" or "both", as the module's docstring says. `group` is
     the group FSDP2 shards over (the mesh's shard dimension; default: the world group); a
     buffer from another group's pool is still correct, but its collectives are staged, not
-    in place. Call it after fully_shard, before the first step."""
+    in place. With "both", FSDP2 allocates from its own shard group and `group` is not used.
+    Call it after fully_shard, before the first step."""
     from torch.distributed.fsdp import FSDPModule
 
     if comms not in POOL_COMMS:
