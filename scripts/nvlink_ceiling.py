@@ -34,8 +34,9 @@ rsccl's reduce_scatter, all_gather and two-shot all_reduce):
             --ring-chunk-kib (tma-ring: 4 of 8 KiB)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
 The buffers are torch symmetric memory (torch.distributed._symmetric_memory) on an NCCL
-group; the kernels are compiled with NVRTC (the libnvrtc that comes with torch's CUDA
-wheels) and launched with the driver API through ctypes. Nothing checks the data.
+group; the kernels (scripts/nvlink_ceiling.cu) are compiled with NVRTC (the libnvrtc that
+comes with torch's CUDA wheels) and launched with the driver API through ctypes. Nothing
+checks the data.
 
     torchrun --nproc-per-node 4 scripts/nvlink_ceiling.py [--mib 64] [--rounds 20] [--kernels st-ring,st-split]
 """
