@@ -1,6 +1,7 @@
 """The FSDP2 section of `python -m rsccl.bench --device cuda` (see rsccl/bench/cuda/__init__.py,
 "What runs"): a small transformer trained for a few steps with fully_shard over an rsccl group
-(FSDP's communication buffers from the group's pool, in place) and over an NCCL group, in
+(FSDP's all-gather outputs from the group's pool, in place: rsccl.fsdp.use_pool; all its
+communication buffers with --fsdp-pool-comms both) and over an NCCL group, in
 the benchmark's rank processes, after the collective measurements.
 
 Per backend: a group of its own is created (new_group, so that what the library allocates
