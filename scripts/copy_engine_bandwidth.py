@@ -4,6 +4,8 @@ the source GPU's streams), 5 repeats each:
 - one pair, one direction; GPU 0 to its peers at once; the peers into GPU 0 at once;
 - every GPU to every other at once (all_gather's pattern), each copy whole or split over
   2, 4 and 8 streams;
+- a ring: every GPU to the next one at once (a ring algorithm's steps), each copy whole or
+  split over 2 and 4 streams, pushed and pulled;
 - the same pattern with every copy issued on the destination GPU's stream (a pull:
   cudaMemcpyPeerAsync through ctypes, as torch always copies on the source's stream), and
   half pushed, half pulled, to see whether the engines of both ends move more than the
@@ -108,6 +110,18 @@ def main() -> None:
                 if i != j:
                     rt.cudaDeviceEnablePeerAccess(ctypes.c_int(j), ctypes.c_uint(0))  # 704: already enabled
     rt.cudaGetLastError()
+    # The ring: GPU i to GPU i + 1 only, every GPU at once (both directions of each pair at world 2).
+    for k in (1, 2, 4):
+        part = size // k
+        for where in ("pushed", "pulled"):
+            streams = {(i, c): torch.cuda.Stream(device=i if where == "pushed" else (i + 1) % n) for i in range(n) for c in range(k)}
+            jobs = [
+                (src[i][c * part : (c + 1) * part], dst[(i, (i + 1) % n)][c * part : (c + 1) * part], streams[(i, c)])
+                for i in range(n)
+                for c in range(k)
+            ]
+            total = rate(jobs, issue=lambda s, d, q: peer_copy(rt, s, d, q))
+            print(f"  ring, every GPU -> the next at once, {where}, {k} stream(s) per copy: {total / n:.0f} GB/s per GPU")
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
     # A stream of its own per copy in every mode: pushes on the source GPU, pulls on the destination.
     pull = {(i, j): torch.cuda.Stream(device=j) for i, j in pairs}
