@@ -29,12 +29,6 @@ from dataclasses import dataclass
 DEPTH = 8  # RING_DEPTH
 GROUP = 2  # RING_GROUP
 RESET = True  # ring_call sets its block's ready and ack words to the call's base
-# A candidate schedule, not the kernel's: each chunk's last step (a local reduction or copy,
-# no send) fused into the operation of the next group's first step of the same position
-# (`fused`), so that every operation but the call's last GROUP sends. Why: in the ring's
-# harness (scripts/nvlink_ceiling.py, 2026-11-28) the CTAs send nothing during those local
-# steps, 1 of W operations of a reduce_scatter and 1 of 2W - 1 of an all_reduce.
-FUSE = False
 WRAP = 1 << 32
 MODES = ("RS", "AR")
 
@@ -110,34 +104,6 @@ def op(p: Plan, count: int, i: int) -> Op:
     return Op(lo, hi, blk, s, s >= 1, s < p.last, first + s * jg + j, first + (s - 1) * jg + j)
 
 
-def op_count(p: Plan) -> int:
-    """Operations of the plan's block: the kernel's, or with FUSE the fused schedule's (each
-    group's steps but the last, then the last group's last steps alone)."""
-    if not FUSE:
-        return p.ops
-    groups = p.chunks // GROUP
-    return groups * p.last * GROUP + (GROUP if groups else 0)
-
-
-def fused(p: Plan, count: int, i: int) -> list[Op]:
-    """Operation i as the kernel's ops it runs: one (`op`), or with FUSE up to two: step s
-    of chunk (g, j) and, where s = 0 and g >= 1, the last step of chunk (g - 1, j). Message
-    numbers stay the kernel's; the messages are still received in the order sent (the last
-    step of group g - 1 receives prev's message of its step S - 1, numbered below every
-    message of group g)."""
-    if not FUSE:
-        return [op(p, count, i)]
-    assert p.chunks % GROUP == 0
-    g, r = divmod(i, p.last * GROUP)
-    s, j = divmod(r, GROUP)
-    out = []
-    if g >= 1 and s == 0:
-        out.append(op(p, count, (g - 1) * (p.last + 1) * GROUP + p.last * GROUP + j))
-    if g < p.chunks // GROUP:
-        out.append(op(p, count, g * (p.last + 1) * GROUP + s * GROUP + j))
-    return out
-
-
 def at_least(word: int, want: int) -> bool:
     """wait_geq's test: the signed 32-bit difference."""
     return (word - want) % WRAP < WRAP // 2
@@ -172,8 +138,8 @@ def run(
     blocks = blocks if blocks is not None else [Block(world) for _ in range(grid)]
     for b in range(grid):
         plans = [plan(mode, world, r, count, grid, b, slot_bytes, elem) for r in range(world)]
-        ops = op_count(plans[0])
-        assert all(op_count(p) == ops for p in plans), "every rank runs the same operations"
+        ops = plans[0].ops
+        assert all(p.ops == ops for p in plans), "every rank runs the same operations"
         slots, ready, ack = blocks[b].slots, blocks[b].ready, blocks[b].ack
         if RESET:
             for r in range(world):
@@ -195,24 +161,20 @@ def run(
             rng.shuffle(order)
             for r in order:
                 kind, i = progs[r][pc[r]]
-                p, subs = plans[r], fused(plans[r], count, i)
+                p, o = plans[r], op(plans[r], count, i)
                 nxt, prv = (r + 1) % world, (r - 1) % world
                 if kind == "wait":
-                    if any(o.recv and not at_least(ready[r], base + o.c + 1) for o in subs):
+                    if o.recv and not at_least(ready[r], base + o.c + 1):
                         continue
-                    if any(o.send and o.m >= DEPTH and not at_least(ack[r], base + o.m - DEPTH + 1) for o in subs):
+                    if o.send and o.m >= DEPTH and not at_least(ack[r], base + o.m - DEPTH + 1):
                         continue
                 elif kind == "release":
-                    # Messages are numbered in the order sent and received, so a word takes
-                    # the largest number the op sent or received.
-                    for o in subs:
-                        if o.send:
-                            ready[nxt] = (base + o.m + 1) % WRAP
-                        if o.recv:
-                            ack[prv] = (base + o.c + 1) % WRAP
+                    if o.send:
+                        ready[nxt] = (base + o.m + 1) % WRAP
+                    if o.recv:
+                        ack[prv] = (base + o.c + 1) % WRAP
                 else:
-                    for o in subs:
-                        move(p, o, ins[r], outs[r], slots, r, nxt, base)
+                    move(p, o, ins[r], outs[r], slots, r, nxt, base)
                 pc[r] += 1
                 break
             else:
@@ -277,10 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="random interleavings per case")
-    ap.add_argument("--fuse", action="store_true", help="the fused schedule (FUSE), not the kernel's")
     a = ap.parse_args()
-    global FUSE
-    FUSE = a.fuse
     calls = sweep(
         worlds=(2, 3, 4, 8),
         counts=(1, 63, 64, 1000, 4096, 70_000),
@@ -290,7 +249,7 @@ def main() -> None:
         rounds=a.rounds,
         seed=a.seed,
     )
-    print(f"ring model{' (fused schedule)' if FUSE else ''}: {calls} calls, no deadlock, every result right (seed {a.seed})")
+    print(f"ring model: {calls} calls, no deadlock, every result right (seed {a.seed})")
 
 
 if __name__ == "__main__":

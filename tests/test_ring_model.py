@@ -47,18 +47,3 @@ def test_words_left_from_an_old_call_are_caught(monkeypatch):
             assert "stale slot" in str(e) or "wrong" in str(e), e
             caught += 1
     assert caught > 0, "the model did not see words of an old call pass a wait"
-
-
-def test_the_fused_schedule_never_deadlocks_and_sums_right(seed, monkeypatch):
-    """The candidate schedule that fuses each chunk's last (local) step into the next group's
-    first step (ring_model.FUSE, not the kernel's yet): the same checks, and its one-chunk
-    groups deadlock as the kernel's would."""
-    print(f"seed={seed}")
-    monkeypatch.setattr(ring_model, "FUSE", True)
-    calls = ring_model.sweep(
-        worlds=(2, 3, 4, 8), counts=(1, 63, 1000, 20_000), grids=(1, 3), slots=(256, 40_000), elems=(2,), rounds=1, seed=seed
-    )
-    assert calls == 2 * 4 * 2 * 4 * 2 * 2
-    monkeypatch.setattr(ring_model, "GROUP", 1)
-    with pytest.raises(AssertionError, match="deadlock"):
-        ring_model.run("RS", 2, 1, 1, 256, 2, random.Random(0))
