@@ -473,10 +473,11 @@ extern "C" __global__ void ring_tma(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 f
 extern "C" __global__ void ring_tma6(Ptrs b, u64 n16, u32 W, u32 me, u64 C, u64 fl, u32 lanes, u32 depth, u32 red, u32 G, u32 fence) {
     ring_tma_body<6>(b, n16, W, me, C, fl, depth, red, G);
 }
-// ring-wsf: ring-ws on the fused schedule of scripts/ring_model.py (FUSE): each chunk's last
-// step (local only) runs in the operation of the next group's first step at the same
-// position, the two interleaved pack by pack, so that every operation but the last group's
-// sends and the CTA's stores to next never pause for a local step.
+// ring-wsf: ring-ws on a fused schedule (branch ring-fuse; in rsccl it was slower,
+// docs/performance.md, 2026-11-28 03:36 UTC): each chunk's last step (local only) runs in
+// the operation of the next group's first step at the same position, the two interleaved
+// pack by pack, so that every operation but the last group's sends and the CTA's stores to
+// next never pause for a local step.
 __device__ __forceinline__ u32 fused_ops(u32 S, u32 G, u64 K, ROp* a, bool* ha, ROp* m, bool* hm, u64 i, u32 W, u32 me, u64 lo0, u64 hi0, u64 C) {
     const u64 per = (u64)S * G, g = i / per, r = i - g * per;
     const u32 s = (u32)(r / G), j = (u32)(r % G);

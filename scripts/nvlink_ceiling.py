@@ -28,8 +28,9 @@ rsccl's reduce_scatter, all_gather and two-shot all_reduce):
   ring-wp   ring-rs with every warp a pipeline of its own (no CTA-wide barrier)
   ring-tma  ring-ws whose sends are bulk copies of shared-memory tiles (4 of 32 KiB;
             ring-tma6: 6), the SM's own stores local only
-  ring-wsf  ring-ws on the fused schedule of scripts/ring_model.py (--fuse): each chunk's
-            last, local step runs interleaved with the next group's first step
+  ring-wsf  ring-ws on a fused schedule: each chunk's last, local step runs interleaved with
+            the next group's first step (branch ring-fuse; in rsccl it was slower,
+            docs/performance.md, 2026-11-28 03:36 UTC)
   ring-tmabare  st-ring's bytes by bulk copies through --ring-depth buffers of
             --ring-chunk-kib (tma-ring: 4 of 8 KiB)
 GB/s = bytes each GPU sends (world - 1) x size, over the slowest rank's time per round.
