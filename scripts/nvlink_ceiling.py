@@ -88,12 +88,13 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: error {rc}")
 
 
-def compile_cubin(arch: str) -> bytes:
+def compile_cubin(arch: str, path: str = SRC_PATH) -> bytes:
+    """The CUDA source at `path` compiled for `arch` (sm_90) with NVRTC; also scripts/ce_ring.py's."""
     nvrtc = _lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], "nvidia/*/lib/libnvrtc.so*")
     prog = ctypes.c_void_p()
-    with open(SRC_PATH, "rb") as f:
+    with open(path, "rb") as f:
         src = f.read()
-    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"nvlink_ceiling.cu", 0, None, None), "nvrtcCreateProgram")
+    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0, None, None), "nvrtcCreateProgram")
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
