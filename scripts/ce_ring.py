@@ -111,6 +111,13 @@ def main() -> None:
         help="instead of the sweep: rank 0 stalls, the others' all_gather streams block in their waits, and each "
         "releases its own by writing its flag page from another stream (the watchdog's way out, issue 28)",
     )
+    ap.add_argument(
+        "--ag-flags",
+        choices=("full", "none"),
+        default="full",
+        help="all_gather's flags: full (the protocol); none: the copies alone, no waits or writes (where the cost per "
+        "copy goes; the data may come out wrong)",
+    )
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args()
     if a.compile_only:
@@ -227,11 +234,12 @@ def main() -> None:
                         pass  # all_gather alone: my segment is in my output before the call
                     elif s == 0:
                         ok(drv.wait(q, my_flags + 4 * (F_OUT + k), (r + 1) * B, GEQ), "wait out")
-                    else:  # prev's (k, s - 1) is in my output
+                    elif a.ag_flags != "none":  # prev's (k, s - 1) is in my output
                         ok(drv.wait(q, my_flags + 4 * (F_AG + k), r * (W - 1) + s, GEQ), "wait ag")
                     off = ((rank - s) % W) * seg + k * C
                     ok(drv.memcpy(out_next + off, out_me + off, C, q), "cuMemcpyAsync ag")
-                    ok(drv.write(q, next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1, 0), "write ag")
+                    if a.ag_flags != "none":
+                        ok(drv.write(q, next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1, 0), "write ag")
         for st in side:
             main_s.wait_stream(st)
 
