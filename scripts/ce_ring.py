@@ -54,7 +54,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from nvlink_ceiling import _check, _lib, compile_cubin
+from nvlink_ceiling import _check, compile_cubin, load_module, slowest_ms, start, symmetric
 
 SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ce_ring.cu")
 PAGE = 64 << 10  # the flag page, first in each rank's symmetric buffer
@@ -74,8 +74,10 @@ def index_of(k: int, s: int, W: int, G: int) -> int:
 
 
 class Driver:
-    def __init__(self) -> None:
-        c = _lib(["libcuda.so.1"], "libcuda.so*")
+    """The driver calls issued per copy, with their argument types set (ctypes converts the
+    Python ints)."""
+
+    def __init__(self, c: ctypes.CDLL) -> None:
         self.c = c
         u64, u32, vp = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
         self.memcpy = c.cuMemcpyAsync
@@ -123,28 +125,14 @@ def main() -> None:
     if a.compile_only:
         print(f"cubin: {len(compile_cubin('sm_90', SRC_PATH))} bytes")
         return
-    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
-    import torch.distributed._symmetric_memory as symm_mem
-
+    rank, W, local, dev = start()
     sizes = [int(x) << 20 for x in a.mib.split(",")]
     chunks = [int(float(x) * (1 << 20)) for x in a.chunk_mib.split(",")]
     groups = [int(x) for x in a.group.split(",")]
     max_d = max(a.slots or g + 2 for g in groups)
     stage_bytes = max_d * max(chunks)
     nmax = max(sizes)
-    buf = symm_mem.empty(PAGE + stage_bytes + nmax, dtype=torch.uint8, device=dev)
-    name = dist.group.WORLD.group_name
-    try:
-        hdl = symm_mem.rendezvous(buf, name)
-    except RuntimeError as e:  # torch before 2.11 wants the group enabled first
-        if "group info" not in str(e):
-            raise
-        symm_mem.enable_symm_mem_for_group(name)
-        hdl = symm_mem.rendezvous(buf, name)
+    buf, hdl = symmetric(PAGE + stage_bytes + nmax, dev)
     base_of = list(hdl.buffer_ptrs)
     nxt, prv = (rank + 1) % W, (rank - 1) % W
     flags = buf[:PAGE].view(torch.int32)
@@ -156,11 +144,9 @@ def main() -> None:
     flags.zero_()
     torch.cuda.synchronize()
     dist.barrier()
-    major, minor = torch.cuda.get_device_capability(dev)
-    drv = Driver()
-    cuda = drv.c
-    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    _check(cuda.cuModuleLoadData(ctypes.byref(mod), compile_cubin(f"sm_{major}{minor}", SRC_PATH)), "cuModuleLoadData")
+    cuda, mod = load_module(local, dev, SRC_PATH)
+    drv = Driver(cuda)
+    fn = ctypes.c_void_p()
     _check(cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"ce_reduce"), "cuModuleGetFunction")
     s_k = torch.cuda.Stream(device=dev)
     max_ns = max(int(v) for v in a.streams.split(","))
@@ -171,9 +157,6 @@ def main() -> None:
     out_me, out_next = base_of[rank] + PAGE + stage_bytes, base_of[nxt] + PAGE + stage_bytes
     inp, sbuf = inp_all.data_ptr(), sendbuf.data_ptr()
     keep = []  # the kernel parameters of captured launches stay alive
-
-    def ok(rc: int, what: str) -> None:
-        _check(rc, what)
 
     def issue(mode: str, n: int, C: int, G: int, D: int, B: int, NS: int, rounds: int) -> None:
         """`rounds` rounds of the ring on the side streams, joined to the current stream."""
@@ -209,23 +192,23 @@ def main() -> None:
             arr = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in params])
             keep.append((params, arr))
             if mode != "ag":
-                ok(cuda.cuLaunchKernel(fn, B, 1, 1, a.threads, 1, 1, 0, ks, arr, None), "cuLaunchKernel")
+                _check(cuda.cuLaunchKernel(fn, B, 1, 1, a.threads, 1, 1, 0, ks, arr, None), "cuLaunchKernel")
             for m in range(M if mode != "ag" else 0):
                 gm = base + m
                 k, s = decode(m, W, G)
                 slot = gm % D
                 q = rs[slot % NS]  # a slot always on the same stream: its words rise
                 if gm >= D:  # the next rank read this slot's earlier uses
-                    ok(drv.wait(q, my_flags + 4 * (F_ACK + slot), (gm // D) * B, GEQ), "wait ack")
+                    _check(drv.wait(q, my_flags + 4 * (F_ACK + slot), (gm // D) * B, GEQ), "wait ack")
                 if s == 0:
                     src = inp + ((rank - 1) % W) * seg + k * C
                 else:
                     fills[slot] += 1
-                    ok(drv.wait(q, my_flags + 4 * (F_READY + slot), fills[slot] * B, GEQ), "wait ready")
+                    _check(drv.wait(q, my_flags + 4 * (F_READY + slot), fills[slot] * B, GEQ), "wait ready")
                     src = sbuf + slot * C
-                ok(drv.memcpy(stage_next + slot * C, src, C, q), "cuMemcpyAsync")
-                ok(drv.write(q, next_flags + 4 * (F_ARRIVAL + slot), gm // D + 1, 0), "write arrival")
-                ok(drv.write(q, my_flags + 4 * (F_SENT + slot), gm // D + 1, 0), "write sent")
+                _check(drv.memcpy(stage_next + slot * C, src, C, q), "cuMemcpyAsync")
+                _check(drv.write(q, next_flags + 4 * (F_ARRIVAL + slot), gm // D + 1, 0), "write arrival")
+                _check(drv.write(q, my_flags + 4 * (F_SENT + slot), gm // D + 1, 0), "write sent")
             if mode in ("ar", "ag"):
                 for m in range(M):
                     k, s = decode(m, W, G)
@@ -233,13 +216,13 @@ def main() -> None:
                     if s == 0 and mode == "ag":
                         pass  # all_gather alone: my segment is in my output before the call
                     elif s == 0:
-                        ok(drv.wait(q, my_flags + 4 * (F_OUT + k), (r + 1) * B, GEQ), "wait out")
+                        _check(drv.wait(q, my_flags + 4 * (F_OUT + k), (r + 1) * B, GEQ), "wait out")
                     elif a.ag_flags != "none":  # prev's (k, s - 1) is in my output
-                        ok(drv.wait(q, my_flags + 4 * (F_AG + k), r * (W - 1) + s, GEQ), "wait ag")
+                        _check(drv.wait(q, my_flags + 4 * (F_AG + k), r * (W - 1) + s, GEQ), "wait ag")
                     off = ((rank - s) % W) * seg + k * C
-                    ok(drv.memcpy(out_next + off, out_me + off, C, q), "cuMemcpyAsync ag")
+                    _check(drv.memcpy(out_next + off, out_me + off, C, q), "cuMemcpyAsync ag")
                     if a.ag_flags != "none":
-                        ok(drv.write(q, next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1, 0), "write ag")
+                        _check(drv.write(q, next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1, 0), "write ag")
         for st in side:
             main_s.wait_stream(st)
 
@@ -286,19 +269,7 @@ def main() -> None:
                 "rs": lambda: dist.reduce_scatter_tensor(o, x),
                 "ag": lambda: dist.all_gather_into_tensor(y, x_seg),
             }[mode]
-            times = []
-            for _ in range(3):
-                fn_n()
-                torch.cuda.synchronize()
-                dist.barrier()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    fn_n()
-                e1.record()
-                e1.synchronize()
-                times.append(slowest(e0.elapsed_time(e1) / reps))
-            nccl[mode] = statistics.median(times)
+            nccl[mode] = statistics.median(slowest_ms(fn_n, reps) for _ in range(3))
         for mode in a.modes.split(","):
             for C in chunks:
                 for G in groups:

@@ -111,6 +111,66 @@ def compile_cubin(arch: str, path: str = SRC_PATH) -> bytes:
     return out.raw
 
 
+def start() -> tuple[int, int, int, torch.device]:
+    """torchrun's rank, world size and local rank, this rank's GPU, and the world group
+    (gloo for CPU tensors, NCCL for CUDA ones); also scripts/ce_ring.py's."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
+    return rank, world, local, dev
+
+
+def symmetric(nbytes: int, dev: torch.device):
+    """A torch symmetric-memory buffer of `nbytes` on `dev`, rendezvoused on the world group:
+    (the buffer, its handle; `handle.buffer_ptrs[j]` is rank j's buffer in this process)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
+    name = dist.group.WORLD.group_name
+    try:
+        return buf, symm_mem.rendezvous(buf, name)
+    except RuntimeError as e:  # torch before 2.11 wants the group enabled first
+        if "group info" not in str(e):
+            raise
+        symm_mem.enable_symm_mem_for_group(name)
+        return buf, symm_mem.rendezvous(buf, name)
+
+
+def load_module(local: int, dev: torch.device, path: str = SRC_PATH) -> tuple[ctypes.CDLL, ctypes.c_void_p]:
+    """The driver library and the CUDA source at `path` compiled for `dev` and loaded into
+    torch's context (made current on this thread if it is not)."""
+    major, minor = torch.cuda.get_device_capability(dev)
+    cuda = _lib(["libcuda.so.1"], "libcuda.so*")
+    ctx = ctypes.c_void_p()
+    _check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:  # torch's primary context, made current on this thread
+        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), local), "cuDevicePrimaryCtxRetain")
+        _check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    mod = ctypes.c_void_p()
+    _check(cuda.cuModuleLoadData(ctypes.byref(mod), compile_cubin(f"sm_{major}{minor}", path)), "cuModuleLoadData")
+    return cuda, mod
+
+
+def slowest_ms(fn, reps: int, warmup: int = 1) -> float:
+    """ms per call of `fn` (GPU work on the current stream), `reps` calls timed by events
+    after `warmup` untimed ones and a barrier: the slowest rank's (a gloo all_reduce)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    t = torch.tensor([a.elapsed_time(b) / reps])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
+    return t.item()
+
+
 class Ptrs(ctypes.Structure):
     _fields_ = [("p", ctypes.c_uint64 * 8)]
 
@@ -142,37 +202,15 @@ def main() -> None:
     if args.compile_only:
         print(f"cubin: {len(compile_cubin('sm_90'))} bytes")
         return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
-    import torch.distributed._symmetric_memory as symm_mem
-
+    rank, world, local, dev = start()
     n = args.mib << 20
     fl = 2 * world * n  # the flag page of the steps-* kernels: flags, then epochs at +8 KiB
-    buf = symm_mem.empty(fl + 32768, dtype=torch.uint8, device=dev)
-    name = dist.group.WORLD.group_name
-    try:
-        hdl = symm_mem.rendezvous(buf, name)
-    except RuntimeError as e:  # torch before 2.11 wants the group enabled first
-        if "group info" not in str(e):
-            raise
-        symm_mem.enable_symm_mem_for_group(name)
-        hdl = symm_mem.rendezvous(buf, name)
+    buf, hdl = symmetric(fl + 32768, dev)
     buf.random_(0, 255)
     buf[fl:].zero_()
     torch.cuda.synchronize()
     dist.barrier()  # every flag page zeroed before any kernel signals into it
-    major, minor = torch.cuda.get_device_capability(dev)
-    cuda = _lib(["libcuda.so.1"], "libcuda.so*")
-    ctx = ctypes.c_void_p()
-    _check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if not ctx.value:  # torch's primary context, made current on this thread
-        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), local), "cuDevicePrimaryCtxRetain")
-        _check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    mod = ctypes.c_void_p()
-    _check(cuda.cuModuleLoadData(ctypes.byref(mod), compile_cubin(f"sm_{major}{minor}")), "cuModuleLoadData")
+    cuda, mod = load_module(local, dev)
     ptrs = Ptrs()
     for j, p in enumerate(hdl.buffer_ptrs):
         ptrs.p[j] = p
@@ -229,21 +267,10 @@ def main() -> None:
         def launch() -> None:
             _check(cuda.cuLaunchKernel(f, g, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), kp, None), f"launch {name}")
 
-        for _ in range(3):
-            launch()
-        torch.cuda.synchronize()
+        ms = slowest_ms(launch, args.rounds, warmup=3)
         dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(args.rounds):
-            launch()
-        b.record()
-        b.synchronize()
-        t = torch.tensor([a.elapsed_time(b) / args.rounds])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
-        dist.barrier()
-        gbs = (world - 1) * n / (t.item() * 1e-3) / 1e9
-        rows.append((label, g, t.item() * 1e3, gbs))
+        gbs = (world - 1) * n / (ms * 1e-3) / 1e9
+        rows.append((label, g, ms * 1e3, gbs))
     if rank == 0:
         gpu = torch.cuda.get_device_name(dev)
         print(
