@@ -30,10 +30,19 @@ belongs to one slot or chunk, and a slot's (or chunk's) copies always go on the 
   set of copy-engine streams then runs the ring all_gather: message (k, s) copies output
   segment (r - s) mod W, chunk k, straight into the next rank's output (symmetric memory),
   after out[k] (s = 0) or after prev's message (k, s - 1) arrived (ag[k], s >= 1).
+- sag (all_gather into ordinary memory): the same ring through the staging slots, with
+  arrival[slot] and ack[slot] (uses consumed, written by the consumer after it forwarded
+  the slot and copied it out into its output); no kernel.
 The copy engines wait only in stream memory operations and hold no SM; the reduce kernel
 holds `--ctas` SMs for the call. Nothing here has a timeout but the kernel's spins (about
 2 s: then it records a failure and ends, and the host reports it); a deadlock in the
 copy-engine streams hangs the process (run it under `timeout`).
+
+`program` lists the operations each rank issues, and `simulate` runs them on the CPU with
+the ranks' streams interleaved at random (tests/test_ce_ring_model.py, `--model SEED`): no
+deadlock and every result right over worlds 2-4, 1-3 streams, groups of 1-2 chunks and
+G + 2 or G + 3 slots; without the ack waits the model sees wrong data, with one slot a
+deadlock.
 
 Each configuration: one eager round checked against NCCL's result (inputs are small
 integers, so every sum is exact in bf16 in any order), then R rounds captured in one CUDA
@@ -42,7 +51,9 @@ timed by events; NCCL's all_reduce / reduce_scatter_tensor eager on the same dat
 same run. Times are the slowest rank's, medians of the replays.
 
     torchrun --nproc-per-node 4 scripts/ce_ring.py [--mib 64,256,1024] [--chunk-mib 2,4]
-        [--group 2,4] [--ctas 8,16] [--streams 1,2,4] [--modes rs,ar]
+        [--group 2,4] [--ctas 8,16] [--streams 1,2,4] [--modes rs,ar,ag,sag]
+        [--overlap N | --abort-test]
+    python scripts/ce_ring.py --model 1
 """
 
 from __future__ import annotations
@@ -50,7 +61,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -71,6 +84,226 @@ def decode(m: int, W: int, G: int) -> tuple[int, int]:
 
 def index_of(k: int, s: int, W: int, G: int) -> int:
     return (k // G) * (W - 1) * G + s * G + k % G
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Addresses as rank `rank` sees them: its own and its neighbours' flag pages, stagings
+    and outputs (symmetric memory), and its input, sendbuf and ordinary output."""
+
+    flags: int
+    next_flags: int
+    prev_flags: int
+    stage: int
+    next_stage: int
+    out: int
+    next_out: int
+    inp: int
+    sbuf: int
+    sag_out: int
+
+
+def program(mode: str, W: int, rank: int, n: int, C: int, G: int, D: int, B: int, NS: int, rounds: int, L: Layout, ag_flags: str = "full"):
+    """The operations one rank issues for `rounds` rounds, in issue order, as (stream, op):
+    streams "k" (the reduce kernel), "rs<i>" and "ag<i>"; ops ("wait", addr, value) (GEQ),
+    ("write", addr, value), ("copy", dst, src, bytes) and ("kernel", base, K) (ce_reduce of
+    one round). Both the GPU run and the CPU model (`simulate`) execute this list."""
+    seg = n // W
+    K = seg // C
+    M = K * (W - 1)
+    ops = []
+    fills = [0] * D  # kernel fills of each sendbuf slot so far (ready's target / B)
+    for r in range(rounds):
+        base = r * M
+        if mode in ("rs", "ar"):
+            ops.append(("k", ("kernel", base, K)))
+            for m in range(M):
+                gm = base + m
+                k, s = decode(m, W, G)
+                slot = gm % D
+                q = f"rs{slot % NS}"  # a slot always on the same stream: its words rise
+                if gm >= D:  # the next rank read this slot's earlier uses
+                    ops.append((q, ("wait", L.flags + 4 * (F_ACK + slot), (gm // D) * B)))
+                if s == 0:
+                    src = L.inp + ((rank - 1) % W) * seg + k * C
+                else:
+                    fills[slot] += 1
+                    ops.append((q, ("wait", L.flags + 4 * (F_READY + slot), fills[slot] * B)))
+                    src = L.sbuf + slot * C
+                ops.append((q, ("copy", L.next_stage + slot * C, src, C)))
+                ops.append((q, ("write", L.next_flags + 4 * (F_ARRIVAL + slot), gm // D + 1)))
+                ops.append((q, ("write", L.flags + 4 * (F_SENT + slot), gm // D + 1)))
+        if mode == "sag":
+            ops += staged_all_gather(W, rank, base, M, seg, C, G, D, NS, L)
+        if mode in ("ar", "ag"):
+            for m in range(M):
+                k, s = decode(m, W, G)
+                q = f"ag{k % NS}"  # a chunk always on the same stream: its word rises
+                if s == 0 and mode == "ag":
+                    pass  # all_gather alone: my segment is in my output before the call
+                elif s == 0:
+                    ops.append((q, ("wait", L.flags + 4 * (F_OUT + k), (r + 1) * B)))
+                elif ag_flags != "none":  # prev's (k, s - 1) is in my output
+                    ops.append((q, ("wait", L.flags + 4 * (F_AG + k), r * (W - 1) + s)))
+                off = ((rank - s) % W) * seg + k * C
+                ops.append((q, ("copy", L.next_out + off, L.out + off, C)))
+                if ag_flags != "none":
+                    ops.append((q, ("write", L.next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1)))
+    return ops
+
+
+def staged_all_gather(W: int, rank: int, base: int, M: int, seg: int, C: int, G: int, D: int, NS: int, L: Layout):
+    """One round of all_gather into ordinary memory (L.sag_out) through the staging: rank r's
+    message (k, s) copies its input's block (s = 0) or prev's message (k, s - 1) from its
+    staging slot into the next rank's slot m mod D; each received message is also copied out
+    into the output, then acked to prev (ack[slot] = uses consumed). A slot's consumption
+    always goes on the stream of the message that forwards it (slot (grm + G) mod D), so its
+    ack rises; prev's last message of a chunk, (k, W - 2), is copied out only."""
+    ops = [("rs0", ("copy", L.sag_out + rank * seg, L.inp + rank * seg, seg))]  # my own block
+
+    def consume(grm: int, s_prev: int, k: int) -> None:
+        q = f"rs{((grm + G) % D) % NS}"
+        rslot = grm % D
+        ops.append((q, ("wait", L.flags + 4 * (F_ARRIVAL + rslot), grm // D + 1)))
+        ops.append((q, ("copy", L.sag_out + ((rank - 1 - s_prev) % W) * seg + k * C, L.stage + rslot * C, C)))
+        ops.append((q, ("write", L.prev_flags + 4 * (F_ACK + rslot), grm // D + 1)))
+
+    for m in range(M):
+        gm = base + m
+        k, s = decode(m, W, G)
+        slot = gm % D
+        q = f"rs{slot % NS}"
+        if gm >= D:  # the next rank consumed this slot's earlier uses
+            ops.append((q, ("wait", L.flags + 4 * (F_ACK + slot), gm // D)))
+        if s == 0:
+            src = L.inp + rank * seg + k * C
+        else:  # prev's (k, s - 1), in my slot
+            grm = base + index_of(k, s - 1, W, G)
+            ops.append((q, ("wait", L.flags + 4 * (F_ARRIVAL + grm % D), grm // D + 1)))
+            src = L.stage + (grm % D) * C
+        ops.append((q, ("copy", L.next_stage + slot * C, src, C)))
+        ops.append((q, ("write", L.next_flags + 4 * (F_ARRIVAL + slot), gm // D + 1)))
+        if s >= 1:
+            consume(base + index_of(k, s - 1, W, G), s - 1, k)
+        if s == W - 2:  # prev's last message of chunk k: copied out only
+            consume(base + index_of(k, W - 2, W, G), W - 2, k)
+    return ops
+
+
+def kernel_program(W: int, rank: int, base: int, K: int, seg: int, C: int, G: int, D: int, B: int, L: Layout):
+    """ce_reduce (scripts/ce_ring.cu) of one round as the model's operations, its B CTAs in
+    step: the same waits, the sums ("sum", dst, a, b, bytes) and each CTA's count ("add",
+    addr, B)."""
+    ops = []
+    for m in range(K * (W - 1)):
+        gm = base + m
+        k, sp = decode(m, W, G)
+        s = sp + 1
+        last = s == W - 1
+        sg = (rank - s - 1) % W
+        gms = 0 if last else base + index_of(k, s, W, G)
+        ops.append(("wait", L.flags + 4 * (F_ARRIVAL + gm % D), gm // D + 1))
+        if not last and gms >= D:
+            ops.append(("wait", L.flags + 4 * (F_SENT + gms % D), gms // D))
+        dst = L.out + sg * seg + k * C if last else L.sbuf + (gms % D) * C
+        ops.append(("sum", dst, L.stage + (gm % D) * C, L.inp + sg * seg + k * C, C))
+        ops.append(("add", L.prev_flags + 4 * (F_ACK + gm % D), B))
+        ops.append(("add", L.flags + 4 * (F_OUT + k) if last else L.flags + 4 * (F_READY + gms % D), B))
+    return ops
+
+
+def simulate(mode: str, W: int, n: int, C: int, G: int, D: int, NS: int, rounds: int, seed: int, B: int = 3) -> None:
+    """The CPU model: every rank's `program` (and its kernels) run with the streams' heads
+    interleaved at random, copies and flag words in a dict of 4-byte words; raises on a
+    deadlock (no stream can move) or a wrong result (int32 sums of random inputs, checked
+    against the collective's definition). `n`, `C`: bytes, multiples of 4."""
+    rng = random.Random(seed)
+    seg = n // W
+    stage_bytes = D * C
+    sym = [(r + 1) << 32 for r in range(W)]  # rank r's symmetric buffer: flag page, staging, output
+    own = [(r + 1) << 40 for r in range(W)]  # its ordinary memory: input, sendbuf, sag output
+
+    def layout(r: int) -> Layout:
+        nx, pv = (r + 1) % W, (r - 1) % W
+        return Layout(
+            sym[r], sym[nx], sym[pv], sym[r] + PAGE, sym[nx] + PAGE, sym[r] + PAGE + stage_bytes,
+            sym[nx] + PAGE + stage_bytes, own[r], own[r] + (1 << 30), own[r] + (2 << 30),
+        )  # fmt: skip
+
+    mem: dict[int, int] = {}
+    inputs = [[rng.randrange(-1000, 1000) for _ in range(n // 4)] for _ in range(W)]
+    for r in range(W):
+        for i, v in enumerate(inputs[r]):
+            mem[own[r] + 4 * i] = v
+        if mode == "ag":  # in place: my block is in my output before the call
+            for i in range(seg // 4):
+                mem[layout(r).out + r * seg + 4 * i] = inputs[r][r * seg // 4 + i]
+    streams = []
+    for r in range(W):
+        L = layout(r)
+        by: dict[str, list] = {}
+        for q, op in program(mode, W, r, n, C, G, D, B, NS, rounds, L):
+            if op[0] == "kernel":
+                by.setdefault(q, []).extend(kernel_program(W, r, op[1], op[2], seg, C, G, D, B, L))
+            else:
+                by.setdefault(q, []).append(op)
+        streams += [(r, q, ops[::-1]) for q, ops in by.items()]  # reversed: pop() takes the head
+
+    def ready(op) -> bool:
+        return op[0] != "wait" or ((mem.get(op[1], 0) - op[2]) % (1 << 32)) < (1 << 31)
+
+    while True:
+        live = [st for st in streams if st[2]]
+        if not live:
+            break
+        runnable = [st for st in live if ready(st[2][-1])]
+        if not runnable:
+            heads = [(r, q, st[-1]) for r, q, st in live]
+            raise RuntimeError(f"deadlock: {mode} W={W} n={n} C={C} G={G} D={D} NS={NS}: heads {heads[:6]}")
+        r, q, ops = rng.choice(runnable)
+        op = ops.pop()
+        if op[0] == "write":
+            mem[op[1]] = op[2] % (1 << 32)
+        elif op[0] == "add":
+            mem[op[1]] = (mem.get(op[1], 0) + op[2]) % (1 << 32)
+        elif op[0] == "copy":
+            for i in range(0, op[3], 4):
+                mem[op[1] + i] = mem.get(op[2] + i, 0)
+        elif op[0] == "sum":
+            for i in range(0, op[4], 4):
+                mem[op[1] + i] = mem.get(op[2] + i, 0) + mem.get(op[3] + i, 0)
+    total = [sum(inputs[r][i] for r in range(W)) for i in range(n // 4)]
+    gathered = [inputs[j][j * seg // 4 + i] for j in range(W) for i in range(seg // 4)]
+    for r in range(W):
+        L = layout(r)
+        if mode == "rs":
+            got = [mem.get(L.out + r * seg + 4 * i, 0) for i in range(seg // 4)]
+            want = total[r * seg // 4 : (r + 1) * seg // 4]
+        else:
+            at = L.sag_out if mode == "sag" else L.out
+            got = [mem.get(at + 4 * i, 0) for i in range(n // 4)]
+            want = total if mode == "ar" else gathered
+        if got != want:
+            raise RuntimeError(f"wrong result: {mode} W={W} n={n} C={C} G={G} D={D} NS={NS} rank {r}")
+
+
+def sweep(seed: int, worlds=(2, 3, 4), modes=("rs", "ar", "ag", "sag")) -> int:
+    """`simulate` over worlds, modes, chunk counts, groups, slots and streams; the calls run."""
+    calls = 0
+    for W in worlds:
+        for mode in modes:
+            for K in (2, 4, 6):
+                for G in (1, 2):
+                    if K % G:
+                        continue
+                    for D in (G + 2, G + 3):
+                        for NS in (1, 2, 3):
+                            C = 8
+                            if K * (W - 1) <= D:
+                                continue  # the harness's condition (M > D), ce_ring.cu
+                            simulate(mode, W, W * K * C, C, G, D, NS, rounds=2, seed=seed + calls)
+                            calls += 1
+    return calls
 
 
 class Driver:
@@ -97,7 +330,12 @@ def main() -> None:
     ap.add_argument("--ctas", default="16", help="CTAs of the reduce kernel (a list)")
     ap.add_argument("--streams", default="1,2,4", help="copy-engine streams of each ring (a list): slot or chunk i on stream i mod it")
     ap.add_argument("--threads", type=int, default=512)
-    ap.add_argument("--modes", default="rs,ar", help="rs, ar, ag (all_gather alone: no kernel, no SM)")
+    ap.add_argument(
+        "--modes",
+        default="rs,ar",
+        help="rs, ar, ag (all_gather into symmetric outputs: no kernel, no SM), sag (all_gather into ordinary memory "
+        "through the staging: no kernel)",
+    )
     ap.add_argument("--rounds", type=int, default=0, help="rounds per graph (default: about 1 GiB of messages)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument(
@@ -121,7 +359,11 @@ def main() -> None:
         "copy goes; the data may come out wrong)",
     )
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--model", type=int, metavar="SEED", help="run the CPU model's sweep (`sweep`) and stop (no GPU)")
     a = ap.parse_args()
+    if a.model is not None:
+        print(f"ce_ring model: {sweep(a.model)} calls, no deadlock, every result right (seed {a.model})")
+        return
     if a.compile_only:
         print(f"cubin: {len(compile_cubin('sm_90', SRC_PATH))} bytes")
         return
@@ -156,73 +398,50 @@ def main() -> None:
     stage_me, stage_next = base_of[rank] + PAGE, base_of[nxt] + PAGE
     out_me, out_next = base_of[rank] + PAGE + stage_bytes, base_of[nxt] + PAGE + stage_bytes
     inp, sbuf = inp_all.data_ptr(), sendbuf.data_ptr()
+    sag_out = torch.empty(nmax // 2, dtype=torch.bfloat16, device=dev) if "sag" in a.modes else inp_all[:0]
     keep = []  # the kernel parameters of captured launches stay alive
 
+    L = Layout(
+        my_flags, next_flags, prev_flags, stage_me, stage_next, out_me, out_next, inp, sbuf, sag_out.data_ptr()
+    )  # fmt: skip
+
     def issue(mode: str, n: int, C: int, G: int, D: int, B: int, NS: int, rounds: int) -> None:
-        """`rounds` rounds of the ring on the side streams, joined to the current stream."""
+        """`rounds` rounds of `program` on the side streams, joined to the current stream."""
         seg = n // W
-        K = seg // C
-        M = K * (W - 1)
         main_s = torch.cuda.current_stream()
         side = [s_k, *s_rs[:NS], *s_ag[:NS]]
         for st in side:
             st.wait_stream(main_s)
-        ks = ctypes.c_void_p(s_k.cuda_stream)
-        rs = [ctypes.c_void_p(x.cuda_stream) for x in s_rs[:NS]]
-        ags = [ctypes.c_void_p(x.cuda_stream) for x in s_ag[:NS]]
-        fills = [0] * D  # kernel fills of each sendbuf slot so far (ready's target / B)
-        for r in range(rounds):
-            base = r * M
-            params = (
-                ctypes.c_uint64(inp),
-                ctypes.c_uint64(out_me),
-                ctypes.c_uint64(stage_me),
-                ctypes.c_uint64(sbuf),
-                ctypes.c_uint64(my_flags),
-                ctypes.c_uint64(prev_flags),
-                ctypes.c_uint64(seg // 16),
-                ctypes.c_uint64(C // 16),
-                ctypes.c_uint32(W),
-                ctypes.c_uint32(rank),
-                ctypes.c_uint32(D),
-                ctypes.c_uint32(G),
-                ctypes.c_uint64(K),
-                ctypes.c_uint64(base),
-            )
-            arr = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in params])
-            keep.append((params, arr))
-            if mode != "ag":
-                _check(cuda.cuLaunchKernel(fn, B, 1, 1, a.threads, 1, 1, 0, ks, arr, None), "cuLaunchKernel")
-            for m in range(M if mode != "ag" else 0):
-                gm = base + m
-                k, s = decode(m, W, G)
-                slot = gm % D
-                q = rs[slot % NS]  # a slot always on the same stream: its words rise
-                if gm >= D:  # the next rank read this slot's earlier uses
-                    _check(drv.wait(q, my_flags + 4 * (F_ACK + slot), (gm // D) * B, GEQ), "wait ack")
-                if s == 0:
-                    src = inp + ((rank - 1) % W) * seg + k * C
-                else:
-                    fills[slot] += 1
-                    _check(drv.wait(q, my_flags + 4 * (F_READY + slot), fills[slot] * B, GEQ), "wait ready")
-                    src = sbuf + slot * C
-                _check(drv.memcpy(stage_next + slot * C, src, C, q), "cuMemcpyAsync")
-                _check(drv.write(q, next_flags + 4 * (F_ARRIVAL + slot), gm // D + 1, 0), "write arrival")
-                _check(drv.write(q, my_flags + 4 * (F_SENT + slot), gm // D + 1, 0), "write sent")
-            if mode in ("ar", "ag"):
-                for m in range(M):
-                    k, s = decode(m, W, G)
-                    q = ags[k % NS]  # a chunk always on the same stream: its word rises
-                    if s == 0 and mode == "ag":
-                        pass  # all_gather alone: my segment is in my output before the call
-                    elif s == 0:
-                        _check(drv.wait(q, my_flags + 4 * (F_OUT + k), (r + 1) * B, GEQ), "wait out")
-                    elif a.ag_flags != "none":  # prev's (k, s - 1) is in my output
-                        _check(drv.wait(q, my_flags + 4 * (F_AG + k), r * (W - 1) + s, GEQ), "wait ag")
-                    off = ((rank - s) % W) * seg + k * C
-                    _check(drv.memcpy(out_next + off, out_me + off, C, q), "cuMemcpyAsync ag")
-                    if a.ag_flags != "none":
-                        _check(drv.write(q, next_flags + 4 * (F_AG + k), r * (W - 1) + s + 1, 0), "write ag")
+        q = {"k": ctypes.c_void_p(s_k.cuda_stream)}
+        q.update({f"rs{i}": ctypes.c_void_p(x.cuda_stream) for i, x in enumerate(s_rs[:NS])})
+        q.update({f"ag{i}": ctypes.c_void_p(x.cuda_stream) for i, x in enumerate(s_ag[:NS])})
+        for st, op in program(mode, W, rank, n, C, G, D, B, NS, rounds, L, a.ag_flags):
+            if op[0] == "wait":
+                _check(drv.wait(q[st], op[1], op[2] % (1 << 32), GEQ), "cuStreamWaitValue32")
+            elif op[0] == "write":
+                _check(drv.write(q[st], op[1], op[2] % (1 << 32), 0), "cuStreamWriteValue32")
+            elif op[0] == "copy":
+                _check(drv.memcpy(op[1], op[2], op[3], q[st]), "cuMemcpyAsync")
+            else:  # ("kernel", base, K): ce_reduce of one round
+                params = (
+                    ctypes.c_uint64(inp),
+                    ctypes.c_uint64(out_me),
+                    ctypes.c_uint64(stage_me),
+                    ctypes.c_uint64(sbuf),
+                    ctypes.c_uint64(my_flags),
+                    ctypes.c_uint64(prev_flags),
+                    ctypes.c_uint64(seg // 16),
+                    ctypes.c_uint64(C // 16),
+                    ctypes.c_uint32(W),
+                    ctypes.c_uint32(rank),
+                    ctypes.c_uint32(D),
+                    ctypes.c_uint32(G),
+                    ctypes.c_uint64(op[2]),
+                    ctypes.c_uint64(op[1]),
+                )
+                arr = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in params])
+                keep.append((params, arr))
+                _check(cuda.cuLaunchKernel(fn, B, 1, 1, a.threads, 1, 1, 0, q[st], arr, None), "cuLaunchKernel")
         for st in side:
             main_s.wait_stream(st)
 
@@ -268,6 +487,7 @@ def main() -> None:
                 "ar": lambda: dist.all_reduce(y),
                 "rs": lambda: dist.reduce_scatter_tensor(o, x),
                 "ag": lambda: dist.all_gather_into_tensor(y, x_seg),
+                "sag": lambda: dist.all_gather_into_tensor(y, x_seg),
             }[mode]
             nccl[mode] = statistics.median(slowest_ms(fn_n, reps) for _ in range(3))
         for mode in a.modes.split(","):
@@ -283,6 +503,8 @@ def main() -> None:
                     for B, NS in [(int(b), int(q)) for b in a.ctas.split(",") for q in a.streams.split(",")]:
                         if mode == "ag" and (B != int(a.ctas.split(",")[0]) or G != groups[0]):
                             continue  # no kernel, and its order does not depend on G
+                        if mode == "sag" and B != int(a.ctas.split(",")[0]):
+                            continue  # no kernel
                         label = f"{mode} {n >> 20} MiB chunk {C / 2**20:g} MiB group {G} slots {D} ctas {B} streams {NS}"
                         out = out_all[:n].view(torch.bfloat16)
                         out.zero_()
@@ -296,6 +518,7 @@ def main() -> None:
                             "ar": lambda: torch.equal(out, ref_ar),
                             "rs": lambda: torch.equal(mine, ref_rs),
                             "ag": lambda: torch.equal(out, ref_ag),
+                            "sag": lambda: torch.equal(sag_out[: n // 2], ref_ag),
                         }[mode]()
                         bad = torch.tensor([0 if good else 1])
                         dist.all_reduce(bad)
@@ -430,6 +653,7 @@ def overlap(a, sizes, W, rank, dev, issue, reset, slowest, inp_all, out_all, C, 
                 "ar": lambda: dist.all_reduce(y),
                 "rs": lambda: dist.reduce_scatter_tensor(o, x),
                 "ag": lambda: dist.all_gather_into_tensor(y, x_seg),
+                "sag": lambda: dist.all_gather_into_tensor(y, x_seg),
             }[mode]
 
             def nccl() -> None:
