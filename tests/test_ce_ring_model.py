@@ -35,7 +35,7 @@ def test_without_slot_acks_the_model_sees_wrong_data(seed, mode, monkeypatch):
     wrong = 0
     for i in range(20):
         try:
-            ce_ring.simulate(mode, 4, 4 * 6 * 8, 8, 2, 4, 2, 2, seed + i)
+            ce_ring.simulate(mode, 4, 4 * 6 * 24, 24, 2, 4, 2, 2, seed + i)
         except RuntimeError as e:
             assert "wrong result" in str(e)
             wrong += 1
@@ -45,4 +45,27 @@ def test_without_slot_acks_the_model_sees_wrong_data(seed, mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["rs", "sag"])
 def test_one_slot_deadlocks(mode):
     with pytest.raises(RuntimeError, match="deadlock"):
-        ce_ring.simulate(mode, 4, 4 * 6 * 8, 8, 2, 1, 1, 2, 0)
+        ce_ring.simulate(mode, 4, 4 * 6 * 24, 24, 2, 1, 1, 2, 0)
+
+
+def test_a_ready_target_one_cta_short_is_seen(seed, monkeypatch):
+    """The reduce kernel's CTAs are streams of their own in the model: a copy engine that
+    waits for one CTA fewer than the grid (B * fills - 1) reads a sendbuf slot one CTA has not
+    filled yet, and some of 20 interleavings must come out wrong."""
+    print(f"seed={seed}")
+    program = ce_ring.program
+
+    def one_short(*a, **k):
+        L = a[10]
+        lo, hi = L.flags + 4 * ce_ring.F_READY, L.flags + 4 * (ce_ring.F_READY + 64)
+        return [(q, ("wait", op[1], op[2] - 1) if op[0] == "wait" and lo <= op[1] < hi else op) for q, op in program(*a, **k)]
+
+    monkeypatch.setattr(ce_ring, "program", one_short)
+    wrong = 0
+    for i in range(20):
+        try:
+            ce_ring.simulate("rs", 4, 4 * 6 * 24, 24, 2, 4, 2, 2, seed + i)
+        except RuntimeError as e:
+            assert "wrong result" in str(e)
+            wrong += 1
+    assert wrong > 0
