@@ -41,8 +41,8 @@ copy-engine streams hangs the process (run it under `timeout`).
 `program` lists the operations each rank issues, and `simulate` runs them on the CPU with
 the ranks' streams interleaved at random (tests/test_ce_ring_model.py, `--model SEED`): no
 deadlock and every result right over worlds 2-4, 1-3 streams, groups of 1-2 chunks and
-G + 2 or G + 3 slots; without the ack waits the model sees wrong data, with one slot a
-deadlock.
+G + 2 or G + 3 slots (each CTA of the kernel a stream of its own); without the ack waits,
+or with a ready wait one CTA short, the model sees wrong data; with one slot, a deadlock.
 
 Each configuration: one eager round checked against NCCL's result (inputs are small
 integers, so every sum is exact in bf16 in any order), then R rounds captured in one CUDA
