@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from nvlink_ceiling import _check, compile_cubin, load_module, slowest_ms, start, symmetric
+from nvlink_ceiling import _check, compile_cubin, load_module, slowest, slowest_ms, start, symmetric
 
 SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ce_ring.cu")
 PAGE = 64 << 10  # the flag page, first in each rank's symmetric buffer
@@ -459,17 +459,12 @@ def main() -> None:
         if failed:
             raise RuntimeError(f"rank {rank}: the reduce kernel's wait ran out of time")
 
-    def slowest(ms: float) -> float:
-        t = torch.tensor([ms])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
     if a.abort_test:
         abort_test(a, sizes[0], W, rank, dev, drv, issue, out_all, s_ag, flags, chunks[0], groups[0])
         dist.destroy_process_group()
         return
     if a.overlap:
-        overlap(a, sizes, W, rank, dev, issue, reset, slowest, inp_all, out_all, chunks[0], groups[0])
+        overlap(a, sizes, W, rank, dev, issue, reset, inp_all, out_all, chunks[0], groups[0])
         dist.destroy_process_group()
         return
     rows = []
@@ -487,13 +482,7 @@ def main() -> None:
             y = x.clone()
             o = torch.empty_like(ref_rs)
             reps = max(3, min(50, (1 << 30) // n * 2))
-            fn_n = {
-                "ar": lambda: dist.all_reduce(y),
-                "rs": lambda: dist.reduce_scatter_tensor(o, x),
-                "ag": lambda: dist.all_gather_into_tensor(y, x_seg),
-                "sag": lambda: dist.all_gather_into_tensor(y, x_seg),
-            }[mode]
-            nccl[mode] = statistics.median(slowest_ms(fn_n, reps) for _ in range(3))
+            nccl[mode] = statistics.median(slowest_ms(nccl_call(mode, x, x_seg, y, o), reps) for _ in range(3))
         for mode in a.modes.split(","):
             for C in chunks:
                 for G in groups:
@@ -578,6 +567,16 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def nccl_call(mode: str, x: torch.Tensor, x_seg: torch.Tensor, y: torch.Tensor, o: torch.Tensor):
+    """NCCL's call for `mode` on the world group: all_reduce of y, reduce_scatter of x into o,
+    all_gather of x_seg into y (ag and sag alike)."""
+    if mode == "ar":
+        return lambda: dist.all_reduce(y)
+    if mode == "rs":
+        return lambda: dist.reduce_scatter_tensor(o, x)
+    return lambda: dist.all_gather_into_tensor(y, x_seg)
+
+
 def abort_test(a, n, W, rank, dev, drv, issue, out_all, s_ag, flags, C, G) -> None:
     """A stream blocked in cuStreamWaitValue32 on a peer that never writes (rank 0 stalls:
     it issues nothing) is released by its own host writing its flag page from another
@@ -618,7 +617,7 @@ def abort_test(a, n, W, rank, dev, drv, issue, out_all, s_ag, flags, C, G) -> No
         print("\n".join(lines))
 
 
-def overlap(a, sizes, W, rank, dev, issue, reset, slowest, inp_all, out_all, C, G) -> None:
+def overlap(a, sizes, W, rank, dev, issue, reset, inp_all, out_all, C, G) -> None:
     """The overlap section's question (the bench's, rsccl.bench --overlap) for these paths:
     N matmuls beside R rounds of a collective on a side stream. ms, the slowest rank's."""
     B, NS = int(a.ctas.split(",")[0]), int(a.streams.split(",")[0])
@@ -657,12 +656,7 @@ def overlap(a, sizes, W, rank, dev, issue, reset, slowest, inp_all, out_all, C, 
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 issue(mode, n, C, G, D, B, NS, R)
-            nccl_one = {
-                "ar": lambda: dist.all_reduce(y),
-                "rs": lambda: dist.reduce_scatter_tensor(o, x),
-                "ag": lambda: dist.all_gather_into_tensor(y, x_seg),
-                "sag": lambda: dist.all_gather_into_tensor(y, x_seg),
-            }[mode]
+            nccl_one = nccl_call(mode, x, x_seg, y, o)
 
             def nccl() -> None:
                 for _ in range(R):

@@ -153,6 +153,13 @@ def load_module(local: int, dev: torch.device, path: str = SRC_PATH) -> tuple[ct
     return cuda, mod
 
 
+def slowest(ms: float) -> float:
+    """The largest of the ranks' `ms` (a gloo all_reduce of a CPU tensor)."""
+    t = torch.tensor([ms])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def slowest_ms(fn, reps: int, warmup: int = 1) -> float:
     """ms per call of `fn` (GPU work on the current stream), `reps` calls timed by events
     after `warmup` untimed ones and a barrier: the slowest rank's (a gloo all_reduce)."""
@@ -166,9 +173,7 @@ def slowest_ms(fn, reps: int, warmup: int = 1) -> float:
         fn()
     b.record()
     b.synchronize()
-    t = torch.tensor([a.elapsed_time(b) / reps])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the gloo side: a CPU tensor
-    return t.item()
+    return slowest(a.elapsed_time(b) / reps)
 
 
 class Ptrs(ctypes.Structure):
